@@ -1,0 +1,437 @@
+//! The builder's slice assembler (domain.md section 5).
+//!
+//! [`SliceAssembler`] keeps the table of *active* slices (at least one fragment received,
+//! not yet processed). It emits each slice exactly once and in slice order, as a
+//! [`SliceOutcome`], when
+//! - the oldest active slice has a fragment (or a drop marker) from every source;
+//! - more than `max_active` slices are active (the slice-count timeout: the builder has no
+//!   detector clock, but with round-robin assignment it sees one new slice per cycle);
+//! - the oldest slice's first fragment arrived more than `wall_timeout` ago;
+//! - or the run ends ([`SliceAssembler::handle_drain`]).
+//!
+//! Fragments for an already processed slice are discarded and counted as late. Above the
+//! memory budget (bytes held here plus bytes handed downstream and not yet released) new
+//! fragments are discarded as an emergency measure, counted, and their source is recorded
+//! in the slice's `dropped` list so the slice is not held waiting for them.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::ledger::BuilderTally;
+use crate::slice::SliceNumber;
+use crate::{Duration, Instant, SourceId};
+
+/// Assembler settings. Defaults follow the reference design.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AssemblerConfig {
+    /// Number of sources; fragments are expected from source ids `0..n_sources`.
+    pub n_sources: u32,
+    /// Slice-count timeout: most active slices before the oldest is processed incomplete.
+    pub max_active: usize,
+    /// Wall-clock guard: most time between a slice's first fragment and its processing.
+    pub wall_timeout: Duration,
+    /// Emergency limit on bytes held (active slices plus unreleased downstream bytes).
+    pub memory_budget: u64,
+}
+
+impl AssemblerConfig {
+    pub fn new(n_sources: u32) -> Self {
+        Self { n_sources, max_active: 5, wall_timeout: Duration::from_secs(2), memory_budget: 512 << 20 }
+    }
+}
+
+/// Why a slice was processed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EmitReason {
+    /// Every source delivered (or was dropped for overload).
+    Complete,
+    /// Too many active slices.
+    SliceCountTimeout,
+    /// The wall-clock guard expired.
+    WallClockTimeout,
+    /// End of run.
+    Drained,
+}
+
+/// What happened to a fragment offered to the assembler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    Accepted,
+    Late,
+    Duplicate,
+    UnknownSource,
+    DroppedOverload,
+}
+
+/// One fragment inside a slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fragment<T> {
+    pub source: SourceId,
+    pub bytes: u64,
+    /// The fragment is a burst-cutoff marker (no data).
+    pub cut_off: bool,
+    pub data: T,
+}
+
+/// A processed slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceOutcome<T> {
+    pub slice: SliceNumber,
+    pub reason: EmitReason,
+    /// Received fragments, in source order.
+    pub fragments: Vec<Fragment<T>>,
+    /// Sources that sent nothing for this slice.
+    pub missing: Vec<SourceId>,
+    /// Sources whose fragment was discarded for overload.
+    pub dropped: Vec<SourceId>,
+    pub first_arrival: Instant,
+    pub bytes: u64,
+}
+
+impl<T> SliceOutcome<T> {
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty() && self.dropped.is_empty()
+    }
+}
+
+#[derive(Debug)]
+struct ActiveSlice<T> {
+    fragments: BTreeMap<SourceId, Fragment<T>>,
+    dropped: Vec<SourceId>,
+    first_arrival: Instant,
+    bytes: u64,
+}
+
+impl<T> ActiveSlice<T> {
+    fn has(&self, source: SourceId) -> bool {
+        self.fragments.contains_key(&source) || self.dropped.contains(&source)
+    }
+    fn count(&self) -> usize {
+        self.fragments.len() + self.dropped.len()
+    }
+}
+
+/// The active-slice table. See the module documentation.
+#[derive(Debug)]
+pub struct SliceAssembler<T> {
+    cfg: AssemblerConfig,
+    active: BTreeMap<SliceNumber, ActiveSlice<T>>,
+    /// Slices at or below this have been processed.
+    last_emitted: Option<SliceNumber>,
+    held_bytes: u64,
+    downstream_bytes: u64,
+    out: VecDeque<SliceOutcome<T>>,
+    tally: BuilderTally,
+}
+
+impl<T> SliceAssembler<T> {
+    pub fn new(cfg: AssemblerConfig) -> Self {
+        Self {
+            cfg,
+            active: BTreeMap::new(),
+            last_emitted: None,
+            held_bytes: 0,
+            downstream_bytes: 0,
+            out: VecDeque::new(),
+            tally: BuilderTally::default(),
+        }
+    }
+
+    pub fn config(&self) -> &AssemblerConfig {
+        &self.cfg
+    }
+
+    /// Offers a received fragment.
+    pub fn handle_fragment(
+        &mut self,
+        now: Instant,
+        source: SourceId,
+        slice: SliceNumber,
+        bytes: u64,
+        cut_off: bool,
+        data: T,
+    ) -> Admission {
+        *self.tally.received.entry(source).or_default() += 1;
+        let admission = self.admit(now, source, slice, bytes, cut_off, data);
+        match admission {
+            Admission::Accepted => {}
+            Admission::Late => self.tally.late += 1,
+            Admission::Duplicate => self.tally.duplicate += 1,
+            Admission::UnknownSource => self.tally.unknown_source += 1,
+            Admission::DroppedOverload => self.tally.dropped_overload += 1,
+        }
+        self.emit_ready(now);
+        admission
+    }
+
+    fn admit(
+        &mut self,
+        now: Instant,
+        source: SourceId,
+        slice: SliceNumber,
+        bytes: u64,
+        cut_off: bool,
+        data: T,
+    ) -> Admission {
+        if source >= self.cfg.n_sources {
+            return Admission::UnknownSource;
+        }
+        if self.last_emitted.is_some_and(|l| slice <= l) {
+            return Admission::Late;
+        }
+        let over_budget = self.held_bytes + self.downstream_bytes + bytes > self.cfg.memory_budget;
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice {
+            fragments: BTreeMap::new(),
+            dropped: Vec::new(),
+            first_arrival: now,
+            bytes: 0,
+        });
+        if entry.has(source) {
+            return Admission::Duplicate;
+        }
+        if over_budget {
+            entry.dropped.push(source);
+            return Admission::DroppedOverload;
+        }
+        entry.bytes += bytes;
+        entry.fragments.insert(source, Fragment { source, bytes, cut_off, data });
+        self.held_bytes += bytes;
+        Admission::Accepted
+    }
+
+    /// Lets wall-clock timeouts fire. Call at [`SliceAssembler::poll_timeout`] or later.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.emit_ready(now);
+    }
+
+    /// Downstream (the filter) has released `bytes` handed out earlier.
+    pub fn handle_released(&mut self, bytes: u64) {
+        self.downstream_bytes = self.downstream_bytes.saturating_sub(bytes);
+    }
+
+    /// End of run: processes every active slice in order.
+    pub fn handle_drain(&mut self, _now: Instant) {
+        while let Some((&slice, _)) = self.active.first_key_value() {
+            self.emit(slice, EmitReason::Drained);
+        }
+    }
+
+    /// The next processed slice. Its bytes count against the memory budget until
+    /// [`SliceAssembler::handle_released`].
+    pub fn poll_outcome(&mut self) -> Option<SliceOutcome<T>> {
+        self.out.pop_front()
+    }
+
+    /// When the wall-clock guard of the oldest active slice expires.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.active.values().next().map(|s| s.first_arrival + self.cfg.wall_timeout)
+    }
+
+    /// Active slices.
+    pub fn active(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Bytes held in active slices plus bytes handed downstream and not yet released.
+    pub fn memory_in_use(&self) -> u64 {
+        self.held_bytes + self.downstream_bytes
+    }
+
+    /// This builder's accounting so far; fragments still held count as pending.
+    pub fn tally(&self) -> BuilderTally {
+        let mut t = self.tally.clone();
+        t.pending = self.active.values().map(|s| s.fragments.len() as u64).sum();
+        t
+    }
+
+    fn emit_ready(&mut self, now: Instant) {
+        loop {
+            let Some((&slice, oldest)) = self.active.first_key_value() else { return };
+            let reason = if oldest.count() >= self.cfg.n_sources as usize {
+                EmitReason::Complete
+            } else if self.active.len() > self.cfg.max_active {
+                EmitReason::SliceCountTimeout
+            } else if now >= oldest.first_arrival + self.cfg.wall_timeout {
+                EmitReason::WallClockTimeout
+            } else {
+                return;
+            };
+            self.emit(slice, reason);
+        }
+    }
+
+    fn emit(&mut self, slice: SliceNumber, reason: EmitReason) {
+        let s = self.active.remove(&slice).expect("emit an active slice");
+        let missing = (0..self.cfg.n_sources).filter(|src| !s.has(*src)).collect();
+        for f in s.fragments.values() {
+            if f.cut_off {
+                self.tally.cut_off += 1;
+            } else {
+                self.tally.delivered += 1;
+            }
+        }
+        self.held_bytes -= s.bytes;
+        self.downstream_bytes += s.bytes;
+        self.last_emitted = Some(slice);
+        self.out.push_back(SliceOutcome {
+            slice,
+            reason,
+            fragments: s.fragments.into_values().collect(),
+            missing,
+            dropped: s.dropped,
+            first_arrival: s.first_arrival,
+            bytes: s.bytes,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::{Ledger, SourceTally};
+    use proptest::prelude::*;
+
+    fn t(ms: u64) -> Instant {
+        Instant::from_nanos(ms * 1_000_000)
+    }
+
+    fn drain<T>(a: &mut SliceAssembler<T>) -> Vec<SliceOutcome<T>> {
+        std::iter::from_fn(|| a.poll_outcome()).collect()
+    }
+
+    #[test]
+    fn completes_in_order_and_discards_late() {
+        let mut a = SliceAssembler::new(AssemblerConfig::new(2));
+        assert_eq!(a.handle_fragment(t(0), 0, 10, 100, false, ()), Admission::Accepted);
+        assert_eq!(a.handle_fragment(t(0), 0, 11, 100, false, ()), Admission::Accepted);
+        assert_eq!(a.handle_fragment(t(0), 1, 11, 100, false, ()), Admission::Accepted);
+        assert!(drain(&mut a).is_empty(), "11 is complete but 10 is older and open");
+        assert_eq!(a.handle_fragment(t(1), 1, 10, 100, false, ()), Admission::Accepted);
+        let out = drain(&mut a);
+        assert_eq!(out.iter().map(|o| o.slice).collect::<Vec<_>>(), [10, 11]);
+        assert!(out.iter().all(|o| o.is_complete() && o.reason == EmitReason::Complete));
+        assert_eq!(a.handle_fragment(t(2), 0, 9, 1, false, ()), Admission::Late);
+        assert_eq!(a.handle_fragment(t(2), 0, 11, 1, false, ()), Admission::Late);
+        assert_eq!(a.handle_fragment(t(2), 5, 12, 1, false, ()), Admission::UnknownSource);
+        assert_eq!(a.handle_fragment(t(2), 0, 12, 1, false, ()), Admission::Accepted);
+        assert_eq!(a.handle_fragment(t(2), 0, 12, 1, false, ()), Admission::Duplicate);
+        let tally = a.tally();
+        assert_eq!(
+            (tally.delivered, tally.late, tally.unknown_source, tally.duplicate, tally.pending),
+            (4, 2, 1, 1, 1)
+        );
+        assert_eq!(tally.unaccounted(), 0);
+    }
+
+    #[test]
+    fn slice_count_timeout_names_missing_sources() {
+        let mut cfg = AssemblerConfig::new(3);
+        cfg.max_active = 2;
+        let mut a = SliceAssembler::new(cfg);
+        a.handle_fragment(t(0), 0, 1, 1, false, ());
+        a.handle_fragment(t(0), 0, 2, 1, false, ());
+        assert!(drain(&mut a).is_empty());
+        a.handle_fragment(t(0), 2, 3, 1, false, ());
+        let out = drain(&mut a);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].slice, out[0].reason), (1, EmitReason::SliceCountTimeout));
+        assert_eq!(out[0].missing, [1, 2]);
+    }
+
+    #[test]
+    fn wall_clock_timeout() {
+        let mut cfg = AssemblerConfig::new(2);
+        cfg.wall_timeout = Duration::from_millis(50);
+        let mut a = SliceAssembler::new(cfg);
+        a.handle_fragment(t(0), 0, 1, 1, false, ());
+        assert_eq!(a.poll_timeout(), Some(t(50)));
+        a.handle_timeout(t(49));
+        assert!(drain(&mut a).is_empty());
+        a.handle_timeout(t(50));
+        let out = drain(&mut a);
+        assert_eq!((out[0].reason, out[0].missing.clone()), (EmitReason::WallClockTimeout, vec![1]));
+        assert_eq!(a.poll_timeout(), None);
+    }
+
+    #[test]
+    fn memory_budget_drops_and_marks() {
+        let mut cfg = AssemblerConfig::new(2);
+        cfg.memory_budget = 150;
+        let mut a = SliceAssembler::new(cfg);
+        assert_eq!(a.handle_fragment(t(0), 0, 1, 100, false, ()), Admission::Accepted);
+        assert_eq!(a.handle_fragment(t(0), 1, 1, 100, false, ()), Admission::DroppedOverload);
+        let out = drain(&mut a);
+        assert_eq!(out[0].dropped, [1]);
+        assert!(!out[0].is_complete());
+        assert_eq!(a.memory_in_use(), 100, "handed downstream, not yet released");
+        assert_eq!(a.handle_fragment(t(0), 0, 2, 100, false, ()), Admission::DroppedOverload);
+        a.handle_released(100);
+        assert_eq!(a.handle_fragment(t(0), 1, 2, 100, false, ()), Admission::Accepted);
+        assert_eq!(a.tally().dropped_overload, 2);
+    }
+
+    #[test]
+    fn cut_off_markers_are_their_own_bucket() {
+        let mut a = SliceAssembler::new(AssemblerConfig::new(2));
+        a.handle_fragment(t(0), 0, 1, 56, true, ());
+        a.handle_fragment(t(0), 1, 1, 500, false, ());
+        let out = drain(&mut a);
+        assert!(out[0].is_complete());
+        let tally = a.tally();
+        assert_eq!((tally.delivered, tally.cut_off), (1, 1));
+    }
+
+    proptest! {
+        /// Under random arrival order, delays and losses: every slice is emitted at most
+        /// once, in increasing order; every accepted fragment is in exactly one outcome; and
+        /// the run ledger balances.
+        #[test]
+        fn random_arrivals(n_sources in 1u32..8, n_slices in 1u64..40, max_active in 1usize..8,
+                           budget in 500u64..20_000,
+                           events in proptest::collection::vec((any::<u16>(), 0u64..300, any::<bool>(), 0u8..10), 0..400)) {
+            let cfg = AssemblerConfig { n_sources, max_active, wall_timeout: Duration::from_millis(100), memory_budget: budget };
+            let mut a = SliceAssembler::new(cfg);
+            // Produce every (source, slice); each event picks one, a send delay, and loss.
+            let all: Vec<(SourceId, SliceNumber)> = (0..n_slices).flat_map(|s| (0..n_sources).map(move |src| (src, s))).collect();
+            let mut sources: BTreeMap<SourceId, SourceTally> = (0..n_sources).map(|s| (s, SourceTally::default())).collect();
+            for &(src, _) in &all { sources.get_mut(&src).unwrap().produced += 1; }
+            let mut arrivals = Vec::new();
+            let mut used = vec![false; all.len()];
+            for (pick, delay_ms, lost, release) in events {
+                let i = pick as usize % all.len();
+                if used[i] { continue; }
+                used[i] = true;
+                let (src, slice) = all[i];
+                *sources.get_mut(&src).unwrap().sent.entry(0).or_default() += 1;
+                if !lost || release > 7 {
+                    arrivals.push((slice * 10 + delay_ms, src, slice, release));
+                }
+            }
+            for (i, &(src, _)) in all.iter().enumerate() {
+                if !used[i] { sources.get_mut(&src).unwrap().unsent += 1; }
+            }
+            arrivals.sort();
+            let mut emitted = Vec::new();
+            let mut seen_fragments = 0u64;
+            for (at, src, slice, release) in arrivals {
+                let now = t(at);
+                a.handle_timeout(now);
+                a.handle_fragment(now, src, slice, 100, false, ());
+                while let Some(o) = a.poll_outcome() {
+                    seen_fragments += o.fragments.len() as u64;
+                    if release < 5 { a.handle_released(o.bytes); }
+                    emitted.push(o.slice);
+                }
+            }
+            a.handle_drain(t(1_000_000));
+            while let Some(o) = a.poll_outcome() { seen_fragments += o.fragments.len() as u64; emitted.push(o.slice); }
+            prop_assert!(emitted.windows(2).all(|w| w[0] < w[1]), "order {:?}", emitted);
+            let tally = a.tally();
+            prop_assert_eq!(tally.pending, 0);
+            prop_assert_eq!(tally.delivered, seen_fragments);
+            prop_assert_eq!(tally.unaccounted(), 0);
+            let ledger = Ledger::combine(&sources, &BTreeMap::from([(0, tally)]));
+            prop_assert_eq!(ledger.unaccounted(), 0);
+            prop_assert!(ledger.is_balanced());
+        }
+    }
+}

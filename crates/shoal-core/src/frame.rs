@@ -1,0 +1,488 @@
+//! Data-frame wire format v1 (specified in `docs/wire-format.md`).
+//!
+//! A frame is a fixed 56-byte little-endian header followed by the payload. The header
+//! carries its own CRC32C so that a stream decoder can tell a real frame boundary from
+//! garbage that happens to start with the magic; the payload has a second CRC32C.
+//!
+//! Decoding untrusted bytes never panics: every failure is a typed [`FrameError`], and
+//! [`FrameError::kind`] gives a stable short name for counters and logs.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::{Instant, SourceId, slice::SliceNumber};
+
+/// The four bytes every frame starts with.
+pub const MAGIC: [u8; 4] = *b"SHLF";
+/// The only version this decoder accepts.
+pub const VERSION: u8 = 1;
+/// Length of the v1 header in bytes.
+pub const HEADER_LEN: usize = 56;
+/// Default upper bound on a payload a decoder accepts (16 MiB); larger lengths are
+/// rejected as garbage before any allocation.
+pub const DEFAULT_MAX_PAYLOAD: u32 = 16 * 1024 * 1024;
+
+const OFF_SEND_TIME: usize = 32;
+const OFF_HEADER_CRC: usize = 52;
+
+/// Frame flags (a `u16` bit set).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Flags(u16);
+
+impl Flags {
+    /// The source capped this fragment's size and cut data off (counted at the source).
+    pub const TRUNCATED: Flags = Flags(1 << 0);
+    /// The burst rate cutoff replaced this fragment's data by an empty payload.
+    pub const CUT_OFF: Flags = Flags(1 << 1);
+    /// The source was in a (bioluminescence) burst during this slice.
+    pub const BURST: Flags = Flags(1 << 2);
+    /// The payload holds filtered events (builder to writer), not hits.
+    pub const EVENTS: Flags = Flags(1 << 3);
+    /// The sender will send no more frames on this connection (clean end of run).
+    pub const END_OF_STREAM: Flags = Flags(1 << 4);
+    /// Every bit defined by v1; a frame with any other bit set is rejected.
+    pub const ALL: Flags = Flags(0b1_1111);
+    pub const EMPTY: Flags = Flags(0);
+
+    pub const fn bits(self) -> u16 {
+        self.0
+    }
+    /// Flags from raw bits, or `None` if an undefined bit is set.
+    pub const fn from_bits(bits: u16) -> Option<Flags> {
+        if bits & !Self::ALL.0 == 0 { Some(Flags(bits)) } else { None }
+    }
+    pub const fn contains(self, other: Flags) -> bool {
+        self.0 & other.0 == other.0
+    }
+    pub const fn union(self, other: Flags) -> Flags {
+        Flags(self.0 | other.0)
+    }
+}
+
+impl core::ops::BitOr for Flags {
+    type Output = Flags;
+    fn bitor(self, rhs: Flags) -> Flags {
+        self.union(rhs)
+    }
+}
+
+/// The validated header of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub flags: Flags,
+    pub source: SourceId,
+    /// Number of 6-byte hit records at the start of the payload (see [`crate::hit`]).
+    pub hit_count: u32,
+    pub slice: SliceNumber,
+    /// First instant of the slice (driver's time origin).
+    pub slice_start: Instant,
+    /// When the application handed the frame to the transport; patched just before the
+    /// first byte is written (see [`set_send_time`]). Zero if never sent.
+    pub send_time: Instant,
+    pub payload_len: u32,
+}
+
+/// A decoded frame: header plus payload (a cheap view into the receive buffer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    pub header: FrameHeader,
+    pub payload: Bytes,
+}
+
+impl Frame {
+    /// Length of the frame on the wire.
+    pub fn wire_len(&self) -> usize {
+        HEADER_LEN + self.payload.len()
+    }
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("need {need} bytes, have {have}")]
+    TooShort { have: usize, need: usize },
+    #[error("bad magic {0:02x?} (expected \"SHLF\")")]
+    BadMagic([u8; 4]),
+    #[error("unsupported frame version {0} (this build speaks {VERSION})")]
+    UnsupportedVersion(u8),
+    #[error("header length {0} does not match version 1 ({HEADER_LEN})")]
+    BadHeaderLength(u8),
+    #[error("header CRC32C mismatch: header says {expected:#010x}, computed {computed:#010x}")]
+    HeaderCrc { expected: u32, computed: u32 },
+    #[error("reserved header field is {0:#x}, must be zero")]
+    ReservedNotZero(u32),
+    #[error("undefined flag bits {0:#06x}")]
+    UnknownFlags(u16),
+    #[error("payload length {len} exceeds the limit {max}")]
+    PayloadTooLarge { len: u32, max: u32 },
+    #[error("payload CRC32C mismatch: header says {expected:#010x}, computed {computed:#010x}")]
+    PayloadCrc { expected: u32, computed: u32 },
+    #[error("stream ended inside a frame ({0} bytes left over)")]
+    Truncated(usize),
+}
+
+impl FrameError {
+    /// A stable short name, used as a metric label and in logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FrameError::TooShort { .. } => "too_short",
+            FrameError::BadMagic(_) => "bad_magic",
+            FrameError::UnsupportedVersion(_) => "bad_version",
+            FrameError::BadHeaderLength(_) => "bad_header_length",
+            FrameError::HeaderCrc { .. } => "header_crc",
+            FrameError::ReservedNotZero(_) => "reserved_not_zero",
+            FrameError::UnknownFlags(_) => "unknown_flags",
+            FrameError::PayloadTooLarge { .. } => "payload_too_large",
+            FrameError::PayloadCrc { .. } => "payload_crc",
+            FrameError::Truncated(_) => "truncated",
+        }
+    }
+}
+
+/// Encodes a frame. `header.payload_len` is ignored and taken from `payload`.
+///
+/// Panics if the payload is longer than `u32::MAX` bytes (a caller bug, not an input).
+pub fn encode(header: &FrameHeader, payload: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(HEADER_LEN + payload.len());
+    encode_into(header, payload, &mut buf);
+    buf.freeze()
+}
+
+/// Appends an encoded frame to `buf`.
+pub fn encode_into(header: &FrameHeader, payload: &[u8], buf: &mut BytesMut) {
+    let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
+    let start = buf.len();
+    buf.reserve(HEADER_LEN + payload.len());
+    buf.put_slice(&MAGIC);
+    buf.put_u8(VERSION);
+    buf.put_u8(HEADER_LEN as u8);
+    buf.put_u16_le(header.flags.bits());
+    buf.put_u32_le(header.source);
+    buf.put_u32_le(header.hit_count);
+    buf.put_u64_le(header.slice);
+    buf.put_u64_le(header.slice_start.as_nanos());
+    buf.put_u64_le(header.send_time.as_nanos());
+    buf.put_u32_le(payload_len);
+    buf.put_u32_le(crc32c::crc32c(payload));
+    buf.put_u32_le(0);
+    let hcrc = crc32c::crc32c(&buf[start..start + OFF_HEADER_CRC]);
+    buf.put_u32_le(hcrc);
+    buf.put_slice(payload);
+}
+
+/// Rewrites the send time of an encoded frame in place (and its header CRC).
+/// Returns `false` (and changes nothing) if `frame` is shorter than a header.
+pub fn set_send_time(frame: &mut [u8], t: Instant) -> bool {
+    if frame.len() < HEADER_LEN {
+        return false;
+    }
+    frame[OFF_SEND_TIME..OFF_SEND_TIME + 8].copy_from_slice(&t.as_nanos().to_le_bytes());
+    let hcrc = crc32c::crc32c(&frame[..OFF_HEADER_CRC]);
+    frame[OFF_HEADER_CRC..HEADER_LEN].copy_from_slice(&hcrc.to_le_bytes());
+    true
+}
+
+/// Checks and parses a header from the first [`HEADER_LEN`] bytes of `buf`.
+pub fn decode_header(buf: &[u8], max_payload: u32) -> Result<FrameHeader, FrameError> {
+    if buf.len() < 4 {
+        return Err(FrameError::TooShort { have: buf.len(), need: HEADER_LEN });
+    }
+    // Check the magic before anything else so garbage is named as such even when short.
+    let magic: [u8; 4] = buf[..4].try_into().expect("4 bytes");
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    if buf.len() < HEADER_LEN {
+        return Err(FrameError::TooShort { have: buf.len(), need: HEADER_LEN });
+    }
+    let mut h = &buf[4..HEADER_LEN];
+    let version = h.get_u8();
+    if version != VERSION {
+        return Err(FrameError::UnsupportedVersion(version));
+    }
+    let header_len = h.get_u8();
+    if usize::from(header_len) != HEADER_LEN {
+        return Err(FrameError::BadHeaderLength(header_len));
+    }
+    let expected = u32::from_le_bytes(buf[OFF_HEADER_CRC..HEADER_LEN].try_into().expect("4"));
+    let computed = crc32c::crc32c(&buf[..OFF_HEADER_CRC]);
+    if expected != computed {
+        return Err(FrameError::HeaderCrc { expected, computed });
+    }
+    let flag_bits = h.get_u16_le();
+    let flags = Flags::from_bits(flag_bits).ok_or(FrameError::UnknownFlags(flag_bits & !Flags::ALL.bits()))?;
+    let source = h.get_u32_le();
+    let hit_count = h.get_u32_le();
+    let slice = h.get_u64_le();
+    let slice_start = Instant::from_nanos(h.get_u64_le());
+    let send_time = Instant::from_nanos(h.get_u64_le());
+    let payload_len = h.get_u32_le();
+    let _payload_crc = h.get_u32_le();
+    let reserved = h.get_u32_le();
+    if reserved != 0 {
+        return Err(FrameError::ReservedNotZero(reserved));
+    }
+    if payload_len > max_payload {
+        return Err(FrameError::PayloadTooLarge { len: payload_len, max: max_payload });
+    }
+    Ok(FrameHeader { flags, source, hit_count, slice, slice_start, send_time, payload_len })
+}
+
+fn payload_crc_field(buf: &[u8]) -> u32 {
+    u32::from_le_bytes(buf[44..48].try_into().expect("4 bytes"))
+}
+
+/// Decodes the one frame at the start of `buf`; returns it and the bytes it used.
+pub fn decode(buf: &[u8], max_payload: u32) -> Result<(Frame, usize), FrameError> {
+    let header = decode_header(buf, max_payload)?;
+    let total = HEADER_LEN + header.payload_len as usize;
+    if buf.len() < total {
+        return Err(FrameError::TooShort { have: buf.len(), need: total });
+    }
+    let payload = &buf[HEADER_LEN..total];
+    check_payload(buf, payload)?;
+    Ok((Frame { header, payload: Bytes::copy_from_slice(payload) }, total))
+}
+
+fn check_payload(header_bytes: &[u8], payload: &[u8]) -> Result<(), FrameError> {
+    let expected = payload_crc_field(header_bytes);
+    let computed = crc32c::crc32c(payload);
+    if expected != computed {
+        return Err(FrameError::PayloadCrc { expected, computed });
+    }
+    Ok(())
+}
+
+/// Finds frame boundaries in a byte stream (one TCP connection).
+///
+/// Feed bytes with [`StreamDecoder::extend`] (or read straight into
+/// [`StreamDecoder::buffer_mut`]), then drain frames with [`StreamDecoder::next_frame`].
+/// The first error poisons the decoder: a byte stream cannot be resynchronised safely, so
+/// the caller closes that connection and counts the error; other connections are unaffected.
+#[derive(Debug)]
+pub struct StreamDecoder {
+    buf: BytesMut,
+    max_payload: u32,
+    pending: Option<FrameHeader>,
+    error: Option<FrameError>,
+}
+
+impl StreamDecoder {
+    pub fn new(max_payload: u32) -> Self {
+        Self { buf: BytesMut::with_capacity(64 * 1024), max_payload, pending: None, error: None }
+    }
+
+    /// Appends received bytes.
+    pub fn extend(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The receive buffer, for reading into directly (e.g. tokio's `read_buf`).
+    pub fn buffer_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    /// Bytes received but not yet returned as frames.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete frame, `Ok(None)` if more bytes are needed, or the error that
+    /// poisoned this stream.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if let Some(e) = &self.error {
+            return Err(e.clone());
+        }
+        let result = self.try_next();
+        if let Err(e) = &result {
+            self.error = Some(e.clone());
+        }
+        result
+    }
+
+    fn try_next(&mut self) -> Result<Option<Frame>, FrameError> {
+        let header = match self.pending {
+            Some(h) => h,
+            None => {
+                // Reject garbage as soon as the magic is visible, not only after 56 bytes.
+                let visible = self.buf.len().min(4);
+                if self.buf[..visible] != MAGIC[..visible] {
+                    return decode_header(&self.buf, self.max_payload).map(|_| None);
+                }
+                if self.buf.len() < HEADER_LEN {
+                    return Ok(None);
+                }
+                let h = decode_header(&self.buf, self.max_payload)?;
+                self.pending = Some(h);
+                h
+            }
+        };
+        let total = HEADER_LEN + header.payload_len as usize;
+        if self.buf.len() < total {
+            self.buf.reserve(total - self.buf.len());
+            return Ok(None);
+        }
+        let frame_bytes = self.buf.split_to(total).freeze();
+        self.pending = None;
+        check_payload(&frame_bytes, &frame_bytes[HEADER_LEN..])?;
+        Ok(Some(Frame { header, payload: frame_bytes.slice(HEADER_LEN..) }))
+    }
+
+    /// Call at end of stream: an error if the stream stopped inside a frame.
+    pub fn finish(&self) -> Result<(), FrameError> {
+        match (&self.error, self.buf.len()) {
+            (Some(e), _) => Err(e.clone()),
+            (None, 0) => Ok(()),
+            (None, n) => Err(FrameError::Truncated(n)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn header(payload_len: u32) -> FrameHeader {
+        FrameHeader {
+            flags: Flags::BURST,
+            source: 7,
+            hit_count: 2,
+            slice: 123_456,
+            slice_start: Instant::from_nanos(1_234_560_000_000),
+            send_time: Instant::from_nanos(99),
+            payload_len,
+        }
+    }
+
+    #[test]
+    fn roundtrip_and_layout() {
+        let payload = b"hello world!";
+        let bytes = encode(&header(0), payload);
+        assert_eq!(bytes.len(), HEADER_LEN + payload.len());
+        assert_eq!(&bytes[..4], b"SHLF");
+        let (frame, used) = decode(&bytes, DEFAULT_MAX_PAYLOAD).unwrap();
+        assert_eq!(used, bytes.len());
+        assert_eq!(frame.header, header(payload.len() as u32));
+        assert_eq!(&frame.payload[..], payload);
+    }
+
+    #[test]
+    fn send_time_patch_keeps_frame_valid() {
+        let mut bytes = encode(&header(0), b"abc").to_vec();
+        assert!(set_send_time(&mut bytes, Instant::from_nanos(42)));
+        let (frame, _) = decode(&bytes, DEFAULT_MAX_PAYLOAD).unwrap();
+        assert_eq!(frame.header.send_time, Instant::from_nanos(42));
+        assert!(!set_send_time(&mut [0u8; 10], Instant::ZERO));
+    }
+
+    #[test]
+    fn each_check_fires() {
+        let good = encode(&header(0), b"payload").to_vec();
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(decode(&b, 1 << 20), Err(FrameError::BadMagic(_))));
+        let mut b = good.clone();
+        b[4] = 2;
+        assert_eq!(decode(&b, 1 << 20).unwrap_err(), FrameError::UnsupportedVersion(2));
+        let mut b = good.clone();
+        b[10] ^= 1; // source id
+        assert!(matches!(decode(&b, 1 << 20), Err(FrameError::HeaderCrc { .. })));
+        let mut b = good.clone();
+        *b.last_mut().unwrap() ^= 1;
+        assert!(matches!(decode(&b, 1 << 20), Err(FrameError::PayloadCrc { .. })));
+        assert!(matches!(decode(&good, 3), Err(FrameError::PayloadTooLarge { len: 7, max: 3 })));
+        assert!(matches!(decode(&good[..20], 1 << 20), Err(FrameError::TooShort { .. })));
+    }
+
+    #[test]
+    fn stream_decoder_splits_and_rejects_garbage() {
+        let a = encode(&header(0), b"first");
+        let b = encode(&header(0), &[9u8; 1000]);
+        let mut all = a.to_vec();
+        all.extend_from_slice(&b);
+        let mut d = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+        let mut frames = Vec::new();
+        for chunk in all.chunks(7) {
+            d.extend(chunk);
+            while let Some(f) = d.next_frame().unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(frames.len(), 2);
+        assert_eq!(&frames[1].payload[..], &[9u8; 1000][..]);
+        assert!(d.finish().is_ok());
+
+        let mut g = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+        g.extend(b"GET / HTTP/1.1\r\n");
+        assert!(matches!(g.next_frame(), Err(FrameError::BadMagic(_))));
+        // Poisoned: stays an error.
+        g.extend(&a);
+        assert!(g.next_frame().is_err());
+
+        let mut t = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+        t.extend(&a[..30]);
+        assert_eq!(t.next_frame(), Ok(None));
+        assert_eq!(t.finish(), Err(FrameError::Truncated(30)));
+    }
+
+    fn arb_header() -> impl Strategy<Value = FrameHeader> {
+        (0u16..32, any::<u32>(), any::<u32>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+            |(f, source, hit_count, slice, start, send)| FrameHeader {
+                flags: Flags::from_bits(f).unwrap(),
+                source,
+                hit_count,
+                slice,
+                slice_start: Instant::from_nanos(start),
+                send_time: Instant::from_nanos(send),
+                payload_len: 0,
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn decode_encode_roundtrip(h in arb_header(), payload in proptest::collection::vec(any::<u8>(), 0..2000)) {
+            let bytes = encode(&h, &payload);
+            let (frame, used) = decode(&bytes, DEFAULT_MAX_PAYLOAD).unwrap();
+            prop_assert_eq!(used, bytes.len());
+            prop_assert_eq!(frame.header, FrameHeader { payload_len: payload.len() as u32, ..h });
+            prop_assert_eq!(&frame.payload[..], &payload[..]);
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = decode(&bytes, 1024);
+            let mut d = StreamDecoder::new(1024);
+            d.extend(&bytes);
+            for _ in 0..10 {
+                match d.next_frame() { Ok(Some(_)) => {}, _ => break }
+            }
+            let _ = d.finish();
+        }
+
+        #[test]
+        fn corrupting_any_byte_is_detected(h in arb_header(), payload in proptest::collection::vec(any::<u8>(), 1..200), pos in any::<prop::sample::Index>(), bit in 0u8..8) {
+            let mut bytes = encode(&h, &payload).to_vec();
+            let i = pos.index(bytes.len());
+            bytes[i] ^= 1 << bit;
+            prop_assert!(decode(&bytes, DEFAULT_MAX_PAYLOAD).is_err());
+        }
+
+        #[test]
+        fn stream_of_frames_any_chunking(n in 1usize..6, chunk in 1usize..200, seed in any::<u8>()) {
+            let frames: Vec<Bytes> = (0..n).map(|i| encode(&FrameHeader { slice: i as u64, ..header(0) }, &vec![seed; i * 37])).collect();
+            let all: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+            let mut d = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+            let mut got = 0u64;
+            for c in all.chunks(chunk) {
+                d.extend(c);
+                while let Some(f) = d.next_frame().unwrap() {
+                    prop_assert_eq!(f.header.slice, got);
+                    got += 1;
+                }
+            }
+            prop_assert_eq!(got, n as u64);
+            prop_assert!(d.finish().is_ok());
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! Fragment accounting: every fragment a source produces ends in exactly one bucket.
+//!
+//! Sources and builders keep their own tallies ([`SourceTally`], [`BuilderTally`]), each
+//! counted where the event happens. [`Ledger::combine`] sums them for a run and derives the
+//! only bucket nobody can observe directly, [`Bucket::LostInTransport`], per
+//! (source, builder) pair as `sent - received`. [`Ledger::unaccounted`] is then
+//! `produced - sum(buckets)`: zero when the books balance, non-zero when a count is wrong
+//! (for example a frame counted as sent twice, or received but never classified).
+
+use std::collections::BTreeMap;
+
+use crate::{BuilderId, SourceId};
+
+/// Where a fragment ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+pub enum Bucket {
+    /// Part of a slice the builder processed (complete or incomplete).
+    Delivered,
+    /// Replaced by an empty marker by the burst rate cutoff (the marker was delivered).
+    CutOff,
+    /// Arrived after its slice had been processed; discarded.
+    Late,
+    /// A second copy for a (source, slice) the builder already held; discarded.
+    Duplicate,
+    /// Discarded by the builder's emergency memory limit.
+    DroppedOverload,
+    /// From a source id the builder does not expect; discarded.
+    UnknownSource,
+    /// Still held by the builder when its tally was taken (zero after a clean stop).
+    PendingAtBuilder,
+    /// Discarded by the source: its send queue for that builder was full.
+    DroppedAtSource,
+    /// The connection failed while the fragment was being written.
+    SendFailed,
+    /// Still queued at the source when its tally was taken (zero after a clean stop).
+    Unsent,
+    /// Sent, never received: `sent - received` per (source, builder).
+    LostInTransport,
+}
+
+impl Bucket {
+    pub const ALL: [Bucket; 11] = [
+        Bucket::Delivered,
+        Bucket::CutOff,
+        Bucket::Late,
+        Bucket::Duplicate,
+        Bucket::DroppedOverload,
+        Bucket::UnknownSource,
+        Bucket::PendingAtBuilder,
+        Bucket::DroppedAtSource,
+        Bucket::SendFailed,
+        Bucket::Unsent,
+        Bucket::LostInTransport,
+    ];
+
+    /// Stable snake_case name (metric label, JSON key).
+    pub fn name(self) -> &'static str {
+        match self {
+            Bucket::Delivered => "delivered",
+            Bucket::CutOff => "cut_off",
+            Bucket::Late => "late",
+            Bucket::Duplicate => "duplicate",
+            Bucket::DroppedOverload => "dropped_overload",
+            Bucket::UnknownSource => "unknown_source",
+            Bucket::PendingAtBuilder => "pending_at_builder",
+            Bucket::DroppedAtSource => "dropped_at_source",
+            Bucket::SendFailed => "send_failed",
+            Bucket::Unsent => "unsent",
+            Bucket::LostInTransport => "lost_in_transport",
+        }
+    }
+}
+
+/// A source's own counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SourceTally {
+    pub produced: u64,
+    /// Fragments completely handed to the transport, per destination builder.
+    pub sent: BTreeMap<BuilderId, u64>,
+    pub dropped_at_source: u64,
+    pub send_failed: u64,
+    pub unsent: u64,
+}
+
+impl SourceTally {
+    pub fn merge(&mut self, other: &SourceTally) {
+        self.produced += other.produced;
+        for (b, n) in &other.sent {
+            *self.sent.entry(*b).or_default() += n;
+        }
+        self.dropped_at_source += other.dropped_at_source;
+        self.send_failed += other.send_failed;
+        self.unsent += other.unsent;
+    }
+    /// produced minus everything this source can account for itself: should be zero.
+    pub fn unaccounted(&self) -> i128 {
+        i128::from(self.produced)
+            - i128::from(self.sent.values().sum::<u64>() + self.dropped_at_source + self.send_failed + self.unsent)
+    }
+}
+
+/// A builder's own counts: every received frame lands in exactly one bucket.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct BuilderTally {
+    /// Frames received intact, per source.
+    pub received: BTreeMap<SourceId, u64>,
+    pub delivered: u64,
+    pub cut_off: u64,
+    pub late: u64,
+    pub duplicate: u64,
+    pub dropped_overload: u64,
+    pub unknown_source: u64,
+    pub pending: u64,
+}
+
+impl BuilderTally {
+    pub fn merge(&mut self, other: &BuilderTally) {
+        for (s, n) in &other.received {
+            *self.received.entry(*s).or_default() += n;
+        }
+        self.delivered += other.delivered;
+        self.cut_off += other.cut_off;
+        self.late += other.late;
+        self.duplicate += other.duplicate;
+        self.dropped_overload += other.dropped_overload;
+        self.unknown_source += other.unknown_source;
+        self.pending += other.pending;
+    }
+    fn classified(&self) -> u64 {
+        self.delivered
+            + self.cut_off
+            + self.late
+            + self.duplicate
+            + self.dropped_overload
+            + self.unknown_source
+            + self.pending
+    }
+    /// received minus classified: should be zero.
+    pub fn unaccounted(&self) -> i128 {
+        i128::from(self.received.values().sum::<u64>()) - i128::from(self.classified())
+    }
+}
+
+/// The run's books: how many fragments were produced and where each one ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ledger {
+    pub produced: u64,
+    buckets: BTreeMap<Bucket, u64>,
+    /// Frames received beyond what was sent on a (source, builder) pair: a counting bug.
+    pub excess_received: u64,
+    /// Internal inconsistencies of the tallies themselves (see the tallies' `unaccounted`).
+    pub tally_errors: i128,
+}
+
+impl Ledger {
+    /// Combines the tallies of all sources and builders of a run.
+    ///
+    /// `sources` maps each source id to its tally; `builders` maps each builder id to its
+    /// tally. Transport loss is derived per (source, builder) pair.
+    pub fn combine(sources: &BTreeMap<SourceId, SourceTally>, builders: &BTreeMap<BuilderId, BuilderTally>) -> Ledger {
+        let mut l = Ledger::default();
+        for (src, t) in sources {
+            l.produced += t.produced;
+            l.add(Bucket::DroppedAtSource, t.dropped_at_source);
+            l.add(Bucket::SendFailed, t.send_failed);
+            l.add(Bucket::Unsent, t.unsent);
+            l.tally_errors += t.unaccounted();
+            for (b, &sent) in &t.sent {
+                let received = builders.get(b).and_then(|bt| bt.received.get(src)).copied().unwrap_or(0);
+                l.add(Bucket::LostInTransport, sent.saturating_sub(received));
+                l.excess_received += received.saturating_sub(sent);
+            }
+        }
+        for (b, t) in builders {
+            l.add(Bucket::Delivered, t.delivered);
+            l.add(Bucket::CutOff, t.cut_off);
+            l.add(Bucket::Late, t.late);
+            l.add(Bucket::Duplicate, t.duplicate);
+            l.add(Bucket::DroppedOverload, t.dropped_overload);
+            l.add(Bucket::UnknownSource, t.unknown_source);
+            l.add(Bucket::PendingAtBuilder, t.pending);
+            l.tally_errors += t.unaccounted();
+            // Frames from sources we have no tally for (never sent, as far as we know).
+            for (src, &received) in &t.received {
+                let known = sources.get(src).is_some_and(|st| st.sent.contains_key(b));
+                if !known {
+                    l.excess_received += received;
+                }
+            }
+        }
+        l
+    }
+
+    pub fn add(&mut self, bucket: Bucket, n: u64) {
+        *self.buckets.entry(bucket).or_default() += n;
+    }
+
+    pub fn get(&self, bucket: Bucket) -> u64 {
+        self.buckets.get(&bucket).copied().unwrap_or(0)
+    }
+
+    /// Every bucket with its count, in [`Bucket::ALL`] order (zeros included).
+    pub fn buckets(&self) -> impl Iterator<Item = (Bucket, u64)> + '_ {
+        Bucket::ALL.into_iter().map(|b| (b, self.get(b)))
+    }
+
+    pub fn accounted(&self) -> u64 {
+        self.buckets.values().sum()
+    }
+
+    /// `produced - accounted`: zero when every fragment is in exactly one bucket.
+    pub fn unaccounted(&self) -> i128 {
+        i128::from(self.produced) - i128::from(self.accounted())
+    }
+
+    /// The books balance: nothing unaccounted, no frame received that was not sent, and
+    /// every tally consistent with itself.
+    pub fn is_balanced(&self) -> bool {
+        self.unaccounted() == 0 && self.excess_received == 0 && self.tally_errors == 0
+    }
+
+    /// Fragments that did not reach a processed slice (everything but delivered/cut-off).
+    pub fn lost(&self) -> u64 {
+        self.accounted() - self.get(Bucket::Delivered) - self.get(Bucket::CutOff)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balanced_books() {
+        let mut s0 = SourceTally { produced: 10, ..Default::default() };
+        s0.sent.insert(0, 5);
+        s0.sent.insert(1, 4);
+        s0.dropped_at_source = 1;
+        let mut b0 = BuilderTally::default();
+        b0.received.insert(0, 5);
+        b0.delivered = 4;
+        b0.late = 1;
+        let mut b1 = BuilderTally::default();
+        b1.received.insert(0, 3); // one lost in transport
+        b1.delivered = 3;
+        let l = Ledger::combine(&BTreeMap::from([(0, s0)]), &BTreeMap::from([(0, b0), (1, b1)]));
+        assert_eq!(l.produced, 10);
+        assert_eq!(l.get(Bucket::LostInTransport), 1);
+        assert_eq!(l.get(Bucket::Delivered), 7);
+        assert_eq!(l.unaccounted(), 0);
+        assert!(l.is_balanced());
+        assert_eq!(l.lost(), 3);
+    }
+
+    #[test]
+    fn counting_errors_show() {
+        let mut s0 = SourceTally { produced: 2, ..Default::default() };
+        s0.sent.insert(0, 2);
+        let mut b0 = BuilderTally::default();
+        b0.received.insert(0, 2);
+        b0.delivered = 1; // one received frame never classified
+        let l = Ledger::combine(&BTreeMap::from([(0, s0.clone())]), &BTreeMap::from([(0, b0.clone())]));
+        assert_ne!(l.unaccounted(), 0);
+        assert!(!l.is_balanced());
+        // A builder receiving from a source that claims it never sent there.
+        b0.delivered = 2;
+        b0.received.insert(9, 1);
+        b0.delivered += 1;
+        let l = Ledger::combine(&BTreeMap::from([(0, s0)]), &BTreeMap::from([(0, b0)]));
+        assert_eq!(l.excess_received, 1);
+        assert!(!l.is_balanced());
+    }
+}

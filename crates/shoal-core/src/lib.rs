@@ -1,0 +1,32 @@
+//! shoal-core: the sans-IO heart of shoal.
+//!
+//! Every decision the event builder makes lives here, written once as plain state machines
+//! that own no socket, task, thread, clock or random source. Time comes in as an
+//! [`Instant`] argument, seeds come from the caller, and outputs are drained with `poll_*`.
+//! The tokio runtime (`shoal-net`), the packet-level simulator and the testbed all drive
+//! this same code.
+//!
+//! Main types:
+//! - [`frame`]: the data-frame wire format v1 ([`frame::FrameHeader`], checked
+//!   [`frame::decode`], [`frame::StreamDecoder`] for TCP byte streams).
+//! - [`hit`]: the 6-byte hit record and the waveform record carried in frame payloads.
+//! - [`slice`]: slice numbers, the slice clock and the slice-to-builder rule.
+//! - [`shaping`]: traffic-shaping policies behind the [`shaping::Shaper`] trait
+//!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`), plus [`shaping::BurstCutoff`].
+//! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
+//! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
+
+pub mod assembly;
+pub mod frame;
+pub mod hit;
+pub mod ledger;
+pub mod shaping;
+pub mod slice;
+mod time;
+
+pub use time::{Duration, Instant};
+
+/// Identifies one source (front-end board). Sources are numbered `0..n_sources`.
+pub type SourceId = u32;
+/// Identifies one builder. Builders are numbered `0..n_builders`.
+pub type BuilderId = u32;

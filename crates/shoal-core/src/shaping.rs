@@ -1,0 +1,651 @@
+//! Traffic shaping: when a source hands which fragment to which builder.
+//!
+//! A policy is a sans-IO state machine behind the [`Shaper`] trait. The driver (runtime or
+//! simulator) feeds it finished fragments ([`Shaper::handle_fragment`]), transport
+//! completions ([`Shaper::handle_sent`]) and, for credit-based pull policies, requests from
+//! builders ([`Shaper::handle_request`]); it drains [`Transmit`]s with
+//! [`Shaper::poll_transmit`] and sleeps until [`Shaper::poll_timeout`]. The shaper never
+//! holds fragment bytes: it works on `(slice, length)` descriptors and tells the driver
+//! which byte range of which fragment to write to which builder.
+//!
+//! Policies (domain.md section 3):
+//! - [`Direct`]: send every fragment as soon as its slice ends.
+//! - [`Delayed`] (barrel shifting): source `i` delays its fragments by `i div k` slices, so
+//!   in steady state each builder receives from at most `k` sources per slot. One fragment
+//!   is in flight at a time; a fragment that overruns its slot makes the source fall behind
+//!   and catch up later (the default answer to variable data rates).
+//! - [`TokenBucket`]: a token bucket per destination (like Linux `tc tbf`), sending in
+//!   chunks of at most `burst` bytes.
+//!
+//! [`BurstCutoff`] is an optional stage in front of any policy: during a burst it keeps the
+//! first `head` and last `tail` fragments and cuts the rest.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::str::FromStr;
+
+use crate::slice::{SliceNumber, builder_for};
+use crate::{BuilderId, Duration, Instant, SourceId};
+
+/// A finished fragment offered to the shaper.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outgoing {
+    pub slice: SliceNumber,
+    /// Length on the wire (header + payload), in bytes.
+    pub len: u64,
+}
+
+/// An instruction to the transport: write `len` bytes starting at `offset` of the fragment
+/// of `slice` to builder `dest`. `last` marks the final piece of that fragment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transmit {
+    pub dest: BuilderId,
+    pub slice: SliceNumber,
+    pub offset: u64,
+    pub len: u64,
+    pub last: bool,
+}
+
+/// A request from a builder for the fragment of a slice (credit-based pull).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullRequest {
+    pub builder: BuilderId,
+    pub slice: SliceNumber,
+}
+
+/// What a shaper needs to know about its source and the farm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShaperContext {
+    pub source: SourceId,
+    pub n_builders: u32,
+}
+
+/// A traffic-shaping policy for one source.
+pub trait Shaper: Send + fmt::Debug {
+    /// The fragment of a slice that just ended is ready.
+    fn handle_fragment(&mut self, now: Instant, frag: Outgoing);
+    /// A builder asks for a fragment (pull policies). Push policies ignore requests.
+    fn handle_request(&mut self, _now: Instant, _req: PullRequest) {}
+    /// The transport has accepted the last byte of the fragment of `slice`.
+    fn handle_sent(&mut self, now: Instant, slice: SliceNumber);
+    /// End of run: no more fragments will come; release what is held as soon as allowed.
+    fn handle_drain(&mut self, now: Instant);
+    /// The next piece to hand to the transport, if any is allowed at `now`.
+    fn poll_transmit(&mut self, now: Instant) -> Option<Transmit>;
+    /// When `poll_transmit` may next yield without further input (`None`: only inputs).
+    fn poll_timeout(&self) -> Option<Instant>;
+    /// Fragments accepted but not yet completely handed out by `poll_transmit`.
+    fn queued(&self) -> usize;
+}
+
+/// The policy of a run, as chosen on the command line or in a configuration file.
+///
+/// Text form: `direct`, `delayed:K`, `tbf:RATE[:BURST]` where RATE is bytes per second
+/// (suffixes `k`, `M`, `G`; append `bit` for bits, e.g. `tbf:40Mbit`) and BURST bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Policy {
+    Direct,
+    Delayed { k: u32 },
+    TokenBucket { rate_bytes_per_s: u64, burst_bytes: u64 },
+}
+
+impl Policy {
+    /// Builds the state machine for one source.
+    pub fn build(&self, ctx: ShaperContext) -> Box<dyn Shaper> {
+        match *self {
+            Policy::Direct => Box::new(Direct::new(ctx)),
+            Policy::Delayed { k } => Box::new(Delayed::new(ctx, k)),
+            Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
+                Box::new(TokenBucket::new(ctx, rate_bytes_per_s, burst_bytes))
+            }
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Policy::Direct => write!(f, "direct"),
+            Policy::Delayed { k } => write!(f, "delayed:{k}"),
+            Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
+                write!(f, "tbf:{rate_bytes_per_s}:{burst_bytes}")
+            }
+        }
+    }
+}
+
+/// Why a policy string is not valid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid policy {input:?}: {reason} (expected direct, delayed:K or tbf:RATE[:BURST])")]
+pub struct PolicyParseError {
+    input: String,
+    reason: &'static str,
+}
+
+/// Parses `12`, `1.5k`, `40M`, `40Mbit`, `1G` into bytes (per second).
+fn parse_quantity(s: &str) -> Option<u64> {
+    let (s, bits) = match s.strip_suffix("bit") {
+        Some(rest) => (rest, true),
+        None => (s.strip_suffix('B').unwrap_or(s), false),
+    };
+    let (num, mult) = match s.chars().last()? {
+        'k' | 'K' => (&s[..s.len() - 1], 1e3),
+        'M' => (&s[..s.len() - 1], 1e6),
+        'G' => (&s[..s.len() - 1], 1e9),
+        _ => (s, 1.0),
+    };
+    let v: f64 = num.parse().ok()?;
+    let v = v * mult / if bits { 8.0 } else { 1.0 };
+    (v.is_finite() && v >= 1.0 && v < u64::MAX as f64).then_some(v as u64)
+}
+
+impl FromStr for Policy {
+    type Err = PolicyParseError;
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let err = |reason| PolicyParseError { input: input.to_string(), reason };
+        let mut parts = input.trim().split(':');
+        match parts.next().unwrap_or("") {
+            "direct" if parts.next().is_none() => Ok(Policy::Direct),
+            "delayed" => {
+                let k: u32 = parts.next().ok_or(err("missing K"))?.parse().map_err(|_| err("K is not a number"))?;
+                if k == 0 {
+                    return Err(err("K must be at least 1"));
+                }
+                if parts.next().is_some() {
+                    return Err(err("trailing text"));
+                }
+                Ok(Policy::Delayed { k })
+            }
+            "tbf" => {
+                let rate = parse_quantity(parts.next().ok_or(err("missing RATE"))?).ok_or(err("bad RATE"))?;
+                let burst = match parts.next() {
+                    Some(b) => parse_quantity(b).ok_or(err("bad BURST"))?,
+                    None => default_burst(rate),
+                };
+                if parts.next().is_some() {
+                    return Err(err("trailing text"));
+                }
+                Ok(Policy::TokenBucket { rate_bytes_per_s: rate, burst_bytes: burst })
+            }
+            _ => Err(err("unknown policy")),
+        }
+    }
+}
+
+/// Default token-bucket depth: one millisecond at the rate, at least one jumbo frame.
+pub fn default_burst(rate_bytes_per_s: u64) -> u64 {
+    (rate_bytes_per_s / 1000).max(9000)
+}
+
+fn whole(dest: BuilderId, frag: Outgoing) -> Transmit {
+    Transmit { dest, slice: frag.slice, offset: 0, len: frag.len, last: true }
+}
+
+/// Sends every fragment as soon as its slice ends.
+#[derive(Debug)]
+pub struct Direct {
+    ctx: ShaperContext,
+    ready: VecDeque<Transmit>,
+}
+
+impl Direct {
+    pub fn new(ctx: ShaperContext) -> Self {
+        Self { ctx, ready: VecDeque::new() }
+    }
+}
+
+impl Shaper for Direct {
+    fn handle_fragment(&mut self, _now: Instant, frag: Outgoing) {
+        self.ready.push_back(whole(builder_for(frag.slice, self.ctx.n_builders), frag));
+    }
+    fn handle_sent(&mut self, _now: Instant, _slice: SliceNumber) {}
+    fn handle_drain(&mut self, _now: Instant) {}
+    fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
+        self.ready.pop_front()
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
+    fn queued(&self) -> usize {
+        self.ready.len()
+    }
+}
+
+/// Delayed transmission (barrel shifting) with fall-behind.
+#[derive(Debug)]
+pub struct Delayed {
+    ctx: ShaperContext,
+    delay: u64,
+    fifo: VecDeque<Outgoing>,
+    latest: Option<SliceNumber>,
+    in_flight: Option<SliceNumber>,
+    draining: bool,
+}
+
+impl Delayed {
+    /// `k`: sources per builder per slot (at least 1; 0 is treated as 1).
+    pub fn new(ctx: ShaperContext, k: u32) -> Self {
+        let delay = u64::from(ctx.source / k.max(1));
+        Self { ctx, delay, fifo: VecDeque::new(), latest: None, in_flight: None, draining: false }
+    }
+
+    /// This source's delay in slices (`source div k`).
+    pub fn delay_slices(&self) -> u64 {
+        self.delay
+    }
+}
+
+impl Shaper for Delayed {
+    fn handle_fragment(&mut self, _now: Instant, frag: Outgoing) {
+        self.latest = Some(self.latest.map_or(frag.slice, |l| l.max(frag.slice)));
+        self.fifo.push_back(frag);
+    }
+    fn handle_sent(&mut self, _now: Instant, slice: SliceNumber) {
+        if self.in_flight == Some(slice) {
+            self.in_flight = None;
+        }
+    }
+    fn handle_drain(&mut self, _now: Instant) {
+        self.draining = true;
+    }
+    fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
+        if self.in_flight.is_some() {
+            return None; // falling behind: the previous fragment still occupies the link
+        }
+        let front = *self.fifo.front()?;
+        let latest = self.latest.unwrap_or(front.slice);
+        let due = self.draining || latest.saturating_sub(front.slice) >= self.delay;
+        if !due {
+            return None;
+        }
+        self.fifo.pop_front();
+        self.in_flight = Some(front.slice);
+        Some(whole(builder_for(front.slice, self.ctx.n_builders), front))
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
+    fn queued(&self) -> usize {
+        self.fifo.len()
+    }
+}
+
+/// One token bucket per destination builder.
+///
+/// Tokens are kept as byte-nanoseconds-per-second (`bytes * 1e9`) in integers so the
+/// long-run rate is exact. A bucket starts full. A fragment is sent in chunks of at most
+/// `burst` bytes, each chunk waiting until the bucket holds its size.
+#[derive(Debug)]
+pub struct TokenBucket {
+    ctx: ShaperContext,
+    rate: u64,
+    burst: u64,
+    dests: BTreeMap<BuilderId, Bucket>,
+    next_dest: BuilderId,
+    queued: usize,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    /// Tokens in units of 1e-9 byte.
+    tokens: u128,
+    updated: Instant,
+    queue: VecDeque<(Outgoing, u64)>,
+}
+
+const NANOS: u128 = 1_000_000_000;
+
+impl TokenBucket {
+    /// Panics if `rate` or `burst` is zero (validated by [`Policy`]'s parser).
+    pub fn new(ctx: ShaperContext, rate_bytes_per_s: u64, burst_bytes: u64) -> Self {
+        assert!(rate_bytes_per_s > 0 && burst_bytes > 0, "token bucket needs rate and burst");
+        Self { ctx, rate: rate_bytes_per_s, burst: burst_bytes, dests: BTreeMap::new(), next_dest: 0, queued: 0 }
+    }
+
+    fn refill(&self, b: &mut Bucket, now: Instant) {
+        if now > b.updated {
+            let dt = u128::from((now - b.updated).as_nanos() as u64);
+            b.tokens = (b.tokens + dt * u128::from(self.rate)).min(u128::from(self.burst) * NANOS);
+            b.updated = now;
+        }
+    }
+
+    fn chunk_len(&self, b: &Bucket) -> Option<u64> {
+        b.queue.front().map(|(f, off)| (f.len - off).min(self.burst))
+    }
+}
+
+impl Shaper for TokenBucket {
+    fn handle_fragment(&mut self, now: Instant, frag: Outgoing) {
+        let dest = builder_for(frag.slice, self.ctx.n_builders);
+        let full = u128::from(self.burst) * NANOS;
+        let b = self.dests.entry(dest).or_insert(Bucket { tokens: full, updated: now, queue: VecDeque::new() });
+        b.queue.push_back((frag, 0));
+        self.queued += 1;
+    }
+    fn handle_sent(&mut self, _now: Instant, _slice: SliceNumber) {}
+    fn handle_drain(&mut self, _now: Instant) {}
+    fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        // Round-robin over destinations, starting after the last one served.
+        let order: Vec<BuilderId> =
+            self.dests.range(self.next_dest..).chain(self.dests.range(..self.next_dest)).map(|(d, _)| *d).collect();
+        for dest in order {
+            let mut b = self.dests.remove(&dest).expect("listed");
+            self.refill(&mut b, now);
+            // A bucket is kept even when idle: its token level must carry over.
+            let Some(len) = self.chunk_len(&b).filter(|&len| b.tokens >= u128::from(len) * NANOS) else {
+                self.dests.insert(dest, b);
+                continue;
+            };
+            b.tokens -= u128::from(len) * NANOS;
+            let (frag, offset) = b.queue.front_mut().expect("non-empty");
+            let t = Transmit { dest, slice: frag.slice, offset: *offset, len, last: *offset + len == frag.len };
+            *offset += len;
+            if t.last {
+                b.queue.pop_front();
+                self.queued -= 1;
+            }
+            self.dests.insert(dest, b);
+            self.next_dest = dest.wrapping_add(1);
+            return Some(t);
+        }
+        None
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.dests
+            .values()
+            .filter_map(|b| {
+                let need = u128::from(self.chunk_len(b)?) * NANOS;
+                let missing = need.saturating_sub(b.tokens);
+                let wait_ns = missing.div_ceil(u128::from(self.rate));
+                Some(b.updated + Duration::from_nanos(u64::try_from(wait_ns).unwrap_or(u64::MAX)))
+            })
+            .min()
+    }
+    fn queued(&self) -> usize {
+        self.queued
+    }
+}
+
+/// The decision of [`BurstCutoff`] for one fragment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CutoffDecision {
+    /// Send the fragment's data.
+    Keep(SliceNumber),
+    /// Replace the fragment's data by an empty payload flagged `CUT_OFF` (counted).
+    Cut(SliceNumber),
+}
+
+/// The burst rate cutoff: during a burst send only the first `head` and last `tail` slices.
+///
+/// The last `tail` fragments of a burst are only known when the burst ends, so up to `tail`
+/// burst fragments are held back; decisions come out in slice order.
+#[derive(Debug)]
+pub struct BurstCutoff {
+    head: u32,
+    tail: usize,
+    burst_len: u32,
+    held: VecDeque<SliceNumber>,
+    out: VecDeque<CutoffDecision>,
+}
+
+impl BurstCutoff {
+    pub fn new(head: u32, tail: u32) -> Self {
+        Self { head, tail: tail as usize, burst_len: 0, held: VecDeque::new(), out: VecDeque::new() }
+    }
+
+    /// The fragment of `slice` is ready; `in_burst` says whether the source was in a burst.
+    pub fn handle_fragment(&mut self, slice: SliceNumber, in_burst: bool) {
+        if !in_burst {
+            self.handle_drain();
+            self.out.push_back(CutoffDecision::Keep(slice));
+            return;
+        }
+        self.burst_len = self.burst_len.saturating_add(1);
+        if self.burst_len <= self.head {
+            self.out.push_back(CutoffDecision::Keep(slice));
+            return;
+        }
+        self.held.push_back(slice);
+        if self.held.len() > self.tail {
+            let cut = self.held.pop_front().expect("non-empty");
+            self.out.push_back(CutoffDecision::Cut(cut));
+        }
+    }
+
+    /// End of burst or of run: the held fragments are the burst's tail and are kept.
+    pub fn handle_drain(&mut self) {
+        self.burst_len = 0;
+        self.out.extend(self.held.drain(..).map(CutoffDecision::Keep));
+    }
+
+    pub fn poll_decision(&mut self) -> Option<CutoffDecision> {
+        self.out.pop_front()
+    }
+
+    /// Fragments waiting for a decision.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ctx(source: u32, n_builders: u32) -> ShaperContext {
+        ShaperContext { source, n_builders }
+    }
+
+    const SLOT: u64 = 10_000_000;
+
+    #[test]
+    fn parse_policies() {
+        assert_eq!("direct".parse::<Policy>(), Ok(Policy::Direct));
+        assert_eq!("delayed:8".parse::<Policy>(), Ok(Policy::Delayed { k: 8 }));
+        assert_eq!(
+            "tbf:40Mbit".parse::<Policy>(),
+            Ok(Policy::TokenBucket { rate_bytes_per_s: 5_000_000, burst_bytes: 9000 })
+        );
+        assert_eq!(
+            "tbf:2MB:64k".parse::<Policy>(),
+            Ok(Policy::TokenBucket { rate_bytes_per_s: 2_000_000, burst_bytes: 64_000 })
+        );
+        for bad in
+            ["", "delayed", "delayed:0", "delayed:x", "tbf", "tbf:0", "tbf:-5", "fast", "direct:1", "tbf:1M:2k:3"]
+        {
+            assert!(bad.parse::<Policy>().is_err(), "{bad} should be rejected");
+        }
+        let p = Policy::TokenBucket { rate_bytes_per_s: 7, burst_bytes: 9000 };
+        assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
+    }
+
+    #[test]
+    fn direct_sends_at_once_round_robin() {
+        let mut s = Direct::new(ctx(0, 3));
+        for slice in 0..4 {
+            s.handle_fragment(Instant::ZERO, Outgoing { slice, len: 100 });
+        }
+        let dests: Vec<_> = std::iter::from_fn(|| s.poll_transmit(Instant::ZERO)).map(|t| t.dest).collect();
+        assert_eq!(dests, [0, 1, 2, 0]);
+    }
+
+    #[test]
+    fn delayed_holds_source_div_k_and_falls_behind() {
+        let mut s = Delayed::new(ctx(17, 10), 8); // delay 2
+        assert_eq!(s.delay_slices(), 2);
+        let t = Instant::ZERO;
+        s.handle_fragment(t, Outgoing { slice: 0, len: 1 });
+        s.handle_fragment(t, Outgoing { slice: 1, len: 1 });
+        assert_eq!(s.poll_transmit(t), None);
+        s.handle_fragment(t, Outgoing { slice: 2, len: 1 });
+        let tx = s.poll_transmit(t).unwrap();
+        assert_eq!((tx.slice, tx.dest), (0, 0));
+        // Slice 0 overruns its slot: slice 1 becomes due but must wait.
+        s.handle_fragment(t, Outgoing { slice: 3, len: 1 });
+        assert_eq!(s.poll_transmit(t), None);
+        s.handle_fragment(t, Outgoing { slice: 4, len: 1 });
+        assert_eq!(s.poll_transmit(t), None);
+        s.handle_sent(t, 0);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 1);
+        s.handle_sent(t, 1);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 2); // catching up
+        s.handle_sent(t, 2);
+        assert_eq!(s.poll_transmit(t), None);
+        assert_eq!(s.queued(), 2);
+        s.handle_drain(t);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 3);
+        s.handle_sent(t, 3);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 4);
+    }
+
+    #[test]
+    fn token_bucket_paces_and_chunks() {
+        // 1000 B/s, burst 100: a 250-byte fragment takes 100 now, 100 at 0.1 s, 50 at 0.15 s.
+        let mut s = TokenBucket::new(ctx(0, 1), 1000, 100);
+        let t0 = Instant::ZERO;
+        s.handle_fragment(t0, Outgoing { slice: 0, len: 250 });
+        let a = s.poll_transmit(t0).unwrap();
+        assert_eq!((a.offset, a.len, a.last), (0, 100, false));
+        assert_eq!(s.poll_transmit(t0), None);
+        let t1 = s.poll_timeout().unwrap();
+        assert_eq!(t1, Instant::from_nanos(100_000_000));
+        let b = s.poll_transmit(t1).unwrap();
+        assert_eq!((b.offset, b.len), (100, 100));
+        let t2 = s.poll_timeout().unwrap();
+        assert_eq!(t2, Instant::from_nanos(150_000_000));
+        let c = s.poll_transmit(t2).unwrap();
+        assert_eq!((c.offset, c.len, c.last), (200, 50, true));
+        assert_eq!(s.queued(), 0);
+        assert_eq!(s.poll_timeout(), None);
+    }
+
+    #[test]
+    fn cutoff_keeps_head_and_tail() {
+        let mut c = BurstCutoff::new(4, 4);
+        let mut decisions = Vec::new();
+        c.handle_fragment(0, false);
+        for s in 1..=12 {
+            c.handle_fragment(s, true);
+        }
+        c.handle_fragment(13, false);
+        while let Some(d) = c.poll_decision() {
+            decisions.push(d);
+        }
+        let kept: Vec<_> = decisions
+            .iter()
+            .filter_map(|d| match d {
+                CutoffDecision::Keep(s) => Some(*s),
+                _ => None,
+            })
+            .collect();
+        let cut: Vec<_> = decisions
+            .iter()
+            .filter_map(|d| match d {
+                CutoffDecision::Cut(s) => Some(*s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kept, [0, 1, 2, 3, 4, 9, 10, 11, 12, 13]);
+        assert_eq!(cut, [5, 6, 7, 8]);
+        let order: Vec<_> = decisions
+            .iter()
+            .map(|d| match d {
+                CutoffDecision::Keep(s) | CutoffDecision::Cut(s) => *s,
+            })
+            .collect();
+        assert_eq!(order, (0..=13).collect::<Vec<_>>());
+    }
+
+    proptest! {
+        /// Barrel-shifter steady state (domain.md section 3): every source sends at most one
+        /// fragment per slot, source i queues i div k fragments, and no builder receives
+        /// from more than k sources in one slot.
+        #[test]
+        fn barrel_shifter_steady_state(n in 1u32..120, k in 1u32..20, extra_builders in 0u32..5, slots in 1u64..40) {
+            let m = n.div_ceil(k) + extra_builders;
+            let mut shapers: Vec<Delayed> = (0..n).map(|i| Delayed::new(ctx(i, m), k)).collect();
+            let max_delay = u64::from((n - 1) / k);
+            for slot in 0..(max_delay + slots) {
+                let now = Instant::from_nanos((slot + 1) * SLOT);
+                let mut per_builder = vec![0u32; m as usize];
+                for (i, s) in shapers.iter_mut().enumerate() {
+                    s.handle_fragment(now, Outgoing { slice: slot, len: 30_000 });
+                    let mut sent = 0;
+                    while let Some(t) = s.poll_transmit(now) {
+                        prop_assert!(t.last && t.offset == 0);
+                        prop_assert_eq!(t.slice + s.delay_slices(), slot);
+                        per_builder[t.dest as usize] += 1;
+                        sent += 1;
+                        s.handle_sent(now, t.slice);
+                    }
+                    if slot >= max_delay {
+                        prop_assert_eq!(sent, 1, "source {} sent {} in slot {}", i, sent, slot);
+                        prop_assert_eq!(s.queued() as u32, i as u32 / k);
+                    }
+                    prop_assert!(sent <= 1);
+                }
+                prop_assert!(per_builder.iter().all(|&c| c <= k), "slot {}: {:?}", slot, per_builder);
+            }
+        }
+
+        /// With arbitrary transport completion delays, Delayed still sends every fragment
+        /// exactly once, in order, one at a time.
+        #[test]
+        fn delayed_overrun_sends_each_once_in_order(source in 0u32..50, k in 1u32..10, lags in proptest::collection::vec(0u8..4, 1..60)) {
+            let mut s = Delayed::new(ctx(source, 7), k);
+            let mut sent = Vec::new();
+            let mut in_flight: Option<(SliceNumber, u8)> = None;
+            let n = lags.len() as u64;
+            for slot in 0..n + 200 {
+                let now = Instant::from_nanos(slot * SLOT);
+                if slot < n { s.handle_fragment(now, Outgoing { slice: slot, len: 1 }); }
+                if slot == n { s.handle_drain(now); }
+                if let Some((slice, left)) = in_flight {
+                    if left == 0 { s.handle_sent(now, slice); in_flight = None; } else { in_flight = Some((slice, left - 1)); }
+                }
+                if let Some(t) = s.poll_transmit(now) {
+                    prop_assert!(in_flight.is_none());
+                    sent.push(t.slice);
+                    in_flight = Some((t.slice, lags[t.slice as usize]));
+                }
+            }
+            prop_assert_eq!(sent, (0..n).collect::<Vec<_>>());
+        }
+
+        /// A token bucket never sends more than rate x t + burst to one destination in any
+        /// window, and eventually sends everything.
+        #[test]
+        fn token_bucket_bound(rate in 1_000u64..10_000_000, burst in 100u64..100_000, frags in proptest::collection::vec((0u64..30, 1u64..200_000, 0u64..50_000_000), 1..30)) {
+            let mut s = TokenBucket::new(ctx(0, 3), rate, burst);
+            let mut arrivals: Vec<(Instant, Outgoing)> = frags.iter().map(|&(slice, len, at)| (Instant::from_nanos(at), Outgoing { slice, len })).collect();
+            arrivals.sort_by_key(|a| a.0);
+            let total: u64 = arrivals.iter().map(|a| a.1.len).sum();
+            let mut log: Vec<Vec<(u64, u64)>> = vec![Vec::new(); 3];
+            let mut now = Instant::ZERO;
+            let mut next = 0;
+            let mut sent = 0u64;
+            for _ in 0..100_000 {
+                while next < arrivals.len() && arrivals[next].0 <= now { s.handle_fragment(now, arrivals[next].1); next += 1; }
+                while let Some(t) = s.poll_transmit(now) {
+                    log[t.dest as usize].push((now.as_nanos(), t.len));
+                    sent += t.len;
+                }
+                let wake = [s.poll_timeout(), arrivals.get(next).map(|a| a.0)].into_iter().flatten().min();
+                match wake { Some(w) => now = w.max(now), None => break }
+            }
+            prop_assert_eq!(sent, total);
+            for events in &log {
+                for i in 0..events.len() {
+                    let mut bytes = 0u128;
+                    for j in i..events.len() {
+                        bytes += u128::from(events[j].1);
+                        let window = u128::from(events[j].0 - events[i].0);
+                        prop_assert!(bytes * 1_000_000_000 <= window * u128::from(rate) + u128::from(burst) * 1_000_000_000);
+                    }
+                }
+            }
+        }
+    }
+}
