@@ -1,1 +1,119 @@
-//! shoal-trigger
+//! shoal-trigger: the builder's filter.
+//!
+//! A filter sees one assembled slice as the list of its fragments and returns the
+//! [`Event`]s worth storing. The plug-in interface is the reference design's
+//! `init(configuration)` / `process(slice)` / `cleanup()`: the [`Filter`] trait.
+//!
+//! Built-in filters (selected by [`FilterConfig::name`]):
+//! - `l1` ([`L1Multiplicity`]): local coincidences (two hits on different channels of one
+//!   source within `coincidence_ns`) and a multiplicity trigger (L1 hits on at least
+//!   `min_sources` distinct sources within `cluster_ns`); an event keeps every hit within
+//!   `snapshot_ns` around the triggering L1 hits. A simple stand-in until the physics issue
+//!   brings the causality trigger.
+//! - `pass` ([`PassThrough`]): one event per slice with every hit (no reduction; for tests).
+//!
+//! Events travel from builder to writer as the payload of an `EVENTS` frame, encoded with
+//! [`encode_events`] and checked by [`decode_events`].
+
+mod event;
+mod l1;
+
+pub use event::{Event, EventDecodeError, EventHit, decode_events, encode_events};
+pub use l1::{L1Config, L1Multiplicity};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use shoal_core::SourceId;
+use shoal_core::hit::{HitPayload, PayloadError};
+
+/// One fragment of an assembled slice, as the filter sees it.
+#[derive(Clone, Debug)]
+pub struct FragmentData {
+    pub source: SourceId,
+    pub hit_count: u32,
+    /// The frame payload (hits then waveforms, see [`shoal_core::hit`]).
+    pub payload: Bytes,
+}
+
+impl FragmentData {
+    pub fn hits(&self) -> Result<HitPayload<'_>, PayloadError> {
+        HitPayload::parse(&self.payload, self.hit_count)
+    }
+}
+
+/// An assembled slice handed to the filter.
+#[derive(Clone, Debug)]
+pub struct SliceData {
+    pub slice: u64,
+    /// Slice start, ns in the driver's time origin (UNIX ns in the runtime).
+    pub slice_start_ns: u64,
+    pub fragments: Vec<FragmentData>,
+}
+
+/// Filter selection and parameters (the `[builder.filter]` table of the configuration).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// `l1` (default) or `pass`.
+    pub name: String,
+    pub l1: L1Config,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        Self { name: "l1".into(), l1: L1Config::default() }
+    }
+}
+
+/// Why a filter cannot start.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FilterError {
+    #[error("unknown filter {0:?} (known: l1, pass)")]
+    Unknown(String),
+    #[error("invalid filter parameter: {0}")]
+    BadParameter(String),
+}
+
+/// The filter plug-in interface.
+pub trait Filter: Send {
+    /// Called once before the first slice with the run's configuration.
+    fn init(&mut self, config: &FilterConfig) -> Result<(), FilterError>;
+    /// Processes one slice; returns the selected events in time order.
+    fn process(&mut self, slice: &SliceData) -> Vec<Event>;
+    /// Called once after the last slice.
+    fn cleanup(&mut self) {}
+}
+
+/// Builds and initialises the filter named in `config`.
+pub fn build(config: &FilterConfig) -> Result<Box<dyn Filter>, FilterError> {
+    let mut f: Box<dyn Filter> = match config.name.as_str() {
+        "l1" => Box::new(L1Multiplicity::default()),
+        "pass" => Box::new(PassThrough),
+        other => return Err(FilterError::Unknown(other.to_string())),
+    };
+    f.init(config)?;
+    Ok(f)
+}
+
+/// One event per non-empty slice holding every hit. No reduction.
+#[derive(Debug, Default)]
+pub struct PassThrough;
+
+impl Filter for PassThrough {
+    fn init(&mut self, _config: &FilterConfig) -> Result<(), FilterError> {
+        Ok(())
+    }
+    fn process(&mut self, slice: &SliceData) -> Vec<Event> {
+        let mut hits = Vec::new();
+        for f in &slice.fragments {
+            if let Ok(p) = f.hits() {
+                hits.extend(p.hits().map(|h| EventHit::from_hit(f.source, h, false)));
+            }
+        }
+        if hits.is_empty() {
+            return Vec::new();
+        }
+        hits.sort_by_key(|h| (h.time_ns, h.source, h.channel));
+        vec![Event { id: 0, trigger_mask: 0, hits }]
+    }
+}

@@ -1,0 +1,208 @@
+//! L1 local coincidences plus a multiplicity trigger (see the crate documentation).
+
+use serde::{Deserialize, Serialize};
+use shoal_core::SourceId;
+use shoal_core::hit::Hit;
+
+use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData};
+
+/// Parameters of [`L1Multiplicity`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct L1Config {
+    /// Two hits on different channels of one source within this window form an L1
+    /// (ANTARES: 20 ns).
+    pub coincidence_ns: u32,
+    /// A single hit with at least this amplitude is an L1 on its own (0: disabled).
+    pub high_amplitude: u8,
+    /// L1 hits on at least this many distinct sources ...
+    pub min_sources: u32,
+    /// ... within this window fire the trigger (ANTARES 3N: 2.2 us).
+    pub cluster_ns: u32,
+    /// The event keeps every hit within this margin before and after its L1 hits.
+    pub snapshot_ns: u32,
+}
+
+impl Default for L1Config {
+    fn default() -> Self {
+        Self { coincidence_ns: 20, high_amplitude: 0, min_sources: 2, cluster_ns: 2_200, snapshot_ns: 1_000 }
+    }
+}
+
+/// The `l1` filter.
+#[derive(Debug, Default)]
+pub struct L1Multiplicity {
+    cfg: L1Config,
+    /// Reused per-slice buffers.
+    hits: Vec<Vec<Hit>>,
+}
+
+/// Indices of the L1 hits among one source's time-sorted hits: a hit is L1 if a hit on
+/// another channel lies within `coincidence_ns` before or after it, or if its amplitude
+/// reaches `high_amplitude` (when enabled).
+pub(crate) fn l1_indices(hits: &[Hit], cfg: &L1Config, out: &mut Vec<usize>) {
+    out.clear();
+    let partner = |i: usize, j: usize| hits[j].channel != hits[i].channel;
+    for (i, hi) in hits.iter().enumerate() {
+        let high = cfg.high_amplitude > 0 && hi.amplitude >= cfg.high_amplitude;
+        let after = || {
+            (i + 1..hits.len())
+                .take_while(|&j| hits[j].time_ns - hi.time_ns <= cfg.coincidence_ns)
+                .any(|j| partner(i, j))
+        };
+        let before =
+            || (0..i).rev().take_while(|&j| hi.time_ns - hits[j].time_ns <= cfg.coincidence_ns).any(|j| partner(i, j));
+        if high || after() || before() {
+            out.push(i);
+        }
+    }
+}
+
+impl Filter for L1Multiplicity {
+    fn init(&mut self, config: &FilterConfig) -> Result<(), FilterError> {
+        let c = &config.l1;
+        if c.min_sources == 0 {
+            return Err(FilterError::BadParameter("l1.min_sources must be at least 1".into()));
+        }
+        self.cfg = c.clone();
+        Ok(())
+    }
+
+    fn process(&mut self, slice: &SliceData) -> Vec<Event> {
+        let cfg = &self.cfg;
+        self.hits.resize_with(slice.fragments.len(), Vec::new);
+        // (time, fragment index, hit index) of every L1 hit in the slice.
+        let mut l1: Vec<(u32, usize, usize)> = Vec::new();
+        let mut idx = Vec::new();
+        for (fi, f) in slice.fragments.iter().enumerate() {
+            let hits = &mut self.hits[fi];
+            hits.clear();
+            if let Ok(p) = f.hits() {
+                hits.extend(p.hits());
+            }
+            if !hits.is_sorted() {
+                hits.sort_unstable();
+            }
+            l1_indices(hits, cfg, &mut idx);
+            l1.extend(idx.iter().map(|&hi| (hits[hi].time_ns, fi, hi)));
+        }
+        l1.sort_unstable();
+        let sources: Vec<SourceId> = slice.fragments.iter().map(|f| f.source).collect();
+
+        // Sweep: a cluster starts at each L1 and spans cluster_ns; overlapping firing
+        // windows merge into one event.
+        let mut windows: Vec<(usize, usize)> = Vec::new(); // inclusive index ranges into l1
+        let mut distinct: Vec<usize> = Vec::new();
+        let mut j = 0;
+        for i in 0..l1.len() {
+            j = j.max(i);
+            while j + 1 < l1.len() && l1[j + 1].0 - l1[i].0 <= cfg.cluster_ns {
+                j += 1;
+            }
+            distinct.clear();
+            distinct.extend(l1[i..=j].iter().map(|x| x.1));
+            distinct.sort_unstable();
+            distinct.dedup();
+            if distinct.len() as u32 >= cfg.min_sources {
+                match windows.last_mut() {
+                    Some(w) if i <= w.1 => w.1 = w.1.max(j),
+                    _ => windows.push((i, j)),
+                }
+            }
+        }
+
+        windows
+            .iter()
+            .enumerate()
+            .map(|(id, &(a, b))| {
+                let t0 = l1[a].0.saturating_sub(cfg.snapshot_ns);
+                let t1 = l1[b].0.saturating_add(cfg.snapshot_ns);
+                let mut hits = Vec::new();
+                for (fi, fh) in self.hits.iter().enumerate() {
+                    let start = fh.partition_point(|h| h.time_ns < t0);
+                    for (k, h) in fh.iter().enumerate().skip(start) {
+                        if h.time_ns > t1 {
+                            break;
+                        }
+                        let triggered = l1[a..=b].iter().any(|x| x.1 == fi && x.2 == k);
+                        hits.push(EventHit::from_hit(sources[fi], *h, triggered));
+                    }
+                }
+                hits.sort_by_key(|h| (h.time_ns, h.source, h.channel));
+                Event { id: id as u32, trigger_mask: 1, hits }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FragmentData;
+    use bytes::BytesMut;
+    use proptest::prelude::*;
+
+    fn frag(source: u32, hits: &[Hit]) -> FragmentData {
+        let mut b = BytesMut::new();
+        for h in hits {
+            h.encode(&mut b);
+        }
+        FragmentData { source, hit_count: hits.len() as u32, payload: b.freeze() }
+    }
+
+    fn h(channel: u8, time_ns: u32) -> Hit {
+        Hit { channel, time_ns, amplitude: 20 }
+    }
+
+    /// The definition, checked pair by pair.
+    fn brute_l1(hits: &[Hit], cfg: &L1Config) -> Vec<usize> {
+        (0..hits.len())
+            .filter(|&i| {
+                (cfg.high_amplitude > 0 && hits[i].amplitude >= cfg.high_amplitude)
+                    || (0..hits.len()).any(|j| {
+                        j != i
+                            && hits[j].channel != hits[i].channel
+                            && hits[i].time_ns.abs_diff(hits[j].time_ns) <= cfg.coincidence_ns
+                    })
+            })
+            .collect()
+    }
+
+    proptest! {
+        #[test]
+        fn l1_matches_brute_force(raw in proptest::collection::vec((0u8..3, 0u32..2000, 0u8..60), 0..80), window in 0u32..50, high in 0u8..60) {
+            let mut hits: Vec<Hit> = raw.into_iter().map(|(channel, time_ns, amplitude)| Hit { channel, time_ns, amplitude }).collect();
+            hits.sort_unstable();
+            let cfg = L1Config { coincidence_ns: window, high_amplitude: high, ..Default::default() };
+            let mut got = Vec::new();
+            l1_indices(&hits, &cfg, &mut got);
+            prop_assert_eq!(got, brute_l1(&hits, &cfg));
+        }
+    }
+
+    #[test]
+    fn triggers_on_two_sources_and_snapshots() {
+        let mut f = L1Multiplicity::default();
+        f.init(&FilterConfig::default()).unwrap();
+        let slice = SliceData {
+            slice: 1,
+            slice_start_ns: 0,
+            fragments: vec![
+                frag(0, &[h(0, 1_000), h(1, 1_010), h(2, 1_500), h(0, 500_000)]),
+                frag(1, &[h(0, 2_000), h(2, 2_015), h(1, 9_000)]),
+                frag(2, &[h(0, 3_000), h(0, 3_005)]), // same channel: no L1
+            ],
+        };
+        let events = f.process(&slice);
+        assert_eq!(events.len(), 1);
+        let e = &events[0];
+        assert_eq!(e.triggered_hits(), 4);
+        // Snapshot [0, 3015]: adds source 0's 1500 and source 2's two hits.
+        assert_eq!(e.hits.len(), 7);
+        assert_eq!(e.first_time_ns(), Some(1_000));
+
+        // One source alone never fires with min_sources = 2.
+        let lone = SliceData { fragments: vec![slice.fragments[0].clone()], ..slice };
+        assert!(f.process(&lone).is_empty());
+    }
+}
