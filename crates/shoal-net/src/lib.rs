@@ -1,1 +1,21 @@
-//! shoal-net
+//! shoal-net: the tokio runtime that deploys shoal-core on real sockets.
+//!
+//! Roles, each runnable alone (`shoal node --role ...`) or all in one process
+//! (`shoal demo`, [`demo::run_embedded`]) with the same code:
+//! - [`source::run_source_node`]: generator, frames, shaping, one TCP [`link::Link`] per
+//!   builder with reconnect and backoff;
+//! - [`builder::run_builder`]: stream decoding, slice assembly, filter thread, events to
+//!   the writer;
+//! - [`writer::run_writer`]: events into Parquet plus a JSON summary.
+//!
+//! [`config::Config`] is the one TOML schema for every role; [`clock::WallClock`] maps the
+//! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
+
+pub mod builder;
+pub mod clock;
+pub mod config;
+pub mod demo;
+pub mod link;
+pub mod live;
+pub mod source;
+pub mod writer;

@@ -1,1 +1,253 @@
-fn main() {}
+//! `shoal`: the one binary of the shoal event builder.
+//!
+//! - `shoal demo`: the whole chain in one process with no configuration needed.
+//! - `shoal node --role source|builder|writer --config FILE`: one role per process.
+//! - `shoal config`: prints the full default configuration.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use shoal_net::clock::WallClock;
+use shoal_net::config::Config;
+use shoal_net::demo::{RunSummary, run_embedded};
+use shoal_net::live::Live;
+use tokio_util::sync::CancellationToken;
+
+mod summary;
+
+#[derive(Parser)]
+#[command(name = "shoal", version, about = "Time-slice event builder for detector data acquisition")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run sources, builders and a writer in one process over loopback TCP and print a summary.
+    Demo(DemoArgs),
+    /// Run one role of a distributed deployment.
+    Node {
+        #[arg(long, value_enum)]
+        role: Role,
+        /// TOML configuration (see examples/shoal.toml); defaults apply to what it omits.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Print the full default configuration as TOML.
+    Config,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Role {
+    Source,
+    Builder,
+    Writer,
+}
+
+#[derive(Parser)]
+struct DemoArgs {
+    /// Seconds of data taking.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Number of sources (front-end boards).
+    #[arg(long)]
+    sources: Option<u32>,
+    /// Number of builders.
+    #[arg(long)]
+    builders: Option<u32>,
+    /// Traffic shaping: direct, delayed:K or tbf:RATE[:BURST] (e.g. tbf:40Mbit).
+    #[arg(long)]
+    policy: Option<String>,
+    /// Output directory for events and summaries.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Time-slice length in milliseconds.
+    #[arg(long)]
+    slice_ms: Option<u64>,
+    /// Start from this configuration file instead of the defaults.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Exit with status 3 if fewer than this fraction of slices is complete (e.g. 0.99).
+    #[arg(long)]
+    min_complete: Option<f64>,
+    /// Print the summary as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    Ok(match path {
+        Some(p) => Config::from_file(p)?,
+        None => Config::default(),
+    })
+}
+
+fn ctrl_c_token() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("interrupted: stopping data taking and draining");
+            t.cancel();
+        }
+    });
+    token
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Demo(args) => demo(args).await,
+        Command::Node { role, config } => node(role, config).await,
+        Command::Config => {
+            print!("{}", toml::to_string(&Config::default())?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let mut cfg = load(args.config.as_ref())?;
+    if let Some(v) = args.seconds {
+        cfg.run.seconds = v;
+    }
+    if let Some(v) = args.sources {
+        cfg.run.sources = v;
+    }
+    if let Some(v) = args.builders {
+        cfg.run.builders = v;
+    }
+    if let Some(v) = args.policy {
+        cfg.run.policy = v;
+    }
+    if let Some(v) = args.out {
+        cfg.writer.out_dir = v;
+    }
+    if let Some(v) = args.slice_ms {
+        cfg.run.slice_ms = v;
+    }
+    if cfg.run.seconds <= 0.0 {
+        anyhow::bail!("demo needs --seconds > 0");
+    }
+    cfg.validate()?;
+
+    let live = Arc::new(Live::default());
+    let cancel = ctrl_c_token();
+    let total_slices = (cfg.run.seconds * 1000.0 / cfg.run.slice_ms as f64).ceil() as u64;
+    let bar = ProgressBar::new(total_slices);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} slices  {msg}")
+            .expect("template"),
+    );
+    let ticker = {
+        let live = live.clone();
+        let bar = bar.clone();
+        let sources = u64::from(cfg.run.sources);
+        tokio::spawn(async move {
+            let mut last_bytes = 0;
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                bar.set_position(Live::get(&live.fragments_produced) / sources.max(1));
+                let bytes = Live::get(&live.bytes_received);
+                bar.set_message(format!(
+                    "complete {}  incomplete {}  {:.1} MB/s",
+                    Live::get(&live.slices_complete),
+                    Live::get(&live.slices_incomplete),
+                    (bytes - last_bytes) as f64 / 0.5 / 1e6
+                ));
+                last_bytes = bytes;
+            }
+        })
+    };
+    let result = run_embedded(cfg, live, cancel).await;
+    ticker.abort();
+    bar.finish_and_clear();
+    let summary = result?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", summary::table(&summary));
+    }
+    Ok(exit_code(&summary, args.min_complete))
+}
+
+fn exit_code(s: &RunSummary, min_complete: Option<f64>) -> ExitCode {
+    if !s.ledger.balanced {
+        eprintln!("error: the ledger does not balance (unaccounted {})", s.ledger.unaccounted);
+        return ExitCode::from(2);
+    }
+    if let Some(min) = min_complete {
+        let total = s.slices_complete + s.slices_incomplete;
+        let frac = if total == 0 { 0.0 } else { s.slices_complete as f64 / total as f64 };
+        if frac < min {
+            eprintln!("error: {:.2}% complete slices, below the required {:.2}%", frac * 100.0, min * 100.0);
+            return ExitCode::from(3);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+async fn node(role: Role, config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let cfg = load(config.as_ref())?;
+    cfg.validate()?;
+    let clock = WallClock::new();
+    let live = Arc::new(Live::default());
+    let cancel = ctrl_c_token();
+    shoal_net::demo::raise_fd_limit();
+    std::fs::create_dir_all(&cfg.writer.out_dir)
+        .with_context(|| format!("creating {}", cfg.writer.out_dir.display()))?;
+    let run = cfg.run.run_number;
+    let (name, json) = match role {
+        Role::Source => {
+            let ids = cfg.hosted_sources();
+            let r = shoal_net::source::run_source_node(cfg.clone(), ids.clone(), clock, live, cancel).await?;
+            let first = ids.first().copied().unwrap_or(0);
+            (format!("run{run:06}.source{first}.json"), serde_json::to_string_pretty(&r)?)
+        }
+        Role::Builder => {
+            let addr = cfg.builder_listen()?;
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding builder port {addr}"))?;
+            let id = cfg.builder.id;
+            let r = shoal_net::builder::run_builder(cfg.clone(), id, listener, clock, live, cancel).await?;
+            (format!("run{run:06}.builder{id}.json"), serde_json::to_string_pretty(&r)?)
+        }
+        Role::Writer => {
+            let addr = cfg.writer_listen()?;
+            let listener =
+                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding writer port {addr}"))?;
+            let r = shoal_net::writer::run_writer(cfg.clone(), listener, cancel).await?;
+            (format!("run{run:06}.writer.json"), serde_json::to_string_pretty(&r)?)
+        }
+    };
+    let path = cfg.writer.out_dir.join(name);
+    std::fs::write(&path, &json).with_context(|| format!("writing {}", path.display()))?;
+    println!("{json}");
+    eprintln!("report written to {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,296 @@
+//! The one configuration schema of every shoal process (TOML, serde).
+//!
+//! Every option has a default (documented in `docs/configuration.md`, and shown in full in
+//! `examples/shoal.toml`, which a test keeps equal to [`Config::default`]); `shoal demo`
+//! needs no file at all. A node reads the sections that concern its role.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use shoal_core::assembly::AssemblerConfig;
+use shoal_core::shaping::Policy;
+use shoal_core::slice::SliceClock;
+use shoal_core::{Duration, SourceId};
+use shoal_detector::NoiseConfig;
+use shoal_trigger::FilterConfig;
+
+/// The whole configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub run: RunConfig,
+    pub source: SourceConfig,
+    pub builder: BuilderConfig,
+    pub writer: WriterConfig,
+}
+
+/// What every process of a run must agree on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Run number, written into every output row and file name.
+    pub run_number: u64,
+    /// How long sources produce data, in seconds (0: until Ctrl-C).
+    pub seconds: f64,
+    /// Time-slice length in milliseconds (ANTARES 10, KM3NeT 100).
+    pub slice_ms: u64,
+    /// Number of sources (front-end boards) in the run, numbered from 0.
+    pub sources: u32,
+    /// Number of builders; slice `s` goes to builder `s mod builders`.
+    pub builders: u32,
+    /// Traffic-shaping policy: `direct`, `delayed:K` or `tbf:RATE[:BURST]`.
+    pub policy: String,
+    /// Data address of each builder, indexed by builder id.
+    pub builder_addrs: Vec<String>,
+    /// Address where the writer accepts events from builders.
+    pub writer_addr: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            run_number: 1,
+            seconds: 10.0,
+            slice_ms: 10,
+            sources: 5,
+            builders: 3,
+            policy: "direct".into(),
+            builder_addrs: vec!["127.0.0.1:5601".into(), "127.0.0.1:5602".into(), "127.0.0.1:5603".into()],
+            writer_addr: "127.0.0.1:5700".into(),
+        }
+    }
+}
+
+/// Source (front-end board) settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SourceConfig {
+    /// Source ids this process hosts (empty: all of `0..run.sources`). Sources hosted by
+    /// one process share one connection per builder; each keeps its own shaper.
+    pub ids: Vec<SourceId>,
+    /// Background generator.
+    pub noise: NoiseConfig,
+    /// Most bytes queued towards one builder before fragments are dropped (counted).
+    /// The ANTARES board has 64 MB for buffering.
+    pub queue_limit_mb: u64,
+    /// Burst rate cutoff: during a burst send only the first/last few slices.
+    pub cutoff: bool,
+    pub cutoff_head: u32,
+    pub cutoff_tail: u32,
+    /// A fragment still being written after this many slices no longer holds back the
+    /// delayed-transmission schedule (so one slow builder cannot stall the others).
+    pub stall_limit_slices: u32,
+    /// At the end of the run, most time to send what is still queued.
+    pub drain_timeout_ms: u64,
+    /// Reconnect backoff bounds.
+    pub reconnect_min_ms: u64,
+    pub reconnect_max_ms: u64,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            ids: Vec::new(),
+            noise: NoiseConfig::default(),
+            queue_limit_mb: 64,
+            cutoff: false,
+            cutoff_head: 4,
+            cutoff_tail: 4,
+            stall_limit_slices: 2,
+            drain_timeout_ms: 10_000,
+            reconnect_min_ms: 50,
+            reconnect_max_ms: 2_000,
+        }
+    }
+}
+
+/// Builder settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BuilderConfig {
+    /// This builder's id (its listen address is `run.builder_addrs[id]` unless `listen`).
+    pub id: u32,
+    /// Overrides the listen address (e.g. `0.0.0.0:5601`).
+    pub listen: Option<String>,
+    /// Slice-count timeout: most active slices before the oldest is processed incomplete.
+    pub max_active: usize,
+    /// Wall-clock guard per slice, from its first fragment, in milliseconds.
+    pub wall_timeout_ms: u64,
+    /// Emergency memory limit for held and unfiltered data, MiB.
+    pub memory_budget_mb: u64,
+    /// Largest frame payload accepted, MiB; larger lengths close the connection.
+    pub max_payload_mb: u32,
+    /// After the run, most time to wait for sources to finish, milliseconds.
+    pub drain_timeout_ms: u64,
+    pub filter: FilterConfig,
+}
+
+impl Default for BuilderConfig {
+    fn default() -> Self {
+        Self {
+            id: 0,
+            listen: None,
+            max_active: 5,
+            wall_timeout_ms: 2_000,
+            memory_budget_mb: 512,
+            max_payload_mb: 16,
+            drain_timeout_ms: 15_000,
+            filter: FilterConfig::default(),
+        }
+    }
+}
+
+/// Writer settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WriterConfig {
+    /// Overrides the listen address (default `run.writer_addr`).
+    pub listen: Option<String>,
+    /// Output directory (created if missing).
+    pub out_dir: PathBuf,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self { listen: None, out_dir: PathBuf::from("shoal-out") }
+    }
+}
+
+/// A configuration that parses but cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Parse { path: PathBuf, source: Box<toml::de::Error> },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn invalid<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError::Invalid(msg.into()))
+}
+
+impl Config {
+    /// Reads and validates a TOML file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let cfg: Config =
+            toml::from_str(&text).map_err(|e| ConfigError::Parse { path: path.into(), source: Box::new(e) })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks everything a node would otherwise trip over later.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.policy()?;
+        self.slice_clock()?;
+        let r = &self.run;
+        if r.sources == 0 || r.builders == 0 {
+            return invalid("run.sources and run.builders must be at least 1");
+        }
+        if !(r.seconds.is_finite() && r.seconds >= 0.0) {
+            return invalid("run.seconds must be a non-negative number");
+        }
+        if let Some(bad) = self.source.ids.iter().find(|&&id| id >= r.sources) {
+            return invalid(format!("source.ids contains {bad}, but run.sources is {}", r.sources));
+        }
+        if self.builder.id >= r.builders {
+            return invalid(format!("builder.id {} but run.builders is {}", self.builder.id, r.builders));
+        }
+        if self.builder.max_active == 0 {
+            return invalid("builder.max_active must be at least 1");
+        }
+        shoal_detector::NoiseGenerator::new(self.source.noise.clone(), self.slice_clock()?.length())
+            .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}")))?;
+        shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
+        Ok(())
+    }
+
+    pub fn policy(&self) -> Result<Policy, ConfigError> {
+        self.run.policy.parse().map_err(|e| ConfigError::Invalid(format!("run.policy: {e}")))
+    }
+
+    pub fn slice_clock(&self) -> Result<SliceClock, ConfigError> {
+        SliceClock::try_new(Duration::from_millis(self.run.slice_ms))
+            .filter(|c| c.length() <= Duration::from_secs(4))
+            .ok_or_else(|| ConfigError::Invalid("run.slice_ms must be between 1 and 4000".into()))
+    }
+
+    /// Source ids this process hosts.
+    pub fn hosted_sources(&self) -> Vec<SourceId> {
+        if self.source.ids.is_empty() { (0..self.run.sources).collect() } else { self.source.ids.clone() }
+    }
+
+    pub fn builder_addr(&self, id: u32) -> Result<SocketAddr, ConfigError> {
+        let s = self
+            .run
+            .builder_addrs
+            .get(id as usize)
+            .ok_or_else(|| ConfigError::Invalid(format!("run.builder_addrs has no entry for builder {id}")))?;
+        s.parse().map_err(|e| ConfigError::Invalid(format!("run.builder_addrs[{id}] {s:?}: {e}")))
+    }
+
+    pub fn builder_listen(&self) -> Result<SocketAddr, ConfigError> {
+        match &self.builder.listen {
+            Some(s) => s.parse().map_err(|e| ConfigError::Invalid(format!("builder.listen {s:?}: {e}"))),
+            None => self.builder_addr(self.builder.id),
+        }
+    }
+
+    pub fn writer_addr(&self) -> Result<SocketAddr, ConfigError> {
+        let s = &self.run.writer_addr;
+        s.parse().map_err(|e| ConfigError::Invalid(format!("run.writer_addr {s:?}: {e}")))
+    }
+
+    pub fn writer_listen(&self) -> Result<SocketAddr, ConfigError> {
+        match &self.writer.listen {
+            Some(s) => s.parse().map_err(|e| ConfigError::Invalid(format!("writer.listen {s:?}: {e}"))),
+            None => self.writer_addr(),
+        }
+    }
+
+    pub fn assembler(&self) -> AssemblerConfig {
+        AssemblerConfig {
+            n_sources: self.run.sources,
+            max_active: self.builder.max_active,
+            wall_timeout: Duration::from_millis(self.builder.wall_timeout_ms),
+            memory_budget: self.builder.memory_budget_mb << 20,
+        }
+    }
+
+    pub fn max_payload(&self) -> u32 {
+        self.builder.max_payload_mb.saturating_mul(1 << 20)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_file_documents_the_defaults() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/shoal.toml");
+        let cfg = Config::from_file(&path).expect("examples/shoal.toml parses");
+        assert_eq!(cfg, Config::default(), "examples/shoal.toml must show every default");
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_input_with_a_clear_message() {
+        let bad = |text: &str| {
+            let cfg: Result<Config, _> = toml::from_str(text);
+            match cfg {
+                Err(e) => e.to_string(),
+                Ok(c) => c.validate().unwrap_err().to_string(),
+            }
+        };
+        assert!(bad("[run]\npolicy = \"fast\"").contains("run.policy"));
+        assert!(bad("[run]\nslice_ms = 0").contains("slice_ms"));
+        assert!(bad("[run]\nsources = 2\n[source]\nids = [5]").contains("source.ids"));
+        assert!(bad("[run]\nbogus = 1").contains("bogus"));
+        assert!(bad("[builder.filter]\nname = \"nope\"").contains("nope"));
+        assert!(bad("[source.noise]\nrate_hz = -1.0").contains("rate"));
+    }
+}

@@ -1,0 +1,246 @@
+//! The whole chain in one process: writer, builders and source nodes on real loopback TCP,
+//! with the same code the separate processes run.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration as StdDuration;
+
+use hdrhistogram::Histogram;
+use shoal_core::SourceId;
+use shoal_core::ledger::{BuilderTally, Ledger, SourceTally};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::builder::{BuilderReport, new_histogram, run_builder};
+use crate::clock::WallClock;
+use crate::config::Config;
+use crate::live::Live;
+use crate::source::run_source_node;
+use crate::writer::{WriterReport, run_writer};
+
+/// Delay statistics in microseconds.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DelayStats {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+impl DelayStats {
+    pub fn from_histogram(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            count: h.len(),
+            mean_us: h.mean(),
+            p50_us: h.value_at_quantile(0.5),
+            p99_us: h.value_at_quantile(0.99),
+            max_us: h.max(),
+        }
+    }
+}
+
+/// The outcome of a run, printed by `shoal demo` and written as `run{N:06}.summary.json`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RunSummary {
+    pub run: u64,
+    pub policy: String,
+    pub sources: u32,
+    pub builders: u32,
+    /// Sources hosted per source process (sharing one connection per builder).
+    pub sources_per_node: usize,
+    pub slice_ms: u64,
+    pub seconds: f64,
+    pub slices_produced: u64,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    pub incomplete_reasons: BTreeMap<String, u64>,
+    pub fragments_received: u64,
+    pub bytes_received: u64,
+    /// Bytes received over the time from the first to the last arrival.
+    pub mbytes_per_s: f64,
+    pub network_delay: DelayStats,
+    pub shaping_delay: DelayStats,
+    pub rejected_connections: BTreeMap<String, u64>,
+    pub late_slice_ends: u64,
+    pub events: u64,
+    pub ledger: LedgerSummary,
+    pub writer: WriterReport,
+    pub builder_reports: Vec<BuilderReport>,
+    pub summary_path: PathBuf,
+}
+
+/// The ledger as written to JSON.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LedgerSummary {
+    pub produced: u64,
+    pub buckets: BTreeMap<String, u64>,
+    pub unaccounted: i128,
+    pub excess_received: u64,
+    pub tally_errors: i128,
+    pub balanced: bool,
+}
+
+impl LedgerSummary {
+    pub fn new(l: &Ledger) -> Self {
+        Self {
+            produced: l.produced,
+            buckets: l.buckets().map(|(b, n)| (b.name().to_string(), n)).collect(),
+            unaccounted: l.unaccounted(),
+            excess_received: l.excess_received,
+            tally_errors: l.tally_errors,
+            balanced: l.is_balanced(),
+        }
+    }
+}
+
+/// How many sources share one process (and so one connection per builder) so that all
+/// connections of an embedded run fit under the open-file limit (two descriptors per
+/// loopback connection, both ends in this process).
+pub fn sources_per_node(sources: u32, builders: u32, fd_limit: u64) -> usize {
+    let budget = (fd_limit.saturating_sub(256) * 8 / 10).max(64);
+    let needed = 2 * u64::from(sources) * u64::from(builders);
+    needed.div_ceil(budget).clamp(1, u64::from(sources.max(1))) as usize
+}
+
+/// Raises the soft open-file limit to the hard limit; returns the limit in force.
+pub fn raise_fd_limit() -> u64 {
+    rlimit::increase_nofile_limit(u64::MAX).unwrap_or(1024)
+}
+
+/// Runs writer, builders and sources in this process. `cancel` (e.g. Ctrl-C) ends data
+/// taking early; the chain then drains normally.
+pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: CancellationToken) -> anyhow::Result<RunSummary> {
+    cfg.validate()?;
+    let clock = WallClock::new();
+    let fd_limit = raise_fd_limit();
+    let per_node = sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit);
+
+    let writer_listener = TcpListener::bind("127.0.0.1:0").await?;
+    cfg.run.writer_addr = writer_listener.local_addr()?.to_string();
+    let mut builder_listeners = Vec::new();
+    cfg.run.builder_addrs.clear();
+    for _ in 0..cfg.run.builders {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        cfg.run.builder_addrs.push(l.local_addr()?.to_string());
+        builder_listeners.push(l);
+    }
+
+    let writer_cancel = CancellationToken::new();
+    let writer = tokio::spawn(run_writer(cfg.clone(), writer_listener, writer_cancel.clone()));
+    let builder_cancel = CancellationToken::new();
+    let builders: Vec<_> = builder_listeners
+        .into_iter()
+        .enumerate()
+        .map(|(id, l)| {
+            tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock, live.clone(), builder_cancel.clone()))
+        })
+        .collect();
+    let ids = cfg.hosted_sources();
+    let nodes: Vec<_> = ids
+        .chunks(per_node)
+        .map(|chunk| tokio::spawn(run_source_node(cfg.clone(), chunk.to_vec(), clock, live.clone(), cancel.clone())))
+        .collect();
+    info!(nodes = nodes.len(), per_node, fd_limit, "embedded run started");
+
+    let mut tallies: BTreeMap<SourceId, SourceTally> = BTreeMap::new();
+    let mut slices_produced = 0;
+    let mut late_slice_ends = 0;
+    for n in nodes {
+        let r = n.await??;
+        slices_produced = slices_produced.max(r.slices);
+        late_slice_ends += r.late_slice_ends;
+        tallies.extend(r.tallies);
+    }
+    // Sources are done and their links closed; builders finish when every source's end of
+    // stream has arrived. A guard in case a stream end was lost:
+    let guard = StdDuration::from_millis(cfg.builder.drain_timeout_ms + cfg.builder.wall_timeout_ms);
+    let bc = builder_cancel.clone();
+    let guard_task = tokio::spawn(async move {
+        tokio::time::sleep(guard).await;
+        warn!("builders did not finish in time; stopping them");
+        bc.cancel();
+    });
+    let mut builder_reports = Vec::new();
+    for b in builders {
+        builder_reports.push(b.await??);
+    }
+    guard_task.abort();
+    let wc = writer_cancel.clone();
+    let guard_task = tokio::spawn(async move {
+        tokio::time::sleep(StdDuration::from_secs(30)).await;
+        wc.cancel();
+    });
+    let writer = writer.await??;
+    guard_task.abort();
+
+    let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
+    let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
+    summary.summary_path = path.clone();
+    std::fs::write(&path, serde_json::to_vec_pretty(&summary)?)?;
+    Ok(summary)
+}
+
+fn summarize(
+    cfg: &Config,
+    per_node: usize,
+    slices_produced: u64,
+    late_slice_ends: u64,
+    tallies: &BTreeMap<SourceId, SourceTally>,
+    builder_reports: Vec<BuilderReport>,
+    writer: WriterReport,
+) -> RunSummary {
+    let mut net = new_histogram();
+    let mut shaping = new_histogram();
+    let mut incomplete_reasons = BTreeMap::new();
+    let mut rejected = BTreeMap::new();
+    let btallies: BTreeMap<u32, BuilderTally> = builder_reports.iter().map(|b| (b.id, b.tally.clone())).collect();
+    let (mut first, mut last) = (u64::MAX, 0u64);
+    for b in &builder_reports {
+        let _ = net.add(&b.net_delay_us);
+        let _ = shaping.add(&b.shaping_delay_us);
+        for (k, v) in &b.incomplete_reasons {
+            *incomplete_reasons.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &b.rejected_connections {
+            *rejected.entry(k.clone()).or_default() += v;
+        }
+        if b.fragments > 0 {
+            first = first.min(b.first_arrival_ns);
+            last = last.max(b.last_arrival_ns);
+        }
+    }
+    let bytes: u64 = builder_reports.iter().map(|b| b.bytes).sum();
+    let span_s = if last > first { (last - first) as f64 * 1e-9 } else { 0.0 };
+    let ledger = Ledger::combine(tallies, &btallies);
+    RunSummary {
+        run: cfg.run.run_number,
+        policy: cfg.run.policy.clone(),
+        sources: cfg.run.sources,
+        builders: cfg.run.builders,
+        sources_per_node: per_node,
+        slice_ms: cfg.run.slice_ms,
+        seconds: cfg.run.seconds,
+        slices_produced,
+        slices_complete: builder_reports.iter().map(|b| b.slices_complete).sum(),
+        slices_incomplete: builder_reports.iter().map(|b| b.slices_incomplete).sum(),
+        incomplete_reasons,
+        fragments_received: builder_reports.iter().map(|b| b.fragments).sum(),
+        bytes_received: bytes,
+        mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
+        network_delay: DelayStats::from_histogram(&net),
+        shaping_delay: DelayStats::from_histogram(&shaping),
+        rejected_connections: rejected,
+        late_slice_ends,
+        events: builder_reports.iter().map(|b| b.events).sum(),
+        ledger: LedgerSummary::new(&ledger),
+        writer,
+        builder_reports,
+        summary_path: PathBuf::new(),
+    }
+}

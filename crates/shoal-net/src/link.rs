@@ -1,0 +1,213 @@
+//! An outgoing framed TCP connection with its own queue, reconnecting with backoff.
+//!
+//! Sources keep one [`Link`] per builder; builders keep one to the writer. The owner
+//! enqueues [`Chunk`]s without ever waiting (so a slow or dead peer never stalls the
+//! owner's other links) and tracks the queued bytes to enforce its own limit. The link
+//! task writes chunks in order and reports, per frame, whether its last byte was handed
+//! to the kernel ([`LinkReport::Sent`]) or the connection failed ([`LinkReport::Failed`]).
+//! The send time in a frame's header is stamped just before its first byte is written.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use shoal_core::frame::{HEADER_LEN, set_send_time};
+use shoal_core::{SourceId, slice::SliceNumber};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::clock::WallClock;
+
+/// A piece of one frame to write.
+#[derive(Debug)]
+pub struct Chunk {
+    pub source: SourceId,
+    pub slice: SliceNumber,
+    /// Starts a frame: its header is the first bytes and gets the send time.
+    pub first: bool,
+    /// Ends a frame: a report follows.
+    pub last: bool,
+    pub bytes: Bytes,
+}
+
+/// The fate of a frame handed to a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkReport {
+    Sent { link: u32, source: SourceId, slice: SliceNumber },
+    Failed { link: u32, source: SourceId, slice: SliceNumber },
+}
+
+/// The owner's side of a link.
+#[derive(Debug)]
+pub struct Link {
+    pub id: u32,
+    tx: mpsc::UnboundedSender<Chunk>,
+    queued: Arc<AtomicU64>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// Reconnect policy.
+#[derive(Clone, Copy, Debug)]
+pub struct Backoff {
+    pub min: Duration,
+    pub max: Duration,
+}
+
+impl Link {
+    /// Starts the link task. `closing` tells a disconnected link at the end of the run to
+    /// give up after one last attempt instead of retrying forever.
+    pub fn spawn(
+        id: u32,
+        addr: SocketAddr,
+        clock: WallClock,
+        backoff: Backoff,
+        reports: mpsc::UnboundedSender<LinkReport>,
+        closing: CancellationToken,
+    ) -> Link {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicU64::new(0));
+        let task = tokio::spawn(run(id, addr, clock, backoff, rx, queued.clone(), reports, closing));
+        Link { id, tx, queued, task }
+    }
+
+    /// Bytes enqueued and not yet written.
+    pub fn queued_bytes(&self) -> u64 {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Enqueues a chunk (never waits).
+    pub fn send(&self, chunk: Chunk) {
+        self.queued.fetch_add(chunk.bytes.len() as u64, Ordering::Relaxed);
+        let len = chunk.bytes.len() as u64;
+        if self.tx.send(chunk).is_err() {
+            // The task has ended (it only does so after `close`); nothing will be written.
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+        }
+    }
+
+    /// No more chunks: the task writes what is queued, closes, and ends.
+    pub fn close(self) -> tokio::task::JoinHandle<()> {
+        drop(self.tx);
+        self.task
+    }
+}
+
+async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    id: u32,
+    addr: SocketAddr,
+    clock: WallClock,
+    backoff: Backoff,
+    mut rx: mpsc::UnboundedReceiver<Chunk>,
+    queued: Arc<AtomicU64>,
+    reports: mpsc::UnboundedSender<LinkReport>,
+    closing: CancellationToken,
+) {
+    let mut stream: Option<TcpStream> = None;
+    let mut delay = backoff.min;
+    // After a failure mid-frame, the rest of that frame is skipped.
+    let mut skipping: Option<(SourceId, SliceNumber)> = None;
+    let mut held: Option<Chunk> = None;
+    loop {
+        let chunk = match held.take() {
+            Some(c) => c,
+            None => match rx.recv().await {
+                Some(c) => c,
+                None => break,
+            },
+        };
+        if skipping == Some((chunk.source, chunk.slice)) {
+            queued.fetch_sub(chunk.bytes.len() as u64, Ordering::Relaxed);
+            if chunk.last {
+                skipping = None;
+            }
+            continue;
+        }
+        let s = match &mut stream {
+            Some(s) => s,
+            None => match connect(addr).await {
+                Ok(s) => {
+                    debug!(link = id, %addr, "connected");
+                    delay = backoff.min;
+                    stream.insert(s)
+                }
+                Err(e) => {
+                    if closing.is_cancelled() {
+                        warn!(link = id, %addr, error = %e, "peer unreachable at end of run; failing queued frames");
+                        fail(id, chunk, &queued, &reports, &mut skipping);
+                        while let Some(c) = rx.recv().await {
+                            fail(id, c, &queued, &reports, &mut skipping);
+                        }
+                        return;
+                    }
+                    debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
+                    held = Some(chunk);
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = closing.cancelled() => {}
+                    }
+                    delay = (delay * 2).min(backoff.max);
+                    continue;
+                }
+            },
+        };
+        let len = chunk.bytes.len() as u64;
+        let result = if chunk.first && chunk.bytes.len() >= HEADER_LEN {
+            let mut header = [0u8; HEADER_LEN];
+            header.copy_from_slice(&chunk.bytes[..HEADER_LEN]);
+            set_send_time(&mut header, clock.now());
+            let mut buf = (&header[..]).chain(&chunk.bytes[HEADER_LEN..]);
+            s.write_all_buf(&mut buf).await
+        } else {
+            s.write_all(&chunk.bytes).await
+        };
+        match result {
+            Ok(()) => {
+                queued.fetch_sub(len, Ordering::Relaxed);
+                if chunk.last {
+                    let _ = reports.send(LinkReport::Sent { link: id, source: chunk.source, slice: chunk.slice });
+                }
+            }
+            Err(e) => {
+                warn!(link = id, %addr, error = %e, "write failed; reconnecting");
+                stream = None;
+                fail(id, chunk, &queued, &reports, &mut skipping);
+            }
+        }
+    }
+    if let Some(mut s) = stream {
+        let _ = s.shutdown().await;
+        info!(link = id, %addr, "closed");
+    }
+}
+
+fn fail(
+    id: u32,
+    chunk: Chunk,
+    queued: &AtomicU64,
+    reports: &mpsc::UnboundedSender<LinkReport>,
+    skipping: &mut Option<(SourceId, SliceNumber)>,
+) {
+    queued.fetch_sub(chunk.bytes.len() as u64, Ordering::Relaxed);
+    if skipping == &Some((chunk.source, chunk.slice)) {
+        if chunk.last {
+            *skipping = None;
+        }
+        return;
+    }
+    if !chunk.last {
+        *skipping = Some((chunk.source, chunk.slice));
+    }
+    let _ = reports.send(LinkReport::Failed { link: id, source: chunk.source, slice: chunk.slice });
+}

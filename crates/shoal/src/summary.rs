@@ -1,0 +1,108 @@
+//! The human-readable run summary printed by `shoal demo`.
+
+use std::fmt::Write;
+
+use shoal_net::demo::{DelayStats, RunSummary};
+
+fn us(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.2} s", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.2} ms", v / 1e3)
+    } else {
+        format!("{v:.0} us")
+    }
+}
+
+fn delays(d: &DelayStats) -> String {
+    if d.count == 0 {
+        return "-".into();
+    }
+    format!("avg {}   p99 {}   max {}", us(d.mean_us), us(d.p99_us as f64), us(d.max_us as f64))
+}
+
+fn counts(m: &std::collections::BTreeMap<String, u64>) -> String {
+    if m.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = m.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    format!(" ({})", parts.join(", "))
+}
+
+pub fn table(s: &RunSummary) -> String {
+    let mut o = String::new();
+    let total = s.slices_complete + s.slices_incomplete;
+    let pct = if total > 0 { 100.0 * s.slices_complete as f64 / total as f64 } else { 0.0 };
+    let rows: Vec<(&str, String)> = vec![
+        (
+            "run",
+            format!(
+                "{}: {} sources x {} builders, policy {}, {} ms slices, {} s{}",
+                s.run,
+                s.sources,
+                s.builders,
+                s.policy,
+                s.slice_ms,
+                s.seconds,
+                if s.sources_per_node > 1 {
+                    format!(" ({} sources share each source process's connections)", s.sources_per_node)
+                } else {
+                    String::new()
+                }
+            ),
+        ),
+        (
+            "slices",
+            format!(
+                "{} complete ({pct:.2}%), {} incomplete{}",
+                s.slices_complete,
+                s.slices_incomplete,
+                counts(&s.incomplete_reasons)
+            ),
+        ),
+        ("fragments", format!("{} received", s.fragments_received)),
+        ("data", format!("{:.1} MB at {:.1} MB/s", s.bytes_received as f64 / 1e6, s.mbytes_per_s)),
+        ("network delay", delays(&s.network_delay)),
+        ("shaping delay", delays(&s.shaping_delay)),
+        (
+            "late / dropped",
+            format!(
+                "late {}, dropped at builder (overload) {}, dropped at source {}",
+                s.ledger.buckets.get("late").copied().unwrap_or(0),
+                s.ledger.buckets.get("dropped_overload").copied().unwrap_or(0),
+                s.ledger.buckets.get("dropped_at_source").copied().unwrap_or(0),
+            ),
+        ),
+        (
+            "rejected conns",
+            format!("{}{}", s.rejected_connections.values().sum::<u64>(), counts(&s.rejected_connections)),
+        ),
+        ("events", format!("{} ({} hits stored)", s.writer.file.events, s.writer.file.hits)),
+        (
+            "ledger",
+            format!(
+                "produced {} = {}; unaccounted {}{}",
+                s.ledger.produced,
+                s.ledger
+                    .buckets
+                    .iter()
+                    .filter(|(_, v)| **v > 0)
+                    .map(|(k, v)| format!("{k} {v}"))
+                    .collect::<Vec<_>>()
+                    .join(" + "),
+                s.ledger.unaccounted,
+                if s.ledger.balanced { " (balanced)" } else { " (NOT BALANCED)" }
+            ),
+        ),
+        ("output", format!("{} ({} bytes)", s.writer.file.path.display(), s.writer.file.bytes)),
+        ("summary", s.summary_path.display().to_string()),
+    ];
+    let _ = writeln!(o, "shoal demo summary");
+    for (k, v) in rows {
+        let _ = writeln!(o, "  {k:<15} {v}");
+    }
+    if s.late_slice_ends > 0 {
+        let _ = writeln!(o, "  warning: the generator reached {} slice ends late (CPU overloaded)", s.late_slice_ends);
+    }
+    o
+}
