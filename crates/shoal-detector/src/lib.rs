@@ -12,7 +12,7 @@ use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Poisson};
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
-use shoal_core::hit::{Hit, WAVEFORM_LEN, WAVEFORM_SAMPLES};
+use shoal_core::hit::{HIT_LEN, Hit, WAVEFORM_LEN, WAVEFORM_SAMPLES};
 use shoal_core::{Duration, SourceId};
 
 /// Background model of one source (front-end board).
@@ -106,45 +106,50 @@ impl NoiseGenerator {
         let secs = f64::from(self.slice_ns) * 1e-9;
         f64::from(self.cfg.oms)
             * secs
-            * (self.cfg.rate_hz * shoal_core::hit::HIT_LEN as f64 + self.cfg.waveform_rate_hz * WAVEFORM_LEN as f64)
+            * (self.cfg.rate_hz * HIT_LEN as f64 + self.cfg.waveform_rate_hz * WAVEFORM_LEN as f64)
     }
 
     /// The data of `source` in slice `slice`, hits sorted by time.
     pub fn generate(&self, source: SourceId, slice: u64) -> GeneratedFragment {
         let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ mix(u64::from(source) ^ mix(slice))));
-        let mut hits = Vec::new();
-        let mut waveforms = 0u32;
-        let mut wave_buf = BytesMut::new();
+        let span = self.slice_ns.max(1);
+        // Hits packed as (time << 16 | channel << 8 | amplitude): sorting plain u64 keys is
+        // several times faster than sorting structs, and the generator runs at the full
+        // detector rate (63 M hits/s for ANTARES).
+        let mut keys: Vec<u64> = Vec::new();
+        let mut wave_counts = [0u32; 256];
         for channel in 0..self.cfg.oms {
             if let Some(p) = &self.hits_per_om {
                 let n = p.sample(&mut rng) as usize;
-                hits.extend((0..n).map(|_| Hit {
-                    channel,
-                    time_ns: rng.random_range(0..self.slice_ns.max(1)),
+                keys.reserve(n);
+                for _ in 0..n {
+                    let t = u64::from(rng.random_range(0..span));
                     // Time over threshold around the single photo-electron peak (~27 ns).
-                    amplitude: rng.random_range(15..40),
-                }));
+                    let amp = u64::from(rng.random_range(15u8..40));
+                    keys.push(t << 16 | u64::from(channel) << 8 | amp);
+                }
             }
             if let Some(p) = &self.waveforms_per_om {
-                let n = p.sample(&mut rng) as u32;
-                for _ in 0..n {
-                    wave_buf.put_u8(channel);
-                    wave_buf.put_u32_le(rng.random_range(0..self.slice_ns.max(1)));
-                    let mut samples = [0u8; WAVEFORM_SAMPLES];
-                    rng.fill(&mut samples[..]);
-                    wave_buf.put_slice(&samples);
-                }
-                waveforms += n;
+                wave_counts[channel as usize] = p.sample(&mut rng) as u32;
             }
         }
-        hits.sort_unstable();
-        let mut payload = BytesMut::with_capacity(hits.len() * shoal_core::hit::HIT_LEN + wave_buf.len());
-        for h in &hits {
-            h.encode(&mut payload);
+        keys.sort_unstable();
+        let waveforms: u32 = wave_counts.iter().sum();
+        let mut payload = BytesMut::with_capacity(keys.len() * HIT_LEN + waveforms as usize * WAVEFORM_LEN);
+        for k in &keys {
+            Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: *k as u8 }.encode(&mut payload);
         }
-        payload.put_slice(&wave_buf);
+        let mut samples = [0u8; WAVEFORM_SAMPLES];
+        for (channel, &n) in wave_counts.iter().enumerate().take(usize::from(self.cfg.oms)) {
+            for _ in 0..n {
+                payload.put_u8(channel as u8);
+                payload.put_u32_le(rng.random_range(0..span));
+                rng.fill(&mut samples[..]);
+                payload.put_slice(&samples);
+            }
+        }
         GeneratedFragment {
-            hit_count: hits.len() as u32,
+            hit_count: keys.len() as u32,
             waveform_count: waveforms,
             payload: payload.freeze(),
             burst: false,

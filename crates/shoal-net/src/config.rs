@@ -71,6 +71,10 @@ pub struct SourceConfig {
     pub ids: Vec<SourceId>,
     /// Background generator.
     pub noise: NoiseConfig,
+    /// 0: generate every fragment live. N > 0: generate N slices per source at start and
+    /// replay them in turn (same bytes, new slice numbers), so that a benchmark of the
+    /// network path is not limited by the random generator.
+    pub replay_pool: u32,
     /// Most bytes queued towards one builder before fragments are dropped (counted).
     /// The ANTARES board has 64 MB for buffering.
     pub queue_limit_mb: u64,
@@ -93,6 +97,7 @@ impl Default for SourceConfig {
         Self {
             ids: Vec::new(),
             noise: NoiseConfig::default(),
+            replay_pool: 0,
             queue_limit_mb: 64,
             cutoff: false,
             cutoff_head: 4,

@@ -70,6 +70,7 @@ pub async fn run_source_node(
     let slice_clock: SliceClock = cfg.slice_clock()?;
     let generator = NoiseGenerator::new(cfg.source.noise.clone(), slice_clock.length())
         .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}")))?;
+    let generator = FragmentSource::new(generator, &ids, cfg.source.replay_pool);
     let n_builders = cfg.run.builders;
     let addrs = (0..n_builders).map(|b| cfg.builder_addr(b)).collect::<Result<Vec<_>, _>>()?;
     let backoff = Backoff {
@@ -224,9 +225,36 @@ pub async fn run_source_node(
     Ok(report)
 }
 
+/// Where fragments come from: the live generator or a pre-generated pool.
+enum FragmentSource {
+    Live(NoiseGenerator),
+    Pool(HashMap<SourceId, Vec<GeneratedFragment>>),
+}
+
+impl FragmentSource {
+    fn new(generator: NoiseGenerator, ids: &[SourceId], pool: u32) -> Self {
+        if pool == 0 {
+            return FragmentSource::Live(generator);
+        }
+        let pools =
+            ids.iter().map(|&id| (id, (0..u64::from(pool)).map(|s| generator.generate(id, s)).collect())).collect();
+        FragmentSource::Pool(pools)
+    }
+
+    fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
+        match self {
+            FragmentSource::Live(g) => g.generate(source, slice),
+            FragmentSource::Pool(p) => {
+                let frags = &p[&source];
+                frags[(slice % frags.len() as u64) as usize].clone()
+            }
+        }
+    }
+}
+
 fn produce(
     s: &mut HostedSource,
-    generator: &NoiseGenerator,
+    generator: &FragmentSource,
     clock: &SliceClock,
     slice: SliceNumber,
     now: Instant,

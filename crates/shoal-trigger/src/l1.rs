@@ -90,48 +90,54 @@ impl Filter for L1Multiplicity {
         let sources: Vec<SourceId> = slice.fragments.iter().map(|f| f.source).collect();
 
         // Sweep: a cluster starts at each L1 and spans cluster_ns; overlapping firing
-        // windows merge into one event.
+        // windows merge into one event. Two pointers with per-source counts: O(L1 hits).
         let mut windows: Vec<(usize, usize)> = Vec::new(); // inclusive index ranges into l1
-        let mut distinct: Vec<usize> = Vec::new();
-        let mut j = 0;
+        let mut per_source = vec![0u32; slice.fragments.len()];
+        let mut distinct = 0u32;
+        let mut end = 0; // l1[i..end] is the current window
         for i in 0..l1.len() {
-            j = j.max(i);
-            while j + 1 < l1.len() && l1[j + 1].0 - l1[i].0 <= cfg.cluster_ns {
-                j += 1;
+            while end < l1.len() && l1[end].0 - l1[i].0 <= cfg.cluster_ns {
+                let c = &mut per_source[l1[end].1];
+                distinct += u32::from(*c == 0);
+                *c += 1;
+                end += 1;
             }
-            distinct.clear();
-            distinct.extend(l1[i..=j].iter().map(|x| x.1));
-            distinct.sort_unstable();
-            distinct.dedup();
-            if distinct.len() as u32 >= cfg.min_sources {
+            if distinct >= cfg.min_sources {
+                let j = end - 1;
                 match windows.last_mut() {
                     Some(w) if i <= w.1 => w.1 = w.1.max(j),
                     _ => windows.push((i, j)),
                 }
             }
+            let c = &mut per_source[l1[i].1];
+            *c -= 1;
+            distinct -= u32::from(*c == 0);
         }
 
-        windows
-            .iter()
-            .enumerate()
-            .map(|(id, &(a, b))| {
-                let t0 = l1[a].0.saturating_sub(cfg.snapshot_ns);
-                let t1 = l1[b].0.saturating_add(cfg.snapshot_ns);
-                let mut hits = Vec::new();
-                for (fi, fh) in self.hits.iter().enumerate() {
-                    let start = fh.partition_point(|h| h.time_ns < t0);
-                    for (k, h) in fh.iter().enumerate().skip(start) {
-                        if h.time_ns > t1 {
-                            break;
-                        }
-                        let triggered = l1[a..=b].iter().any(|x| x.1 == fi && x.2 == k);
-                        hits.push(EventHit::from_hit(sources[fi], *h, triggered));
-                    }
+        // Which hits triggered: one flag per hit, set from the L1 list of each window.
+        let mut triggered: Vec<Vec<bool>> = self.hits.iter().map(|h| vec![false; h.len()]).collect();
+        let mut events = Vec::with_capacity(windows.len());
+        for (id, &(a, b)) in windows.iter().enumerate() {
+            for &(_, fi, hi) in &l1[a..=b] {
+                triggered[fi][hi] = true;
+            }
+            let t0 = l1[a].0.saturating_sub(cfg.snapshot_ns);
+            let t1 = l1[b].0.saturating_add(cfg.snapshot_ns);
+            let mut hits = Vec::new();
+            for (fi, fh) in self.hits.iter().enumerate() {
+                let start = fh.partition_point(|h| h.time_ns < t0);
+                let end = fh.partition_point(|h| h.time_ns <= t1);
+                for k in start..end {
+                    hits.push(EventHit::from_hit(sources[fi], fh[k], triggered[fi][k]));
                 }
-                hits.sort_by_key(|h| (h.time_ns, h.source, h.channel));
-                Event { id: id as u32, trigger_mask: 1, hits }
-            })
-            .collect()
+            }
+            for &(_, fi, hi) in &l1[a..=b] {
+                triggered[fi][hi] = false;
+            }
+            hits.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
+            events.push(Event { id: id as u32, trigger_mask: 1, hits });
+        }
+        events
     }
 }
 
@@ -177,6 +183,40 @@ mod tests {
             let mut got = Vec::new();
             l1_indices(&hits, &cfg, &mut got);
             prop_assert_eq!(got, brute_l1(&hits, &cfg));
+        }
+    }
+
+    proptest! {
+        /// The triggered hits are exactly the L1 hits inside some firing window, a window
+        /// being [t, t + cluster_ns] from any L1 hit at t that holds L1 hits on at least
+        /// min_sources sources (checked by brute force).
+        #[test]
+        fn multiplicity_matches_brute_force(
+            raw in proptest::collection::vec(proptest::collection::vec((0u8..3, 0u32..20_000), 0..40), 1..6),
+            min_sources in 1u32..4, cluster_ns in 0u32..3000,
+        ) {
+            let cfg = L1Config { min_sources, cluster_ns, snapshot_ns: 0, ..Default::default() };
+            let mut f = L1Multiplicity::default();
+            f.init(&FilterConfig { name: "l1".into(), l1: cfg.clone() }).unwrap();
+            let mut sorted: Vec<Vec<Hit>> = raw.iter().map(|v| { let mut h: Vec<Hit> = v.iter().map(|&(c, t)| h(c, t)).collect(); h.sort_unstable(); h }).collect();
+            for v in &mut sorted { v.dedup(); }
+            let slice = SliceData { slice: 0, slice_start_ns: 0, fragments: sorted.iter().enumerate().map(|(i, v)| frag(i as u32, v)).collect() };
+            let got: std::collections::BTreeSet<(u32, u32, u8)> = f.process(&slice).iter()
+                .flat_map(|e| e.hits.iter().filter(|h| h.triggered).map(|h| (h.source, h.time_ns, h.channel)).collect::<Vec<_>>())
+                .collect();
+            let mut l1 = Vec::new();
+            for (s, v) in sorted.iter().enumerate() {
+                for i in brute_l1(v, &cfg) { l1.push((v[i].time_ns, s as u32, v[i].channel)); }
+            }
+            let mut want = std::collections::BTreeSet::new();
+            for &(t, _, _) in &l1 {
+                let window: Vec<_> = l1.iter().filter(|x| x.0 >= t && x.0 - t <= cluster_ns).collect();
+                let distinct: std::collections::BTreeSet<u32> = window.iter().map(|x| x.1).collect();
+                if distinct.len() as u32 >= min_sources {
+                    want.extend(window.iter().map(|x| (x.1, x.0, x.2)));
+                }
+            }
+            prop_assert_eq!(got, want);
         }
     }
 
