@@ -1,0 +1,58 @@
+# shoal: `make demo` runs the embedded default; `make test` installs what the tests need
+# and runs everything CI runs.
+
+CARGO  ?= cargo
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+SHOAL  := target/release/shoal
+
+.PHONY: demo test build lint rust-test py-test py-env deps bench clean
+
+demo: build
+	$(SHOAL) demo
+
+build:
+	$(CARGO) build --release --locked -p shoal
+
+test: deps lint rust-test py-test
+
+# Debian packages the tests and benchmarks use, installed only when we are root and they
+# are missing (CI runs as root on a fresh machine).
+DEB_PACKAGES := iperf3
+deps:
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install$$missing (only benchmarks need them)"; \
+	  else echo "note: not root, not installing$$missing (only benchmarks need them)"; fi; \
+	fi
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+
+rust-test:
+	$(CARGO) test --locked --workspace
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+py-env: $(VENV)/.installed
+
+# pytest exits 5 when it collects no test; that must fail loudly, not pass silently.
+py-test: build py-env
+	SHOAL_BIN=$(CURDIR)/$(SHOAL) $(PY) -m pytest tests/python -q; \
+	  rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+bench: build
+	scripts/bench-demo.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf $(VENV) shoal-out

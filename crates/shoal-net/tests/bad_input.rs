@@ -1,0 +1,94 @@
+//! Bad bytes on a builder's data port close only that connection, with a counted reason;
+//! the builder keeps assembling from the real sources.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::*;
+use rand::{Rng, SeedableRng};
+use shoal_core::Instant;
+use shoal_core::frame::{self, Flags, FrameHeader};
+use shoal_core::ledger::Ledger;
+use shoal_net::builder::run_builder;
+use shoal_net::source::run_source_node;
+use shoal_net::writer::run_writer;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+async fn run_with_intruder(name: &str, bad: Vec<u8>) -> (shoal_net::builder::BuilderReport, Ledger) {
+    let out = temp_dir(name);
+    let mut cfg = small_config(2, 1, 1.0, &out);
+    let (wl, mut bls) = bind_all(&mut cfg).await;
+    let addr = bls[0].local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live(), never()));
+    let intruder = tokio::spawn(async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        // The builder may close on us mid-write; that is the point.
+        let _ = s.write_all(&bad).await;
+        let _ = s.shutdown().await;
+    });
+    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
+    intruder.await.unwrap();
+    let b = builder.await.unwrap().unwrap();
+    let w = writer.await.unwrap().unwrap();
+    assert!(w.error.is_none());
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.tally.clone())]));
+    std::fs::remove_dir_all(&out).unwrap();
+    (b, ledger)
+}
+
+fn assert_builder_carried_on(b: &shoal_net::builder::BuilderReport, ledger: &Ledger) {
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(ledger.lost(), 0, "no fragment of the real sources may be lost: {ledger:?}");
+    assert!(b.slices_complete > 0);
+    assert_eq!(b.rejected_connections.values().sum::<u64>(), 1, "{:?}", b.rejected_connections);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_bytes_close_only_that_connection() {
+    let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(7);
+    let mut bad = vec![0u8; 100_000];
+    rng.fill_bytes(&mut bad);
+    let (b, ledger) = run_with_intruder("random", bad).await;
+    assert_builder_carried_on(&b, &ledger);
+    assert_eq!(b.rejected_connections.get("bad_magic"), Some(&1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_length_is_rejected_before_allocation() {
+    let h = FrameHeader {
+        flags: Flags::EMPTY,
+        source: 0,
+        hit_count: 0,
+        slice: 1,
+        slice_start: Instant::ZERO,
+        send_time: Instant::ZERO,
+        payload_len: 0,
+    };
+    // A valid header (correct CRC) announcing 17 MiB, above the 16 MiB default limit.
+    let mut bytes = frame::encode(&h, &vec![0u8; 17 << 20]).to_vec();
+    bytes.truncate(frame::HEADER_LEN + 10);
+    let (b, ledger) = run_with_intruder("oversized", bytes).await;
+    assert_builder_carried_on(&b, &ledger);
+    assert_eq!(b.rejected_connections.get("payload_too_large"), Some(&1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_frame_at_eof_is_counted() {
+    let h = FrameHeader {
+        flags: Flags::EMPTY,
+        source: 0,
+        hit_count: 0,
+        slice: 1,
+        slice_start: Instant::ZERO,
+        send_time: Instant::ZERO,
+        payload_len: 0,
+    };
+    let mut bytes = frame::encode(&h, &[0u8; 600]).to_vec();
+    bytes.truncate(300);
+    let (b, ledger) = run_with_intruder("truncated", bytes).await;
+    assert_builder_carried_on(&b, &ledger);
+    assert_eq!(b.rejected_connections.get("truncated"), Some(&1));
+}

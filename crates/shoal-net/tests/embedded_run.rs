@@ -1,0 +1,43 @@
+//! The whole chain in one process: every fragment accounted, every slice processed once,
+//! the Parquet file holds what the writer reported.
+
+mod common;
+
+use common::*;
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use shoal_net::demo::run_embedded;
+
+async fn run(policy: &str, sources: u32, builders: u32) {
+    let out = temp_dir(&format!("embedded-{}", policy.replace(':', "-")));
+    let mut cfg = small_config(sources, builders, 1.0, &out);
+    cfg.run.policy = policy.into();
+    let s = run_embedded(cfg, live(), never()).await.unwrap();
+    assert!(s.ledger.balanced, "{:?}", s.ledger);
+    assert_eq!(s.ledger.produced, u64::from(sources) * s.slices_produced);
+    assert_eq!(s.ledger.unaccounted, 0);
+    // Every produced slice was processed exactly once by its builder.
+    assert_eq!(s.slices_complete + s.slices_incomplete, s.slices_produced);
+    assert_eq!(s.writer.slices, s.slices_produced);
+    assert_eq!(s.writer.builders_ended, builders as usize);
+    let file = std::fs::File::open(&s.writer.file.path).unwrap();
+    let rows = SerializedFileReader::new(file).unwrap().metadata().file_metadata().num_rows();
+    assert_eq!(rows as u64, s.writer.file.events);
+    assert_eq!(s.events, s.writer.file.events);
+    assert!(s.summary_path.exists());
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_policy() {
+    run("direct", 5, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_policy() {
+    run("delayed:2", 6, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_bucket_policy() {
+    run("tbf:20MB:64k", 4, 2).await;
+}
