@@ -149,24 +149,34 @@ pub fn encode(header: &FrameHeader, payload: &[u8]) -> Bytes {
 
 /// Appends an encoded frame to `buf`.
 pub fn encode_into(header: &FrameHeader, payload: &[u8], buf: &mut BytesMut) {
-    let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
-    let start = buf.len();
     buf.reserve(HEADER_LEN + payload.len());
-    buf.put_slice(&MAGIC);
-    buf.put_u8(VERSION);
-    buf.put_u8(HEADER_LEN as u8);
-    buf.put_u16_le(header.flags.bits());
-    buf.put_u32_le(header.source);
-    buf.put_u32_le(header.hit_count);
-    buf.put_u64_le(header.slice);
-    buf.put_u64_le(header.slice_start.as_nanos());
-    buf.put_u64_le(header.send_time.as_nanos());
-    buf.put_u32_le(payload_len);
-    buf.put_u32_le(crc32c::crc32c(payload));
-    buf.put_u32_le(0);
-    let hcrc = crc32c::crc32c(&buf[start..start + OFF_HEADER_CRC]);
-    buf.put_u32_le(hcrc);
+    buf.put_slice(&encode_header(header, payload));
     buf.put_slice(payload);
+}
+
+/// Encodes only the header of the frame that carries `payload`, so that the payload can be
+/// sent from where it already is (one vectored write, no copy).
+///
+/// Panics if the payload is longer than `u32::MAX` bytes (a caller bug, not an input).
+pub fn encode_header(header: &FrameHeader, payload: &[u8]) -> [u8; HEADER_LEN] {
+    let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
+    let mut h = [0u8; HEADER_LEN];
+    let mut b = &mut h[..];
+    b.put_slice(&MAGIC);
+    b.put_u8(VERSION);
+    b.put_u8(HEADER_LEN as u8);
+    b.put_u16_le(header.flags.bits());
+    b.put_u32_le(header.source);
+    b.put_u32_le(header.hit_count);
+    b.put_u64_le(header.slice);
+    b.put_u64_le(header.slice_start.as_nanos());
+    b.put_u64_le(header.send_time.as_nanos());
+    b.put_u32_le(payload_len);
+    b.put_u32_le(crc32c::crc32c(payload));
+    b.put_u32_le(0);
+    let hcrc = crc32c::crc32c(&h[..OFF_HEADER_CRC]);
+    h[OFF_HEADER_CRC..].copy_from_slice(&hcrc.to_le_bytes());
+    h
 }
 
 /// Rewrites the send time of an encoded frame in place (and its header CRC).
@@ -364,6 +374,13 @@ mod tests {
         assert_eq!(used, bytes.len());
         assert_eq!(frame.header, header(payload.len() as u32));
         assert_eq!(&frame.payload[..], payload);
+    }
+
+    #[test]
+    fn header_alone_matches_whole_frame() {
+        let payload = [7u8; 99];
+        let whole = encode(&header(0), &payload);
+        assert_eq!(&whole[..HEADER_LEN], &encode_header(&header(0), &payload)[..]);
     }
 
     #[test]

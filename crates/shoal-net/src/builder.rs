@@ -274,7 +274,7 @@ pub async fn run_builder(
         send_time: clock.now(),
         payload_len: 0,
     };
-    link.send(Chunk { source: id, slice: u64::MAX, first: true, last: true, bytes: frame::encode(&eos, &[]) });
+    link.send(Chunk::frame(id, u64::MAX, frame::encode_header(&eos, &[]), bytes::Bytes::new()));
     wclosing.cancel();
     let link_task = link.close();
     if tokio::time::timeout(StdDuration::from_secs(10), link_task).await.is_err() {
@@ -387,8 +387,8 @@ fn filter_loop(
             send_time: Instant::ZERO,
             payload_len: 0,
         };
-        let bytes = frame::encode(&header, &encode_events(&selected));
-        link.send(Chunk { source: id, slice: o.slice, first: true, last: true, bytes });
+        let payload = encode_events(&selected);
+        link.send(Chunk::frame(id, o.slice, frame::encode_header(&header, &payload), payload));
         drop(data);
         let _ = released.send(o.bytes);
     }

@@ -23,16 +23,33 @@ use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
 
-/// A piece of one frame to write.
+/// A piece of one frame to write: `head` (a part of the header) then `body` (a part of the
+/// payload), either possibly empty. Payloads are never copied into a frame buffer.
 #[derive(Debug)]
 pub struct Chunk {
     pub source: SourceId,
     pub slice: SliceNumber,
-    /// Starts a frame: its header is the first bytes and gets the send time.
+    /// Starts a frame: `head` is the whole header and gets the send time stamped.
     pub first: bool,
     /// Ends a frame: a report follows.
     pub last: bool,
-    pub bytes: Bytes,
+    pub head: Bytes,
+    pub body: Bytes,
+}
+
+impl Chunk {
+    /// A whole frame in one chunk.
+    pub fn frame(source: SourceId, slice: SliceNumber, header: [u8; HEADER_LEN], payload: Bytes) -> Chunk {
+        Chunk { source, slice, first: true, last: true, head: Bytes::copy_from_slice(&header), body: payload }
+    }
+
+    pub fn len(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// The fate of a frame handed to a link.
@@ -82,8 +99,8 @@ impl Link {
 
     /// Enqueues a chunk (never waits).
     pub fn send(&self, chunk: Chunk) {
-        self.queued.fetch_add(chunk.bytes.len() as u64, Ordering::Relaxed);
-        let len = chunk.bytes.len() as u64;
+        let len = chunk.len() as u64;
+        self.queued.fetch_add(len, Ordering::Relaxed);
         if self.tx.send(chunk).is_err() {
             // The task has ended (it only does so after `close`); nothing will be written.
             self.queued.fetch_sub(len, Ordering::Relaxed);
@@ -128,7 +145,7 @@ async fn run(
             },
         };
         if skipping == Some((chunk.source, chunk.slice)) {
-            queued.fetch_sub(chunk.bytes.len() as u64, Ordering::Relaxed);
+            queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
             if chunk.last {
                 skipping = None;
             }
@@ -162,16 +179,16 @@ async fn run(
                 }
             },
         };
-        let len = chunk.bytes.len() as u64;
-        let result = if chunk.first && chunk.bytes.len() >= HEADER_LEN {
-            let mut header = [0u8; HEADER_LEN];
-            header.copy_from_slice(&chunk.bytes[..HEADER_LEN]);
+        let len = chunk.len() as u64;
+        let mut header = [0u8; HEADER_LEN];
+        let head: &[u8] = if chunk.first && chunk.head.len() == HEADER_LEN {
+            header.copy_from_slice(&chunk.head);
             set_send_time(&mut header, clock.now());
-            let mut buf = (&header[..]).chain(&chunk.bytes[HEADER_LEN..]);
-            s.write_all_buf(&mut buf).await
+            &header
         } else {
-            s.write_all(&chunk.bytes).await
+            &chunk.head
         };
+        let result = s.write_all_buf(&mut head.chain(&chunk.body[..])).await;
         match result {
             Ok(()) => {
                 queued.fetch_sub(len, Ordering::Relaxed);
@@ -199,7 +216,7 @@ fn fail(
     reports: &mpsc::UnboundedSender<LinkReport>,
     skipping: &mut Option<(SourceId, SliceNumber)>,
 ) {
-    queued.fetch_sub(chunk.bytes.len() as u64, Ordering::Relaxed);
+    queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
     if skipping == &Some((chunk.source, chunk.slice)) {
         if chunk.last {
             *skipping = None;

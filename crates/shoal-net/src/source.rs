@@ -40,7 +40,8 @@ pub struct SourceReport {
 }
 
 struct PendingFrame {
-    bytes: Bytes,
+    header: [u8; frame::HEADER_LEN],
+    payload: Bytes,
     dest: Option<BuilderId>,
     dropped: bool,
 }
@@ -193,13 +194,7 @@ pub async fn run_source_node(
                 send_time: now,
                 payload_len: 0,
             };
-            link.send(Chunk {
-                source: s.id,
-                slice: next_slice,
-                first: true,
-                last: true,
-                bytes: frame::encode(&eos, &[]),
-            });
+            link.send(Chunk::frame(s.id, next_slice, frame::encode_header(&eos, &[]), Bytes::new()));
         }
     }
     closing.cancel();
@@ -307,11 +302,11 @@ fn enqueue(
     if frag.burst {
         flags = flags | Flags::BURST;
     }
-    let (hit_count, payload): (u32, &[u8]) = if cut {
+    let (hit_count, payload) = if cut {
         flags = flags | Flags::CUT_OFF;
-        (0, &[])
+        (0, Bytes::new())
     } else {
-        (frag.hit_count, &frag.payload)
+        (frag.hit_count, frag.payload)
     };
     let header = FrameHeader {
         flags,
@@ -322,9 +317,9 @@ fn enqueue(
         send_time: Instant::ZERO,
         payload_len: 0,
     };
-    let bytes = frame::encode(&header, payload);
-    let len = bytes.len() as u64;
-    s.frames.insert(slice, PendingFrame { bytes, dest: None, dropped: false });
+    let header = frame::encode_header(&header, &payload);
+    let len = (frame::HEADER_LEN + payload.len()) as u64;
+    s.frames.insert(slice, PendingFrame { header, payload, dest: None, dropped: false });
     s.shaper.handle_fragment(now, Outgoing { slice, len });
 }
 
@@ -336,7 +331,7 @@ fn dispatch(s: &mut HostedSource, tx: Transmit, links: &[Link], queue_limit: u64
     let link = &links[tx.dest as usize];
     if tx.offset == 0 {
         f.dest = Some(tx.dest);
-        if link.queued_bytes() + f.bytes.len() as u64 > queue_limit {
+        if link.queued_bytes() + (frame::HEADER_LEN + f.payload.len()) as u64 > queue_limit {
             f.dropped = true;
         }
     }
@@ -348,8 +343,12 @@ fn dispatch(s: &mut HostedSource, tx: Transmit, links: &[Link], queue_limit: u64
         }
         return;
     }
-    let bytes = f.bytes.slice(tx.offset as usize..(tx.offset + tx.len) as usize);
-    link.send(Chunk { source: s.id, slice: tx.slice, first: tx.offset == 0, last: tx.last, bytes });
+    // The transmit's byte range over header ++ payload, without copying the payload.
+    let (start, end) = (tx.offset as usize, (tx.offset + tx.len) as usize);
+    let h = frame::HEADER_LEN;
+    let head = if start < h { Bytes::copy_from_slice(&f.header[start..end.min(h)]) } else { Bytes::new() };
+    let body = if end > h { f.payload.slice(start.max(h) - h..end - h) } else { Bytes::new() };
+    link.send(Chunk { source: s.id, slice: tx.slice, first: start == 0, last: tx.last, head, body });
     if tx.last {
         s.stall = Some((tx.slice, now + stall_limit));
     }

@@ -41,3 +41,10 @@ async fn delayed_policy() {
 async fn token_bucket_policy() {
     run("tbf:20MB:64k", 4, 2).await;
 }
+
+/// A burst far below the fragment size: every fragment goes out in many chunks, the first
+/// one splitting header and payload; the builder must still decode every frame intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_bucket_small_chunks() {
+    run("tbf:50MB:1000", 3, 2).await;
+}
