@@ -28,9 +28,16 @@ pub struct Hit {
 
 impl Hit {
     pub fn encode<B: BufMut>(&self, buf: &mut B) {
-        buf.put_u8(self.channel);
-        buf.put_u32_le(self.time_ns);
-        buf.put_u8(self.amplitude);
+        let mut rec = [0u8; HIT_LEN];
+        self.write_record(&mut rec);
+        buf.put_slice(&rec);
+    }
+
+    /// Writes the 6-byte record into `rec` (for filling a preallocated payload).
+    pub fn write_record(&self, rec: &mut [u8]) {
+        rec[0] = self.channel;
+        rec[1..5].copy_from_slice(&self.time_ns.to_le_bytes());
+        rec[5] = self.amplitude;
     }
 
     /// Decodes one record; `rec` must be exactly [`HIT_LEN`] bytes.
