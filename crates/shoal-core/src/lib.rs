@@ -17,6 +17,7 @@
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
 
 pub mod assembly;
+pub mod controlhost;
 pub mod frame;
 pub mod hit;
 pub mod ledger;
