@@ -12,9 +12,11 @@
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
 
 pub mod builder;
+pub mod chclient;
 pub mod clock;
 pub mod config;
 pub mod demo;
+pub mod dispatcher;
 pub mod link;
 pub mod live;
 pub mod source;

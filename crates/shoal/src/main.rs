@@ -3,6 +3,7 @@
 //! - `shoal demo`: the whole chain in one process with no configuration needed.
 //! - `shoal node --role source|builder|writer --config FILE`: one role per process.
 //! - `shoal config`: prints the full default configuration.
+//! - `shoal dispatcher`: a ControlHost-compatible message dispatcher.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +47,27 @@ enum Command {
     },
     /// Print the full default configuration as TOML.
     Config,
+    /// Run a ControlHost-compatible message dispatcher (KM3NeT Ligier dialect).
+    Dispatcher(DispatcherArgs),
+}
+
+#[derive(Parser)]
+struct DispatcherArgs {
+    /// Address for ControlHost clients.
+    #[arg(long, default_value = "127.0.0.1:5553")]
+    listen: std::net::SocketAddr,
+    /// Address for HTTP /status and /metrics, or "off".
+    #[arg(long, default_value = "127.0.0.1:5554")]
+    http: String,
+    /// Messages queued per client before any-mode (w) messages are dropped for it.
+    #[arg(long, default_value_t = 100)]
+    queue_limit: usize,
+    /// Bytes held for all clients (MiB) above which publishers are paused.
+    #[arg(long, default_value_t = 1024)]
+    memory_limit_mb: u64,
+    /// Largest accepted payload (MiB); larger lengths close the connection.
+    #[arg(long, default_value_t = 64)]
+    max_payload_mb: u32,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -128,6 +150,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => demo(args).await,
         Command::Node { role, config } => node(role, config).await,
+        Command::Dispatcher(args) => dispatcher(args).await,
         Command::Config => {
             print!("{}", toml::to_string(&Config::default())?);
             Ok(ExitCode::SUCCESS)
@@ -199,6 +222,33 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         print!("{}", summary::table(&summary));
     }
     Ok(exit_code(&summary, args.min_complete))
+}
+
+async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
+    use shoal_core::controlhost::RouterConfig;
+    use shoal_net::dispatcher::{DispatcherConfig, serve_http, spawn_dispatcher};
+    if args.queue_limit == 0 || args.max_payload_mb == 0 {
+        anyhow::bail!("--queue-limit and --max-payload-mb must be at least 1");
+    }
+    let cfg = DispatcherConfig {
+        router: RouterConfig { queue_limit: args.queue_limit, memory_limit: args.memory_limit_mb << 20, window: 8 },
+        max_payload: args.max_payload_mb.saturating_mul(1 << 20).min(i32::MAX as u32),
+    };
+    shoal_net::demo::raise_fd_limit();
+    let cancel = ctrl_c_token();
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding the dispatcher port {}", args.listen))?;
+    let (handle, core) = spawn_dispatcher(listener, cfg, cancel.clone())?;
+    eprintln!("shoal dispatcher listening on {}", handle.addr);
+    if args.http != "off" {
+        let addr: std::net::SocketAddr = args.http.parse().with_context(|| format!("--http {:?}", args.http))?;
+        let http = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding HTTP port {addr}"))?;
+        eprintln!("status http://{addr}/status  metrics http://{addr}/metrics");
+        tokio::spawn(serve_http(http, handle.clone(), cancel.clone()));
+    }
+    core.await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn exit_code(s: &RunSummary, min_complete: Option<f64>) -> ExitCode {

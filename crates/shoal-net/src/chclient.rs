@@ -1,0 +1,182 @@
+//! An async ControlHost client: publish, subscribe (any/all), receive, and reconnect with
+//! resubscription. shoal's own processes use it to talk to a dispatcher.
+//!
+//! Like the KM3NeT Python clients, it keeps its subscription list locally and sends the
+//! whole list (`_Subscri`, replace semantics) followed by `_Always` on every change and
+//! after every reconnect.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Buf;
+use shoal_core::controlhost::{Message, MessageDecoder, Mode, Tag, encode_prefix};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tracing::{debug, warn};
+
+/// Client errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid tag {0:?}: 1 to 8 bytes, no blanks")]
+    BadTag(String),
+    #[error("dispatcher protocol error: {0}")]
+    Protocol(#[from] shoal_core::controlhost::CodecError),
+    #[error("cannot reach the dispatcher at {addr} after {attempts} attempts: {source}")]
+    Unreachable { addr: SocketAddr, attempts: u32, source: std::io::Error },
+}
+
+/// A connection to a dispatcher.
+#[derive(Debug)]
+pub struct ChClient {
+    addr: SocketAddr,
+    stream: Option<TcpStream>,
+    decoder: MessageDecoder,
+    subs: Vec<(Tag, Mode)>,
+    /// Connection attempts before an operation gives up (with backoff 50 ms .. 2 s).
+    pub max_attempts: u32,
+    /// Reconnections so far.
+    pub reconnects: u64,
+}
+
+pub fn tag(name: &str) -> Result<Tag, ClientError> {
+    Tag::new(name.as_bytes()).ok_or_else(|| ClientError::BadTag(name.into()))
+}
+
+impl ChClient {
+    /// Connects (retrying with backoff up to `max_attempts`).
+    pub async fn connect(addr: SocketAddr) -> Result<Self, ClientError> {
+        let mut c = Self {
+            addr,
+            stream: None,
+            decoder: MessageDecoder::new(u32::MAX >> 1),
+            subs: Vec::new(),
+            max_attempts: 20,
+            reconnects: 0,
+        };
+        c.ensure_connected().await?;
+        Ok(c)
+    }
+
+    async fn ensure_connected(&mut self) -> Result<&mut TcpStream, ClientError> {
+        if self.stream.is_none() {
+            let mut delay = Duration::from_millis(50);
+            let mut attempt = 0;
+            let s = loop {
+                attempt += 1;
+                match TcpStream::connect(self.addr).await {
+                    Ok(s) => break s,
+                    Err(e) if attempt >= self.max_attempts => {
+                        return Err(ClientError::Unreachable { addr: self.addr, attempts: attempt, source: e });
+                    }
+                    Err(e) => {
+                        debug!(addr = %self.addr, error = %e, "connect failed, retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(2));
+                    }
+                }
+            };
+            let _ = s.set_nodelay(true);
+            self.decoder = MessageDecoder::new(u32::MAX >> 1);
+            self.stream = Some(s);
+            if !self.subs.is_empty() {
+                self.send_subscription().await?;
+            }
+        }
+        Ok(self.stream.as_mut().expect("just connected"))
+    }
+
+    async fn write_message(&mut self, tag: Tag, payload: &[u8]) -> Result<(), ClientError> {
+        let prefix = encode_prefix(tag, payload.len());
+        let mut last_err = None;
+        for _ in 0..3 {
+            self.ensure_connected().await?;
+            let s = self.stream.as_mut().expect("connected");
+            let mut buf = Buf::chain(&prefix[..], payload);
+            match s.write_all_buf(&mut buf).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    warn!(error = %e, "write to dispatcher failed; reconnecting");
+                    self.stream = None;
+                    self.reconnects += 1;
+                    last_err = Some(e);
+                }
+            }
+        }
+        Err(ClientError::Unreachable { addr: self.addr, attempts: 3, source: last_err.expect("three failures") })
+    }
+
+    async fn send_subscription(&mut self) -> Result<(), ClientError> {
+        let mut text = String::new();
+        for (t, m) in &self.subs {
+            text.push(' ');
+            text.push(m.letter());
+            text.push(' ');
+            text.push_str(&t.to_string());
+        }
+        let s = self.stream.as_mut().expect("connected");
+        for (tag, payload) in [(Tag::SUBSCRIBE, text.as_bytes()), (Tag::ALWAYS, &b""[..])] {
+            let prefix = encode_prefix(tag, payload.len());
+            let mut buf = Buf::chain(&prefix[..], payload);
+            if let Err(e) = s.write_all_buf(&mut buf).await {
+                warn!(error = %e, "subscribing failed");
+                self.stream = None;
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `name` to the subscription (or changes its mode) and re-sends the whole list.
+    pub async fn subscribe(&mut self, name: &str, mode: Mode) -> Result<(), ClientError> {
+        let t = tag(name)?;
+        match self.subs.iter_mut().find(|(x, _)| *x == t) {
+            Some(e) => e.1 = mode,
+            None => self.subs.push((t, mode)),
+        }
+        self.ensure_connected().await?;
+        self.send_subscription().await
+    }
+
+    pub async fn unsubscribe(&mut self, name: &str) -> Result<(), ClientError> {
+        let t = tag(name)?;
+        self.subs.retain(|(x, _)| *x != t);
+        self.ensure_connected().await?;
+        self.send_subscription().await
+    }
+
+    /// Names this connection (`_MyId`); the dispatcher announces it as `Born`.
+    pub async fn set_nickname(&mut self, nick: &str) -> Result<(), ClientError> {
+        self.write_message(Tag::MY_ID, nick.as_bytes()).await
+    }
+
+    pub async fn publish(&mut self, name: &str, payload: &[u8]) -> Result<(), ClientError> {
+        self.write_message(tag(name)?, payload).await
+    }
+
+    /// The next message for our subscriptions. Reconnects (and resubscribes) if the
+    /// dispatcher goes away; a protocol error is returned and the connection reset.
+    pub async fn next_message(&mut self) -> Result<Message, ClientError> {
+        loop {
+            match self.decoder.next_message() {
+                Ok(Some(m)) => return Ok(m),
+                Ok(None) => {}
+                Err(e) => {
+                    self.stream = None;
+                    return Err(e.into());
+                }
+            }
+            self.ensure_connected().await?;
+            let s = self.stream.as_mut().expect("connected");
+            let buf = self.decoder.buffer_mut();
+            buf.reserve(16 * 1024);
+            match s.read_buf(buf).await {
+                Ok(n) if n > 0 => {}
+                other => {
+                    warn!(result = ?other.map_err(|e| e.to_string()), "dispatcher connection lost; reconnecting");
+                    self.stream = None;
+                    self.reconnects += 1;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! `shoal dispatcher`: a ControlHost-compatible message dispatcher on tokio.
+//!
+//! The routing decisions are shoal-core's [`Router`]; this module moves bytes. One reader
+//! and one writer task per connection, one core task that owns the router:
+//! - readers decode messages ([`MessageDecoder`]) and pass them to the core through one
+//!   bounded channel; while the router is over its memory limit the core stops taking from
+//!   that channel, so readers stop reading and publishers feel TCP back-pressure;
+//! - the core hands each delivery to the client's writer, which writes prefix and payload in
+//!   one vectored write and reports completion; a slow client only fills its own queue;
+//! - garbage (negative or oversized length, EOF inside a message) closes only that
+//!   connection, with a logged reason and a counter.
+//!
+//! HTTP (optional): `/status` (JSON: clients, nicknames, subscriptions, queues) and
+//! `/metrics` (Prometheus text).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Buf;
+use serde::Serialize;
+use shoal_core::controlhost::router::TagStats;
+use shoal_core::controlhost::{ClientId, Message, MessageDecoder, Output, Router, RouterConfig, encode_prefix};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Dispatcher settings (`shoal dispatcher` flags).
+#[derive(Clone, Copy, Debug)]
+pub struct DispatcherConfig {
+    pub router: RouterConfig,
+    /// Largest payload accepted; a larger length closes the connection.
+    pub max_payload: u32,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self { router: RouterConfig::default(), max_payload: 64 << 20 }
+    }
+}
+
+enum Event {
+    Connected { id: ClientId, peer: SocketAddr, writer: mpsc::UnboundedSender<Message>, close: CancellationToken },
+    Closed { id: ClientId, reason: Option<&'static str> },
+    Written { id: ClientId },
+    Snapshot(oneshot::Sender<Snapshot>),
+}
+
+struct Conn {
+    peer: SocketAddr,
+    writer: mpsc::UnboundedSender<Message>,
+    close: CancellationToken,
+    since: Instant,
+}
+
+/// One client on the status page.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClientInfo {
+    pub id: ClientId,
+    pub peer: String,
+    pub connected_s: f64,
+    pub nickname: Option<String>,
+    pub subscription: String,
+    /// -1: always ready (`_Always`); n >= 0: `_Gime` credits left.
+    pub ready: i64,
+    pub queued: usize,
+    pub in_flight: usize,
+    pub dropped: u64,
+    pub received: u64,
+    pub delivered: u64,
+}
+
+/// Per-tag counters on the status page.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TagInfo {
+    pub messages_in: u64,
+    pub bytes_in: u64,
+    pub messages_out: u64,
+    pub bytes_out: u64,
+    pub dropped: u64,
+}
+
+impl From<&TagStats> for TagInfo {
+    fn from(s: &TagStats) -> Self {
+        Self {
+            messages_in: s.messages_in,
+            bytes_in: s.bytes_in,
+            messages_out: s.messages_out,
+            bytes_out: s.bytes_out,
+            dropped: s.dropped,
+        }
+    }
+}
+
+/// Everything `/status` and `/metrics` show.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Snapshot {
+    pub clients: Vec<ClientInfo>,
+    pub tags: BTreeMap<String, TagInfo>,
+    pub held_bytes: u64,
+    /// Time publishers spent paused by back-pressure (memory limit), seconds.
+    pub backpressure_s: f64,
+    pub accepting: bool,
+    pub connections_total: u64,
+    /// Connections closed for bad input, by reason.
+    pub rejected: BTreeMap<String, u64>,
+}
+
+/// A handle to ask a running dispatcher for its state.
+#[derive(Clone, Debug)]
+pub struct DispatcherHandle {
+    events: mpsc::UnboundedSender<Event>,
+    pub addr: SocketAddr,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Event")
+    }
+}
+
+impl DispatcherHandle {
+    pub async fn snapshot(&self) -> Option<Snapshot> {
+        let (tx, rx) = oneshot::channel();
+        self.events.send(Event::Snapshot(tx)).ok()?;
+        rx.await.ok()
+    }
+}
+
+/// Starts a dispatcher on a bound listener; it runs until `cancel`.
+pub fn spawn_dispatcher(
+    listener: TcpListener,
+    cfg: DispatcherConfig,
+    cancel: CancellationToken,
+) -> std::io::Result<(DispatcherHandle, tokio::task::JoinHandle<()>)> {
+    let addr = listener.local_addr()?;
+    let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    let (in_tx, in_rx) = mpsc::channel::<(ClientId, Message)>(1024);
+    let accept_events = ev_tx.clone();
+    let accept_cancel = cancel.clone();
+    tokio::spawn(async move {
+        let mut next_id: ClientId = 1;
+        loop {
+            tokio::select! {
+                r = listener.accept() => match r {
+                    Ok((stream, peer)) => {
+                        start_connection(next_id, stream, peer, cfg.max_payload, &accept_events, &in_tx);
+                        next_id += 1;
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                },
+                _ = accept_cancel.cancelled() => return,
+            }
+        }
+    });
+    let core = tokio::spawn(run_core(Router::new(cfg.router), ev_rx, in_rx, cancel));
+    info!(%addr, "dispatcher listening");
+    Ok((DispatcherHandle { events: ev_tx, addr }, core))
+}
+
+fn start_connection(
+    id: ClientId,
+    stream: TcpStream,
+    peer: SocketAddr,
+    max_payload: u32,
+    events: &mpsc::UnboundedSender<Event>,
+    input: &mpsc::Sender<(ClientId, Message)>,
+) {
+    let _ = stream.set_nodelay(true);
+    let _ = socket2::SockRef::from(&stream).set_keepalive(true);
+    let (r, w) = stream.into_split();
+    let (wtx, wrx) = mpsc::unbounded_channel();
+    let close = CancellationToken::new();
+    // Register before the reader can produce anything, so the core knows the client.
+    let _ = events.send(Event::Connected { id, peer, writer: wtx, close: close.clone() });
+    tokio::spawn(read_loop(id, r, peer, max_payload, input.clone(), events.clone(), close.clone()));
+    tokio::spawn(write_loop(id, w, wrx, events.clone(), close));
+}
+
+async fn read_loop(
+    id: ClientId,
+    mut r: OwnedReadHalf,
+    peer: SocketAddr,
+    max_payload: u32,
+    input: mpsc::Sender<(ClientId, Message)>,
+    events: mpsc::UnboundedSender<Event>,
+    close: CancellationToken,
+) {
+    let mut dec = MessageDecoder::new(max_payload);
+    let reason = loop {
+        dec.buffer_mut().reserve(16 * 1024);
+        let n = tokio::select! {
+            n = r.read_buf(dec.buffer_mut()) => n,
+            _ = close.cancelled() => break None,
+        };
+        match n {
+            Ok(0) => break dec.finish().err().map(|e| e.kind()),
+            Ok(_) => {}
+            Err(e) => {
+                debug!(%peer, error = %e, "read failed");
+                break None;
+            }
+        }
+        let mut bad = None;
+        loop {
+            match dec.next_message() {
+                Ok(Some(m)) => {
+                    if input.send((id, m)).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    warn!(%peer, reason = e.kind(), detail = %e, "closing ControlHost connection");
+                    bad = Some(e.kind());
+                    break;
+                }
+            }
+        }
+        if bad.is_some() {
+            break bad;
+        }
+    };
+    if let Some(kind) = reason
+        && kind == "truncated"
+    {
+        warn!(%peer, reason = kind, "connection ended inside a message");
+    }
+    close.cancel();
+    let _ = events.send(Event::Closed { id, reason });
+}
+
+async fn write_loop(
+    id: ClientId,
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Message>,
+    events: mpsc::UnboundedSender<Event>,
+    close: CancellationToken,
+) {
+    loop {
+        let m = tokio::select! {
+            m = rx.recv() => match m { Some(m) => m, None => break },
+            _ = close.cancelled() => break,
+        };
+        // Prefix and payload in one vectored write: some clients read the prefix with a
+        // single recv(16) and reconnect if it arrives split.
+        let prefix = encode_prefix(m.tag, m.payload.len());
+        let mut buf = Buf::chain(&prefix[..], &m.payload[..]);
+        if let Err(e) = w.write_all_buf(&mut buf).await {
+            debug!(client = id, error = %e, "write failed");
+            close.cancel();
+            break;
+        }
+        let _ = events.send(Event::Written { id });
+    }
+    let _ = w.shutdown().await;
+}
+
+async fn run_core(
+    mut router: Router,
+    mut events: mpsc::UnboundedReceiver<Event>,
+    mut input: mpsc::Receiver<(ClientId, Message)>,
+    cancel: CancellationToken,
+) {
+    let mut conns: HashMap<ClientId, Conn> = HashMap::new();
+    let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
+    let mut connections_total = 0u64;
+    let mut paused_since: Option<Instant> = None;
+    let mut backpressure = Duration::ZERO;
+    loop {
+        let accepting = router.accepting();
+        match (accepting, paused_since) {
+            (false, None) => paused_since = Some(Instant::now()),
+            (true, Some(t)) => {
+                backpressure += t.elapsed();
+                paused_since = None;
+            }
+            _ => {}
+        }
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            e = events.recv() => match e {
+                Some(Event::Connected { id, peer, writer, close }) => {
+                    connections_total += 1;
+                    router.handle_connect(id);
+                    conns.insert(id, Conn { peer, writer, close, since: Instant::now() });
+                }
+                Some(Event::Closed { id, reason }) => {
+                    if let Some(r) = reason {
+                        *rejected.entry(r.to_string()).or_default() += 1;
+                    }
+                    if let Some(c) = conns.remove(&id) {
+                        c.close.cancel();
+                    }
+                    router.handle_disconnect(id);
+                }
+                Some(Event::Written { id }) => router.handle_written(id),
+                Some(Event::Snapshot(reply)) => {
+                    let bp = backpressure + paused_since.map_or(Duration::ZERO, |t| t.elapsed());
+                    let _ = reply.send(snapshot(&router, &conns, &rejected, connections_total, bp));
+                }
+                None => break,
+            },
+            m = input.recv(), if accepting => match m {
+                Some((id, m)) => router.handle_message(id, m),
+                None => break,
+            },
+        }
+        while let Some(o) = router.poll_output() {
+            match o {
+                Output::Transmit { client, message } => {
+                    if let Some(c) = conns.get(&client) {
+                        let _ = c.writer.send(message);
+                    }
+                }
+                Output::Close { client, reason } => {
+                    warn!(client, ?reason, "closing client");
+                    if let Some(c) = conns.get(&client) {
+                        c.close.cancel();
+                    }
+                }
+            }
+        }
+    }
+    for c in conns.values() {
+        c.close.cancel();
+    }
+}
+
+fn snapshot(
+    router: &Router,
+    conns: &HashMap<ClientId, Conn>,
+    rejected: &BTreeMap<String, u64>,
+    connections_total: u64,
+    backpressure: Duration,
+) -> Snapshot {
+    let clients = router
+        .status()
+        .into_iter()
+        .map(|s| {
+            let c = conns.get(&s.id);
+            ClientInfo {
+                id: s.id,
+                peer: c.map(|c| c.peer.to_string()).unwrap_or_default(),
+                connected_s: c.map_or(0.0, |c| c.since.elapsed().as_secs_f64()),
+                nickname: s.nickname,
+                subscription: s.subscription,
+                ready: s.ready,
+                queued: s.queued,
+                in_flight: s.in_flight,
+                dropped: s.dropped,
+                received: s.received,
+                delivered: s.delivered,
+            }
+        })
+        .collect();
+    Snapshot {
+        clients,
+        tags: router.tag_stats().map(|(t, s)| (t.to_string(), s.into())).collect(),
+        held_bytes: router.held_bytes(),
+        backpressure_s: backpressure.as_secs_f64(),
+        accepting: router.accepting(),
+        connections_total,
+        rejected: rejected.clone(),
+    }
+}
+
+/// Prometheus text for a snapshot (`shoal_dispatcher_*`).
+pub fn metrics_text(s: &Snapshot) -> String {
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
+    type Labels = Vec<(String, String)>;
+
+    let mut reg = Registry::default();
+    let clients = Gauge::<i64>::default();
+    clients.set(s.clients.len() as i64);
+    reg.register("shoal_dispatcher_clients", "Connected clients", clients);
+    let held = Gauge::<i64>::default();
+    held.set(s.held_bytes as i64);
+    reg.register("shoal_dispatcher_held_bytes", "Bytes queued for delivery", held);
+    let conns = Counter::<u64>::default();
+    conns.inc_by(s.connections_total);
+    reg.register("shoal_dispatcher_connections", "Connections accepted", conns);
+    let bp = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+    bp.inc_by(s.backpressure_s);
+    reg.register("shoal_dispatcher_backpressure_seconds", "Time publishers were paused by the memory limit", bp);
+    let tag_families: [(&str, &str, fn(&TagInfo) -> u64); 5] = [
+        ("shoal_dispatcher_messages_in", "Messages received per tag", |t| t.messages_in),
+        ("shoal_dispatcher_bytes_in", "Payload bytes received per tag", |t| t.bytes_in),
+        ("shoal_dispatcher_messages_out", "Messages delivered per tag", |t| t.messages_out),
+        ("shoal_dispatcher_bytes_out", "Payload bytes delivered per tag", |t| t.bytes_out),
+        ("shoal_dispatcher_dropped_messages", "Any-mode messages dropped per tag", |t| t.dropped),
+    ];
+    for (name, help, get) in tag_families {
+        let fam = Family::<Labels, Counter>::default();
+        for (tag, info) in &s.tags {
+            fam.get_or_create(&vec![("tag".into(), tag.clone())]).inc_by(get(info));
+        }
+        reg.register(name, help, fam);
+    }
+    let drops = Family::<Labels, Counter>::default();
+    for c in &s.clients {
+        let nick = c.nickname.clone().unwrap_or_default();
+        drops.get_or_create(&vec![("client".into(), c.id.to_string()), ("nickname".into(), nick)]).inc_by(c.dropped);
+    }
+    reg.register("shoal_dispatcher_client_dropped_messages", "Any-mode messages dropped per client", drops);
+    let rej = Family::<Labels, Counter>::default();
+    for (reason, n) in &s.rejected {
+        rej.get_or_create(&vec![("reason".into(), reason.clone())]).inc_by(*n);
+    }
+    reg.register("shoal_dispatcher_rejected_connections", "Connections closed for bad input", rej);
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String");
+    out
+}
+
+/// Serves `/status` and `/metrics` for a dispatcher until `cancel`.
+pub async fn serve_http(
+    listener: TcpListener,
+    handle: DispatcherHandle,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    use axum::{Json, Router as Http, extract::State, http::header, response::IntoResponse, routing::get};
+    async fn status(State(h): State<DispatcherHandle>) -> impl IntoResponse {
+        Json(h.snapshot().await.unwrap_or_default())
+    }
+    async fn metrics(State(h): State<DispatcherHandle>) -> impl IntoResponse {
+        let text = metrics_text(&h.snapshot().await.unwrap_or_default());
+        ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+    }
+    let app = Http::new().route("/status", get(status)).route("/metrics", get(metrics)).with_state(handle);
+    axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await
+}
