@@ -394,7 +394,8 @@ pub fn metrics_text(s: &Snapshot) -> String {
     let bp = Counter::<f64, std::sync::atomic::AtomicU64>::default();
     bp.inc_by(s.backpressure_s);
     reg.register("shoal_dispatcher_backpressure_seconds", "Time publishers were paused by the memory limit", bp);
-    let tag_families: [(&str, &str, fn(&TagInfo) -> u64); 5] = [
+    type TagCounter = (&'static str, &'static str, fn(&TagInfo) -> u64);
+    let tag_families: [TagCounter; 5] = [
         ("shoal_dispatcher_messages_in", "Messages received per tag", |t| t.messages_in),
         ("shoal_dispatcher_bytes_in", "Payload bytes received per tag", |t| t.bytes_in),
         ("shoal_dispatcher_messages_out", "Messages delivered per tag", |t| t.messages_out),

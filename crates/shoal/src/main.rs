@@ -236,8 +236,13 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     };
     shoal_net::demo::raise_fd_limit();
     let cancel = ctrl_c_token();
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
+    // A deep accept backlog: whole farms (re)connect at once after a restart.
+    let socket =
+        if args.listen.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    let listener = socket
+        .bind(args.listen)
+        .and_then(|()| socket.listen(4096))
         .with_context(|| format!("binding the dispatcher port {}", args.listen))?;
     let (handle, core) = spawn_dispatcher(listener, cfg, cancel.clone())?;
     eprintln!("shoal dispatcher listening on {}", handle.addr);

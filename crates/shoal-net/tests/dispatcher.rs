@@ -1,0 +1,190 @@
+//! Robustness of the dispatcher runtime: slow subscribers, back-pressure, bad input.
+
+use std::time::Duration;
+
+use shoal_core::controlhost::{Mode, RouterConfig, Tag, encode_prefix};
+use shoal_net::chclient::ChClient;
+use shoal_net::dispatcher::{DispatcherConfig, DispatcherHandle, Snapshot, spawn_dispatcher};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+async fn start(cfg: DispatcherConfig) -> (DispatcherHandle, CancellationToken) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cancel = CancellationToken::new();
+    let (h, _core) = spawn_dispatcher(l, cfg, cancel.clone()).unwrap();
+    (h, cancel)
+}
+
+/// Polls the dispatcher's state until `pred` holds (bounded: 20 s).
+async fn wait_until(h: &DispatcherHandle, what: &str, pred: impl Fn(&Snapshot) -> bool) -> Snapshot {
+    for _ in 0..2000 {
+        let s = h.snapshot().await.unwrap();
+        if pred(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}: {:?}", h.snapshot().await);
+}
+
+fn frame(tag: &str, payload: &[u8]) -> Vec<u8> {
+    let mut f = encode_prefix(Tag::new(tag.as_bytes()).unwrap(), payload.len()).to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A raw subscriber that sends its subscription and then reads only when told.
+async fn raw_subscriber(h: &DispatcherHandle, sub: &str) -> TcpStream {
+    let mut s = TcpStream::connect(h.addr).await.unwrap();
+    s.write_all(&frame("_Subscri", sub.as_bytes())).await.unwrap();
+    s.write_all(&frame("_Always", b"")).await.unwrap();
+    s
+}
+
+fn subscribed(s: &Snapshot, text: &str) -> usize {
+    s.clients.iter().filter(|c| c.subscription == text && c.ready != 0).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_any_subscriber_never_stalls_the_others() {
+    let (h, cancel) = start(DispatcherConfig::default()).await;
+    let _slow = raw_subscriber(&h, "w T").await; // never reads
+    // The reading subscriber asks for every message (all-mode), so any loss would be a
+    // failure; the stuck one is any-mode and must only lose its own messages.
+    let mut fast = ChClient::connect(h.addr).await.unwrap();
+    fast.subscribe("T", Mode::All).await.unwrap();
+    wait_until(&h, "two subscribers", |s| subscribed(s, "w T") == 1 && subscribed(s, "a T") == 1).await;
+
+    const N: u32 = 5_000;
+    let payload = vec![7u8; 10_000];
+    let addr = h.addr;
+    let publisher = tokio::spawn(async move {
+        let mut p = ChClient::connect(addr).await.unwrap();
+        for i in 0..N {
+            let mut m = payload.clone();
+            m[..4].copy_from_slice(&i.to_be_bytes());
+            p.publish("T", &m).await.unwrap();
+        }
+    });
+    for i in 0..N {
+        let m = fast.next_message().await.unwrap();
+        assert_eq!(u32::from_be_bytes(m.payload[..4].try_into().unwrap()), i, "in order, none lost");
+    }
+    publisher.await.unwrap();
+    let s = wait_until(&h, "drops counted", |s| s.tags.get("T").is_some_and(|t| t.messages_in == u64::from(N))).await;
+    let slow = s.clients.iter().find(|c| c.subscription == "w T").unwrap();
+    assert!(slow.dropped > 0, "the stuck subscriber's any-mode messages are dropped: {slow:?}");
+    assert!(slow.queued + slow.in_flight <= 100, "queue limit holds: {slow:?}");
+    assert_eq!(s.tags["T"].dropped, slow.dropped);
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_all_subscriber_backpressures_publishers_and_loses_nothing() {
+    let cfg =
+        DispatcherConfig { router: RouterConfig { memory_limit: 1 << 20, ..Default::default() }, ..Default::default() };
+    let (h, cancel) = start(cfg).await;
+    let mut slow = raw_subscriber(&h, "a T").await;
+    wait_until(&h, "subscriber", |s| subscribed(s, "a T") == 1).await;
+
+    const N: u32 = 300;
+    const LEN: usize = 100_000; // 30 MB in all, far above the 1 MiB memory limit
+    let addr = h.addr;
+    let publisher = tokio::spawn(async move {
+        let mut p = ChClient::connect(addr).await.unwrap();
+        for i in 0..N {
+            let mut m = vec![(i % 251) as u8; LEN];
+            m[..4].copy_from_slice(&i.to_be_bytes());
+            p.publish("T", &m).await.unwrap();
+        }
+    });
+    let paused = wait_until(&h, "back-pressure", |s| !s.accepting).await;
+    assert!(paused.held_bytes > 1 << 20);
+    assert!(!publisher.is_finished(), "the publisher is held back while the subscriber does not read");
+
+    // Now read everything: lossless and in order.
+    let mut buf = vec![0u8; 16 + LEN];
+    for i in 0..N {
+        slow.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf[..8], b"T\0\0\0\0\0\0\0");
+        assert_eq!(i32::from_be_bytes(buf[8..12].try_into().unwrap()) as usize, LEN);
+        assert_eq!(u32::from_be_bytes(buf[16..20].try_into().unwrap()), i);
+        assert!(buf[20..].iter().all(|&b| b == (i % 251) as u8));
+    }
+    publisher.await.unwrap();
+    let s = wait_until(&h, "drained", |s| s.accepting && s.held_bytes == 0).await;
+    assert!(s.backpressure_s > 0.0, "time spent paused is reported");
+    assert_eq!(s.tags["T"].dropped, 0);
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_closes_only_that_connection() {
+    let cfg = DispatcherConfig { max_payload: 1 << 20, ..Default::default() };
+    let (h, cancel) = start(cfg).await;
+    let mut sub = ChClient::connect(h.addr).await.unwrap();
+    sub.subscribe("OK", Mode::All).await.unwrap();
+    wait_until(&h, "subscriber", |s| subscribed(s, "a OK") == 1).await;
+
+    let mut negative = frame("X", b"");
+    negative[8..12].copy_from_slice(&(-5i32).to_be_bytes());
+    let mut oversized = frame("X", b"");
+    oversized[8..12].copy_from_slice(&(2i32 << 20).to_be_bytes());
+    let mut truncated = frame("X", b"0123456789");
+    truncated.truncate(20);
+    for bad in [negative, oversized, truncated] {
+        let mut s = TcpStream::connect(h.addr).await.unwrap();
+        s.write_all(&bad).await.unwrap();
+        s.shutdown().await.unwrap();
+        // The dispatcher closes (or has closed) its side: reading ends.
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await.unwrap();
+    }
+    let s = wait_until(&h, "three rejections", |s| s.rejected.values().sum::<u64>() == 3).await;
+    assert_eq!(s.rejected.get("negative_length"), Some(&1));
+    assert_eq!(s.rejected.get("too_large"), Some(&1));
+    assert_eq!(s.rejected.get("truncated"), Some(&1));
+    let mut p = ChClient::connect(h.addr).await.unwrap();
+    p.publish("OK", b"still working").await.unwrap();
+    assert_eq!(&sub.next_message().await.unwrap().payload[..], b"still working");
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_reconnects_and_resubscribes() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    let (h, core) = spawn_dispatcher(l, DispatcherConfig::default(), cancel.clone()).unwrap();
+    let mut sub = ChClient::connect(addr).await.unwrap();
+    sub.subscribe("RC_CMD", Mode::All).await.unwrap();
+    wait_until(&h, "subscriber", |s| subscribed(s, "a RC_CMD") == 1).await;
+    // Stop the dispatcher and start a new one on the same port.
+    cancel.cancel();
+    core.await.unwrap();
+    let recv = tokio::spawn(async move {
+        let m = sub.next_message().await.unwrap();
+        (m, sub.reconnects)
+    });
+    let mut l2 = None;
+    for _ in 0..200 {
+        match TcpListener::bind(addr).await {
+            Ok(l) => {
+                l2 = Some(l);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let cancel2 = CancellationToken::new();
+    let (h2, _core2) =
+        spawn_dispatcher(l2.expect("port free again"), DispatcherConfig::default(), cancel2.clone()).unwrap();
+    wait_until(&h2, "resubscribed", |s| subscribed(s, "a RC_CMD") == 1).await;
+    let mut p = ChClient::connect(addr).await.unwrap();
+    p.publish("RC_CMD", b"START 42").await.unwrap();
+    let (m, reconnects) = recv.await.unwrap();
+    assert_eq!(&m.payload[..], b"START 42");
+    assert!(reconnects >= 1);
+    cancel2.cancel();
+}
