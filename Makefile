@@ -19,7 +19,7 @@ test: deps lint rust-test py-test
 
 # Debian packages the tests and benchmarks use, installed only when we are root and they
 # are missing (CI runs as root on a fresh machine).
-DEB_PACKAGES := iperf3 jq
+DEB_PACKAGES := iperf3 jq redis-server bc
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -52,6 +52,7 @@ py-test: build py-env
 
 bench: build
 	scripts/bench-demo.sh
+	scripts/bench-pubsub.sh
 
 clean:
 	$(CARGO) clean
