@@ -43,4 +43,4 @@ for subs in 1 10 100; do
   done
 done
 echo
-echo "machine: $(nproc) cores, $(uname -r), $(redis-server --version | cut -d' ' -f3), window 64 messages, $(date -u +%Y-%m-%d)"
+echo "machine: $(nproc) cores, $(uname -r), $(redis-server --version | cut -d' ' -f3), window min(64 messages, 8 MiB), $(date -u +%Y-%m-%d)"

@@ -38,9 +38,12 @@ struct Args {
     /// Messages to publish (default: about 1 GB delivered, between 50 and 100,000).
     #[arg(long)]
     messages: Option<u64>,
-    /// Most messages the publisher may be ahead of the slowest subscriber.
+    /// Most messages the publisher may be ahead of the slowest subscriber ...
     #[arg(long, default_value_t = 64)]
     window: u64,
+    /// ... and most bytes (Redis closes pub/sub clients with over 32 MB of output pending).
+    #[arg(long, default_value_t = 8 << 20)]
+    window_bytes: u64,
 }
 
 const CHANNEL: &str = "BENCH";
@@ -203,13 +206,19 @@ async fn main() -> anyhow::Result<()> {
         publish(a.target, &mut pubs, &[0u8]).await?;
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let window = a.window.min(a.window_bytes / a.payload as u64).max(1);
     let mut payload = vec![1u8; a.payload];
     let start = Instant::now();
     for i in 0..m {
         loop {
             let slowest = counts.iter().map(|c| c.load(Ordering::Acquire)).min().unwrap_or(0);
-            if i - slowest.min(i) < a.window {
+            if i - slowest.min(i) < window {
                 break;
+            }
+            if let Some(t) = tasks.iter_mut().find(|t| t.is_finished()) {
+                // A subscriber ended before receiving everything: report why.
+                t.await??;
+                bail!("a subscriber stopped early");
             }
             tokio::task::yield_now().await;
         }

@@ -1,0 +1,231 @@
+//! Scenario files (TOML): topology, traffic, transport. Every parameter has a default
+//! taken from domain.md section 8; a file only says what differs.
+
+use serde::{Deserialize, Serialize};
+
+/// A whole scenario.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    pub seed: u64,
+    pub topology: Topology,
+    pub traffic: Traffic,
+    pub tcp: TcpParams,
+    pub builder: BuilderParams,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Self {
+            name: "sector".into(),
+            seed: 1,
+            topology: Topology::default(),
+            traffic: Traffic::default(),
+            tcp: TcpParams::default(),
+            builder: BuilderParams::default(),
+        }
+    }
+}
+
+/// Boards -> sector switch -> shore cable -> central switch -> builders.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Topology {
+    /// `sector` (5 boards), `2-string` (60) or `10-string` (300); `sources` overrides.
+    pub scale: String,
+    pub sources: Option<u32>,
+    /// Default: sources / 3.
+    pub builders: Option<u32>,
+    pub boards_per_sector: u32,
+    /// Effective board uplink rate (domain.md: 100 Mbit/s Ethernet, about 50 effective).
+    pub board_mbps: f64,
+    pub board_delay_us: f64,
+    /// Sector switch uplink to shore.
+    pub shore_mbps: f64,
+    /// Shore cable propagation (40-50 km: about 300 us).
+    pub shore_delay_us: f64,
+    /// Bit error rate on the shore cable (stress case 1e-8).
+    pub shore_ber: f64,
+    /// Effective builder link rate.
+    pub builder_mbps: f64,
+    pub builder_delay_us: f64,
+    /// Switch output queue limit in packets ...
+    pub queue_packets: Option<usize>,
+    /// ... and/or in bytes (one measured switch: about 108 KB per port).
+    pub queue_bytes: Option<u64>,
+    /// Host (NIC/qdisc) queue in packets.
+    pub host_queue_packets: usize,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Self {
+            scale: "sector".into(),
+            sources: None,
+            builders: None,
+            boards_per_sector: 5,
+            board_mbps: 50.0,
+            board_delay_us: 1.0,
+            shore_mbps: 1000.0,
+            shore_delay_us: 300.0,
+            shore_ber: 0.0,
+            builder_mbps: 500.0,
+            builder_delay_us: 1.0,
+            queue_packets: Some(100),
+            queue_bytes: None,
+            host_queue_packets: 1000,
+        }
+    }
+}
+
+impl Topology {
+    pub fn n_sources(&self) -> Result<u32, String> {
+        if let Some(n) = self.sources {
+            return Ok(n);
+        }
+        match self.scale.as_str() {
+            "sector" => Ok(5),
+            "2-string" => Ok(60),
+            "10-string" => Ok(300),
+            other => Err(format!("unknown scale {other:?} (sector, 2-string, 10-string)")),
+        }
+    }
+    pub fn n_builders(&self) -> Result<u32, String> {
+        Ok(self.builders.unwrap_or((self.n_sources()? / 3).max(1)))
+    }
+}
+
+/// What the sources send.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Traffic {
+    /// `direct`, `delayed:K`, `tbf:RATE[:BURST]`.
+    pub policy: String,
+    /// `tcp` or `udp`.
+    pub transport: String,
+    pub slice_ms: f64,
+    /// Fragment size when bursts are off.
+    pub fragment_bytes: u32,
+    pub load_s: f64,
+    /// Time after the load for stragglers.
+    pub relax_s: f64,
+    /// Bioluminescence bursts.
+    pub bursts: bool,
+    /// Fraction of time a board is in a burst.
+    pub burst_fraction: f64,
+    /// Burst length is uniform in [0, burst_max_s].
+    pub burst_max_s: f64,
+    pub burst_fragment_bytes: u32,
+    /// Fragment size outside bursts when bursts are modelled.
+    pub base_fragment_bytes: u32,
+    /// Burst rate cutoff (send only the first/last 4 slices of a burst).
+    pub cutoff: bool,
+    pub cutoff_head: u32,
+    pub cutoff_tail: u32,
+}
+
+impl Default for Traffic {
+    fn default() -> Self {
+        Self {
+            policy: "direct".into(),
+            transport: "tcp".into(),
+            slice_ms: 10.0,
+            fragment_bytes: 30_000,
+            load_s: 60.0,
+            relax_s: 10.0,
+            bursts: false,
+            burst_fraction: 0.05,
+            burst_max_s: 3.0,
+            burst_fragment_bytes: 150_000,
+            base_fragment_bytes: 25_000,
+            cutoff: false,
+            cutoff_head: 4,
+            cutoff_tail: 4,
+        }
+    }
+}
+
+/// TCP model parameters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TcpParams {
+    pub mss: u32,
+    pub initial_window: u32,
+    pub rwnd_bytes: u64,
+    /// Socket send buffer: a write blocks (the source falls behind) when it is full.
+    pub sndbuf_bytes: u64,
+    pub min_rto_ms: f64,
+    pub delayed_ack_ms: f64,
+}
+
+impl Default for TcpParams {
+    fn default() -> Self {
+        Self {
+            mss: 1460,
+            initial_window: 10,
+            rwnd_bytes: 4 << 20,
+            sndbuf_bytes: 256 << 10,
+            min_rto_ms: 200.0,
+            delayed_ack_ms: 40.0,
+        }
+    }
+}
+
+/// Builder settings (shoal-core's assembler).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BuilderParams {
+    pub max_active: usize,
+    pub wall_timeout_ms: f64,
+}
+
+impl Default for BuilderParams {
+    fn default() -> Self {
+        Self { max_active: 5, wall_timeout_ms: 2000.0 }
+    }
+}
+
+impl Scenario {
+    pub fn from_toml(text: &str) -> Result<Scenario, String> {
+        let s: Scenario = toml_parse(text)?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.topology.n_sources()?;
+        if self.topology.n_builders()? == 0 {
+            return Err("topology.builders must be at least 1".into());
+        }
+        self.traffic.policy.parse::<shoal_core::shaping::Policy>().map_err(|e| e.to_string())?;
+        if !matches!(self.traffic.transport.as_str(), "tcp" | "udp") {
+            return Err(format!("traffic.transport {:?}: tcp or udp", self.traffic.transport));
+        }
+        let positive = [
+            ("traffic.slice_ms", self.traffic.slice_ms),
+            ("topology.board_mbps", self.topology.board_mbps),
+            ("topology.shore_mbps", self.topology.shore_mbps),
+            ("topology.builder_mbps", self.topology.builder_mbps),
+        ];
+        for (name, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if !(self.traffic.load_s.is_finite() && self.traffic.load_s > 0.0 && self.traffic.relax_s >= 0.0) {
+            return Err("traffic.load_s must be positive and relax_s non-negative".into());
+        }
+        if !(0.0..=1.0).contains(&self.topology.shore_ber) {
+            return Err("topology.shore_ber must be in [0, 1]".into());
+        }
+        if self.topology.boards_per_sector == 0 || self.tcp.mss == 0 {
+            return Err("boards_per_sector and tcp.mss must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+fn toml_parse(text: &str) -> Result<Scenario, String> {
+    toml::from_str(text).map_err(|e| e.to_string())
+}

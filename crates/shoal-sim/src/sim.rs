@@ -1,0 +1,776 @@
+//! The simulated DAQ: sources running shoal-core shapers, builders running shoal-core's
+//! slice assembler, over [`crate::net`] with [`crate::tcp`] or UDP.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use rand::{RngExt, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use shoal_core::assembly::{AssemblerConfig, SliceAssembler};
+use shoal_core::ledger::{Ledger, SourceTally};
+use shoal_core::shaping::{BurstCutoff, CutoffDecision, Outgoing, Policy, Shaper, ShaperContext, Transmit};
+use shoal_core::slice::SliceNumber;
+use shoal_core::{Duration, Instant};
+
+use crate::engine::EventQueue;
+use crate::net::{NetEvent, Network, NodeId, Packet, PortSpec, wire_size};
+use crate::scenario::Scenario;
+use crate::tcp::{AckDecision, Segment, TcpConfig, TcpReceiver, TcpSender};
+
+/// IP header bytes; UDP header bytes; largest IP payload per fragment (MTU 1500).
+const IP_HEADER: u32 = 20;
+const UDP_HEADER: u32 = 8;
+const IP_FRAGMENT_PAYLOAD: u32 = 1480;
+/// Largest UDP datagram the sources send; bigger fragments go as several datagrams.
+const MAX_DATAGRAM: u32 = 60_000;
+/// Frame header carried by a cut-off marker (the wire format's header size).
+const CUTOFF_MARKER_BYTES: u32 = shoal_core::frame::HEADER_LEN as u32;
+
+#[derive(Clone, Debug)]
+enum Body {
+    Data { conn: u32, seq: u64, len: u32 },
+    Ack { conn: u32, ack: u64 },
+    Udp { source: u32, slice: SliceNumber, dgram: u64, ip_fragments: u16, dgram_bytes: u32, fragment_bytes: u32 },
+}
+
+#[derive(Debug)]
+enum Ev {
+    Net(NetEvent<Body>),
+    SliceEnd(SliceNumber),
+    ShaperWake(u32),
+    Rto(u32),
+    DelAck(u32),
+    AsmWake(u32),
+}
+
+/// One fragment's life.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FragRecord {
+    pub source: u32,
+    pub slice: SliceNumber,
+    pub builder: u32,
+    pub bytes: u32,
+    pub burst: bool,
+    pub cut_off: bool,
+    /// Slice end: the fragment is ready.
+    pub ready_ns: u64,
+    /// First byte handed to the transport (0: never).
+    pub sent_ns: u64,
+    /// Complete at the builder (0: never).
+    pub arrived_ns: u64,
+}
+
+struct Conn {
+    source: u32,
+    builder: u32,
+    src: NodeId,
+    dst: NodeId,
+    tx: TcpSender,
+    rx: TcpReceiver,
+    sndbuf: u64,
+    /// Pending application writes: (slice, bytes left, ends the fragment).
+    writes: VecDeque<(SliceNumber, u64, bool)>,
+    /// Stream offsets at which fragments end.
+    ends: VecDeque<(u64, SliceNumber)>,
+    rto_event: Option<Instant>,
+    delack_event: Option<Instant>,
+}
+
+struct SourceApp {
+    host: NodeId,
+    shaper: Box<dyn Shaper>,
+    cutoff: Option<BurstCutoff>,
+    /// Sizes of fragments waiting for the cutoff's decision.
+    undecided: HashMap<SliceNumber, u32>,
+    burst_until: Instant,
+    wake: Option<Instant>,
+    tally: SourceTally,
+}
+
+struct BuilderApp {
+    host: NodeId,
+    asm: SliceAssembler<()>,
+    wake: Option<Instant>,
+    complete: u64,
+    incomplete: u64,
+}
+
+/// Results of one run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SimSummary {
+    pub name: String,
+    pub seed: u64,
+    pub transport: String,
+    pub policy: String,
+    pub sources: u32,
+    pub builders: u32,
+    pub slices: u64,
+    pub fragment_bytes: u32,
+    pub fragments_produced: u64,
+    pub fragments_arrived: u64,
+    pub network_delay_avg_us: f64,
+    pub network_delay_p99_us: f64,
+    pub network_delay_max_us: f64,
+    pub shaping_delay_avg_us: f64,
+    pub shaping_delay_p99_us: f64,
+    pub shaping_delay_max_us: f64,
+    pub tcp_segments: u64,
+    pub tcp_retransmitted: u64,
+    pub tcp_retransmit_fraction: f64,
+    pub tcp_timeouts: u64,
+    pub udp_ip_fragments_sent: u64,
+    pub udp_fragments_sent: u64,
+    pub udp_fragments_lost: u64,
+    pub udp_fragment_loss_fraction: f64,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    pub queue_drops: u64,
+    pub damaged_packets: u64,
+    pub ledger: BTreeMap<String, u64>,
+    pub ledger_produced: u64,
+    pub ledger_unaccounted: i128,
+    /// Mean fraction of boards in a burst per slice, and the histogram of boards in burst.
+    pub burst_mean_fraction: f64,
+    pub burst_histogram: Vec<u64>,
+    pub events: u64,
+    pub wall_s: f64,
+}
+
+/// A finished run: summary plus per-fragment records.
+#[derive(Debug)]
+pub struct SimResult {
+    pub summary: SimSummary,
+    pub records: Vec<FragRecord>,
+}
+
+struct World {
+    sc: Scenario,
+    q: EventQueue<Ev>,
+    net: Network<Body>,
+    rng: Pcg64Mcg,
+    slice_len: Duration,
+    n_slices: u64,
+    n_builders: u32,
+    tcp: bool,
+    sources: Vec<SourceApp>,
+    builders: Vec<BuilderApp>,
+    conns: Vec<Conn>,
+    /// host -> builder index
+    builder_of_host: HashMap<NodeId, u32>,
+    records: Vec<FragRecord>,
+    next_dgram: u64,
+    udp_dgrams: HashMap<u64, u16>,
+    udp_progress: HashMap<(u32, SliceNumber), u32>,
+    udp_ip_sent: u64,
+    udp_frags_sent: u64,
+    burst_hist: Vec<u64>,
+    to_pump: Vec<u32>,
+    segs: Vec<Segment>,
+}
+
+fn mbps(v: f64) -> u64 {
+    (v * 1e6) as u64
+}
+
+fn us(v: f64) -> Duration {
+    Duration::from_nanos((v * 1e3) as u64)
+}
+
+/// Runs a scenario to the end and returns its summary and records.
+pub fn run(sc: &Scenario) -> Result<SimResult, String> {
+    sc.validate()?;
+    let started = std::time::Instant::now();
+    let mut w = World::build(sc)?;
+    let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);
+    w.q.schedule(Instant::ZERO + w.slice_len, Ev::SliceEnd(0));
+    while let Some((now, ev)) = w.q.pop(end) {
+        w.handle(now, ev);
+    }
+    Ok(w.finish(end, started.elapsed().as_secs_f64()))
+}
+
+impl World {
+    fn build(sc: &Scenario) -> Result<World, String> {
+        let t = &sc.topology;
+        let n_sources = t.n_sources()?;
+        let n_builders = t.n_builders()?;
+        let policy: Policy =
+            sc.traffic.policy.parse().map_err(|e: shoal_core::shaping::PolicyParseError| e.to_string())?;
+        let slice_len = Duration::from_nanos((sc.traffic.slice_ms * 1e6) as u64);
+        let n_slices = ((sc.traffic.load_s * 1e9) as u64 / slice_len.as_nanos() as u64).max(1);
+        let mut net = Network::new(sc.seed ^ 0x5eed);
+        let switch_q = |rate: f64, delay: f64, ber: f64| PortSpec {
+            rate_bps: mbps(rate),
+            delay: us(delay),
+            queue_packets: t.queue_packets,
+            queue_bytes: t.queue_bytes,
+            ber,
+        };
+        let host_q = |rate: f64, delay: f64| PortSpec {
+            rate_bps: mbps(rate),
+            delay: us(delay),
+            queue_packets: Some(t.host_queue_packets),
+            queue_bytes: None,
+            ber: 0.0,
+        };
+        let central = net.add_switch();
+        let mut source_hosts = Vec::new();
+        let n_sectors = n_sources.div_ceil(t.boards_per_sector);
+        for sector in 0..n_sectors {
+            let sw = net.add_switch();
+            // The shore cable: bit errors in both directions.
+            net.link(
+                sw,
+                central,
+                switch_q(t.shore_mbps, t.shore_delay_us, t.shore_ber),
+                switch_q(t.shore_mbps, t.shore_delay_us, t.shore_ber),
+            );
+            let first = sector * t.boards_per_sector;
+            for _ in first..(first + t.boards_per_sector).min(n_sources) {
+                let h = net.add_host();
+                net.link(h, sw, host_q(t.board_mbps, t.board_delay_us), switch_q(t.board_mbps, t.board_delay_us, 0.0));
+                source_hosts.push(h);
+            }
+        }
+        let mut builder_hosts = Vec::new();
+        for _ in 0..n_builders {
+            let h = net.add_host();
+            net.link(
+                h,
+                central,
+                host_q(t.builder_mbps, t.builder_delay_us),
+                switch_q(t.builder_mbps, t.builder_delay_us, 0.0),
+            );
+            builder_hosts.push(h);
+        }
+        net.build_routes();
+
+        let tcp_cfg = TcpConfig {
+            mss: sc.tcp.mss,
+            initial_window: sc.tcp.initial_window,
+            rwnd: sc.tcp.rwnd_bytes,
+            min_rto: Duration::from_nanos((sc.tcp.min_rto_ms * 1e6) as u64),
+            delayed_ack: Duration::from_nanos((sc.tcp.delayed_ack_ms * 1e6) as u64),
+            ..TcpConfig::default()
+        };
+        let tcp = sc.traffic.transport == "tcp";
+        let mut conns = Vec::new();
+        if tcp {
+            for s in 0..n_sources {
+                for b in 0..n_builders {
+                    conns.push(Conn {
+                        source: s,
+                        builder: b,
+                        src: source_hosts[s as usize],
+                        dst: builder_hosts[b as usize],
+                        tx: TcpSender::new(tcp_cfg),
+                        rx: TcpReceiver::new(tcp_cfg),
+                        sndbuf: sc.tcp.sndbuf_bytes,
+                        writes: VecDeque::new(),
+                        ends: VecDeque::new(),
+                        rto_event: None,
+                        delack_event: None,
+                    });
+                }
+            }
+        }
+        let sources = (0..n_sources)
+            .map(|s| SourceApp {
+                host: source_hosts[s as usize],
+                shaper: policy.build(ShaperContext { source: s, n_builders }),
+                cutoff: sc.traffic.cutoff.then(|| BurstCutoff::new(sc.traffic.cutoff_head, sc.traffic.cutoff_tail)),
+                undecided: HashMap::new(),
+                burst_until: Instant::ZERO,
+                wake: None,
+                tally: SourceTally::default(),
+            })
+            .collect();
+        let asm_cfg = AssemblerConfig {
+            n_sources,
+            max_active: sc.builder.max_active,
+            wall_timeout: Duration::from_nanos((sc.builder.wall_timeout_ms * 1e6) as u64),
+            memory_budget: u64::MAX,
+        };
+        let builders = builder_hosts
+            .iter()
+            .map(|&host| BuilderApp { host, asm: SliceAssembler::new(asm_cfg), wake: None, complete: 0, incomplete: 0 })
+            .collect();
+        let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
+        Ok(World {
+            sc: sc.clone(),
+            q: EventQueue::new(),
+            net,
+            rng: Pcg64Mcg::seed_from_u64(sc.seed),
+            slice_len,
+            n_slices,
+            n_builders,
+            tcp,
+            sources,
+            builders,
+            conns,
+            builder_of_host,
+            records: vec![FragRecord::default(); (n_slices * u64::from(n_sources)) as usize],
+            next_dgram: 0,
+            udp_dgrams: HashMap::new(),
+            udp_progress: HashMap::new(),
+            udp_ip_sent: 0,
+            udp_frags_sent: 0,
+            burst_hist: vec![0; n_sources as usize + 1],
+            to_pump: Vec::new(),
+            segs: Vec::new(),
+        })
+    }
+
+    fn record(&mut self, source: u32, slice: SliceNumber) -> &mut FragRecord {
+        let n = self.sources.len() as u64;
+        &mut self.records[(slice * n + u64::from(source)) as usize]
+    }
+
+    fn handle(&mut self, now: Instant, ev: Ev) {
+        match ev {
+            Ev::Net(NetEvent::TxDone(port)) => {
+                let q = &mut self.q;
+                self.net.handle_tx_done(now, port, &mut |t, e| q.schedule(t, Ev::Net(e)));
+            }
+            Ev::Net(NetEvent::Arrive(port, pkt)) => {
+                let q = &mut self.q;
+                if let Some((host, pkt)) = self.net.handle_arrive(now, port, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)))
+                {
+                    self.receive(now, host, pkt);
+                }
+            }
+            Ev::SliceEnd(slice) => self.slice_end(now, slice),
+            Ev::ShaperWake(s) => {
+                self.sources[s as usize].wake = None;
+                self.to_pump.push(s);
+            }
+            Ev::Rto(c) => {
+                let conn = &mut self.conns[c as usize];
+                conn.rto_event = None;
+                let mut segs = std::mem::take(&mut self.segs);
+                segs.clear();
+                conn.tx.handle_timeout(now, &mut segs);
+                self.send_segments(now, c, &segs);
+                self.segs = segs;
+                self.arm_conn(c);
+            }
+            Ev::DelAck(c) => {
+                let conn = &mut self.conns[c as usize];
+                conn.delack_event = None;
+                if conn.rx.handle_timeout(now) {
+                    self.send_ack(now, c);
+                }
+                self.arm_conn(c);
+            }
+            Ev::AsmWake(b) => {
+                let bl = &mut self.builders[b as usize];
+                bl.wake = None;
+                bl.asm.handle_timeout(now);
+                self.drain_outcomes(b);
+            }
+        }
+        self.pump(now);
+    }
+
+    fn fragment_size(&mut self, source: u32, now: Instant) -> (u32, bool) {
+        let tr = &self.sc.traffic;
+        if !tr.bursts {
+            return (tr.fragment_bytes, false);
+        }
+        let src = &mut self.sources[source as usize];
+        if now >= src.burst_until {
+            // Bursts start as a Poisson process so that the board is in a burst for
+            // `burst_fraction` of the time: mean gap = mean length (1 - f) / f.
+            let mean_len = tr.burst_max_s / 2.0;
+            let mean_gap = mean_len * (1.0 - tr.burst_fraction) / tr.burst_fraction.max(1e-9);
+            let p_start = (self.slice_len.as_secs_f64() / mean_gap).min(1.0);
+            if self.rng.random::<f64>() < p_start {
+                let len = self.rng.random::<f64>() * tr.burst_max_s;
+                src.burst_until = now + Duration::from_secs_f64(len);
+            }
+        }
+        if now < src.burst_until { (tr.burst_fragment_bytes, true) } else { (tr.base_fragment_bytes, false) }
+    }
+
+    fn slice_end(&mut self, now: Instant, slice: SliceNumber) {
+        let mut in_burst = 0;
+        for s in 0..self.sources.len() as u32 {
+            let (bytes, burst) = self.fragment_size(s, now);
+            in_burst += usize::from(burst);
+            let builder = shoal_core::slice::builder_for(slice, self.n_builders);
+            *self.record(s, slice) =
+                FragRecord { source: s, slice, builder, bytes, burst, ready_ns: now.as_nanos(), ..Default::default() };
+            let src = &mut self.sources[s as usize];
+            src.tally.produced += 1;
+            match src.cutoff.as_mut() {
+                None => src.shaper.handle_fragment(now, Outgoing { slice, len: u64::from(bytes) }),
+                Some(c) => {
+                    src.undecided.insert(slice, bytes);
+                    c.handle_fragment(slice, burst);
+                    if slice + 1 == self.n_slices {
+                        c.handle_drain();
+                    }
+                    self.apply_cutoff(now, s);
+                }
+            }
+            self.to_pump.push(s);
+        }
+        self.burst_hist[in_burst] += 1;
+        if slice + 1 < self.n_slices {
+            self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
+        } else {
+            for s in &mut self.sources {
+                s.shaper.handle_drain(now);
+            }
+        }
+    }
+
+    fn apply_cutoff(&mut self, now: Instant, s: u32) {
+        loop {
+            let src = &mut self.sources[s as usize];
+            let Some(d) = src.cutoff.as_mut().and_then(|c| c.poll_decision()) else { return };
+            let (slice, cut) = match d {
+                CutoffDecision::Keep(x) => (x, false),
+                CutoffDecision::Cut(x) => (x, true),
+            };
+            let Some(bytes) = src.undecided.remove(&slice) else { continue };
+            let len = if cut { CUTOFF_MARKER_BYTES } else { bytes };
+            src.shaper.handle_fragment(now, Outgoing { slice, len: u64::from(len) });
+            if cut {
+                let r = self.record(s, slice);
+                r.cut_off = true;
+                r.bytes = len;
+            }
+        }
+    }
+
+    /// Drains every shaper that may have something to send.
+    fn pump(&mut self, now: Instant) {
+        while let Some(s) = self.to_pump.pop() {
+            while let Some(tx) = self.sources[s as usize].shaper.poll_transmit(now) {
+                self.transmit(now, s, tx);
+            }
+            let src = &mut self.sources[s as usize];
+            if let Some(t) = src.shaper.poll_timeout()
+                && src.wake.is_none_or(|w| t < w)
+            {
+                src.wake = Some(t);
+                self.q.schedule(t, Ev::ShaperWake(s));
+            }
+        }
+    }
+
+    fn transmit(&mut self, now: Instant, s: u32, tx: Transmit) {
+        let r = self.record(s, tx.slice);
+        if r.sent_ns == 0 {
+            r.sent_ns = now.as_nanos().max(1);
+        }
+        let fragment_bytes = r.bytes;
+        if self.tcp {
+            let c = s * self.n_builders + tx.dest;
+            self.conns[c as usize].writes.push_back((tx.slice, tx.len, tx.last));
+            self.try_write(now, c);
+        } else {
+            self.send_udp(now, s, tx, fragment_bytes);
+            if tx.last {
+                let src = &mut self.sources[s as usize];
+                *src.tally.sent.entry(tx.dest).or_default() += 1;
+                src.shaper.handle_sent(now, tx.slice);
+                self.to_pump.push(s);
+            }
+        }
+    }
+
+    fn send_udp(&mut self, now: Instant, s: u32, tx: Transmit, fragment_bytes: u32) {
+        let src_host = self.sources[s as usize].host;
+        let dst = self.builders[tx.dest as usize].host;
+        let mut left = tx.len as u32;
+        while left > 0 {
+            let dgram_bytes = left.min(MAX_DATAGRAM);
+            left -= dgram_bytes;
+            let ip_payload = dgram_bytes + UDP_HEADER;
+            let n = ip_payload.div_ceil(IP_FRAGMENT_PAYLOAD);
+            let dgram = self.next_dgram;
+            self.next_dgram += 1;
+            for i in 0..n {
+                let part = if i + 1 == n { ip_payload - i * IP_FRAGMENT_PAYLOAD } else { IP_FRAGMENT_PAYLOAD };
+                let pkt = Packet {
+                    src: src_host,
+                    dst,
+                    size: wire_size(part + IP_HEADER),
+                    damaged: false,
+                    body: Body::Udp {
+                        source: s,
+                        slice: tx.slice,
+                        dgram,
+                        ip_fragments: n as u16,
+                        dgram_bytes,
+                        fragment_bytes,
+                    },
+                };
+                let q = &mut self.q;
+                self.net.send(now, src_host, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)));
+                self.udp_ip_sent += 1;
+            }
+        }
+        if tx.last {
+            self.udp_frags_sent += 1;
+        }
+    }
+
+    /// Moves pending application writes into the connection's socket buffer.
+    fn try_write(&mut self, now: Instant, c: u32) {
+        let conn = &mut self.conns[c as usize];
+        let source = conn.source;
+        let builder = conn.builder;
+        loop {
+            let used = conn.tx.written() - conn.tx.acked();
+            let space = conn.sndbuf.saturating_sub(used);
+            let Some(front) = conn.writes.front_mut() else { break };
+            if space == 0 {
+                break;
+            }
+            let n = front.1.min(space);
+            conn.tx.write(n);
+            front.1 -= n;
+            if front.1 > 0 {
+                break;
+            }
+            let (slice, _, last) = conn.writes.pop_front().expect("front exists");
+            if last {
+                conn.ends.push_back((conn.tx.written(), slice));
+                let src = &mut self.sources[source as usize];
+                *src.tally.sent.entry(builder).or_default() += 1;
+                src.shaper.handle_sent(now, slice);
+                self.to_pump.push(source);
+            }
+        }
+        let mut segs = std::mem::take(&mut self.segs);
+        segs.clear();
+        self.conns[c as usize].tx.poll_segments(now, &mut segs);
+        self.send_segments(now, c, &segs);
+        self.segs = segs;
+        self.arm_conn(c);
+    }
+
+    fn send_segments(&mut self, now: Instant, c: u32, segs: &[Segment]) {
+        let (src, dst) = (self.conns[c as usize].src, self.conns[c as usize].dst);
+        for seg in segs {
+            let pkt = Packet {
+                src,
+                dst,
+                size: wire_size(seg.len + crate::tcp::HEADER),
+                damaged: false,
+                body: Body::Data { conn: c, seq: seg.seq, len: seg.len },
+            };
+            let q = &mut self.q;
+            self.net.send(now, src, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)));
+        }
+    }
+
+    fn send_ack(&mut self, now: Instant, c: u32) {
+        let conn = &self.conns[c as usize];
+        let pkt = Packet {
+            src: conn.dst,
+            dst: conn.src,
+            size: wire_size(crate::tcp::HEADER),
+            damaged: false,
+            body: Body::Ack { conn: c, ack: conn.rx.delivered() },
+        };
+        let host = conn.dst;
+        let q = &mut self.q;
+        self.net.send(now, host, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)));
+    }
+
+    /// Schedules the connection's timers lazily (one pending event per timer at most,
+    /// unless the timer moved earlier).
+    fn arm_conn(&mut self, c: u32) {
+        let conn = &mut self.conns[c as usize];
+        if let Some(t) = conn.tx.timer()
+            && conn.rto_event.is_none_or(|e| t < e)
+        {
+            conn.rto_event = Some(t);
+            self.q.schedule(t, Ev::Rto(c));
+        }
+        if let Some(t) = conn.rx.delack_timer()
+            && conn.delack_event.is_none_or(|e| t < e)
+        {
+            conn.delack_event = Some(t);
+            self.q.schedule(t, Ev::DelAck(c));
+        }
+    }
+
+    fn receive(&mut self, now: Instant, host: NodeId, pkt: Packet<Body>) {
+        match pkt.body {
+            Body::Data { conn: c, seq, len } => {
+                let conn = &mut self.conns[c as usize];
+                if conn.rx.handle_segment(now, seq, len) == AckDecision::Now {
+                    self.send_ack(now, c);
+                }
+                let conn = &mut self.conns[c as usize];
+                let mut done = Vec::new();
+                while let Some(&(end, slice)) = conn.ends.front() {
+                    if end > conn.rx.delivered() {
+                        break;
+                    }
+                    conn.ends.pop_front();
+                    done.push(slice);
+                }
+                let (source, builder) = (conn.source, conn.builder);
+                for slice in done {
+                    self.fragment_arrived(now, source, builder, slice);
+                }
+                self.arm_conn(c);
+            }
+            Body::Ack { conn: c, ack } => {
+                let mut segs = std::mem::take(&mut self.segs);
+                segs.clear();
+                self.conns[c as usize].tx.handle_ack(now, ack, &mut segs);
+                self.send_segments(now, c, &segs);
+                self.segs = segs;
+                self.try_write(now, c);
+            }
+            Body::Udp { source, slice, dgram, ip_fragments, dgram_bytes, fragment_bytes } => {
+                let got = self.udp_dgrams.entry(dgram).or_insert(0);
+                *got += 1;
+                if *got < ip_fragments {
+                    return;
+                }
+                self.udp_dgrams.remove(&dgram);
+                let p = self.udp_progress.entry((source, slice)).or_insert(0);
+                *p += dgram_bytes;
+                if *p >= fragment_bytes {
+                    self.udp_progress.remove(&(source, slice));
+                    let builder = self.builder_of_host[&host];
+                    self.fragment_arrived(now, source, builder, slice);
+                }
+            }
+        }
+    }
+
+    fn fragment_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber) {
+        let r = self.record(source, slice);
+        r.arrived_ns = now.as_nanos();
+        let (bytes, cut) = (u64::from(r.bytes), r.cut_off);
+        let b = &mut self.builders[builder as usize];
+        b.asm.handle_fragment(now, source, slice, bytes, cut, ());
+        self.drain_outcomes(builder);
+    }
+
+    fn drain_outcomes(&mut self, builder: u32) {
+        let b = &mut self.builders[builder as usize];
+        while let Some(o) = b.asm.poll_outcome() {
+            b.asm.handle_released(o.bytes);
+            if o.is_complete() {
+                b.complete += 1;
+            } else {
+                b.incomplete += 1;
+            }
+        }
+        if let Some(t) = b.asm.poll_timeout()
+            && b.wake.is_none_or(|w| t < w)
+        {
+            b.wake = Some(t);
+            self.q.schedule(t, Ev::AsmWake(builder));
+        }
+    }
+
+    fn finish(mut self, end: Instant, wall_s: f64) -> SimResult {
+        for b in 0..self.builders.len() as u32 {
+            self.builders[b as usize].asm.handle_drain(end);
+            self.drain_outcomes(b);
+        }
+        // Fragments not completely handed to the transport by the end are unsent.
+        let mut sources = BTreeMap::new();
+        for (i, s) in self.sources.iter().enumerate() {
+            let mut t = s.tally.clone();
+            t.unsent = t.produced - t.sent.values().sum::<u64>();
+            sources.insert(i as u32, t);
+        }
+        let builders: BTreeMap<u32, _> =
+            self.builders.iter().enumerate().map(|(i, b)| (i as u32, b.asm.tally())).collect();
+        let ledger = Ledger::combine(&sources, &builders);
+
+        let mut net_delays: Vec<u64> = Vec::new();
+        let mut shaping: Vec<u64> = Vec::new();
+        for r in &self.records {
+            if r.sent_ns > 0 {
+                shaping.push(r.sent_ns - r.ready_ns);
+                if r.arrived_ns > 0 {
+                    net_delays.push(r.arrived_ns - r.sent_ns);
+                }
+            }
+        }
+        let stats = |v: &mut Vec<u64>| -> (f64, f64, f64) {
+            if v.is_empty() {
+                return (0.0, 0.0, 0.0);
+            }
+            v.sort_unstable();
+            let avg = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+            let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
+            (avg / 1e3, p99 as f64 / 1e3, *v.last().expect("non-empty") as f64 / 1e3)
+        };
+        let (na, np, nm) = stats(&mut net_delays);
+        let (sa, sp, sm) = stats(&mut shaping);
+        let (mut segs, mut retx, mut tos) = (0, 0, 0);
+        for c in &self.conns {
+            segs += c.tx.stats.segments;
+            retx += c.tx.stats.retransmitted;
+            tos += c.tx.stats.timeouts;
+        }
+        let arrived = self.records.iter().filter(|r| r.arrived_ns > 0).count() as u64;
+        let udp_lost = if self.tcp { 0 } else { self.udp_frags_sent - arrived.min(self.udp_frags_sent) };
+        let slices_total: u64 = self.burst_hist.iter().sum();
+        let n = self.sources.len() as f64;
+        let burst_mean = if slices_total > 0 {
+            self.burst_hist.iter().enumerate().map(|(k, &c)| k as f64 * c as f64).sum::<f64>() / slices_total as f64 / n
+        } else {
+            0.0
+        };
+        let summary = SimSummary {
+            name: self.sc.name.clone(),
+            seed: self.sc.seed,
+            transport: self.sc.traffic.transport.clone(),
+            policy: self.sc.traffic.policy.clone(),
+            sources: self.sources.len() as u32,
+            builders: self.n_builders,
+            slices: self.n_slices,
+            fragment_bytes: if self.sc.traffic.bursts {
+                self.sc.traffic.base_fragment_bytes
+            } else {
+                self.sc.traffic.fragment_bytes
+            },
+            fragments_produced: self.records.len() as u64,
+            fragments_arrived: arrived,
+            network_delay_avg_us: na,
+            network_delay_p99_us: np,
+            network_delay_max_us: nm,
+            shaping_delay_avg_us: sa,
+            shaping_delay_p99_us: sp,
+            shaping_delay_max_us: sm,
+            tcp_segments: segs,
+            tcp_retransmitted: retx,
+            tcp_retransmit_fraction: if segs > 0 { retx as f64 / segs as f64 } else { 0.0 },
+            tcp_timeouts: tos,
+            udp_ip_fragments_sent: self.udp_ip_sent,
+            udp_fragments_sent: self.udp_frags_sent,
+            udp_fragments_lost: udp_lost,
+            udp_fragment_loss_fraction: if self.udp_frags_sent > 0 {
+                udp_lost as f64 / self.udp_frags_sent as f64
+            } else {
+                0.0
+            },
+            slices_complete: self.builders.iter().map(|b| b.complete).sum(),
+            slices_incomplete: self.builders.iter().map(|b| b.incomplete).sum(),
+            queue_drops: self.net.ports.iter().map(|p| p.stats.dropped).sum(),
+            damaged_packets: self.net.ports.iter().map(|p| p.stats.damaged).sum(),
+            ledger: ledger.buckets().map(|(b, n)| (b.name().to_string(), n)).collect(),
+            ledger_produced: ledger.produced,
+            ledger_unaccounted: ledger.unaccounted(),
+            burst_mean_fraction: burst_mean,
+            burst_histogram: if self.sc.traffic.bursts { self.burst_hist.clone() } else { Vec::new() },
+            events: self.q.processed(),
+            wall_s,
+        };
+        SimResult { summary, records: self.records }
+    }
+}
