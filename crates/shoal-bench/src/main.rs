@@ -65,7 +65,9 @@ impl Sub {
         let mut s = connect(addr).await?;
         match target {
             Target::Shoal => {
-                let sub = format!(" w {CHANNEL}");
+                // All-mode (lossless), like Redis pub/sub, which never drops a message for a
+                // connected subscriber.
+                let sub = format!(" a {CHANNEL}");
                 for (tag, payload) in [(Tag::SUBSCRIBE, sub.as_bytes()), (Tag::ALWAYS, &b""[..])] {
                     s.write_all(&encode_prefix(tag, payload.len())).await?;
                     s.write_all(payload).await?;
@@ -209,11 +211,17 @@ async fn main() -> anyhow::Result<()> {
     let window = a.window.min(a.window_bytes / a.payload as u64).max(1);
     let mut payload = vec![1u8; a.payload];
     let start = Instant::now();
+    let mut progress = (0u64, Instant::now());
     for i in 0..m {
         loop {
             let slowest = counts.iter().map(|c| c.load(Ordering::Acquire)).min().unwrap_or(0);
             if i - slowest.min(i) < window {
                 break;
+            }
+            if slowest != progress.0 {
+                progress = (slowest, Instant::now());
+            } else if progress.1.elapsed() > Duration::from_secs(10) {
+                bail!("no subscriber progress for 10 s at message {i} (slowest has {slowest})");
             }
             if let Some(t) = tasks.iter_mut().find(|t| t.is_finished()) {
                 // A subscriber ended before receiving everything: report why.

@@ -5,8 +5,9 @@
 //! - readers decode messages ([`MessageDecoder`]) and pass them to the core through one
 //!   bounded channel; while the router is over its memory limit the core stops taking from
 //!   that channel, so readers stop reading and publishers feel TCP back-pressure;
-//! - the core hands each delivery to the client's writer, which writes prefix and payload in
-//!   one vectored write and reports completion; a slow client only fills its own queue;
+//! - the core hands each delivery to the client's writer, which gathers what is queued into
+//!   as few writes as possible (never splitting a frame across writes) and reports
+//!   completions; a slow client only fills its own queue;
 //! - garbage (negative or oversized length, EOF inside a message) closes only that
 //!   connection, with a logged reason and a counter.
 //!
@@ -45,7 +46,7 @@ impl Default for DispatcherConfig {
 enum Event {
     Connected { id: ClientId, peer: SocketAddr, writer: mpsc::UnboundedSender<Message>, close: CancellationToken },
     Closed { id: ClientId, reason: Option<&'static str> },
-    Written { id: ClientId },
+    Written { id: ClientId, messages: usize },
     Snapshot(oneshot::Sender<Snapshot>),
 }
 
@@ -243,21 +244,52 @@ async fn write_loop(
     events: mpsc::UnboundedSender<Event>,
     close: CancellationToken,
 ) {
+    // Small messages are gathered into one buffer and written together (Redis does the
+    // same with its output buffer); a large one is written straight from its payload. Every
+    // frame, prefix and payload, is always inside a single write call: some clients read
+    // the prefix with one recv(16) and reconnect if it arrives split.
+    const GATHER: usize = 64 * 1024;
+    let mut out = bytes::BytesMut::with_capacity(GATHER);
     loop {
-        let m = tokio::select! {
+        let first = tokio::select! {
             m = rx.recv() => match m { Some(m) => m, None => break },
             _ = close.cancelled() => break,
         };
-        // Prefix and payload in one vectored write: some clients read the prefix with a
-        // single recv(16) and reconnect if it arrives split.
-        let prefix = encode_prefix(m.tag, m.payload.len());
-        let mut buf = Buf::chain(&prefix[..], &m.payload[..]);
-        if let Err(e) = w.write_all_buf(&mut buf).await {
-            debug!(client = id, error = %e, "write failed");
+        let mut batch = vec![first];
+        while batch.len() < 256 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        let n = batch.len();
+        let mut failed = false;
+        for m in batch {
+            let prefix = encode_prefix(m.tag, m.payload.len());
+            if out.len() + prefix.len() + m.payload.len() <= GATHER {
+                out.extend_from_slice(&prefix);
+                out.extend_from_slice(&m.payload);
+                continue;
+            }
+            if !out.is_empty() && w.write_all_buf(&mut out).await.is_err() {
+                failed = true;
+                break;
+            }
+            let mut buf = Buf::chain(&prefix[..], &m.payload[..]);
+            if w.write_all_buf(&mut buf).await.is_err() {
+                failed = true;
+                break;
+            }
+        }
+        if !failed && !out.is_empty() && w.write_all_buf(&mut out).await.is_err() {
+            failed = true;
+        }
+        if failed {
+            debug!(client = id, "write failed");
             close.cancel();
             break;
         }
-        let _ = events.send(Event::Written { id });
+        let _ = events.send(Event::Written { id, messages: n });
     }
     let _ = w.shutdown().await;
 }
@@ -301,7 +333,11 @@ async fn run_core(
                     }
                     router.handle_disconnect(id);
                 }
-                Some(Event::Written { id }) => router.handle_written(id),
+                Some(Event::Written { id, messages }) => {
+                    for _ in 0..messages {
+                        router.handle_written(id);
+                    }
+                }
                 Some(Event::Snapshot(reply)) => {
                     let bp = backpressure + paused_since.map_or(Duration::ZERO, |t| t.elapsed());
                     let _ = reply.send(snapshot(&router, &conns, &rejected, connections_total, bp));
@@ -309,7 +345,20 @@ async fn run_core(
                 None => break,
             },
             m = input.recv(), if accepting => match m {
-                Some((id, m)) => router.handle_message(id, m),
+                Some((id, m)) => {
+                    router.handle_message(id, m);
+                    // Take what else is waiting before flushing outputs, so that writers
+                    // wake once per batch rather than once per message.
+                    for _ in 0..255 {
+                        if !router.accepting() {
+                            break;
+                        }
+                        match input.try_recv() {
+                            Ok((id, m)) => router.handle_message(id, m),
+                            Err(_) => break,
+                        }
+                    }
+                }
                 None => break,
             },
         }

@@ -231,7 +231,11 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("--queue-limit and --max-payload-mb must be at least 1");
     }
     let cfg = DispatcherConfig {
-        router: RouterConfig { queue_limit: args.queue_limit, memory_limit: args.memory_limit_mb << 20, window: 8 },
+        router: RouterConfig {
+            queue_limit: args.queue_limit,
+            memory_limit: args.memory_limit_mb << 20,
+            ..Default::default()
+        },
         max_payload: args.max_payload_mb.saturating_mul(1 << 20).min(i32::MAX as u32),
     };
     shoal_net::demo::raise_fd_limit();

@@ -37,7 +37,7 @@ pub struct RouterConfig {
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        Self { queue_limit: 100, memory_limit: 1 << 30, window: 8 }
+        Self { queue_limit: 100, memory_limit: 1 << 30, window: 64 }
     }
 }
 
