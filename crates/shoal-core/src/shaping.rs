@@ -68,7 +68,12 @@ pub trait Shaper: Send + fmt::Debug {
     fn handle_request(&mut self, _now: Instant, _req: PullRequest) {}
     /// The transport has accepted the last byte of the fragment of `slice`.
     fn handle_sent(&mut self, now: Instant, slice: SliceNumber);
-    /// End of run: no more fragments will come; release what is held as soon as allowed.
+    /// A slot (slice) ended without a new fragment for this shaper, e.g. after the end of
+    /// data taking: schedule-driven policies advance as if it had come, so a barrel shifter
+    /// keeps its schedule instead of releasing its backlog at once.
+    fn handle_slot_end(&mut self, _now: Instant, _slice: SliceNumber) {}
+    /// No more fragments and no more slots: release what is held as soon as allowed
+    /// (e.g. at a drain timeout).
     fn handle_drain(&mut self, now: Instant);
     /// The next piece to hand to the transport, if any is allowed at `now`.
     fn poll_transmit(&mut self, now: Instant) -> Option<Transmit>;
@@ -244,6 +249,9 @@ impl Shaper for Delayed {
         if self.in_flight == Some(slice) {
             self.in_flight = None;
         }
+    }
+    fn handle_slot_end(&mut self, _now: Instant, slice: SliceNumber) {
+        self.latest = Some(self.latest.map_or(slice, |l| l.max(slice)));
     }
     fn handle_drain(&mut self, _now: Instant) {
         self.draining = true;
@@ -494,10 +502,14 @@ mod tests {
         s.handle_sent(t, 2);
         assert_eq!(s.poll_transmit(t), None);
         assert_eq!(s.queued(), 2);
-        s.handle_drain(t);
+        // Slots keep passing after the last fragment: the schedule goes on.
+        s.handle_slot_end(t, 5);
         assert_eq!(s.poll_transmit(t).unwrap().slice, 3);
+        assert_eq!(s.poll_transmit(t), None, "one in flight");
         s.handle_sent(t, 3);
-        assert_eq!(s.poll_transmit(t).unwrap().slice, 4);
+        assert_eq!(s.poll_transmit(t), None, "slice 4 is due at slot 6");
+        s.handle_drain(t);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 4, "a drain releases the rest at once");
     }
 
     #[test]

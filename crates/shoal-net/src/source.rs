@@ -139,8 +139,15 @@ pub async fn run_source_node(
                     c.handle_drain();
                 }
                 decide_with(s, &slice_clock, now);
-                s.shaper.handle_drain(now);
             }
+        }
+        // After data taking, slots keep passing: delayed transmission keeps its schedule
+        // instead of sending every held fragment at once (an incast of its own making).
+        while !producing && now >= slice_clock.end_of(next_slice) {
+            for s in sources.iter_mut() {
+                s.shaper.handle_slot_end(now, next_slice);
+            }
+            next_slice += 1;
         }
         for s in sources.iter_mut() {
             if let Some((slice, until)) = s.stall
@@ -162,7 +169,7 @@ pub async fn run_source_node(
             break;
         }
 
-        let mut wake = if producing { slice_clock.end_of(next_slice) } else { Instant::MAX };
+        let mut wake = slice_clock.end_of(next_slice);
         for s in &sources {
             wake = wake.min(s.shaper.poll_timeout().unwrap_or(Instant::MAX));
             wake = wake.min(s.stall.map_or(Instant::MAX, |x| x.1));

@@ -15,6 +15,8 @@
 
 pub mod engine;
 pub mod net;
+pub mod plot;
+pub mod report;
 pub mod scenario;
 pub mod sim;
 pub mod tcp;

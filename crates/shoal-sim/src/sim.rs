@@ -392,6 +392,20 @@ impl World {
     }
 
     fn slice_end(&mut self, now: Instant, slice: SliceNumber) {
+        if slice >= self.n_slices {
+            // After the load: slots keep passing so that shapers keep their schedule.
+            let mut busy = false;
+            for s in 0..self.sources.len() as u32 {
+                let src = &mut self.sources[s as usize];
+                src.shaper.handle_slot_end(now, slice);
+                busy |= src.shaper.queued() > 0;
+                self.to_pump.push(s);
+            }
+            if busy {
+                self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
+            }
+            return;
+        }
         let mut in_burst = 0;
         for s in 0..self.sources.len() as u32 {
             let (bytes, burst) = self.fragment_size(s, now);
@@ -415,13 +429,7 @@ impl World {
             self.to_pump.push(s);
         }
         self.burst_hist[in_burst] += 1;
-        if slice + 1 < self.n_slices {
-            self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
-        } else {
-            for s in &mut self.sources {
-                s.shaper.handle_drain(now);
-            }
-        }
+        self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
     }
 
     fn apply_cutoff(&mut self, now: Instant, s: u32) {
