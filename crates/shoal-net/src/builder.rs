@@ -15,13 +15,12 @@ use std::time::Duration as StdDuration;
 
 use hdrhistogram::Histogram;
 use shoal_core::assembly::{EmitReason, SliceAssembler, SliceOutcome};
-use shoal_core::frame::{self, Flags, Frame, FrameHeader, StreamDecoder};
+use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
 use shoal_core::ledger::BuilderTally;
 use shoal_core::slice::SliceClock;
 use shoal_core::{Instant, SourceId};
 use shoal_trigger::{FilterConfig, FragmentData, SliceData, encode_events};
-use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -29,6 +28,7 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError};
+use crate::framed::{FrameReader, ReadEnd};
 use crate::link::{Backoff, Chunk, Link, LinkReport};
 use crate::live::Live;
 
@@ -73,63 +73,34 @@ enum Incoming {
     Rejected { peer: SocketAddr, reason: &'static str },
 }
 
-/// Why a connection was closed; `None` means a clean end of stream.
+/// Reads one source connection: validated frames go to the assembler task.
 async fn read_connection(
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
 ) {
-    let mut dec = StreamDecoder::new(max_payload);
-    let reject = |reason: &'static str, detail: String| {
-        warn!(%peer, reason, detail, "closing data connection");
-        Incoming::Rejected { peer, reason }
-    };
-    loop {
-        dec.buffer_mut().reserve(64 * 1024);
-        let n = tokio::select! {
-            r = stream.read_buf(dec.buffer_mut()) => r,
-            _ = cancel.cancelled() => return,
+    let mut reader = FrameReader::new(stream, peer, max_payload, cancel);
+    let end = loop {
+        let frame = match reader.next().await {
+            Ok(f) => f,
+            Err(end) => break end,
         };
-        match n {
-            Ok(0) => {
-                if let Err(e) = dec.finish() {
-                    let _ = tx.send(reject(e.kind(), e.to_string())).await;
-                }
-                return;
-            }
-            Ok(_) => {}
-            Err(e) => {
-                let _ = tx.send(reject("io_error", e.to_string())).await;
-                return;
-            }
+        let h = &frame.header;
+        if h.flags.contains(Flags::EVENTS) {
+            break reader.reject("unexpected_events", "an EVENTS frame on a data port");
         }
-        let arrival = clock.now();
-        loop {
-            match dec.next_frame() {
-                Ok(Some(frame)) => {
-                    let h = &frame.header;
-                    if h.flags.contains(Flags::EVENTS) {
-                        let _ = tx.send(reject("unexpected_events", "an EVENTS frame on a data port".into())).await;
-                        return;
-                    }
-                    if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
-                        let _ = tx.send(reject("bad_payload", e.to_string())).await;
-                        return;
-                    }
-                    if tx.send(Incoming::Frame { frame, arrival }).await.is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    let _ = tx.send(reject(e.kind(), e.to_string())).await;
-                    return;
-                }
-            }
+        if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
+            break reader.reject("bad_payload", &e.to_string());
         }
+        if tx.send(Incoming::Frame { frame, arrival: clock.now() }).await.is_err() {
+            break ReadEnd::Clean;
+        }
+    };
+    if let ReadEnd::Rejected(reason) = end {
+        let _ = tx.send(Incoming::Rejected { peer, reason }).await;
     }
 }
 

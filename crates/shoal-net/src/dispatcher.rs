@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Buf;
 use serde::Serialize;
-use shoal_core::controlhost::router::TagStats;
+use shoal_core::controlhost::router::{ClientStatus, TagStats};
 use shoal_core::controlhost::{ClientId, Message, MessageDecoder, Output, Router, RouterConfig, encode_prefix};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -57,50 +57,20 @@ struct Conn {
     since: Instant,
 }
 
-/// One client on the status page.
+/// One client on the status page: the router's view plus the connection's.
 #[derive(Clone, Debug, Serialize)]
 pub struct ClientInfo {
-    pub id: ClientId,
     pub peer: String,
     pub connected_s: f64,
-    pub nickname: Option<String>,
-    pub subscription: String,
-    /// -1: always ready (`_Always`); n >= 0: `_Gime` credits left.
-    pub ready: i64,
-    pub queued: usize,
-    pub in_flight: usize,
-    pub dropped: u64,
-    pub received: u64,
-    pub delivered: u64,
-}
-
-/// Per-tag counters on the status page.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct TagInfo {
-    pub messages_in: u64,
-    pub bytes_in: u64,
-    pub messages_out: u64,
-    pub bytes_out: u64,
-    pub dropped: u64,
-}
-
-impl From<&TagStats> for TagInfo {
-    fn from(s: &TagStats) -> Self {
-        Self {
-            messages_in: s.messages_in,
-            bytes_in: s.bytes_in,
-            messages_out: s.messages_out,
-            bytes_out: s.bytes_out,
-            dropped: s.dropped,
-        }
-    }
+    #[serde(flatten)]
+    pub status: ClientStatus,
 }
 
 /// Everything `/status` and `/metrics` show.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Snapshot {
     pub clients: Vec<ClientInfo>,
-    pub tags: BTreeMap<String, TagInfo>,
+    pub tags: BTreeMap<String, TagStats>,
     pub held_bytes: u64,
     /// Time publishers spent paused by back-pressure (memory limit), seconds.
     pub backpressure_s: f64,
@@ -393,26 +363,18 @@ fn snapshot(
     let clients = router
         .status()
         .into_iter()
-        .map(|s| {
-            let c = conns.get(&s.id);
+        .map(|status| {
+            let c = conns.get(&status.id);
             ClientInfo {
-                id: s.id,
                 peer: c.map(|c| c.peer.to_string()).unwrap_or_default(),
                 connected_s: c.map_or(0.0, |c| c.since.elapsed().as_secs_f64()),
-                nickname: s.nickname,
-                subscription: s.subscription,
-                ready: s.ready,
-                queued: s.queued,
-                in_flight: s.in_flight,
-                dropped: s.dropped,
-                received: s.received,
-                delivered: s.delivered,
+                status,
             }
         })
         .collect();
     Snapshot {
         clients,
-        tags: router.tag_stats().map(|(t, s)| (t.to_string(), s.into())).collect(),
+        tags: router.tag_stats().map(|(t, s)| (t.to_string(), *s)).collect(),
         held_bytes: router.held_bytes(),
         backpressure_s: backpressure.as_secs_f64(),
         accepting: router.accepting(),
@@ -443,7 +405,7 @@ pub fn metrics_text(s: &Snapshot) -> String {
     let bp = Counter::<f64, std::sync::atomic::AtomicU64>::default();
     bp.inc_by(s.backpressure_s);
     reg.register("shoal_dispatcher_backpressure_seconds", "Time publishers were paused by the memory limit", bp);
-    type TagCounter = (&'static str, &'static str, fn(&TagInfo) -> u64);
+    type TagCounter = (&'static str, &'static str, fn(&TagStats) -> u64);
     let tag_families: [TagCounter; 5] = [
         ("shoal_dispatcher_messages_in", "Messages received per tag", |t| t.messages_in),
         ("shoal_dispatcher_bytes_in", "Payload bytes received per tag", |t| t.bytes_in),
@@ -459,7 +421,7 @@ pub fn metrics_text(s: &Snapshot) -> String {
         reg.register(name, help, fam);
     }
     let drops = Family::<Labels, Counter>::default();
-    for c in &s.clients {
+    for c in s.clients.iter().map(|c| &c.status) {
         let nick = c.nickname.clone().unwrap_or_default();
         drops.get_or_create(&vec![("client".into(), c.id.to_string()), ("nickname".into(), nick)]).inc_by(c.dropped);
     }

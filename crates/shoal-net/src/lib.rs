@@ -17,6 +17,7 @@ pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod dispatcher;
+pub mod framed;
 pub mod link;
 pub mod live;
 pub mod source;

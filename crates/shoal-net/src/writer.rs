@@ -7,16 +7,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration as StdDuration;
 
-use shoal_core::frame::{Flags, StreamDecoder};
+use shoal_core::frame::Flags;
 use shoal_store::{EventFileStats, EventFileWriter};
 use shoal_trigger::{Event, decode_events};
-use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Config;
+use crate::framed::{FrameReader, ReadEnd};
 
 /// What the writer reports at the end (also written as `run{N:06}.writer.json`).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -39,69 +39,35 @@ enum Incoming {
     Rejected { reason: &'static str },
 }
 
-async fn read_connection(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    tx: mpsc::Sender<Incoming>,
-    cancel: CancellationToken,
-) {
-    let mut dec = StreamDecoder::new(256 << 20);
-    let reject = |reason: &'static str, detail: String| {
-        warn!(%peer, reason, detail, "closing event connection");
-        Incoming::Rejected { reason }
-    };
-    loop {
-        dec.buffer_mut().reserve(64 * 1024);
-        let n = tokio::select! {
-            r = stream.read_buf(dec.buffer_mut()) => r,
-            _ = cancel.cancelled() => return,
+async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
+    let mut reader = FrameReader::new(stream, peer, 256 << 20, cancel);
+    let end = loop {
+        let frame = match reader.next().await {
+            Ok(f) => f,
+            Err(end) => break end,
         };
-        match n {
-            Ok(0) => {
-                if let Err(e) = dec.finish() {
-                    let _ = tx.send(reject(e.kind(), e.to_string())).await;
-                }
-                return;
+        let h = frame.header;
+        let msg = if h.flags.contains(Flags::END_OF_STREAM) {
+            Incoming::Ended { builder: h.source }
+        } else if !h.flags.contains(Flags::EVENTS) {
+            break reader.reject("not_events", "a data frame on the event port");
+        } else {
+            match decode_events(&frame.payload) {
+                Ok(events) => Incoming::Slice {
+                    builder: h.source,
+                    slice: h.slice,
+                    slice_start_ns: h.slice_start.as_nanos(),
+                    events,
+                },
+                Err(e) => break reader.reject("bad_events", &e.to_string()),
             }
-            Ok(_) => {}
-            Err(e) => {
-                let _ = tx.send(reject("io_error", e.to_string())).await;
-                return;
-            }
+        };
+        if tx.send(msg).await.is_err() {
+            break ReadEnd::Clean;
         }
-        loop {
-            let frame = match dec.next_frame() {
-                Ok(Some(f)) => f,
-                Ok(None) => break,
-                Err(e) => {
-                    let _ = tx.send(reject(e.kind(), e.to_string())).await;
-                    return;
-                }
-            };
-            let h = frame.header;
-            let msg = if h.flags.contains(Flags::END_OF_STREAM) {
-                Incoming::Ended { builder: h.source }
-            } else if !h.flags.contains(Flags::EVENTS) {
-                let _ = tx.send(reject("not_events", "a data frame on the event port".into())).await;
-                return;
-            } else {
-                match decode_events(&frame.payload) {
-                    Ok(events) => Incoming::Slice {
-                        builder: h.source,
-                        slice: h.slice,
-                        slice_start_ns: h.slice_start.as_nanos(),
-                        events,
-                    },
-                    Err(e) => {
-                        let _ = tx.send(reject("bad_events", e.to_string())).await;
-                        return;
-                    }
-                }
-            };
-            if tx.send(msg).await.is_err() {
-                return;
-            }
-        }
+    };
+    if let ReadEnd::Rejected(reason) = end {
+        let _ = tx.send(Incoming::Rejected { reason }).await;
     }
 }
 

@@ -46,6 +46,19 @@ fn assert_builder_carried_on(b: &shoal_net::builder::BuilderReport, ledger: &Led
     assert_eq!(b.rejected_connections.values().sum::<u64>(), 1, "{:?}", b.rejected_connections);
 }
 
+/// A valid header (correct CRC) of an empty frame from source 0.
+fn header() -> FrameHeader {
+    FrameHeader {
+        flags: Flags::EMPTY,
+        source: 0,
+        hit_count: 0,
+        slice: 1,
+        slice_start: Instant::ZERO,
+        send_time: Instant::ZERO,
+        payload_len: 0,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_bytes_close_only_that_connection() {
     let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(7);
@@ -58,15 +71,7 @@ async fn random_bytes_close_only_that_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_length_is_rejected_before_allocation() {
-    let h = FrameHeader {
-        flags: Flags::EMPTY,
-        source: 0,
-        hit_count: 0,
-        slice: 1,
-        slice_start: Instant::ZERO,
-        send_time: Instant::ZERO,
-        payload_len: 0,
-    };
+    let h = header();
     // A valid header (correct CRC) announcing 17 MiB, above the 16 MiB default limit.
     let mut bytes = frame::encode(&h, &vec![0u8; 17 << 20]).to_vec();
     bytes.truncate(frame::HEADER_LEN + 10);
@@ -77,15 +82,7 @@ async fn oversized_length_is_rejected_before_allocation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncated_frame_at_eof_is_counted() {
-    let h = FrameHeader {
-        flags: Flags::EMPTY,
-        source: 0,
-        hit_count: 0,
-        slice: 1,
-        slice_start: Instant::ZERO,
-        send_time: Instant::ZERO,
-        payload_len: 0,
-    };
+    let h = header();
     let mut bytes = frame::encode(&h, &[0u8; 600]).to_vec();
     bytes.truncate(300);
     let (b, ledger) = run_with_intruder("truncated", bytes).await;

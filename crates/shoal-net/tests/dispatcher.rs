@@ -43,7 +43,7 @@ async fn raw_subscriber(h: &DispatcherHandle, sub: &str) -> TcpStream {
 }
 
 fn subscribed(s: &Snapshot, text: &str) -> usize {
-    s.clients.iter().filter(|c| c.subscription == text && c.ready != 0).count()
+    s.clients.iter().filter(|c| c.status.subscription == text && c.status.ready != 0).count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,7 +73,7 @@ async fn slow_any_subscriber_never_stalls_the_others() {
     }
     publisher.await.unwrap();
     let s = wait_until(&h, "drops counted", |s| s.tags.get("T").is_some_and(|t| t.messages_in == u64::from(N))).await;
-    let slow = s.clients.iter().find(|c| c.subscription == "w T").unwrap();
+    let slow = &s.clients.iter().find(|c| c.status.subscription == "w T").unwrap().status;
     assert!(slow.dropped > 0, "the stuck subscriber's any-mode messages are dropped: {slow:?}");
     assert!(slow.queued + slow.in_flight <= 100, "queue limit holds: {slow:?}");
     assert_eq!(s.tags["T"].dropped, slow.dropped);

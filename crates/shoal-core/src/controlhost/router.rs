@@ -64,6 +64,7 @@ pub enum Output {
 
 /// Counters per tag.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct TagStats {
     pub messages_in: u64,
     pub bytes_in: u64,
@@ -74,6 +75,7 @@ pub struct TagStats {
 
 /// A client as shown on the status page.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct ClientStatus {
     pub id: ClientId,
     pub nickname: Option<String>,
