@@ -98,15 +98,15 @@ fn pct(v: f64) -> String {
 /// The comparison table of a sweep, one row per scenario.
 pub fn markdown_table(rows: &[SimSummary]) -> String {
     let mut s = String::from(
-        "| scenario | transport | policy | sources x builders | fragment B | net delay avg / p99 / max (ms) | shaping delay avg (ms) | TCP retransmitted | UDP fragments lost | slices complete | queue drops | ledger unaccounted | sim wall (s) |\n\
-         | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        "| scenario | transport | policy | sources x builders | fragment B | net delay avg / p99 / max (ms) | shaping delay avg (ms) | TCP retransmitted | UDP fragments lost | slices complete (of produced) | queue drops | ledger unaccounted | sim wall (s) | M events/s |\n\
+         | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for r in rows {
-        let total = r.slices_complete + r.slices_incomplete;
-        let complete = if total > 0 { r.slices_complete as f64 / total as f64 } else { 0.0 };
+        // Over the slices produced: a slice no builder ever saw is not complete.
+        let complete = if r.slices > 0 { r.slices_complete as f64 / r.slices as f64 } else { 0.0 };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} x {} | {} | {:.2} / {:.2} / {:.2} | {:.1} | {} | {} | {} | {} | {} | {:.1} |",
+            "| {} | {} | {} | {} x {} | {} | {:.2} / {:.2} / {:.2} | {:.1} | {} | {} | {} | {} | {} | {:.1} | {:.1} |",
             r.name,
             r.transport,
             r.policy,
@@ -122,7 +122,8 @@ pub fn markdown_table(rows: &[SimSummary]) -> String {
             pct(complete),
             r.queue_drops,
             r.ledger_unaccounted,
-            r.wall_s
+            r.wall_s,
+            r.events as f64 / r.wall_s.max(1e-9) / 1e6
         );
     }
     s

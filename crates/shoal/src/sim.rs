@@ -11,11 +11,10 @@ use shoal_sim::sim::{SimSummary, run};
 use crate::{SimArgs, SimCommand};
 
 fn line(name: &str, s: &SimSummary) -> String {
-    let total = s.slices_complete + s.slices_incomplete;
     format!(
         "{name}: {} slices, {:.2}% complete, network delay avg {:.2} ms p99 {:.2} ms max {:.2} ms, {} events in {:.1} s ({:.1} M events/s)",
-        total,
-        if total > 0 { 100.0 * s.slices_complete as f64 / total as f64 } else { 0.0 },
+        s.slices,
+        if s.slices > 0 { 100.0 * s.slices_complete as f64 / s.slices as f64 } else { 0.0 },
         s.network_delay_avg_us / 1e3,
         s.network_delay_p99_us / 1e3,
         s.network_delay_max_us / 1e3,
