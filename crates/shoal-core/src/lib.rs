@@ -15,12 +15,15 @@
 //!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`), plus [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
+//! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
+//! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
 
 pub mod assembly;
 pub mod controlhost;
 pub mod frame;
 pub mod hit;
 pub mod ledger;
+pub mod runstate;
 pub mod shaping;
 pub mod slice;
 mod time;

@@ -1,0 +1,321 @@
+//! The run-control state machine every shoal process follows (domain.md section 6).
+//!
+//! States: `Idle` (after start), `Standby` (initialised), `Ready` (configured), `Running`,
+//! `Paused`, and `Off` (the process exits). Commands: `Init`, `Configure` (carries the run
+//! configuration), `Start` (carries a run number), `Pause`, `Continue`, `Stop`, `Reset`,
+//! `Off`. A command that does not apply to the current state is rejected and leaves the
+//! state unchanged. Run numbers only go up: a `Start` with a number not above the last run
+//! of this process is rejected.
+//!
+//! | from \ command | Init | Configure | Start | Pause | Continue | Stop | Reset | Off |
+//! | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+//! | Idle | Standby | - | - | - | - | - | - | Off |
+//! | Standby | - | Ready | - | - | - | - | Idle | Off |
+//! | Ready | - | Ready | Running | - | - | - | Idle | Off |
+//! | Running | - | - | - | Paused | - | Ready | - | Off |
+//! | Paused | - | - | - | - | Running | Ready | - | Off |
+//! | Off | - | - | - | - | - | - | - | - |
+//!
+//! The text form of commands and replies (payloads of the `RC_CMD` / `RC_REPLY` dispatcher
+//! tags) is [`Command::to_text`] / [`Command::parse`]: `INIT`, `CONFIGURE <text>`,
+//! `START <run>`, `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF` (or `QUIT`).
+
+use core::fmt;
+
+use crate::Instant;
+
+/// A process's run-control state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RunState {
+    Idle,
+    Standby,
+    Ready,
+    Running,
+    Paused,
+    Off,
+}
+
+impl RunState {
+    pub const ALL: [RunState; 6] =
+        [RunState::Idle, RunState::Standby, RunState::Ready, RunState::Running, RunState::Paused, RunState::Off];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RunState::Idle => "IDLE",
+            RunState::Standby => "STANDBY",
+            RunState::Ready => "READY",
+            RunState::Running => "RUNNING",
+            RunState::Paused => "PAUSED",
+            RunState::Off => "OFF",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RunState> {
+        RunState::ALL.into_iter().find(|st| st.name().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// Builders keep taking data while paused (RUNNING and PAUSED alike for data).
+    pub fn accepts_data(self) -> bool {
+        matches!(self, RunState::Running | RunState::Paused)
+    }
+
+    /// Sources produce only while running.
+    pub fn produces_data(self) -> bool {
+        self == RunState::Running
+    }
+}
+
+impl fmt::Display for RunState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A run-control command.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    Init,
+    /// Carries the run configuration (TOML text in shoal).
+    Configure(String),
+    Start {
+        run: u64,
+    },
+    Pause,
+    Continue,
+    Stop,
+    Reset,
+    Off,
+}
+
+/// Why a command text could not be parsed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad run-control command {0:?} (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF)")]
+pub struct CommandParseError(pub String);
+
+impl Command {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::Init => "INIT",
+            Command::Configure(_) => "CONFIGURE",
+            Command::Start { .. } => "START",
+            Command::Pause => "PAUSE",
+            Command::Continue => "CONTINUE",
+            Command::Stop => "STOP",
+            Command::Reset => "RESET",
+            Command::Off => "OFF",
+        }
+    }
+
+    pub fn to_text(&self) -> String {
+        match self {
+            Command::Configure(cfg) => format!("CONFIGURE {cfg}"),
+            Command::Start { run } => format!("START {run}"),
+            other => other.name().to_string(),
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Command, CommandParseError> {
+        let err = || CommandParseError(text.chars().take(80).collect());
+        let text = text.trim_start();
+        let (word, rest) = text.split_once(char::is_whitespace).unwrap_or((text, ""));
+        let simple = |c: Command| if rest.trim().is_empty() { Ok(c) } else { Err(err()) };
+        match word.to_ascii_uppercase().as_str() {
+            "INIT" => simple(Command::Init),
+            "CONFIGURE" => Ok(Command::Configure(rest.to_string())),
+            "START" => rest.trim().parse().map(|run| Command::Start { run }).map_err(|_| err()),
+            "PAUSE" => simple(Command::Pause),
+            "CONTINUE" => simple(Command::Continue),
+            "STOP" => simple(Command::Stop),
+            "RESET" => simple(Command::Reset),
+            "OFF" | "QUIT" => simple(Command::Off),
+            _ => Err(err()),
+        }
+    }
+}
+
+/// A command that does not apply.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TransitionError {
+    #[error("{command} is not allowed in state {state}")]
+    NotAllowed { state: RunState, command: &'static str },
+    #[error("run number {run} is not above the last run {last} of this process")]
+    RunNumberReused { run: u64, last: u64 },
+}
+
+/// The state machine of one process.
+#[derive(Clone, Debug)]
+pub struct RunControl {
+    state: RunState,
+    since: Instant,
+    config: Option<String>,
+    run: Option<u64>,
+    last_run: Option<u64>,
+}
+
+impl RunControl {
+    pub fn new(now: Instant) -> Self {
+        Self { state: RunState::Idle, since: now, config: None, run: None, last_run: None }
+    }
+
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// When the current state was entered.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+
+    /// The configuration of the last `Configure`, while Ready, Running or Paused.
+    pub fn config(&self) -> Option<&str> {
+        self.config.as_deref()
+    }
+
+    /// The current run number while Running or Paused.
+    pub fn run(&self) -> Option<u64> {
+        self.run
+    }
+
+    /// Applies a command; on success returns the new state.
+    pub fn handle_command(&mut self, now: Instant, cmd: Command) -> Result<RunState, TransitionError> {
+        use RunState::*;
+        let not_allowed = TransitionError::NotAllowed { state: self.state, command: cmd.name() };
+        let next = match (self.state, cmd) {
+            (Off, _) => return Err(not_allowed),
+            (_, Command::Off) => Off,
+            (Idle, Command::Init) => Standby,
+            (Standby | Ready, Command::Configure(cfg)) => {
+                self.config = Some(cfg);
+                Ready
+            }
+            (Ready, Command::Start { run }) => {
+                if let Some(last) = self.last_run.filter(|&l| run <= l) {
+                    return Err(TransitionError::RunNumberReused { run, last });
+                }
+                self.run = Some(run);
+                self.last_run = Some(run);
+                Running
+            }
+            (Running, Command::Pause) => Paused,
+            (Paused, Command::Continue) => Running,
+            (Running | Paused, Command::Stop) => {
+                self.run = None;
+                Ready
+            }
+            (Standby | Ready, Command::Reset) => {
+                self.config = None;
+                Idle
+            }
+            _ => return Err(not_allowed),
+        };
+        self.state = next;
+        self.since = now;
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RunState::*;
+
+    fn commands() -> Vec<Command> {
+        vec![
+            Command::Init,
+            Command::Configure("[run]\nsources = 5".into()),
+            Command::Start { run: 7 },
+            Command::Pause,
+            Command::Continue,
+            Command::Stop,
+            Command::Reset,
+            Command::Off,
+        ]
+    }
+
+    /// The table of the module documentation, written out independently.
+    fn expected(from: RunState, cmd: &Command) -> Option<RunState> {
+        let i = commands().iter().position(|c| c.name() == cmd.name()).unwrap();
+        let row: [Option<RunState>; 8] = match from {
+            Idle => [Some(Standby), None, None, None, None, None, None, Some(Off)],
+            Standby => [None, Some(Ready), None, None, None, None, Some(Idle), Some(Off)],
+            Ready => [None, Some(Ready), Some(Running), None, None, None, Some(Idle), Some(Off)],
+            Running => [None, None, None, Some(Paused), None, Some(Ready), None, Some(Off)],
+            Paused => [None, None, None, None, Some(Running), Some(Ready), None, Some(Off)],
+            Off => [None; 8],
+        };
+        row[i]
+    }
+
+    /// Brings a fresh machine into `state` by the shortest legal path.
+    fn machine_in(state: RunState) -> RunControl {
+        let mut m = RunControl::new(Instant::ZERO);
+        let path: &[Command] = match state {
+            Idle => &[],
+            Standby => &[Command::Init],
+            Ready => &[Command::Init, Command::Configure("c".into())],
+            Running => &[Command::Init, Command::Configure("c".into()), Command::Start { run: 1 }],
+            Paused => &[Command::Init, Command::Configure("c".into()), Command::Start { run: 1 }, Command::Pause],
+            Off => &[Command::Off],
+        };
+        for c in path {
+            m.handle_command(Instant::ZERO, c.clone()).unwrap();
+        }
+        assert_eq!(m.state(), state);
+        m
+    }
+
+    #[test]
+    fn every_state_times_every_command() {
+        for from in RunState::ALL {
+            for cmd in commands() {
+                let mut m = machine_in(from);
+                let got = m.handle_command(Instant::from_nanos(5), cmd.clone());
+                match expected(from, &cmd) {
+                    Some(to) => {
+                        assert_eq!(got, Ok(to), "{from} --{}-->", cmd.name());
+                        assert_eq!(m.state(), to);
+                        assert_eq!(m.since(), Instant::from_nanos(5));
+                    }
+                    None => {
+                        assert_eq!(got, Err(TransitionError::NotAllowed { state: from, command: cmd.name() }));
+                        assert_eq!(m.state(), from, "a rejected command changes nothing");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn run_numbers_never_go_back_and_config_is_kept() {
+        let mut m = machine_in(Ready);
+        assert_eq!(m.config(), Some("c"));
+        m.handle_command(Instant::ZERO, Command::Start { run: 10 }).unwrap();
+        assert_eq!(m.run(), Some(10));
+        assert!(m.state().accepts_data() && m.state().produces_data());
+        m.handle_command(Instant::ZERO, Command::Pause).unwrap();
+        assert!(m.state().accepts_data() && !m.state().produces_data());
+        m.handle_command(Instant::ZERO, Command::Stop).unwrap();
+        assert_eq!(m.run(), None);
+        assert_eq!(
+            m.handle_command(Instant::ZERO, Command::Start { run: 10 }),
+            Err(TransitionError::RunNumberReused { run: 10, last: 10 })
+        );
+        assert_eq!(m.handle_command(Instant::ZERO, Command::Start { run: 11 }), Ok(Running));
+    }
+
+    #[test]
+    fn text_forms_roundtrip() {
+        for c in commands() {
+            assert_eq!(Command::parse(&c.to_text()), Ok(c));
+        }
+        assert_eq!(Command::parse("quit"), Ok(Command::Off));
+        assert_eq!(Command::parse("  start 42 "), Ok(Command::Start { run: 42 }));
+        assert_eq!(Command::parse("CONFIGURE [run]\nx = 1"), Ok(Command::Configure("[run]\nx = 1".into())));
+        for bad in ["", "START", "START -1", "START x", "PAUSE now", "LAUNCH"] {
+            assert!(Command::parse(bad).is_err(), "{bad:?}");
+        }
+        for s in RunState::ALL {
+            assert_eq!(RunState::parse(s.name()), Some(s));
+        }
+    }
+}
