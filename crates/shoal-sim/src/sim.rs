@@ -140,6 +140,24 @@ pub struct SimSummary {
 pub struct SimResult {
     pub summary: SimSummary,
     pub records: Vec<FragRecord>,
+    /// With [`RunOptions::log_transmits`]: every piece a shaper released, in order.
+    pub transmits: Vec<TransmitRecord>,
+}
+
+/// One [`Transmit`] a source's shaper released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransmitRecord {
+    pub at_ns: u64,
+    pub source: u32,
+    pub dest: u32,
+    pub slice: SliceNumber,
+    pub bytes: u64,
+}
+
+/// What a run keeps beyond the summary and the per-fragment records.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunOptions {
+    pub log_transmits: bool,
 }
 
 struct World {
@@ -165,6 +183,8 @@ struct World {
     burst_hist: Vec<u64>,
     to_pump: Vec<u32>,
     segs: Vec<Segment>,
+    log_transmits: bool,
+    transmits: Vec<TransmitRecord>,
 }
 
 fn mbps(v: f64) -> u64 {
@@ -177,9 +197,15 @@ fn us(v: f64) -> Duration {
 
 /// Runs a scenario to the end and returns its summary and records.
 pub fn run(sc: &Scenario) -> Result<SimResult, String> {
+    run_with(sc, RunOptions::default())
+}
+
+/// [`run`] with options.
+pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     sc.validate()?;
     let started = std::time::Instant::now();
     let mut w = World::build(sc)?;
+    w.log_transmits = opts.log_transmits;
     let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);
     w.q.schedule(Instant::ZERO + w.slice_len, Ev::SliceEnd(0));
     while let Some((now, ev)) = w.q.pop(end) {
@@ -317,6 +343,8 @@ impl World {
             burst_hist: vec![0; n_sources as usize + 1],
             to_pump: Vec::new(),
             segs: Vec::new(),
+            log_transmits: false,
+            transmits: Vec::new(),
         })
     }
 
@@ -468,6 +496,11 @@ impl World {
     }
 
     fn transmit(&mut self, now: Instant, s: u32, tx: Transmit) {
+        if self.log_transmits {
+            let rec =
+                TransmitRecord { at_ns: now.as_nanos(), source: s, dest: tx.dest, slice: tx.slice, bytes: tx.len };
+            self.transmits.push(rec);
+        }
         let r = self.record(s, tx.slice);
         if r.sent_ns == 0 {
             r.sent_ns = now.as_nanos().max(1);
@@ -779,6 +812,6 @@ impl World {
             events: self.q.processed(),
             wall_s,
         };
-        SimResult { summary, records: self.records }
+        SimResult { summary, records: self.records, transmits: self.transmits }
     }
 }
