@@ -4,11 +4,20 @@
 use std::fmt::Write;
 
 const W: f64 = 900.0;
-const H: f64 = 420.0;
 const L: f64 = 80.0;
 const R: f64 = 190.0;
 const T: f64 = 40.0;
-const B: f64 = 60.0;
+
+/// Canvas height and bottom margin: line charts need one row of tick labels, bar charts room
+/// for rotated labels.
+#[derive(Clone, Copy)]
+struct Rows {
+    h: f64,
+    b: f64,
+}
+
+const LINES: Rows = Rows { h: 420.0, b: 60.0 };
+const BARS: Rows = Rows { h: 620.0, b: 260.0 };
 const COLORS: [&str; 8] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 
 fn esc(s: &str) -> String {
@@ -74,7 +83,9 @@ fn fmt_num(v: f64) -> String {
     }
 }
 
-fn frame(title: &str, xl: &str, yl: &str, y: &Axis) -> String {
+#[allow(non_snake_case)] // H and B keep the names of the layout constants they vary
+fn frame(title: &str, xl: &str, yl: &str, y: &Axis, rows: Rows) -> String {
+    let Rows { h: H, b: B } = rows;
     let mut s = format!(
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/><text x="{}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
         (W - R + L) / 2.0,
@@ -112,10 +123,12 @@ fn frame(title: &str, xl: &str, yl: &str, y: &Axis) -> String {
 }
 
 /// Line chart of several series of (x, y) points.
+#[allow(non_snake_case)] // H and B keep the names of the layout constants they vary
 pub fn lines(title: &str, xl: &str, yl: &str, series: &[(String, Vec<(f64, f64)>)], log_y: bool) -> String {
+    let Rows { h: H, b: B } = LINES;
     let x = Axis::new(series.iter().flat_map(|s| s.1.iter().map(|p| p.0)), false);
     let y = Axis::new(series.iter().flat_map(|s| s.1.iter().map(|p| p.1)), log_y);
-    let mut s = frame(title, xl, yl, &y);
+    let mut s = frame(title, xl, yl, &y, LINES);
     for t in x.ticks() {
         let px = L + x.frac(t) * (W - L - R);
         let _ = write!(s, r#"<text x="{px}" y="{}" text-anchor="middle">{}</text>"#, H - B + 16.0, fmt_num(t));
@@ -145,9 +158,11 @@ pub fn lines(title: &str, xl: &str, yl: &str, series: &[(String, Vec<(f64, f64)>
 }
 
 /// Bar chart: one bar per label.
+#[allow(non_snake_case)] // H and B keep the names of the layout constants they vary
 pub fn bars(title: &str, yl: &str, items: &[(String, f64)], log_y: bool) -> String {
+    let Rows { h: H, b: B } = BARS;
     let y = Axis::new(items.iter().map(|i| i.1), log_y);
-    let mut s = frame(title, "", yl, &y);
+    let mut s = frame(title, "", yl, &y, BARS);
     let n = items.len().max(1) as f64;
     let bw = (W - L - R) / n;
     for (i, (label, v)) in items.iter().enumerate() {
@@ -155,7 +170,7 @@ pub fn bars(title: &str, yl: &str, items: &[(String, f64)], log_y: bool) -> Stri
         let top = H - B - y.frac(*v) * (H - T - B);
         let _ = write!(
             s,
-            r#"<rect x="{x0:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="{}"/><text transform="translate({:.1},{}) rotate(45)" font-size="9">{}</text>"#,
+            r#"<rect x="{x0:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="{}"/><text transform="translate({:.1},{}) rotate(65)" font-size="10">{}</text>"#,
             bw * 0.7,
             (H - B - top).max(0.0),
             COLORS[0],
