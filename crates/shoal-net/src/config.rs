@@ -45,6 +45,10 @@ pub struct RunConfig {
     pub builder_addrs: Vec<String>,
     /// Address where the writer accepts events from builders.
     pub writer_addr: String,
+    /// First slice of the run, so that every source of it agrees (run control and the
+    /// embedded demo set it). Unset: the first slice that starts on a whole second after
+    /// the process starts, so processes started within the same second agree.
+    pub start_slice: Option<u64>,
 }
 
 impl Default for RunConfig {
@@ -58,6 +62,7 @@ impl Default for RunConfig {
             policy: "direct".into(),
             builder_addrs: vec!["127.0.0.1:5601".into(), "127.0.0.1:5602".into(), "127.0.0.1:5603".into()],
             writer_addr: "127.0.0.1:5700".into(),
+            start_slice: None,
         }
     }
 }

@@ -131,6 +131,12 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         builder_listeners.push(l);
     }
 
+    // Every source node of the run starts with the same slice, a little ahead of now so
+    // that all of them are up by then.
+    if cfg.run.start_slice.is_none() {
+        let slice_clock = cfg.slice_clock()?;
+        cfg.run.start_slice = Some(slice_clock.slice_at(clock.now() + shoal_core::Duration::from_millis(200)) + 1);
+    }
     let writer_cancel = CancellationToken::new();
     let writer = tokio::spawn(run_writer(cfg.clone(), writer_listener, writer_cancel.clone()));
     let builder_cancel = CancellationToken::new();

@@ -103,8 +103,10 @@ pub async fn run_source_node(
 
     let queue_limit = cfg.source.queue_limit_mb << 20;
     let stall_limit = slice_clock.length() * cfg.source.stall_limit_slices.max(1);
-    let start = clock.now();
-    let first_slice = slice_clock.slice_at(start) + 1;
+    let first_slice = match cfg.run.start_slice {
+        Some(s) => s,
+        None => first_slice_on_a_second(&slice_clock, clock.now()),
+    };
     let n_slices = if cfg.run.seconds > 0.0 {
         Some(((cfg.run.seconds * 1e9) as u64).div_ceil(slice_clock.length().as_nanos() as u64).max(1))
     } else {
@@ -252,6 +254,18 @@ impl FragmentSource {
             }
         }
     }
+}
+
+/// The first slice after `now` that starts on a whole second (or the next slice, for slices
+/// that do not divide a second).
+fn first_slice_on_a_second(clock: &SliceClock, now: Instant) -> SliceNumber {
+    let len = clock.length().as_nanos() as u64;
+    let next = clock.slice_at(now) + 1;
+    if 1_000_000_000 % len != 0 {
+        return next;
+    }
+    let per_second = 1_000_000_000 / len;
+    next.div_ceil(per_second) * per_second
 }
 
 fn produce(

@@ -17,6 +17,9 @@ fn source_builder_writer_as_separate_processes() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let (b0, b1, w) = (free_port(), free_port(), free_port());
+    // All processes agree on the first slice: one second from now (10 ms slices).
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let start_slice = now_ns / 10_000_000 + 100;
     let toml = format!(
         r#"
 [run]
@@ -27,6 +30,7 @@ builders = 2
 policy = "delayed:2"
 builder_addrs = ["127.0.0.1:{b0}", "127.0.0.1:{b1}"]
 writer_addr = "127.0.0.1:{w}"
+start_slice = {start_slice}
 
 [source.noise]
 rate_hz = 10000.0
@@ -74,8 +78,10 @@ out_dir = "{out}"
         .map(|t| t["produced"].as_u64().unwrap())
         .sum();
     let delivered: u64 = reports[2..4].iter().map(|r| r["tally"]["delivered"].as_u64().unwrap()).sum();
-    assert!(produced > 0);
+    assert_eq!(produced, 3 * 100, "3 sources x 1 s of 10 ms slices");
     assert_eq!(delivered, produced, "every fragment delivered to a builder");
+    let complete: u64 = reports[2..4].iter().map(|r| r["slices_complete"].as_u64().unwrap()).sum();
+    assert_eq!(complete, 100, "every slice complete: the processes agreed on the slices");
     let writer = &reports[4];
     assert_eq!(writer["builders_ended"], 2);
     assert!(dir.join("run000042.events.parquet").exists());
