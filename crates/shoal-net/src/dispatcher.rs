@@ -29,6 +29,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+/// Messages decoded by readers and not yet taken by the core, for all connections together.
+const INPUT_QUEUE: usize = 32;
+
 /// Dispatcher settings (`shoal dispatcher` flags).
 #[derive(Clone, Copy, Debug)]
 pub struct DispatcherConfig {
@@ -109,7 +112,9 @@ pub fn spawn_dispatcher(
 ) -> std::io::Result<(DispatcherHandle, tokio::task::JoinHandle<()>)> {
     let addr = listener.local_addr()?;
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
-    let (in_tx, in_rx) = mpsc::channel::<(ClientId, Message)>(1024);
+    // Small on purpose: messages waiting here are outside the router's memory accounting,
+    // so while publishers are paused at most this many more can pile up.
+    let (in_tx, in_rx) = mpsc::channel::<(ClientId, Message)>(INPUT_QUEUE);
     let accept_events = ev_tx.clone();
     let accept_cancel = cancel.clone();
     tokio::spawn(async move {
