@@ -20,5 +20,6 @@ pub mod dispatcher;
 pub mod framed;
 pub mod link;
 pub mod live;
+pub mod rcagent;
 pub mod source;
 pub mod writer;

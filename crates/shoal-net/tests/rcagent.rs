@@ -1,0 +1,76 @@
+//! The run-control agent follows commands through a real dispatcher and answers with its
+//! state; commands for other processes are ignored; refused commands are answered as errors.
+
+use std::time::Duration;
+
+use shoal_core::controlhost::Mode;
+use shoal_core::runstate::{Command, RunState};
+use shoal_net::chclient::ChClient;
+use shoal_net::clock::WallClock;
+use shoal_net::dispatcher::{DispatcherConfig, spawn_dispatcher};
+use shoal_net::rcagent::{RC_CMD, RC_REPLY, RcAgent};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+async fn next_text(c: &mut ChClient) -> String {
+    let m = tokio::time::timeout(Duration::from_secs(20), c.next_message()).await.expect("a reply in time").unwrap();
+    String::from_utf8(m.payload.to_vec()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_follows_commands_and_replies() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cancel = CancellationToken::new();
+    let (h, _core) = spawn_dispatcher(l, DispatcherConfig::default(), cancel.clone()).unwrap();
+    let mut control = ChClient::connect(h.addr).await.unwrap();
+    control.subscribe(RC_REPLY, Mode::All).await.unwrap();
+    // Wait until run control's subscription is in effect (subscriptions are not acknowledged).
+    for _ in 0..2000 {
+        let s = h.snapshot().await.unwrap();
+        if s.clients.iter().any(|c| c.status.subscription == "a RC_REPLY" && c.status.ready != 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let addr = h.addr;
+    let agent = tokio::spawn(async move {
+        let mut a = RcAgent::connect(addr, "builder0", WallClock::new()).await.unwrap();
+        let mut applied = Vec::new();
+        while a.state() != RunState::Off {
+            applied.push(a.next_command().await.unwrap());
+        }
+        applied
+    });
+    assert_eq!(next_text(&mut control).await, "builder0 IDLE ok");
+    // The agent subscribed before announcing itself, so commands from now on reach it.
+    let script = [
+        ("*", "INIT", "builder0 STANDBY ok"),
+        ("builder1", "INIT", ""), // not for us: no reply
+        ("builder0", "START 5", "builder0 STANDBY error START is not allowed in state STANDBY"),
+        ("builder0", "CONFIGURE [run]\nsources = 5", "builder0 READY ok"),
+        ("*", "START 5", "builder0 RUNNING ok"),
+        ("builder0", "PAUSE", "builder0 PAUSED ok"),
+        (
+            "builder0",
+            "FLY",
+            "builder0 PAUSED error bad run-control command \"FLY\" (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF)",
+        ),
+        ("builder0", "CONTINUE", "builder0 RUNNING ok"),
+        ("*", "STOP", "builder0 READY ok"),
+        ("*", "START 5", "builder0 READY error run number 5 is not above the last run 5 of this process"),
+        ("*", "OFF", "builder0 OFF ok"),
+    ];
+    for (target, cmd, expected) in script {
+        control.publish(RC_CMD, format!("{target} {cmd}").as_bytes()).await.unwrap();
+        if !expected.is_empty() {
+            assert_eq!(next_text(&mut control).await, expected, "after {target} {cmd}");
+        }
+    }
+    let applied = agent.await.unwrap();
+    let commands: Vec<&str> = applied.iter().map(|a| a.command.name()).collect();
+    assert_eq!(commands, ["INIT", "START", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "START", "OFF"]);
+    assert_eq!(applied[3].command, Command::Start { run: 5 });
+    assert!(applied[1].result.is_err() && applied[7].result.is_err());
+    cancel.cancel();
+}
