@@ -70,7 +70,7 @@ pub struct BuilderReport {
 
 enum Incoming {
     Frame { frame: Frame, arrival: Instant },
-    Rejected { peer: SocketAddr, reason: &'static str },
+    Rejected { reason: &'static str },
 }
 
 /// Reads one source connection: validated frames go to the assembler task.
@@ -100,7 +100,7 @@ async fn read_connection(
         }
     };
     if let ReadEnd::Rejected(reason) = end {
-        let _ = tx.send(Incoming::Rejected { peer, reason }).await;
+        let _ = tx.send(Incoming::Rejected { reason }).await;
     }
 }
 
@@ -202,11 +202,11 @@ pub async fn run_builder(
                     while let Ok(m) = in_rx.try_recv() {
                         match m {
                             Incoming::Frame { frame, arrival } => on_frame(&mut asm, &mut report, &mut ended, &slice_clock, frame, arrival, &live),
-                            Incoming::Rejected { peer, reason } => on_reject(&mut report, peer, reason, &live),
+                            Incoming::Rejected { reason } => on_reject(&mut report, reason, &live),
                         }
                     }
                 }
-                Some(Incoming::Rejected { peer, reason }) => on_reject(&mut report, peer, reason, &live),
+                Some(Incoming::Rejected { reason }) => on_reject(&mut report, reason, &live),
                 None => break,
             },
             _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {
@@ -256,8 +256,7 @@ pub async fn run_builder(
     Ok(report)
 }
 
-fn on_reject(report: &mut BuilderReport, peer: SocketAddr, reason: &'static str, live: &Live) {
-    let _ = peer;
+fn on_reject(report: &mut BuilderReport, reason: &'static str, live: &Live) {
     *report.rejected_connections.entry(reason.to_string()).or_default() += 1;
     Live::add(&live.rejected_connections, 1);
 }
@@ -360,7 +359,6 @@ fn filter_loop(
         };
         let payload = encode_events(&selected);
         link.send(Chunk::frame(id, o.slice, frame::encode_header(&header, &payload), payload));
-        drop(data);
         let _ = released.send(o.bytes);
     }
     filter.cleanup();

@@ -308,11 +308,7 @@ async fn run_core(
                     }
                     router.handle_disconnect(id);
                 }
-                Some(Event::Written { id, messages }) => {
-                    for _ in 0..messages {
-                        router.handle_written(id);
-                    }
-                }
+                Some(Event::Written { id, messages }) => router.handle_written(id, messages),
                 Some(Event::Snapshot(reply)) => {
                     let bp = backpressure + paused_since.map_or(Duration::ZERO, |t| t.elapsed());
                     let _ = reply.send(snapshot(&router, &conns, &rejected, connections_total, bp));

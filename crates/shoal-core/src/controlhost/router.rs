@@ -51,7 +51,7 @@ pub enum CloseReason {
 /// What the driver must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    /// Write this message to this client (then report [`Router::handle_written`]).
+    /// Write this message to this client (then report it with [`Router::handle_written`]).
     Transmit {
         client: ClientId,
         message: Message,
@@ -207,12 +207,13 @@ impl Router {
         }
     }
 
-    /// The driver finished writing the oldest message handed to `client`.
-    pub fn handle_written(&mut self, client: ClientId) {
-        if let Some(c) = self.clients.get_mut(&client)
-            && let Some(bytes) = c.in_flight.pop_front()
-        {
-            self.held_bytes -= bytes;
+    /// The driver finished writing the `messages` oldest messages handed to `client`.
+    pub fn handle_written(&mut self, client: ClientId, messages: usize) {
+        let Some(c) = self.clients.get_mut(&client) else { return };
+        let n = messages.min(c.in_flight.len());
+        let freed: u64 = c.in_flight.drain(..n).sum();
+        self.held_bytes -= freed;
+        if n > 0 {
             self.pending.push_back(client);
         }
     }
@@ -383,14 +384,14 @@ mod tests {
         assert!(outputs(&mut r).is_empty(), "not ready: nothing sent, all-mode kept");
         r.handle_message(1, msg(Tag::GIME, b""));
         assert_eq!(delivered(&outputs(&mut r)).len(), 1);
-        r.handle_written(1);
+        r.handle_written(1, 1);
         assert!(outputs(&mut r).is_empty(), "one credit, one message");
         r.handle_message(1, msg(Tag::ALWAYS, b""));
         assert_eq!(delivered(&outputs(&mut r)).len(), 2, "window of 2");
-        r.handle_written(1);
+        r.handle_written(1, 1);
         assert_eq!(delivered(&outputs(&mut r)).len(), 1);
-        r.handle_written(1);
-        r.handle_written(1);
+        r.handle_written(1, 1);
+        r.handle_written(1, 1);
         assert_eq!(r.held_bytes(), 0);
     }
 
@@ -412,8 +413,8 @@ mod tests {
         assert_eq!((st[1].queued + st[1].in_flight, st[1].dropped), (6, 0));
         assert!(!r.accepting(), "36 bytes held > 10");
         for _ in 0..6 {
-            r.handle_written(2);
-            r.handle_written(1);
+            r.handle_written(2, 1);
+            r.handle_written(1, 1);
             outputs(&mut r);
         }
         assert!(r.accepting());
