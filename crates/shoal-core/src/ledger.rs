@@ -38,10 +38,13 @@ pub enum Bucket {
     Unsent,
     /// Sent, never received: `sent - received` per (source, builder).
     LostInTransport,
+    /// Sent to a builder that left no tally (it died or never reported): whatever it
+    /// held or would have built is gone with it.
+    LostWithBuilder,
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 11] = [
+    pub const ALL: [Bucket; 12] = [
         Bucket::Delivered,
         Bucket::CutOff,
         Bucket::Late,
@@ -53,6 +56,7 @@ impl Bucket {
         Bucket::SendFailed,
         Bucket::Unsent,
         Bucket::LostInTransport,
+        Bucket::LostWithBuilder,
     ];
 
     /// Stable snake_case name (metric label, JSON key).
@@ -69,6 +73,7 @@ impl Bucket {
             Bucket::SendFailed => "send_failed",
             Bucket::Unsent => "unsent",
             Bucket::LostInTransport => "lost_in_transport",
+            Bucket::LostWithBuilder => "lost_with_builder",
         }
     }
 }
@@ -160,7 +165,8 @@ impl Ledger {
     /// Combines the tallies of all sources and builders of a run.
     ///
     /// `sources` maps each source id to its tally; `builders` maps each builder id to its
-    /// tally. Transport loss is derived per (source, builder) pair.
+    /// tally. Transport loss is derived per (source, builder) pair. Fragments sent to a
+    /// builder missing from `builders` (a process that died) are [`Bucket::LostWithBuilder`].
     pub fn combine(sources: &BTreeMap<SourceId, SourceTally>, builders: &BTreeMap<BuilderId, BuilderTally>) -> Ledger {
         let mut l = Ledger::default();
         for (src, t) in sources {
@@ -170,7 +176,11 @@ impl Ledger {
             l.add(Bucket::Unsent, t.unsent);
             l.tally_errors += t.unaccounted();
             for (b, &sent) in &t.sent {
-                let received = builders.get(b).and_then(|bt| bt.received.get(src)).copied().unwrap_or(0);
+                let Some(bt) = builders.get(b) else {
+                    l.add(Bucket::LostWithBuilder, sent);
+                    continue;
+                };
+                let received = bt.received.get(src).copied().unwrap_or(0);
                 l.add(Bucket::LostInTransport, sent.saturating_sub(received));
                 l.excess_received += received.saturating_sub(sent);
             }
@@ -253,6 +263,22 @@ mod tests {
         assert_eq!(l.unaccounted(), 0);
         assert!(l.is_balanced());
         assert_eq!(l.lost(), 3);
+    }
+
+    #[test]
+    fn a_builder_without_tally_takes_what_was_sent_to_it() {
+        let mut s0 = SourceTally { produced: 10, ..Default::default() };
+        s0.sent.insert(0, 5);
+        s0.sent.insert(1, 3);
+        s0.unsent = 2; // queued for the dead builder at the end
+        let mut b0 = BuilderTally::default();
+        b0.received.insert(0, 5);
+        b0.delivered = 5;
+        let l = Ledger::combine(&BTreeMap::from([(0, s0)]), &BTreeMap::from([(0, b0)]));
+        assert_eq!(l.get(Bucket::LostWithBuilder), 3);
+        assert_eq!(l.get(Bucket::LostInTransport), 0);
+        assert!(l.is_balanced());
+        assert_eq!(l.lost(), 5);
     }
 
     #[test]

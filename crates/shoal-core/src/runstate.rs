@@ -18,7 +18,7 @@
 //!
 //! The text form of commands and replies (payloads of the `RC_CMD` / `RC_REPLY` dispatcher
 //! tags) is [`Command::to_text`] / [`Command::parse`]: `INIT`, `CONFIGURE <text>`,
-//! `START <run>`, `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF` (or `QUIT`).
+//! `START <run> [<first slice>]`, `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF` (or `QUIT`).
 
 use core::fmt;
 
@@ -79,6 +79,9 @@ pub enum Command {
     Configure(String),
     Start {
         run: u64,
+        /// First time slice of the run, so that every source starts with the same slice
+        /// (`START <run> <slice>`); `None`: each process picks the next whole second.
+        start_slice: Option<u64>,
     },
     Pause,
     Continue,
@@ -109,7 +112,8 @@ impl Command {
     pub fn to_text(&self) -> String {
         match self {
             Command::Configure(cfg) => format!("CONFIGURE {cfg}"),
-            Command::Start { run } => format!("START {run}"),
+            Command::Start { run, start_slice: None } => format!("START {run}"),
+            Command::Start { run, start_slice: Some(s) } => format!("START {run} {s}"),
             other => other.name().to_string(),
         }
     }
@@ -122,7 +126,18 @@ impl Command {
         match word.to_ascii_uppercase().as_str() {
             "INIT" => simple(Command::Init),
             "CONFIGURE" => Ok(Command::Configure(rest.to_string())),
-            "START" => rest.trim().parse().map(|run| Command::Start { run }).map_err(|_| err()),
+            "START" => {
+                let mut words = rest.split_whitespace();
+                let run = words.next().and_then(|w| w.parse().ok()).ok_or_else(err)?;
+                let start_slice = match words.next() {
+                    Some(w) => Some(w.parse().map_err(|_| err())?),
+                    None => None,
+                };
+                if words.next().is_some() {
+                    return Err(err());
+                }
+                Ok(Command::Start { run, start_slice })
+            }
             "PAUSE" => simple(Command::Pause),
             "CONTINUE" => simple(Command::Continue),
             "STOP" => simple(Command::Stop),
@@ -176,6 +191,12 @@ impl RunControl {
         self.run
     }
 
+    /// What `cmd` would do, without doing it (so a process can refuse a command whose
+    /// payload it cannot use before its state changes).
+    pub fn check(&self, cmd: &Command) -> Result<RunState, TransitionError> {
+        self.clone().handle_command(self.since, cmd.clone())
+    }
+
     /// Applies a command; on success returns the new state.
     pub fn handle_command(&mut self, now: Instant, cmd: Command) -> Result<RunState, TransitionError> {
         use RunState::*;
@@ -188,7 +209,7 @@ impl RunControl {
                 self.config = Some(cfg);
                 Ready
             }
-            (Ready, Command::Start { run }) => {
+            (Ready, Command::Start { run, .. }) => {
                 if let Some(last) = self.last_run.filter(|&l| run <= l) {
                     return Err(TransitionError::RunNumberReused { run, last });
                 }
@@ -223,7 +244,7 @@ mod tests {
         vec![
             Command::Init,
             Command::Configure("[run]\nsources = 5".into()),
-            Command::Start { run: 7 },
+            Command::Start { run: 7, start_slice: None },
             Command::Pause,
             Command::Continue,
             Command::Stop,
@@ -253,8 +274,15 @@ mod tests {
             Idle => &[],
             Standby => &[Command::Init],
             Ready => &[Command::Init, Command::Configure("c".into())],
-            Running => &[Command::Init, Command::Configure("c".into()), Command::Start { run: 1 }],
-            Paused => &[Command::Init, Command::Configure("c".into()), Command::Start { run: 1 }, Command::Pause],
+            Running => {
+                &[Command::Init, Command::Configure("c".into()), Command::Start { run: 1, start_slice: Some(3) }]
+            }
+            Paused => &[
+                Command::Init,
+                Command::Configure("c".into()),
+                Command::Start { run: 1, start_slice: Some(3) },
+                Command::Pause,
+            ],
             Off => &[Command::Off],
         };
         for c in path {
@@ -289,7 +317,7 @@ mod tests {
     fn run_numbers_never_go_back_and_config_is_kept() {
         let mut m = machine_in(Ready);
         assert_eq!(m.config(), Some("c"));
-        m.handle_command(Instant::ZERO, Command::Start { run: 10 }).unwrap();
+        m.handle_command(Instant::ZERO, Command::Start { run: 10, start_slice: None }).unwrap();
         assert_eq!(m.run(), Some(10));
         assert!(m.state().accepts_data() && m.state().produces_data());
         m.handle_command(Instant::ZERO, Command::Pause).unwrap();
@@ -297,10 +325,10 @@ mod tests {
         m.handle_command(Instant::ZERO, Command::Stop).unwrap();
         assert_eq!(m.run(), None);
         assert_eq!(
-            m.handle_command(Instant::ZERO, Command::Start { run: 10 }),
+            m.handle_command(Instant::ZERO, Command::Start { run: 10, start_slice: None }),
             Err(TransitionError::RunNumberReused { run: 10, last: 10 })
         );
-        assert_eq!(m.handle_command(Instant::ZERO, Command::Start { run: 11 }), Ok(Running));
+        assert_eq!(m.handle_command(Instant::ZERO, Command::Start { run: 11, start_slice: None }), Ok(Running));
     }
 
     #[test]
@@ -309,7 +337,11 @@ mod tests {
             assert_eq!(Command::parse(&c.to_text()), Ok(c));
         }
         assert_eq!(Command::parse("quit"), Ok(Command::Off));
-        assert_eq!(Command::parse("  start 42 "), Ok(Command::Start { run: 42 }));
+        assert_eq!(Command::parse("  start 42 "), Ok(Command::Start { run: 42, start_slice: None }));
+        assert_eq!(Command::parse("START 42 1700"), Ok(Command::Start { run: 42, start_slice: Some(1700) }));
+        assert!(Command::parse("START 42 x").is_err());
+        assert!(Command::parse("START 42 1 2").is_err());
+        assert!(Command::parse("START").is_err());
         assert_eq!(Command::parse("CONFIGURE [run]\nx = 1"), Ok(Command::Configure("[run]\nx = 1".into())));
         for bad in ["", "START", "START -1", "START x", "PAUSE now", "LAUNCH"] {
             assert!(Command::parse(bad).is_err(), "{bad:?}");
