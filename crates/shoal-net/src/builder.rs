@@ -277,7 +277,9 @@ fn on_frame(
     }
     let bytes = frame.wire_len() as u64;
     if h.send_time > Instant::ZERO {
-        let _ = report.net_delay_us.record((arrival - h.send_time).as_micros().max(1) as u64);
+        let delay_us = (arrival - h.send_time).as_micros().max(1) as u64;
+        let _ = report.net_delay_us.record(delay_us);
+        live.record_delay(delay_us);
         let _ = report.shaping_delay_us.record((h.send_time - slice_clock.end_of(h.slice)).as_micros().max(1) as u64);
     }
     if report.first_arrival_ns == 0 {
@@ -286,6 +288,9 @@ fn on_frame(
     report.last_arrival_ns = arrival.as_nanos();
     let data = FragmentData { source: h.source, hit_count: h.hit_count, payload: frame.payload };
     let admission = asm.handle_fragment(arrival, h.source, h.slice, bytes, h.flags.contains(Flags::CUT_OFF), data);
+    if admission != shoal_core::assembly::Admission::Accepted {
+        Live::add(&live.fragments_discarded_at_builder, 1);
+    }
     if admission == shoal_core::assembly::Admission::Accepted {
         report.fragments += 1;
         report.bytes += bytes;

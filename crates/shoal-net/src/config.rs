@@ -192,6 +192,13 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Parses and validates TOML text (the payload of a run-control `CONFIGURE`).
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// Checks everything a node would otherwise trip over later.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy()?;

@@ -20,6 +20,7 @@ pub mod dispatcher;
 pub mod framed;
 pub mod link;
 pub mod live;
+pub mod node;
 pub mod rcagent;
 pub mod source;
 pub mod writer;

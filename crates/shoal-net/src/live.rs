@@ -1,6 +1,13 @@
-//! Live counters shared by the processes of one run (progress bar, monitoring).
+//! Live counters of one process (progress bar, run-control statistics, `/metrics`).
+//!
+//! Counters only grow; rates are differences between two readings. The delay window is the
+//! one piece of state that is reset: [`Live::take_delays`] returns the network delays
+//! recorded since the previous call.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use hdrhistogram::Histogram;
 
 #[derive(Debug, Default)]
 pub struct Live {
@@ -11,6 +18,14 @@ pub struct Live {
     pub slices_incomplete: AtomicU64,
     pub events: AtomicU64,
     pub rejected_connections: AtomicU64,
+    /// Fragments a source dropped (full queue) or failed to send (connection lost).
+    pub fragments_dropped_at_source: AtomicU64,
+    /// Fragments the builders discarded (late, duplicate, overload, unknown source).
+    pub fragments_discarded_at_builder: AtomicU64,
+    /// Run control paused the run: sources keep the slice schedule with empty fragments.
+    pub paused: AtomicBool,
+    /// Network delays (us) since the last [`Live::take_delays`].
+    delays: Mutex<Option<Histogram<u64>>>,
 }
 
 impl Live {
@@ -19,5 +34,21 @@ impl Live {
     }
     pub fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
+    }
+
+    /// Records one fragment's network delay in microseconds.
+    pub fn record_delay(&self, us: u64) {
+        let mut d = self.delays.lock().unwrap_or_else(|e| e.into_inner());
+        let h = d.get_or_insert_with(|| Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds"));
+        let _ = h.record(us.max(1));
+    }
+
+    /// The delays recorded since the previous call (empty if none).
+    pub fn take_delays(&self) -> Option<Histogram<u64>> {
+        self.delays.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }

@@ -14,7 +14,7 @@
 use std::net::SocketAddr;
 
 use shoal_core::controlhost::Mode;
-use shoal_core::runstate::{Command, RunControl, RunState, TransitionError};
+use shoal_core::runstate::{Command, CommandParseError, RunControl, RunState, TransitionError};
 
 use crate::chclient::{ChClient, ClientError};
 use crate::clock::WallClock;
@@ -23,6 +23,10 @@ use crate::clock::WallClock;
 pub const RC_CMD: &str = "RC_CMD";
 /// Tag of the processes' replies.
 pub const RC_REPLY: &str = "RC_REPLY";
+/// Tag of the processes' periodic statistics (JSON, see [`crate::node::NodeStats`]).
+pub const RC_STATS: &str = "RC_STATS";
+/// Tag of a process's end-of-run report (JSON, see [`crate::node::NodeReport`]).
+pub const RC_REPORT: &str = "RC_END";
 
 /// What one command did.
 #[derive(Debug, PartialEq)]
@@ -68,9 +72,10 @@ impl RcAgent {
         self.client.publish(RC_REPLY, text.as_bytes()).await
     }
 
-    /// Waits for the next command addressed to this process, applies it, replies, and
-    /// returns what happened. Malformed commands are answered with an error and skipped.
-    pub async fn next_command(&mut self) -> Result<Applied, ClientError> {
+    /// The next command addressed to this process (by name or `*`). A text that is not a
+    /// command comes back as `Err` for the caller to answer with [`RcAgent::refuse`].
+    /// Cancel-safe: it only reads, so it can sit in a `select!` beside timers.
+    pub async fn recv_command(&mut self) -> Result<Result<Command, CommandParseError>, ClientError> {
         loop {
             let msg = self.client.next_message().await?;
             let text = String::from_utf8_lossy(&msg.payload);
@@ -78,16 +83,43 @@ impl RcAgent {
             if target != "*" && target != self.name {
                 continue;
             }
-            let command = match Command::parse(rest) {
-                Ok(c) => c,
-                Err(e) => {
-                    self.reply(Some(e.to_string())).await?;
-                    continue;
-                }
-            };
-            let result = self.rc.handle_command(self.clock.now(), command.clone());
-            self.reply(result.as_ref().err().map(|e| e.to_string())).await?;
-            return Ok(Applied { command, result });
+            return Ok(Command::parse(rest));
+        }
+    }
+
+    /// What `command` would do in the current state, without doing it.
+    pub fn check(&self, command: &Command) -> Result<RunState, TransitionError> {
+        self.rc.check(command)
+    }
+
+    /// Answers a command that was not carried out (state unchanged).
+    pub async fn refuse(&mut self, reason: &str) -> Result<(), ClientError> {
+        self.reply(Some(reason.to_string())).await
+    }
+
+    /// Applies `command` after the process has carried out its part and replies with the
+    /// new state (or the transition error).
+    pub async fn commit(&mut self, command: Command) -> Result<Applied, ClientError> {
+        let result = self.rc.handle_command(self.clock.now(), command.clone());
+        self.reply(result.as_ref().err().map(|e| e.to_string())).await?;
+        Ok(Applied { command, result })
+    }
+
+    /// Publishes a message of the process's own (statistics, reports).
+    pub async fn publish(&mut self, tag: &str, payload: &[u8]) -> Result<(), ClientError> {
+        self.client.publish(tag, payload).await
+    }
+
+    /// Waits for the next command addressed to this process, applies it, replies, and
+    /// returns what happened. Malformed commands are answered with an error and skipped.
+    /// (For processes with nothing to do on a command; `shoal node` uses
+    /// [`RcAgent::recv_command`], acts, then [`RcAgent::commit`].)
+    pub async fn next_command(&mut self) -> Result<Applied, ClientError> {
+        loop {
+            match self.recv_command().await? {
+                Ok(command) => return self.commit(command).await,
+                Err(e) => self.refuse(&e.to_string()).await?,
+            }
         }
     }
 }

@@ -160,7 +160,7 @@ pub async fn run_source_node(
                 s.shaper.handle_sent(now, slice);
             }
             while let Some(tx) = s.shaper.poll_transmit(now) {
-                dispatch(s, tx, &links, queue_limit, now, stall_limit);
+                dispatch(s, tx, &links, queue_limit, now, stall_limit, &live);
             }
         }
         if !producing && sources.iter().all(|s| s.frames.is_empty()) {
@@ -181,9 +181,9 @@ pub async fn run_source_node(
         tokio::select! {
             _ = sleep => {}
             r = reports.recv() => if let Some(r) = r {
-                handle_report(&mut sources, &index, r, clock.now());
+                handle_report(&mut sources, &index, r, clock.now(), &live);
                 while let Ok(r) = reports.try_recv() {
-                    handle_report(&mut sources, &index, r, clock.now());
+                    handle_report(&mut sources, &index, r, clock.now(), &live);
                 }
             },
             _ = cancel.cancelled(), if producing => producing = false,
@@ -212,7 +212,7 @@ pub async fn run_source_node(
     // unreachable peer gives up once `closing` is set).
     let collect = async {
         while let Some(r) = reports.recv().await {
-            handle_report(&mut sources, &index, r, clock.now());
+            handle_report(&mut sources, &index, r, clock.now(), &live);
         }
     };
     if tokio::time::timeout(StdDuration::from_millis(cfg.source.drain_timeout_ms.max(1000)), collect).await.is_err() {
@@ -277,7 +277,13 @@ fn produce(
     report: &mut SourceReport,
     live: &Live,
 ) {
-    let frag = generator.generate(s.id, slice);
+    // Paused: keep the slice schedule (builders still see every slice complete) but send
+    // empty fragments.
+    let frag = if live.is_paused() {
+        GeneratedFragment { hit_count: 0, waveform_count: 0, payload: Bytes::new(), burst: false }
+    } else {
+        generator.generate(s.id, slice)
+    };
     s.tally.produced += 1;
     report.bytes_produced += frag.payload.len() as u64;
     live.fragments_produced.fetch_add(1, Ordering::Relaxed);
@@ -344,7 +350,15 @@ fn enqueue(
     s.shaper.handle_fragment(now, Outgoing { slice, len });
 }
 
-fn dispatch(s: &mut HostedSource, tx: Transmit, links: &[Link], queue_limit: u64, now: Instant, stall_limit: Duration) {
+fn dispatch(
+    s: &mut HostedSource,
+    tx: Transmit,
+    links: &[Link],
+    queue_limit: u64,
+    now: Instant,
+    stall_limit: Duration,
+    live: &Live,
+) {
     let Some(f) = s.frames.get_mut(&tx.slice) else {
         warn!(source = s.id, slice = tx.slice, "shaper released an unknown fragment");
         return;
@@ -360,6 +374,7 @@ fn dispatch(s: &mut HostedSource, tx: Transmit, links: &[Link], queue_limit: u64
         if tx.last {
             s.frames.remove(&tx.slice);
             s.tally.dropped_at_source += 1;
+            Live::add(&live.fragments_dropped_at_source, 1);
             s.shaper.handle_sent(now, tx.slice);
         }
         return;
@@ -375,7 +390,13 @@ fn dispatch(s: &mut HostedSource, tx: Transmit, links: &[Link], queue_limit: u64
     }
 }
 
-fn handle_report(sources: &mut [HostedSource], index: &HashMap<SourceId, usize>, r: LinkReport, now: Instant) {
+fn handle_report(
+    sources: &mut [HostedSource],
+    index: &HashMap<SourceId, usize>,
+    r: LinkReport,
+    now: Instant,
+    live: &Live,
+) {
     let (source, slice, link, sent) = match r {
         LinkReport::Sent { link, source, slice } => (source, slice, link, true),
         LinkReport::Failed { link, source, slice } => (source, slice, link, false),
@@ -389,6 +410,7 @@ fn handle_report(sources: &mut [HostedSource], index: &HashMap<SourceId, usize>,
         *s.tally.sent.entry(link).or_default() += 1;
     } else {
         s.tally.send_failed += 1;
+        Live::add(&live.fragments_dropped_at_source, 1);
     }
     if s.stall.is_some_and(|(sl, _)| sl == slice) {
         s.stall = None;

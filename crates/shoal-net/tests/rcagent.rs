@@ -70,7 +70,7 @@ async fn agent_follows_commands_and_replies() {
     let applied = agent.await.unwrap();
     let commands: Vec<&str> = applied.iter().map(|a| a.command.name()).collect();
     assert_eq!(commands, ["INIT", "START", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "START", "OFF"]);
-    assert_eq!(applied[3].command, Command::Start { run: 5 });
+    assert_eq!(applied[3].command, Command::Start { run: 5, start_slice: None });
     assert!(applied[1].result.is_err() && applied[7].result.is_err());
     cancel.cancel();
 }

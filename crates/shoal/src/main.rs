@@ -1,7 +1,10 @@
 //! `shoal`: the one binary of the shoal event builder.
 //!
 //! - `shoal demo`: the whole chain in one process with no configuration needed.
-//! - `shoal node --role source|builder|writer --config FILE`: one role per process.
+//! - `shoal node --role source|builder|writer --config FILE`: one role per process, or
+//!   `--dispatcher ADDR --name NAME`: the same role under run control.
+//! - `shoal run CLUSTER.toml`: run control: launches a cluster's processes and drives runs
+//!   (web UI and HTTP API).
 //! - `shoal config`: prints the full default configuration.
 //! - `shoal dispatcher`: a ControlHost-compatible message dispatcher.
 
@@ -19,6 +22,7 @@ use shoal_net::demo::{RunSummary, run_embedded};
 use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
+mod run;
 mod sim;
 mod summary;
 
@@ -39,13 +43,9 @@ enum Command {
     /// Run sources, builders and a writer in one process over loopback TCP and print a summary.
     Demo(DemoArgs),
     /// Run one role of a distributed deployment.
-    Node {
-        #[arg(long, value_enum)]
-        role: Role,
-        /// TOML configuration (see examples/shoal.toml); defaults apply to what it omits.
-        #[arg(long)]
-        config: Option<PathBuf>,
-    },
+    Node(NodeArgs),
+    /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
+    Run(run::RunArgs),
     /// Print the full default configuration as TOML.
     Config,
     /// Run a ControlHost-compatible message dispatcher (KM3NeT Ligier dialect).
@@ -102,6 +102,31 @@ struct DispatcherArgs {
     /// Largest accepted payload (MiB); larger lengths close the connection.
     #[arg(long, default_value_t = 64)]
     max_payload_mb: u32,
+}
+
+#[derive(Parser)]
+struct NodeArgs {
+    #[arg(long, value_enum)]
+    role: Role,
+    /// TOML configuration (see examples/shoal.toml); defaults apply to what it omits.
+    /// Runs one run at once; with --dispatcher the configuration comes from run control.
+    #[arg(long, conflicts_with = "dispatcher")]
+    config: Option<PathBuf>,
+    /// Follow run control through this dispatcher (address:port).
+    #[arg(long, requires = "name")]
+    dispatcher: Option<std::net::SocketAddr>,
+    /// Process name under run control (command target, dispatcher nickname).
+    #[arg(long)]
+    name: Option<String>,
+    /// Builder id, or the comma-separated source ids this process hosts.
+    #[arg(long, value_delimiter = ',')]
+    ids: Vec<u32>,
+    /// Serve Prometheus /metrics here (127.0.0.1:0: any free port).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+    /// Statistics period under run control, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    stats_ms: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -183,7 +208,8 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => demo(args).await,
-        Command::Node { role, config } => node(role, config).await,
+        Command::Node(args) => node(args).await,
+        Command::Run(args) => run::command(args).await,
         Command::Dispatcher(args) => dispatcher(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
         Command::Config => {
@@ -311,8 +337,26 @@ fn exit_code(s: &RunSummary, min_complete: Option<f64>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-async fn node(role: Role, config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
-    let cfg = load(config.as_ref())?;
+async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
+    let role = args.role;
+    if let Some(dispatcher) = args.dispatcher {
+        let opts = shoal_net::node::NodeOptions {
+            role: match role {
+                Role::Source => shoal_net::node::Role::Source,
+                Role::Builder => shoal_net::node::Role::Builder,
+                Role::Writer => shoal_net::node::Role::Writer,
+            },
+            name: args.name.expect("clap requires --name"),
+            dispatcher,
+            ids: args.ids,
+            metrics: args.metrics,
+            stats_interval: Duration::from_millis(args.stats_ms.max(50)),
+        };
+        shoal_net::demo::raise_fd_limit();
+        shoal_net::node::run_controlled(opts, ctrl_c_token()).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let cfg = load(args.config.as_ref())?;
     cfg.validate()?;
     let clock = WallClock::new();
     let live = Arc::new(Live::default());

@@ -1,0 +1,439 @@
+//! A run-controlled process: one role (source, builder or writer) driven by run-control
+//! commands from the dispatcher instead of a fixed configuration file.
+//!
+//! The process starts IDLE with no configuration. `CONFIGURE <toml>` hands it the run's
+//! configuration (checked before the state changes: a configuration it cannot use is
+//! refused and the state stays); `START <run> <first slice>` starts its data path with that
+//! run number; `STOP` ends the data path the way the role needs (a source stops producing
+//! and drains; a builder waits for its sources' end of stream; the writer for the builders'),
+//! publishes the end-of-run [`NodeReport`] on `RC_END`, then answers `READY`. `PAUSE`
+//! makes sources send empty fragments on the same schedule (builders see every slice, with
+//! no hits). `OFF` stops a running data path first, then exits.
+//!
+//! Every `stats_interval` the process publishes [`NodeStats`] on `RC_STATS`, and it serves
+//! Prometheus `/metrics` on its own HTTP port (announced in the statistics).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration as StdDuration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use shoal_core::SourceId;
+use shoal_core::ledger::{BuilderTally, SourceTally};
+use shoal_core::runstate::{Command, RunState};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::clock::WallClock;
+use crate::config::Config;
+use crate::demo::DelayStats;
+use crate::live::Live;
+use crate::rcagent::{RC_REPORT, RC_STATS, RcAgent};
+
+/// The role a process plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Source,
+    Builder,
+    Writer,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Source => "source",
+            Role::Builder => "builder",
+            Role::Writer => "writer",
+        }
+    }
+}
+
+/// How a run-controlled process is started (the `shoal node --dispatcher ...` options).
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    pub role: Role,
+    /// Process name: run-control target and dispatcher nickname.
+    pub name: String,
+    pub dispatcher: SocketAddr,
+    /// Builder id or, for a source process, the source ids it hosts (empty: all).
+    pub ids: Vec<u32>,
+    /// Where to serve `/metrics` (`127.0.0.1:0`: any free port, announced in the stats).
+    pub metrics: Option<SocketAddr>,
+    pub stats_interval: StdDuration,
+}
+
+/// Periodic statistics of one process (payload of `RC_STATS`, JSON). Counters are totals
+/// since the process started; the delay percentiles cover the last interval only.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NodeStats {
+    pub name: String,
+    pub role: String,
+    pub state: String,
+    pub run: Option<u64>,
+    pub pid: u32,
+    pub metrics_addr: Option<String>,
+    /// UNIX ns when taken.
+    pub time_ns: u64,
+    pub fragments_produced: u64,
+    pub fragments_received: u64,
+    pub bytes_received: u64,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    pub events: u64,
+    pub rejected_connections: u64,
+    pub fragments_dropped_at_source: u64,
+    pub fragments_discarded_at_builder: u64,
+    pub delay_p50_us: u64,
+    pub delay_p99_us: u64,
+    pub delay_max_us: u64,
+}
+
+/// A process's end-of-run report (payload of `RC_REPORT`, JSON): what run control needs
+/// for the run's ledger, plus the role's full report as `detail`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct NodeReport {
+    pub name: String,
+    pub role: String,
+    pub run: u64,
+    /// Source processes: one tally per hosted source.
+    pub source_tallies: BTreeMap<SourceId, SourceTally>,
+    /// Builder processes: the builder id and its tally.
+    pub builder: Option<(u32, BuilderTally)>,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    pub events: u64,
+    pub bytes_received: u64,
+    pub network_delay: Option<DelayStatsRecord>,
+    /// The data path failed (the error) instead of ending normally.
+    pub error: Option<String>,
+    pub detail: serde_json::Value,
+}
+
+/// [`DelayStats`] in a form that can be read back.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DelayStatsRecord {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+impl From<DelayStats> for DelayStatsRecord {
+    fn from(d: DelayStats) -> Self {
+        Self { count: d.count, mean_us: d.mean_us, p50_us: d.p50_us, p99_us: d.p99_us, max_us: d.max_us }
+    }
+}
+
+struct RunningData {
+    run: u64,
+    task: JoinHandle<NodeReport>,
+    cancel: CancellationToken,
+}
+
+/// Runs a run-controlled process until `OFF` (or `cancel`, e.g. Ctrl-C, which stops a
+/// running data path first).
+pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> anyhow::Result<()> {
+    let clock = WallClock::new();
+    let live = Arc::new(Live::default());
+    let metrics_addr = match opts.metrics {
+        Some(addr) => {
+            let l = TcpListener::bind(addr).await.with_context(|| format!("binding the metrics port {addr}"))?;
+            let local = l.local_addr()?;
+            tokio::spawn(serve_metrics(l, opts.clone(), live.clone(), cancel.clone()));
+            Some(local.to_string())
+        }
+        None => None,
+    };
+    let mut agent = RcAgent::connect(opts.dispatcher, &opts.name, clock)
+        .await
+        .with_context(|| format!("connecting to the dispatcher at {}", opts.dispatcher))?;
+    info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
+    let mut config: Option<Config> = None;
+    let mut running: Option<RunningData> = None;
+    let mut tick = tokio::time::interval(opts.stats_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+    loop {
+        tokio::select! {
+            cmd = agent.recv_command() => {
+                let command = match cmd? {
+                    Ok(c) => c,
+                    Err(e) => {
+                        agent.refuse(&e.to_string()).await?;
+                        continue;
+                    }
+                };
+                if let Err(e) = agent.check(&command) {
+                    agent.refuse(&e.to_string()).await?;
+                    continue;
+                }
+                match &command {
+                    Command::Configure(text) => match check_config(&opts, text) {
+                        Ok(c) => config = Some(c),
+                        Err(e) => {
+                            agent.refuse(&format!("configuration refused: {e:#}")).await?;
+                            continue;
+                        }
+                    },
+                    Command::Start { run, start_slice } => {
+                        let cfg = config.clone().expect("READY implies a configuration");
+                        match start_data(&opts, cfg, *run, *start_slice, clock, live.clone()).await {
+                            Ok(r) => running = Some(r),
+                            Err(e) => {
+                                agent.refuse(&format!("cannot start: {e:#}")).await?;
+                                continue;
+                            }
+                        }
+                    }
+                    Command::Pause => live.paused.store(true, Ordering::Relaxed),
+                    Command::Continue => live.paused.store(false, Ordering::Relaxed),
+                    Command::Stop | Command::Off => {
+                        if let Some(r) = running.take() {
+                            let report = stop_data(&opts, r, config.as_ref()).await;
+                            agent.publish(RC_REPORT, &serde_json::to_vec(&report)?).await?;
+                        }
+                        live.paused.store(false, Ordering::Relaxed);
+                    }
+                    Command::Reset => config = None,
+                    Command::Init => {}
+                }
+                let applied = agent.commit(command).await?;
+                if applied.result.is_ok_and(|s| s == RunState::Off) {
+                    info!(name = %opts.name, "OFF: exiting");
+                    return Ok(());
+                }
+            }
+            _ = tick.tick() => {
+                let stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock);
+                agent.publish(RC_STATS, &serde_json::to_vec(&stats)?).await?;
+            }
+            _ = cancel.cancelled() => {
+                if let Some(r) = running.take() {
+                    let report = stop_data(&opts, r, config.as_ref()).await;
+                    let _ = agent.publish(RC_REPORT, &serde_json::to_vec(&report)?).await;
+                }
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Parses a `CONFIGURE` payload and checks that this process can play its part in it.
+fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
+    let mut cfg = Config::from_toml_str(text)?;
+    match opts.role {
+        Role::Source => {
+            if !opts.ids.is_empty() {
+                cfg.source.ids = opts.ids.clone();
+            }
+        }
+        Role::Builder => {
+            if let Some(&id) = opts.ids.first() {
+                cfg.builder.id = id;
+            }
+        }
+        Role::Writer => {}
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn start_data(
+    opts: &NodeOptions,
+    mut cfg: Config,
+    run: u64,
+    start_slice: Option<u64>,
+    clock: WallClock,
+    live: Arc<Live>,
+) -> anyhow::Result<RunningData> {
+    cfg.run.run_number = run;
+    cfg.run.start_slice = start_slice;
+    // Run control decides when the run ends.
+    cfg.run.seconds = 0.0;
+    std::fs::create_dir_all(&cfg.writer.out_dir)
+        .with_context(|| format!("creating {}", cfg.writer.out_dir.display()))?;
+    let cancel = CancellationToken::new();
+    let name = opts.name.clone();
+    let base = NodeReport { name: name.clone(), role: opts.role.name().into(), run, ..Default::default() };
+    let task = match opts.role {
+        Role::Source => {
+            let ids = cfg.hosted_sources();
+            let c = cancel.clone();
+            tokio::spawn(async move {
+                match crate::source::run_source_node(cfg, ids, clock, live, c).await {
+                    Ok(r) => NodeReport {
+                        source_tallies: r.tallies.clone(),
+                        detail: serde_json::to_value(&r).unwrap_or_default(),
+                        ..base
+                    },
+                    Err(e) => NodeReport { error: Some(e.to_string()), ..base },
+                }
+            })
+        }
+        Role::Builder => {
+            let addr = cfg.builder_listen()?;
+            let listener = TcpListener::bind(addr).await.with_context(|| format!("binding builder port {addr}"))?;
+            let id = cfg.builder.id;
+            let c = cancel.clone();
+            tokio::spawn(async move {
+                match crate::builder::run_builder(cfg, id, listener, clock, live, c).await {
+                    Ok(r) => NodeReport {
+                        builder: Some((r.id, r.tally.clone())),
+                        slices_complete: r.slices_complete,
+                        slices_incomplete: r.slices_incomplete,
+                        events: r.events,
+                        bytes_received: r.bytes,
+                        network_delay: Some(DelayStats::from_histogram(&r.net_delay_us).into()),
+                        detail: serde_json::to_value(&r).unwrap_or_default(),
+                        ..base
+                    },
+                    Err(e) => NodeReport { error: Some(e.to_string()), ..base },
+                }
+            })
+        }
+        Role::Writer => {
+            let addr = cfg.writer_listen()?;
+            let listener = TcpListener::bind(addr).await.with_context(|| format!("binding writer port {addr}"))?;
+            let c = cancel.clone();
+            tokio::spawn(async move {
+                match crate::writer::run_writer(cfg, listener, c).await {
+                    Ok(r) => NodeReport {
+                        events: r.file.events,
+                        error: r.error.clone(),
+                        detail: serde_json::to_value(&r).unwrap_or_default(),
+                        ..base
+                    },
+                    Err(e) => NodeReport { error: Some(format!("{e:#}")), ..base },
+                }
+            })
+        }
+    };
+    info!(name = %name, run, ?start_slice, "data taking started");
+    Ok(RunningData { run, task, cancel })
+}
+
+/// Ends the data path: sources stop producing at once and drain; builders and the writer
+/// first wait for their upstream's end of stream (run control stops the processes in
+/// data-flow order), then give up after a guard time.
+async fn stop_data(opts: &NodeOptions, r: RunningData, cfg: Option<&Config>) -> NodeReport {
+    let guard = match (opts.role, cfg) {
+        (Role::Source, _) => StdDuration::ZERO,
+        (Role::Builder, Some(c)) => StdDuration::from_millis(c.builder.drain_timeout_ms),
+        (Role::Writer, Some(_)) | (_, None) => StdDuration::from_secs(5),
+    };
+    let RunningData { run, mut task, cancel } = r;
+    let result = if guard.is_zero() {
+        cancel.cancel();
+        task.await
+    } else {
+        match tokio::time::timeout(guard, &mut task).await {
+            Ok(r) => r,
+            Err(_) => {
+                warn!(name = %opts.name, ?guard, "upstream did not end its streams in time; stopping");
+                cancel.cancel();
+                task.await
+            }
+        }
+    };
+    match result {
+        Ok(report) => report,
+        Err(e) => NodeReport {
+            name: opts.name.clone(),
+            role: opts.role.name().into(),
+            run,
+            error: Some(format!("data path panicked: {e}")),
+            ..Default::default()
+        },
+    }
+}
+
+fn snapshot(
+    opts: &NodeOptions,
+    agent: &RcAgent,
+    live: &Live,
+    metrics_addr: Option<String>,
+    clock: WallClock,
+) -> NodeStats {
+    let delays = live.take_delays().map(|h| DelayStats::from_histogram(&h)).unwrap_or_default();
+    NodeStats {
+        name: opts.name.clone(),
+        role: opts.role.name().into(),
+        state: agent.state().to_string(),
+        run: agent.run_control().run(),
+        pid: std::process::id(),
+        metrics_addr,
+        time_ns: clock.now().as_nanos(),
+        fragments_produced: Live::get(&live.fragments_produced),
+        fragments_received: Live::get(&live.fragments_received),
+        bytes_received: Live::get(&live.bytes_received),
+        slices_complete: Live::get(&live.slices_complete),
+        slices_incomplete: Live::get(&live.slices_incomplete),
+        events: Live::get(&live.events),
+        rejected_connections: Live::get(&live.rejected_connections),
+        fragments_dropped_at_source: Live::get(&live.fragments_dropped_at_source),
+        fragments_discarded_at_builder: Live::get(&live.fragments_discarded_at_builder),
+        delay_p50_us: delays.p50_us,
+        delay_p99_us: delays.p99_us,
+        delay_max_us: delays.max_us,
+    }
+}
+
+/// Prometheus text of a process's live counters (`shoal_node_*`, labelled by name and role).
+pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::registry::Registry;
+    type Labels = Vec<(String, String)>;
+    let labels: Labels = vec![("name".into(), opts.name.clone()), ("role".into(), opts.role.name().into())];
+    let mut reg = Registry::default();
+    let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 9] = [
+        ("shoal_node_fragments_produced", "Fragments produced by this process's sources", &live.fragments_produced),
+        ("shoal_node_fragments_received", "Fragments accepted into slices", &live.fragments_received),
+        ("shoal_node_bytes_received", "Bytes of accepted fragments", &live.bytes_received),
+        ("shoal_node_slices_complete", "Slices processed with every fragment", &live.slices_complete),
+        ("shoal_node_slices_incomplete", "Slices processed with fragments missing", &live.slices_incomplete),
+        ("shoal_node_events", "Events selected by the filter", &live.events),
+        ("shoal_node_rejected_connections", "Connections closed for bad input", &live.rejected_connections),
+        (
+            "shoal_node_fragments_dropped_at_source",
+            "Fragments a source dropped or failed to send",
+            &live.fragments_dropped_at_source,
+        ),
+        (
+            "shoal_node_fragments_discarded_at_builder",
+            "Fragments discarded by a builder (late, duplicate, overload, unknown source)",
+            &live.fragments_discarded_at_builder,
+        ),
+    ];
+    for (name, help, value) in counters {
+        let fam = Family::<Labels, Counter>::default();
+        fam.get_or_create(&labels).inc_by(Live::get(value));
+        reg.register(name, help, fam);
+    }
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String");
+    out
+}
+
+async fn serve_metrics(listener: TcpListener, opts: NodeOptions, live: Arc<Live>, cancel: CancellationToken) {
+    use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+    type S = (NodeOptions, Arc<Live>);
+    async fn metrics(State((opts, live)): State<S>) -> impl IntoResponse {
+        (
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            metrics_text(&opts, &live),
+        )
+    }
+    let app = Router::new().route("/metrics", get(metrics)).with_state((opts, live));
+    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await {
+        warn!(error = %e, "metrics server failed");
+    }
+}

@@ -1,0 +1,209 @@
+//! The cluster file of `shoal run`: which processes make up the DAQ, where they run, and
+//! the run configuration they all receive with CONFIGURE.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+use shoal_net::config::Config;
+use shoal_net::node::Role;
+
+/// The whole cluster file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    pub cluster: ClusterSettings,
+    #[serde(rename = "process")]
+    pub processes: Vec<ProcessSpec>,
+    /// The run configuration (the schema of `shoal config`) sent with CONFIGURE; each
+    /// process gets it with its own builder id / source ids filled in.
+    #[serde(default)]
+    pub config: Config,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSettings {
+    pub name: String,
+    /// The dispatcher every process connects to.
+    pub dispatcher: String,
+    /// Start the dispatcher as a child process (false: one is already running there).
+    pub start_dispatcher: bool,
+    /// Web UI and HTTP API of run control ("off" to disable).
+    pub http: String,
+    /// Run records, the last run number, process logs.
+    pub state_dir: PathBuf,
+    /// A process that does not answer a command within this time is marked inactive.
+    pub reply_timeout_ms: u64,
+    /// Statistics period of every process.
+    pub stats_interval_ms: u64,
+    /// Without `--interactive`: how long a run takes before run control stops it.
+    pub seconds: f64,
+    /// The shoal executable for launched processes (default: this one).
+    pub binary: Option<PathBuf>,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        Self {
+            name: "shoal".into(),
+            dispatcher: "127.0.0.1:5553".into(),
+            start_dispatcher: true,
+            http: "127.0.0.1:8080".into(),
+            state_dir: PathBuf::from("shoal-runs"),
+            reply_timeout_ms: 5_000,
+            stats_interval_ms: 1_000,
+            seconds: 10.0,
+            binary: None,
+        }
+    }
+}
+
+/// How a process gets started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Launch {
+    /// A child process on this machine.
+    #[default]
+    Local,
+    /// `ssh <host> <binary> node ...` (the binary path must exist on the host).
+    Ssh,
+    /// Started by someone else (a systemd unit, a batch system); run control only waits
+    /// for it to announce itself on the dispatcher.
+    External,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessSpec {
+    pub name: String,
+    pub role: Role,
+    /// Builder: its id (one). Source: the source ids it hosts.
+    #[serde(default)]
+    pub ids: Vec<u32>,
+    #[serde(default)]
+    pub launch: Launch,
+    #[serde(default = "localhost")]
+    pub host: String,
+    /// Prometheus `/metrics` address of the process (default: any free port on 127.0.0.1,
+    /// announced in its statistics).
+    #[serde(default)]
+    pub metrics: Option<String>,
+}
+
+fn localhost() -> String {
+    "localhost".into()
+}
+
+impl ClusterFile {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let file: ClusterFile = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        file.validate().with_context(|| format!("checking {}", path.display()))?;
+        Ok(file)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.config.validate()?;
+        self.dispatcher_addr()?;
+        let mut names = std::collections::BTreeSet::new();
+        let run = &self.config.run;
+        let mut builders = vec![0u32; run.builders as usize];
+        let mut sources = vec![0u32; run.sources as usize];
+        let mut writers = 0;
+        for p in &self.processes {
+            if !names.insert(p.name.as_str()) {
+                bail!("process name {:?} is used twice", p.name);
+            }
+            if p.name.is_empty() || p.name.contains(char::is_whitespace) || p.name == "*" {
+                bail!("process name {:?} must be one word (it is the run-control target)", p.name);
+            }
+            match p.role {
+                Role::Writer => writers += 1,
+                Role::Builder => match p.ids.as_slice() {
+                    [id] if *id < run.builders => builders[*id as usize] += 1,
+                    _ => bail!("builder {:?} needs ids = [one id below run.builders = {}]", p.name, run.builders),
+                },
+                Role::Source => {
+                    if p.ids.is_empty() {
+                        bail!("source process {:?} needs ids = [...] (the sources it hosts)", p.name);
+                    }
+                    for &id in &p.ids {
+                        let Some(n) = sources.get_mut(id as usize) else {
+                            bail!("source process {:?}: id {id} but run.sources = {}", p.name, run.sources);
+                        };
+                        *n += 1;
+                    }
+                }
+            }
+        }
+        if writers != 1 {
+            bail!("exactly one writer process is needed, found {writers}");
+        }
+        if let Some(b) = builders.iter().position(|&n| n != 1) {
+            bail!("builder {b} must be played by exactly one process (found {})", builders[b]);
+        }
+        if let Some(s) = sources.iter().position(|&n| n != 1) {
+            bail!("source {s} must be hosted by exactly one process (found {})", sources[s]);
+        }
+        Ok(())
+    }
+
+    pub fn dispatcher_addr(&self) -> anyhow::Result<SocketAddr> {
+        let d = &self.cluster.dispatcher;
+        d.parse().with_context(|| format!("cluster.dispatcher {d:?} is not an address:port"))
+    }
+
+    /// The CONFIGURE payload of the run.
+    pub fn config_text(&self) -> anyhow::Result<String> {
+        Ok(toml::to_string(&self.config)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_cluster_files_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+        let f = ClusterFile::load(&dir.join("sector.toml")).unwrap();
+        assert_eq!(f.processes.len(), 9, "sector.toml: 5 sources, 3 builders, a writer");
+    }
+
+    #[test]
+    fn inconsistent_files_are_refused_with_a_reason() {
+        let base = r#"
+[cluster]
+name = "t"
+[[process]]
+name = "w"
+role = "writer"
+[[process]]
+name = "b0"
+role = "builder"
+ids = [0]
+[[process]]
+name = "s"
+role = "source"
+ids = [0]
+[config.run]
+sources = 1
+builders = 1
+"#;
+        let ok: ClusterFile = toml::from_str(base).unwrap();
+        ok.validate().unwrap();
+        let err = |text: &str| {
+            let f: ClusterFile = toml::from_str(text).unwrap();
+            f.validate().unwrap_err().to_string()
+        };
+        assert!(err(&base.replace("sources = 1", "sources = 2")).contains("source 1"));
+        assert!(
+            err(&base.replace("ids = [0]\n[[process]]\nname = \"s\"", "ids = [3]\n[[process]]\nname = \"s\""))
+                .contains("builder")
+        );
+        assert!(err(&base.replace("name = \"b0\"", "name = \"w\"")).contains("twice"));
+        assert!(err(&base.replace("role = \"writer\"", "role = \"builder\"\nids = [0]")).contains("writer"));
+    }
+}

@@ -1,0 +1,145 @@
+//! Run control's HTTP API and web UI.
+//!
+//! - `GET /api/status`: the cluster status (JSON, [`super::status::ClusterStatus`]).
+//! - `POST /api/command/{NAME}`: queue a cluster command (`INIT`, `CONFIGURE`, `START`,
+//!   `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF`); 202 when accepted, 409 while another
+//!   command is being carried out, 400 for an unknown name.
+//! - `GET /api/runs`: the run history; `GET /api/runs/{N}`: one run record.
+//! - `GET /api/ws`: WebSocket pushing the status on every change (at most 4 per second).
+//! - `GET /metrics`: Prometheus text for run control itself.
+//! - `GET /`: the web UI (static files compiled into the binary; charts by uPlot).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::status::Shared;
+
+pub const COMMANDS: [&str; 8] = ["INIT", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "RESET", "OFF"];
+
+#[derive(Clone)]
+struct AppState {
+    shared: Arc<Shared>,
+    commands: mpsc::Sender<String>,
+    state_dir: std::path::PathBuf,
+}
+
+const INDEX_HTML: &str = include_str!("../../ui/index.html");
+const APP_JS: &str = include_str!("../../ui/app.js");
+const STYLE_CSS: &str = include_str!("../../ui/style.css");
+const UPLOT_JS: &str = include_str!("../../ui/vendor/uPlot.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../../ui/vendor/uPlot.min.css");
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type), (header::CACHE_CONTROL, "no-cache")], body).into_response()
+}
+
+async fn status(State(s): State<AppState>) -> impl IntoResponse {
+    Json(s.shared.snapshot())
+}
+
+async fn command(State(s): State<AppState>, Path(name): Path<String>) -> Response {
+    let name = name.to_ascii_uppercase();
+    if !COMMANDS.contains(&name.as_str()) {
+        return (StatusCode::BAD_REQUEST, format!("unknown command {name:?}; known: {}", COMMANDS.join(" ")))
+            .into_response();
+    }
+    if let Some(busy) = s.shared.snapshot().busy {
+        return (StatusCode::CONFLICT, format!("busy with {busy}")).into_response();
+    }
+    match s.commands.try_send(name.clone()) {
+        Ok(()) => (StatusCode::ACCEPTED, format!("{name} queued")).into_response(),
+        Err(_) => (StatusCode::CONFLICT, "a command is already queued".to_string()).into_response(),
+    }
+}
+
+async fn runs(State(s): State<AppState>) -> impl IntoResponse {
+    Json(s.shared.snapshot().history)
+}
+
+async fn run_record(State(s): State<AppState>, Path(n): Path<u64>) -> Response {
+    let path = s.state_dir.join("runs").join(format!("run{n:06}.json"));
+    match std::fs::read(&path) {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+        Err(_) => (StatusCode::NOT_FOUND, format!("no record of run {n}")).into_response(),
+    }
+}
+
+async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
+    upgrade.on_upgrade(move |socket| push_status(socket, s.shared))
+}
+
+async fn push_status(mut socket: WebSocket, shared: Arc<Shared>) {
+    let mut changed = shared.subscribe();
+    loop {
+        let text = match serde_json::to_string(&shared.snapshot()) {
+            Ok(t) => t,
+            Err(_) => return,
+        };
+        if socket.send(Message::Text(text.into())).await.is_err() {
+            return;
+        }
+        // At most four pushes a second, at least one every two seconds.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), changed.changed()).await;
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
+    let st = s.shared.snapshot();
+    let mut reg = Registry::default();
+    let procs = Family::<Vec<(String, String)>, Gauge>::default();
+    for p in &st.processes {
+        procs
+            .get_or_create(&vec![
+                ("name".into(), p.name.clone()),
+                ("role".into(), p.role.clone()),
+                ("state".into(), p.state.clone()),
+            ])
+            .set(i64::from(p.active));
+    }
+    reg.register("shoal_runcontrol_process_active", "1 if the process is active, by its last state", procs);
+    let run = Gauge::<i64>::default();
+    run.set(st.run.map_or(0, |r| r as i64));
+    reg.register("shoal_runcontrol_run", "The run in progress (0: none)", run);
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String");
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)
+}
+
+/// Serves the API and the UI until `cancel`.
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    commands: mpsc::Sender<String>,
+    state_dir: std::path::PathBuf,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/", get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }))
+        .route("/ui/app.js", get(|| async { asset("text/javascript", APP_JS) }))
+        .route("/ui/style.css", get(|| async { asset("text/css", STYLE_CSS) }))
+        .route("/ui/vendor/uPlot.iife.min.js", get(|| async { asset("text/javascript", UPLOT_JS) }))
+        .route("/ui/vendor/uPlot.min.css", get(|| async { asset("text/css", UPLOT_CSS) }))
+        .route("/api/status", get(status))
+        .route("/api/command/{name}", post(command))
+        .route("/api/runs", get(runs))
+        .route("/api/runs/{n}", get(run_record))
+        .route("/api/ws", get(ws))
+        .route("/metrics", get(metrics))
+        .with_state(AppState { shared, commands, state_dir });
+    axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await
+}

@@ -1,0 +1,368 @@
+//! `shoal run CLUSTER.toml`: run control for a multi-process deployment.
+//!
+//! Starts a dispatcher and every process of the cluster file (each role its own OS
+//! process, in its own process group so that a terminal's Ctrl-C reaches only run
+//! control), waits for them to announce themselves, and then either drives one run
+//! (INIT, CONFIGURE, START, wait, STOP, OFF) or, with `--interactive`, waits for commands
+//! from the web UI / HTTP API. Ctrl-C stops a run in progress cleanly and switches
+//! everything off. Each run leaves a record in `<state_dir>/runs/`.
+
+pub mod cluster;
+pub mod control;
+pub mod http;
+pub mod status;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use shoal_net::chclient::ChClient;
+use shoal_net::node::Role;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use cluster::{ClusterFile, Launch, ProcessSpec};
+use control::Controller;
+use status::{ClusterStatus, ProcStatus, Rates, Shared};
+
+#[derive(Parser)]
+pub struct RunArgs {
+    /// The cluster file (see examples/sector.toml and docs/run-control.md).
+    pub cluster: PathBuf,
+    /// Wait for commands from the web UI / HTTP API instead of driving one run.
+    #[arg(long)]
+    pub interactive: bool,
+    /// Length of the run in seconds (default: cluster.seconds).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    /// Override cluster.http (e.g. 127.0.0.1:0 for any free port; "off" for none).
+    #[arg(long)]
+    pub http: Option<String>,
+    /// Override cluster.state_dir.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Override cluster.dispatcher.
+    #[arg(long)]
+    pub dispatcher: Option<String>,
+}
+
+struct Launched {
+    name: String,
+    child: Child,
+}
+
+fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
+    let mut args = vec![
+        "node".into(),
+        "--role".into(),
+        spec.role.name().into(),
+        "--name".into(),
+        spec.name.clone(),
+        "--dispatcher".into(),
+        file.cluster.dispatcher.clone(),
+        "--stats-ms".into(),
+        file.cluster.stats_interval_ms.to_string(),
+        "--metrics".into(),
+        spec.metrics.clone().unwrap_or_else(|| "127.0.0.1:0".into()),
+    ];
+    if !spec.ids.is_empty() {
+        args.push("--ids".into());
+        args.push(spec.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+    }
+    args
+}
+
+fn spawn_logged(program: &Path, args: &[String], log: &Path) -> anyhow::Result<Child> {
+    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdin(std::process::Stdio::null()).stdout(out).stderr(err).process_group(0).kill_on_drop(true);
+    cmd.spawn().with_context(|| format!("starting {} {}", program.display(), args.join(" ")))
+}
+
+fn launch(spec: &ProcessSpec, file: &ClusterFile, binary: &Path, logs: &Path) -> anyhow::Result<Option<Child>> {
+    let args = process_args(spec, file);
+    let log = logs.join(format!("{}.log", spec.name));
+    match spec.launch {
+        Launch::External => Ok(None),
+        Launch::Local => spawn_logged(binary, &args, &log).map(Some),
+        Launch::Ssh => {
+            let mut ssh = vec!["-o".into(), "BatchMode=yes".into(), spec.host.clone(), binary.display().to_string()];
+            ssh.extend(args);
+            spawn_logged(Path::new("ssh"), &ssh, &log).map(Some)
+        }
+    }
+}
+
+async fn wait_for_port(addr: std::net::SocketAddr, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!("nothing listens on {addr} after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Publishes pings from `sender` until `listener` sees one: then the listener's
+/// subscriptions are in force (the dispatcher does not acknowledge subscriptions).
+async fn await_subscription(sender: &mut ChClient, listener: &mut ChClient) -> anyhow::Result<()> {
+    use shoal_core::controlhost::Mode;
+    listener.subscribe("RC_PING", Mode::All).await?;
+    for _ in 0..100 {
+        sender.publish("RC_PING", b"ping").await?;
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(100), listener.next_message()).await
+            && m.tag.to_string() == "RC_PING"
+        {
+            listener.unsubscribe("RC_PING").await?;
+            return Ok(());
+        }
+    }
+    anyhow::bail!("the dispatcher does not deliver run control's messages")
+}
+
+pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let mut file = ClusterFile::load(&args.cluster)?;
+    if let Some(h) = args.http {
+        file.cluster.http = h;
+    }
+    if let Some(d) = args.state_dir {
+        file.cluster.state_dir = d;
+    }
+    if let Some(d) = args.dispatcher {
+        file.cluster.dispatcher = d;
+    }
+    if let Some(s) = args.seconds {
+        if !(s.is_finite() && s > 0.0) {
+            anyhow::bail!("--seconds must be positive");
+        }
+        file.cluster.seconds = s;
+    }
+    let dispatcher = file.dispatcher_addr()?;
+    let state_dir = file.cluster.state_dir.clone();
+    let logs = state_dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    std::fs::create_dir_all(state_dir.join("runs"))?;
+    let binary = match &file.cluster.binary {
+        Some(b) => b.clone(),
+        None => std::env::current_exe().context("locating the shoal executable")?,
+    };
+    shoal_net::demo::raise_fd_limit();
+
+    // Ctrl-C: stop cleanly (the processes have their own process groups).
+    let interrupted = CancellationToken::new();
+    {
+        let t = interrupted.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                eprintln!("interrupted: stopping the run and switching the processes off");
+                t.cancel();
+            }
+        });
+    }
+
+    let mut dispatcher_child = None;
+    if file.cluster.start_dispatcher {
+        let args = vec!["dispatcher".into(), "--listen".into(), dispatcher.to_string(), "--http".into(), "off".into()];
+        dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"))?);
+    }
+    wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
+    let mut listener_client = ChClient::connect(dispatcher).await?;
+    let mut client = ChClient::connect(dispatcher).await?;
+    client.set_nickname("runcontrol").await?;
+    control::subscribe_listener(&mut listener_client).await?;
+    await_subscription(&mut client, &mut listener_client).await?;
+
+    let shared = Shared::new(ClusterStatus {
+        cluster: file.cluster.name.clone(),
+        processes: file
+            .processes
+            .iter()
+            .map(|p| ProcStatus {
+                name: p.name.clone(),
+                role: p.role.name().into(),
+                host: p.host.clone(),
+                pid: None,
+                state: "UNKNOWN".into(),
+                active: true,
+                inactive_reason: None,
+                switched_off: false,
+                last_reply: None,
+                metrics_addr: None,
+                stats: None,
+                rates: Rates::default(),
+            })
+            .collect(),
+        history: control::load_history(&state_dir, 50),
+        ..Default::default()
+    });
+    let (reply_tx, reply_rx) = mpsc::unbounded_channel();
+    let (report_tx, report_rx) = mpsc::unbounded_channel();
+    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), reply_tx, report_tx));
+
+    // Launch, writer first (the order does not matter for correctness: nothing flows
+    // before START).
+    let mut launched = Vec::new();
+    let mut specs: Vec<&ProcessSpec> = file.processes.iter().collect();
+    specs.sort_by_key(|p| match p.role {
+        Role::Writer => 0,
+        Role::Builder => 1,
+        Role::Source => 2,
+    });
+    for spec in specs {
+        if let Some(child) = launch(spec, &file, &binary, &logs)? {
+            let pid = child.id();
+            shared.update(|s| {
+                if let Some(p) = s.process_mut(&spec.name) {
+                    p.pid = pid;
+                }
+            });
+            launched.push(Launched { name: spec.name.clone(), child });
+        }
+    }
+    shared.update(|s| s.note(format!("launched {} processes; logs in {}", launched.len(), logs.display())));
+    let exits = watch_exits(launched, shared.clone());
+
+    let mut controller = Controller::new(file.clone(), client, shared.clone(), reply_rx, report_rx);
+    let announce = Duration::from_millis(file.cluster.reply_timeout_ms).max(Duration::from_secs(10));
+    controller.await_announcements(announce).await;
+
+    let http_cancel = CancellationToken::new();
+    let (cmd_tx, mut cmd_rx) = mpsc::channel::<String>(1);
+    if file.cluster.http != "off" {
+        let addr: std::net::SocketAddr =
+            file.cluster.http.parse().with_context(|| format!("cluster.http {:?}", file.cluster.http))?;
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the UI port {addr}"))?;
+        let local = l.local_addr()?;
+        // Scripts (and the tests) read this line to find the UI.
+        println!("run control UI: http://{local}/");
+        tokio::spawn(http::serve(l, shared.clone(), cmd_tx.clone(), state_dir.clone(), http_cancel.clone()));
+    }
+
+    let mut ok = true;
+    if args.interactive {
+        loop {
+            tokio::select! {
+                Some(name) = cmd_rx.recv() => {
+                    let done = name == "OFF";
+                    if let Err(e) = controller.execute(&name).await {
+                        eprintln!("{name}: {e:#}");
+                    }
+                    if done {
+                        break;
+                    }
+                }
+                _ = interrupted.cancelled() => {
+                    ok &= controller.execute("OFF").await.is_ok();
+                    break;
+                }
+            }
+        }
+    } else {
+        for name in ["INIT", "CONFIGURE", "START"] {
+            if let Err(e) = controller.execute(name).await {
+                eprintln!("{name}: {e:#}");
+                ok = false;
+                break;
+            }
+        }
+        if ok {
+            let seconds = file.cluster.seconds;
+            eprintln!("running for {seconds} s (Ctrl-C stops earlier)");
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}
+                _ = interrupted.cancelled() => {}
+            }
+        }
+        if let Err(e) = controller.execute("OFF").await {
+            eprintln!("OFF: {e:#}");
+            ok = false;
+        }
+    }
+
+    // Everyone was told OFF; give them a moment to exit, then make sure.
+    exits.finish(Duration::from_secs(10)).await;
+    if let Some(mut d) = dispatcher_child {
+        let _ = d.start_kill();
+        let _ = d.wait().await;
+    }
+    http_cancel.cancel();
+    listen_task.abort();
+    let status = shared.snapshot();
+    if let Some(last) = status.history.first() {
+        println!("{}", serde_json::to_string_pretty(last)?);
+        ok &= last.balanced;
+    }
+    let inactive: Vec<&str> = status.processes.iter().filter(|p| !p.active).map(|p| p.name.as_str()).collect();
+    if !inactive.is_empty() {
+        eprintln!("inactive processes: {}", inactive.join(", "));
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// Follows the launched children: one that exits on its own is marked inactive.
+struct Exits {
+    tasks: Vec<(String, tokio::task::JoinHandle<()>)>,
+    kill: CancellationToken,
+}
+
+fn watch_exits(launched: Vec<Launched>, shared: Arc<Shared>) -> Exits {
+    let kill = CancellationToken::new();
+    let tasks = launched
+        .into_iter()
+        .map(|mut l| {
+            let shared = shared.clone();
+            let kill = kill.clone();
+            let name = l.name.clone();
+            let task = tokio::spawn(async move {
+                let status = tokio::select! {
+                    st = l.child.wait() => st,
+                    _ = kill.cancelled() => {
+                        eprintln!("{} did not exit after OFF; killing it", l.name);
+                        let _ = l.child.start_kill();
+                        l.child.wait().await
+                    }
+                };
+                shared.update(|s| {
+                    let how = match &status {
+                        Ok(st) => st.to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    if let Some(p) = s.process_mut(&l.name)
+                        && !p.switched_off
+                    {
+                        p.active = false;
+                        p.inactive_reason = Some(format!("process exited ({how})"));
+                        s.note(format!("{} exited ({how}): inactive", l.name));
+                    }
+                });
+            });
+            (name, task)
+        })
+        .collect();
+    Exits { tasks, kill }
+}
+
+impl Exits {
+    /// Waits up to `grace` for every child to exit, then kills the rest.
+    async fn finish(self, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut left = Vec::new();
+        for (name, mut task) in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                left.push((name, task));
+            }
+        }
+        self.kill.cancel();
+        for (_, task) in left {
+            let _ = task.await;
+        }
+    }
+}

@@ -1,0 +1,157 @@
+// shoal run-control UI: follows /api/ws (the cluster status, pushed on every change),
+// keeps the last 10 minutes of rates client-side and draws them with uPlot.
+"use strict";
+
+const COMMANDS = ["INIT", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "RESET", "OFF"];
+const KEEP_POINTS = 600;
+const COLORS = ["#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6a4c93", "#457b9d", "#8ab17d", "#b5838d"];
+
+const $ = (id) => document.getElementById(id);
+const fmt = (x, d = 1) => (x === undefined || x === null || Number.isNaN(x) ? "-" : Number(x).toFixed(d));
+
+// ---- buttons -------------------------------------------------------------------------
+const buttons = {};
+for (const c of COMMANDS) {
+  const b = document.createElement("button");
+  b.textContent = c;
+  b.id = "cmd-" + c;
+  b.addEventListener("click", () => send(c));
+  $("buttons").appendChild(b);
+  buttons[c] = b;
+}
+
+async function send(command) {
+  const r = await fetch("/api/command/" + command, { method: "POST" });
+  if (!r.ok) {
+    appendLocalLog(command + ": " + r.status + " " + (await r.text()));
+  }
+}
+
+let localLog = [];
+function appendLocalLog(line) {
+  localLog.push(new Date().toISOString().slice(0, 19) + "Z (ui) " + line);
+  localLog = localLog.slice(-20);
+}
+
+// Which commands make sense in which cluster state (the processes check again).
+const ALLOWED = {
+  UNKNOWN: [], "NO PROCESS": [],
+  IDLE: ["INIT", "OFF"], STANDBY: ["CONFIGURE", "RESET", "OFF"],
+  READY: ["CONFIGURE", "START", "RESET", "OFF"], RUNNING: ["PAUSE", "STOP", "OFF"],
+  PAUSED: ["CONTINUE", "STOP", "OFF"], MIXED: COMMANDS, OFF: [],
+};
+
+// ---- charts --------------------------------------------------------------------------
+function makeChart(el, seriesDefs, yLabel) {
+  const opts = {
+    width: Math.max(520, el.clientWidth || 520),
+    height: 220,
+    scales: { x: { time: true } },
+    axes: [{}, { label: yLabel, size: 60 }],
+    series: [{}].concat(seriesDefs.map((s, i) => ({ label: s, stroke: COLORS[i % COLORS.length], width: 2 }))),
+  };
+  const data = [[]].concat(seriesDefs.map(() => []));
+  return { plot: new uPlot(opts, data, el), data, labels: seriesDefs.slice() };
+}
+
+const charts = {};
+function ensureCharts(builders) {
+  if (charts.slices && charts.builders === builders.join(",")) return;
+  for (const id of ["chart-slices", "chart-mbps", "chart-delay", "chart-drops"]) $(id).innerHTML = "";
+  charts.builders = builders.join(",");
+  charts.slices = makeChart($("chart-slices"), ["complete", "incomplete"], "slices/s");
+  charts.mbps = makeChart($("chart-mbps"), builders.length ? builders : ["(no builder)"], "MB/s");
+  charts.delay = makeChart($("chart-delay"), ["p50", "p99", "max"], "ms");
+  charts.drops = makeChart($("chart-drops"), ["dropped at source", "discarded at builder", "incomplete slices"], "per s");
+}
+
+function push(chart, t, values) {
+  chart.data[0].push(t);
+  values.forEach((v, i) => chart.data[i + 1].push(v));
+  if (chart.data[0].length > KEEP_POINTS) chart.data.forEach((col) => col.shift());
+  chart.plot.setData(chart.data);
+}
+
+// ---- rendering -----------------------------------------------------------------------
+let lastSample = 0;
+window.shoalStatus = null; // for the browser test and for curious users in the console
+
+function render(s) {
+  window.shoalStatus = s;
+  $("cluster").textContent = s.cluster;
+  $("state").textContent = s.state;
+  $("state").className = "state " + s.state.replace(/\s/g, "_");
+  $("run").textContent = s.run === null || s.run === undefined ? "-" : s.run;
+  $("busy").textContent = s.busy ? "carrying out " + s.busy + "..." : "";
+  const allowed = ALLOWED[s.state] || COMMANDS;
+  for (const c of COMMANDS) buttons[c].disabled = !!s.busy || !allowed.includes(c);
+
+  const procs = s.processes;
+  const builders = procs.filter((p) => p.role === "builder");
+  const sum = (list, f) => list.reduce((a, p) => a + (p.active ? f(p) : 0), 0);
+  const complete = sum(builders, (p) => p.rates.slices_complete_per_s);
+  const incomplete = sum(builders, (p) => p.rates.slices_incomplete_per_s);
+  const mbps = sum(builders, (p) => p.rates.mbytes_per_s);
+  const produced = sum(procs.filter((p) => p.role === "source"), (p) => p.rates.fragments_produced_per_s);
+  const events = sum(builders, (p) => p.rates.events_per_s);
+  const totals = [
+    ["slices/s", fmt(complete + incomplete)], ["complete %", complete + incomplete > 0 ? fmt((100 * complete) / (complete + incomplete)) : "-"],
+    ["MB/s", fmt(mbps)], ["fragments/s produced", fmt(produced, 0)], ["events/s", fmt(events)],
+    ["active processes", procs.filter((p) => p.active).length + " / " + procs.length],
+  ];
+  $("totals").innerHTML = totals.map(([k, v]) => `<div id="total-${k.replace(/[^a-z]/g, "")}">${k}<b>${v}</b></div>`).join("");
+
+  // One chart point per second at most (statistics come once a second).
+  const now = Date.now() / 1000;
+  if (now - lastSample >= 0.9) {
+    lastSample = now;
+    ensureCharts(builders.map((b) => b.name));
+    push(charts.slices, now, [complete, incomplete]);
+    push(charts.mbps, now, builders.map((b) => (b.active ? b.rates.mbytes_per_s : null)));
+    const act = builders.filter((b) => b.active && b.stats);
+    const worst = (f) => (act.length ? Math.max(...act.map((b) => f(b.stats))) / 1000 : null);
+    push(charts.delay, now, [worst((x) => x.delay_p50_us), worst((x) => x.delay_p99_us), worst((x) => x.delay_max_us)]);
+    const srcDrops = sum(procs.filter((p) => p.role === "source"), (p) => p.rates.drops_per_s);
+    const bldDrops = sum(builders, (p) => p.rates.drops_per_s);
+    push(charts.drops, now, [srcDrops, bldDrops, incomplete]);
+  }
+
+  $("processes").querySelector("tbody").innerHTML = procs
+    .map((p) => {
+      const r = p.rates;
+      const slices = p.role === "builder" ? r.slices_complete_per_s + r.slices_incomplete_per_s : null;
+      const metrics = p.metrics_addr ? `<a href="http://${p.metrics_addr}/metrics">${p.metrics_addr}</a>` : "-";
+      return `<tr class="${p.active ? "" : "inactive"}" data-name="${p.name}">
+        <td>${p.name}</td><td>${p.role}</td><td>${p.host}</td><td class="num">${p.pid ?? "-"}</td>
+        <td class="pstate">${p.state}</td><td>${p.active ? "yes" : "no: " + (p.inactive_reason || "")}</td>
+        <td class="num">${p.role === "source" ? fmt(r.fragments_produced_per_s, 0) : "-"}</td>
+        <td class="num">${slices === null ? "-" : fmt(slices)}</td>
+        <td class="num">${p.role === "builder" ? fmt(r.mbytes_per_s, 2) : "-"}</td>
+        <td class="num">${p.role === "builder" && p.stats ? fmt(p.stats.delay_p99_us / 1000, 2) : "-"}</td>
+        <td class="num">${fmt(r.drops_per_s)}</td><td>${metrics}</td><td>${p.last_reply || ""}</td></tr>`;
+    })
+    .join("");
+
+  $("history").querySelector("tbody").innerHTML = s.history
+    .map(
+      (h) => `<tr><td>${h.run}</td><td>${h.start_time}</td><td class="num">${fmt(h.seconds)}</td>
+        <td class="num">${h.slices_complete}</td><td class="num">${h.slices_incomplete}</td><td class="num">${h.events}</td>
+        <td class="num">${h.produced}</td><td class="num">${h.lost}</td>
+        <td>${h.balanced ? "balanced" : "NOT balanced"}</td><td>${h.inactive.join(", ")}</td></tr>`,
+    )
+    .join("");
+  $("log").textContent = s.log.concat(localLog).join("\n");
+}
+
+// ---- connection ----------------------------------------------------------------------
+function connect() {
+  const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/api/ws");
+  ws.onopen = () => { $("conn").textContent = "live"; $("conn").className = "conn"; };
+  ws.onmessage = (ev) => render(JSON.parse(ev.data));
+  ws.onclose = () => {
+    $("conn").textContent = "disconnected, retrying";
+    $("conn").className = "conn down";
+    setTimeout(connect, 1000);
+  };
+}
+connect();
