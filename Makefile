@@ -18,16 +18,17 @@ build:
 test: deps lint rust-test py-test
 
 # Debian packages the tests and benchmarks use, installed only when we are root and they
-# are missing (CI runs as root on a fresh machine).
-DEB_PACKAGES := iperf3 jq redis-server bc
+# are missing (CI runs as root on a fresh machine): chromium + chromium-driver for the
+# browser test of the run-control UI, the rest for the benchmarks' peers.
+DEB_PACKAGES := chromium chromium-driver iperf3 jq redis-server bc
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
-	      || echo "warning: could not install$$missing (only benchmarks need them)"; \
-	  else echo "note: not root, not installing$$missing (only benchmarks need them)"; fi; \
+	      || echo "warning: could not install$$missing (the browser test and benchmarks need them)"; \
+	  else echo "note: not root, not installing$$missing (the browser test skips without chromium)"; fi; \
 	fi
 
 lint:
@@ -56,4 +57,4 @@ bench: build
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV) shoal-out
+	rm -rf $(VENV) shoal-out shoal-runs test-output

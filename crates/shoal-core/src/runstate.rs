@@ -18,7 +18,7 @@
 //!
 //! The text form of commands and replies (payloads of the `RC_CMD` / `RC_REPLY` dispatcher
 //! tags) is [`Command::to_text`] / [`Command::parse`]: `INIT`, `CONFIGURE <text>`,
-//! `START <run> [<first slice>]`, `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF` (or `QUIT`).
+//! `START <run> [<first slice>]`, `PAUSE`, `CONTINUE`, `STOP [<end slice>]`, `RESET`, `OFF` (or `QUIT`).
 
 use core::fmt;
 
@@ -85,7 +85,11 @@ pub enum Command {
     },
     Pause,
     Continue,
-    Stop,
+    Stop {
+        /// First slice *not* taken (`STOP <slice>`), so that every source ends with the same
+        /// slice; `None`: stop at once.
+        end_slice: Option<u64>,
+    },
     Reset,
     Off,
 }
@@ -103,7 +107,7 @@ impl Command {
             Command::Start { .. } => "START",
             Command::Pause => "PAUSE",
             Command::Continue => "CONTINUE",
-            Command::Stop => "STOP",
+            Command::Stop { .. } => "STOP",
             Command::Reset => "RESET",
             Command::Off => "OFF",
         }
@@ -114,6 +118,7 @@ impl Command {
             Command::Configure(cfg) => format!("CONFIGURE {cfg}"),
             Command::Start { run, start_slice: None } => format!("START {run}"),
             Command::Start { run, start_slice: Some(s) } => format!("START {run} {s}"),
+            Command::Stop { end_slice: Some(s) } => format!("STOP {s}"),
             other => other.name().to_string(),
         }
     }
@@ -140,7 +145,10 @@ impl Command {
             }
             "PAUSE" => simple(Command::Pause),
             "CONTINUE" => simple(Command::Continue),
-            "STOP" => simple(Command::Stop),
+            "STOP" => match rest.trim() {
+                "" => Ok(Command::Stop { end_slice: None }),
+                w => w.parse().map(|s| Command::Stop { end_slice: Some(s) }).map_err(|_| err()),
+            },
             "RESET" => simple(Command::Reset),
             "OFF" | "QUIT" => simple(Command::Off),
             _ => Err(err()),
@@ -219,7 +227,7 @@ impl RunControl {
             }
             (Running, Command::Pause) => Paused,
             (Paused, Command::Continue) => Running,
-            (Running | Paused, Command::Stop) => {
+            (Running | Paused, Command::Stop { .. }) => {
                 self.run = None;
                 Ready
             }
@@ -247,7 +255,7 @@ mod tests {
             Command::Start { run: 7, start_slice: None },
             Command::Pause,
             Command::Continue,
-            Command::Stop,
+            Command::Stop { end_slice: Some(9) },
             Command::Reset,
             Command::Off,
         ]
@@ -322,7 +330,7 @@ mod tests {
         assert!(m.state().accepts_data() && m.state().produces_data());
         m.handle_command(Instant::ZERO, Command::Pause).unwrap();
         assert!(m.state().accepts_data() && !m.state().produces_data());
-        m.handle_command(Instant::ZERO, Command::Stop).unwrap();
+        m.handle_command(Instant::ZERO, Command::Stop { end_slice: None }).unwrap();
         assert_eq!(m.run(), None);
         assert_eq!(
             m.handle_command(Instant::ZERO, Command::Start { run: 10, start_slice: None }),
@@ -342,6 +350,9 @@ mod tests {
         assert!(Command::parse("START 42 x").is_err());
         assert!(Command::parse("START 42 1 2").is_err());
         assert!(Command::parse("START").is_err());
+        assert_eq!(Command::parse("STOP"), Ok(Command::Stop { end_slice: None }));
+        assert_eq!(Command::parse("stop 77"), Ok(Command::Stop { end_slice: Some(77) }));
+        assert!(Command::parse("STOP now").is_err());
         assert_eq!(Command::parse("CONFIGURE [run]\nx = 1"), Ok(Command::Configure("[run]\nx = 1".into())));
         for bad in ["", "START", "START -1", "START x", "PAUSE now", "LAUNCH"] {
             assert!(Command::parse(bad).is_err(), "{bad:?}");

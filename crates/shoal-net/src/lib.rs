@@ -8,6 +8,11 @@
 //!   the writer;
 //! - [`writer::run_writer`]: events into Parquet plus a JSON summary.
 //!
+//! Under run control ([`node::run_controlled`], `shoal node --dispatcher ...`) a process
+//! follows `RC_CMD` commands from the dispatcher through its [`rcagent::RcAgent`], starts and
+//! stops the same role functions, publishes statistics and its end-of-run report, and
+//! serves Prometheus `/metrics`.
+//!
 //! [`config::Config`] is the one TOML schema for every role; [`clock::WallClock`] maps the
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
 

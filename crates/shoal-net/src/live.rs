@@ -22,6 +22,8 @@ pub struct Live {
     pub fragments_dropped_at_source: AtomicU64,
     /// Fragments the builders discarded (late, duplicate, overload, unknown source).
     pub fragments_discarded_at_builder: AtomicU64,
+    /// Run control's end of the run: the first slice sources must not produce (0: none).
+    pub end_slice: AtomicU64,
     /// Run control paused the run: sources keep the slice schedule with empty fragments.
     pub paused: AtomicBool,
     /// Network delays (us) since the last [`Live::take_delays`].
@@ -38,6 +40,12 @@ impl Live {
 
     pub fn is_paused(&self) -> bool {
         self.paused.load(Ordering::Relaxed)
+    }
+
+    /// Whether run control ended the run before `slice`.
+    pub fn ends_before(&self, slice: u64) -> bool {
+        let end = self.end_slice.load(Ordering::Relaxed);
+        end != 0 && slice >= end
     }
 
     /// Records one fragment's network delay in microseconds.

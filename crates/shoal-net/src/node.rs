@@ -194,9 +194,13 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                     }
                     Command::Pause => live.paused.store(true, Ordering::Relaxed),
                     Command::Continue => live.paused.store(false, Ordering::Relaxed),
-                    Command::Stop | Command::Off => {
+                    Command::Stop { .. } | Command::Off => {
                         if let Some(r) = running.take() {
-                            let report = stop_data(&opts, r, config.as_ref()).await;
+                            let end_slice = match &command {
+                                Command::Stop { end_slice } => *end_slice,
+                                _ => None,
+                            };
+                            let report = stop_data(&opts, r, config.as_ref(), end_slice, &live, clock).await;
                             agent.publish(RC_REPORT, &serde_json::to_vec(&report)?).await?;
                         }
                         live.paused.store(false, Ordering::Relaxed);
@@ -216,7 +220,7 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
             }
             _ = cancel.cancelled() => {
                 if let Some(r) = running.take() {
-                    let report = stop_data(&opts, r, config.as_ref()).await;
+                    let report = stop_data(&opts, r, config.as_ref(), None, &live, clock).await;
                     let _ = agent.publish(RC_REPORT, &serde_json::to_vec(&report)?).await;
                 }
                 return Ok(());
@@ -319,14 +323,27 @@ async fn start_data(
     Ok(RunningData { run, task, cancel })
 }
 
-/// Ends the data path: sources stop producing at once and drain; builders and the writer
-/// first wait for their upstream's end of stream (run control stops the processes in
-/// data-flow order), then give up after a guard time.
-async fn stop_data(opts: &NodeOptions, r: RunningData, cfg: Option<&Config>) -> NodeReport {
-    let guard = match (opts.role, cfg) {
-        (Role::Source, _) => StdDuration::ZERO,
-        (Role::Builder, Some(c)) => StdDuration::from_millis(c.builder.drain_timeout_ms),
-        (Role::Writer, Some(_)) | (_, None) => StdDuration::from_secs(5),
+/// Ends the data path: sources stop producing before `end_slice` (at once if `None`) and
+/// drain; builders and the writer first wait for their upstream's end of stream (run
+/// control stops the processes in data-flow order), then give up after a guard time.
+async fn stop_data(
+    opts: &NodeOptions,
+    r: RunningData,
+    cfg: Option<&Config>,
+    end_slice: Option<u64>,
+    live: &Live,
+    clock: WallClock,
+) -> NodeReport {
+    let guard = match (opts.role, cfg, end_slice) {
+        (Role::Source, Some(c), Some(end)) => {
+            live.end_slice.store(end, Ordering::Relaxed);
+            let until_end = c.slice_clock().map(|sc| sc.end_of(end.saturating_sub(1))).unwrap_or(clock.now());
+            let wait = until_end.saturating_duration_since(clock.now());
+            wait + StdDuration::from_millis(c.source.drain_timeout_ms + 2_000)
+        }
+        (Role::Source, _, _) => StdDuration::ZERO,
+        (Role::Builder, Some(c), _) => StdDuration::from_millis(c.builder.drain_timeout_ms),
+        (Role::Writer, Some(_), _) | (_, None, _) => StdDuration::from_secs(5),
     };
     let RunningData { run, mut task, cancel } = r;
     let result = if guard.is_zero() {
@@ -342,6 +359,7 @@ async fn stop_data(opts: &NodeOptions, r: RunningData, cfg: Option<&Config>) -> 
             }
         }
     };
+    live.end_slice.store(0, Ordering::Relaxed);
     match result {
         Ok(report) => report,
         Err(e) => NodeReport {

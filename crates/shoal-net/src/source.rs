@@ -121,6 +121,9 @@ pub async fn run_source_node(
     loop {
         let now = clock.now();
         // Produce every slice that has ended (several if we were descheduled).
+        if live.ends_before(next_slice) {
+            producing = false;
+        }
         while producing && now >= slice_clock.end_of(next_slice) {
             if now >= slice_clock.end_of(next_slice + 1) {
                 report.late_slice_ends += 1;
@@ -130,7 +133,7 @@ pub async fn run_source_node(
             }
             report.slices += 1;
             next_slice += 1;
-            if n_slices.is_some_and(|n| next_slice - first_slice >= n) {
+            if n_slices.is_some_and(|n| next_slice - first_slice >= n) || live.ends_before(next_slice) {
                 producing = false;
             }
         }

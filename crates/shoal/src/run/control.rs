@@ -153,6 +153,8 @@ pub struct RunRecord {
     pub start_unix_ns: u64,
     pub stop_unix_ns: u64,
     pub start_slice: u64,
+    /// First slice not taken (sent with STOP).
+    pub end_slice: u64,
     pub configuration: String,
     /// Final state per process, with the reason a process was inactive.
     pub processes: Vec<ProcessOutcome>,
@@ -435,10 +437,16 @@ impl Controller {
             (Role::Builder, t + Duration::from_millis(cfg.builder.drain_timeout_ms)),
             (Role::Writer, t + Duration::from_secs(5)),
         ];
+        // Every source produces up to the same slice, a little ahead so that the STOP
+        // reaches all of them first; the builders and the writer finish behind them.
+        let slice_clock = cfg.slice_clock()?;
+        let lead = t.min(Duration::from_millis(500));
+        let end_slice = slice_clock.slice_at(shoal_core::Instant::from_nanos(unix_ns(SystemTime::now() + lead))) + 1;
         let mut refusals = Vec::new();
         for (role, timeout) in waits {
             let targets = self.active(Some(role));
-            refusals.extend(self.send_and_wait(&targets, &Command::Stop, timeout).await);
+            let stop = Command::Stop { end_slice: (role == Role::Source).then_some(end_slice) };
+            refusals.extend(self.send_and_wait(&targets, &stop, timeout + lead).await);
         }
         // Reports are published before the replies, so they are here by now.
         let mut reports = Vec::new();
@@ -447,7 +455,7 @@ impl Controller {
                 reports.push(r);
             }
         }
-        let record = self.record(&active, reports);
+        let record = self.record(&active, end_slice, reports);
         let dir = self.state_dir.join("runs");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("run{:06}.json", record.run));
@@ -470,7 +478,7 @@ impl Controller {
         Self::check_refusals(refusals)
     }
 
-    fn record(&self, active: &ActiveRun, reports: Vec<NodeReport>) -> RunRecord {
+    fn record(&self, active: &ActiveRun, end_slice: u64, reports: Vec<NodeReport>) -> RunRecord {
         let stopped = SystemTime::now();
         let mut sources = BTreeMap::new();
         let mut builders = BTreeMap::new();
@@ -498,6 +506,7 @@ impl Controller {
             start_unix_ns: unix_ns(active.started),
             stop_unix_ns: unix_ns(stopped),
             start_slice: active.start_slice,
+            end_slice,
             configuration: active.config.clone(),
             processes: status
                 .processes

@@ -1,0 +1,146 @@
+"""A `shoal run --interactive` cluster for tests: free ports, the HTTP API, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path) -> str:
+    lines = [
+        "[cluster]",
+        f'name = "{name}"',
+        f'dispatcher = "127.0.0.1:{free_port()}"',
+        f'state_dir = "{state_dir}"',
+        "reply_timeout_ms = 5000",
+        "stats_interval_ms = 500",
+        "",
+        "[[process]]",
+        'name = "writer"',
+        'role = "writer"',
+    ]
+    for b in range(builders):
+        lines += ["[[process]]", f'name = "builder{b}"', 'role = "builder"', f"ids = [{b}]"]
+    for s in range(sources):
+        lines += ["[[process]]", f'name = "source{s}"', 'role = "source"', f"ids = [{s}]"]
+    addrs = ", ".join(f'"127.0.0.1:{free_port()}"' for _ in range(builders))
+    lines += [
+        "[config.run]",
+        f"sources = {sources}",
+        f"builders = {builders}",
+        'policy = "delayed:2"',
+        f"builder_addrs = [{addrs}]",
+        f'writer_addr = "127.0.0.1:{free_port()}"',
+        "[config.source]",
+        "drain_timeout_ms = 2000",
+        "[config.builder]",
+        "drain_timeout_ms = 4000",
+        "[config.writer]",
+        f'out_dir = "{state_dir / "data"}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class Cluster:
+    """`shoal run FILE --interactive` in the background, driven over its HTTP API."""
+
+    def __init__(self, shoal_bin: pathlib.Path, workdir: pathlib.Path, sources: int = 5, builders: int = 3):
+        self.workdir = workdir
+        self.state_dir = workdir / "state"
+        self.file = workdir / "cluster.toml"
+        self.file.write_text(cluster_toml("test", sources, builders, self.state_dir))
+        self.log = open(workdir / "shoal-run.log", "w")
+        self.proc = subprocess.Popen(
+            [str(shoal_bin), "run", str(self.file), "--interactive", "--http", "127.0.0.1:0"],
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
+        self.url = None
+        self.pids: set[int] = set()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("run control UI: "):
+                self.url = line.split(": ", 1)[1].strip().rstrip("/")
+                break
+        if self.url is None:
+            self.close()
+            raise RuntimeError(f"shoal run did not start; see {workdir / 'shoal-run.log'}")
+
+    # -- API -------------------------------------------------------------------------
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def status(self) -> dict:
+        s = self.get("/api/status")
+        self.pids.update(p["pid"] for p in s["processes"] if p["pid"])
+        return s
+
+    def command(self, name: str) -> int:
+        req = urllib.request.Request(self.url + "/api/command/" + name, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def wait(self, predicate, timeout: float = 60.0, what: str = "condition") -> dict:
+        """Polls the status until `predicate(status)` holds (bounded)."""
+        deadline = time.monotonic() + timeout
+        s = self.status()
+        while time.monotonic() < deadline:
+            s = self.status()
+            if predicate(s):
+                return s
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(s)[:2000]}")
+
+    def run_command(self, name: str, state: str, timeout: float = 60.0) -> dict:
+        """Sends a command once the previous one is done and waits for the cluster state."""
+        self.wait(lambda s: s["busy"] is None, timeout, "run control to be idle")
+        assert self.command(name) == 202
+        return self.wait(lambda s: s["busy"] is None and s["state"] == state, timeout, f"{name} -> {state}")
+
+    def process(self, status: dict, name: str) -> dict:
+        return next(p for p in status["processes"] if p["name"] == name)
+
+    # -- shutdown --------------------------------------------------------------------
+    def close(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None and self.url is not None:
+            try:
+                self.wait(lambda s: s["busy"] is None, 30, "run control to be idle")
+                self.command("OFF")
+            except Exception:
+                pass
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+            # The processes it launched have their own process groups.
+            for pid in self.pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.log.close()
+        return rc

@@ -1,0 +1,122 @@
+"""Run control end to end: `shoal run` launches every role as its own process plus a
+dispatcher, drives runs, survives a builder killed with SIGKILL, and keeps run records."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import urllib.request
+
+from conftest import ROOT
+from shoal_cluster import Cluster
+
+
+def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path):
+    """examples/sector.toml as shipped: 5 sources, 3 builders, a writer and a dispatcher as
+    separate processes; two invocations give runs 1 and 2 (numbers are never reused)."""
+    shutil.copy(ROOT / "examples" / "sector.toml", tmp_path / "sector.toml")
+    for expected_run in (1, 2):
+        r = subprocess.run(
+            [str(shoal_bin), "run", "sector.toml", "--seconds", "3", "--http", "127.0.0.1:0"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr
+        record = json.loads((tmp_path / "shoal-runs" / "runs" / f"run{expected_run:06}.json").read_text())
+        assert record["run"] == expected_run
+        roles = sorted(p["role"] for p in record["processes"])
+        assert roles == ["builder"] * 3 + ["source"] * 5 + ["writer"]
+        assert all(p["active"] and p["final_state"] == "READY" for p in record["processes"]), record["processes"]
+        ledger = record["ledger"]
+        assert ledger["balanced"], ledger
+        assert ledger["produced"] > 0 and ledger["buckets"]["delivered"] == ledger["produced"]
+        assert record["slices_complete"] > 0 and record["slices_incomplete"] == 0
+        assert record["missing_reports"] == []
+        assert "[config.run]" in record["configuration"] or "[run]" in record["configuration"]
+        assert (tmp_path / "shoal-runs" / "data" / f"run{expected_run:06}.events.parquet").exists()
+        # Every process was launched with its own log.
+        logs = sorted(p.name for p in (tmp_path / "shoal-runs" / "logs").iterdir())
+        assert "dispatcher.log" in logs and "builder2.log" in logs and "source4.log" in logs
+    assert (tmp_path / "shoal-runs" / "last_run").read_text().strip() == "2"
+
+
+def test_builder_killed_while_running(shoal_bin, tmp_path):
+    """SIGKILL one builder while RUNNING: it is shown inactive, the others keep building,
+    and the run record's ledger puts what was meant for it in named buckets."""
+    c = Cluster(shoal_bin, tmp_path)
+    try:
+        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
+        c.run_command("INIT", "STANDBY")
+        c.run_command("CONFIGURE", "READY")
+        c.run_command("START", "RUNNING")
+        s = c.wait(
+            lambda s: all(c.process(s, f"builder{b}")["rates"]["slices_complete_per_s"] > 0 for b in range(3)),
+            60,
+            "every builder to complete slices",
+        )
+        # Prometheus on every process.
+        for p in s["processes"]:
+            assert p["metrics_addr"], p
+            with urllib.request.urlopen(f"http://{p['metrics_addr']}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            assert f'name="{p["name"]}"' in text and "shoal_node_fragments_produced" in text
+
+        victim = c.process(s, "builder1")
+        os.kill(victim["pid"], signal.SIGKILL)
+        s = c.wait(lambda s: not c.process(s, "builder1")["active"], 30, "builder1 to be shown inactive")
+        assert c.process(s, "builder1")["inactive_reason"]
+        # The others keep running and keep completing slices (counters still grow).
+        before = {b: c.process(s, b)["stats"]["slices_complete"] for b in ("builder0", "builder2")}
+        s = c.wait(
+            lambda s: all(c.process(s, b)["stats"]["slices_complete"] > before[b] + 10 for b in before),
+            30,
+            "the surviving builders to keep building",
+        )
+        assert all(p["state"] == "RUNNING" for p in s["processes"] if p["name"] != "builder1")
+        assert s["state"] == "RUNNING"  # the cluster state is that of the active processes
+
+        run = s["run"]
+        c.run_command("STOP", "READY", timeout=90)
+        record = c.get(f"/api/runs/{run}")
+        ledger = record["ledger"]
+        assert ledger["balanced"], ledger
+        b = ledger["buckets"]
+        # What builder1 would have built: sent before it died (lost with it), or failed,
+        # queued or dropped at the sources afterwards. Nothing vanished.
+        meant_for_builder1 = b["lost_with_builder"] + b["send_failed"] + b["unsent"] + b["dropped_at_source"]
+        assert meant_for_builder1 > 0, b
+        assert ledger["produced"] == sum(b.values())
+        assert record["missing_reports"] == ["builder1"]
+        outcome = {p["name"]: p for p in record["processes"]}
+        assert not outcome["builder1"]["active"]
+        assert all(outcome[n]["active"] for n in outcome if n != "builder1")
+        # Slices of builders 0 and 2 were all complete (builder1's slices simply never exist
+        # for them); the history shows the run with builder1 inactive.
+        assert record["slices_complete"] > 0
+        hist = c.status()["history"][0]
+        assert hist["run"] == run and hist["inactive"] == ["builder1"]
+    finally:
+        rc = c.close()
+    assert rc is not None
+
+
+def test_api_refuses_what_does_not_apply(shoal_bin, tmp_path):
+    c = Cluster(shoal_bin, tmp_path, sources=1, builders=1)
+    try:
+        c.wait(lambda s: s["state"] == "IDLE", 60, "announcements")
+        req = urllib.request.Request(c.url + "/api/command/FLY", method="POST")
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError("FLY accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400
+        # START in IDLE: every process refuses, nothing changes, the log says why.
+        assert c.command("START") == 202
+        s = c.wait(lambda s: s["busy"] is None and any("refused" in l for l in s["log"]), 30, "the refusal")
+        assert s["state"] == "IDLE"
+    finally:
+        c.close()
