@@ -23,6 +23,7 @@ DOCUMENTED = {
     "builder": pa.uint32(),
     "event_id": pa.uint32(),
     "trigger_mask": pa.uint32(),
+    "overlays": pa.uint32(),
     "slice_start": pa.timestamp("ns", tz="UTC"),
     "time": pa.timestamp("ns", tz="UTC"),
     "n_hits": pa.uint32(),
@@ -33,8 +34,12 @@ DOCUMENTED = {
 
 def test_demo_parquet_matches_documented_schema(shoal_bin, tmp_path):
     out = tmp_path / "out"
+    # The `l1` multiplicity filter selects noise coincidences in any 2 s, so the file has
+    # rows to check (the default `muon` filter may rightly select nothing in 2 s of 5 floors).
+    cfg = tmp_path / "l1.toml"
+    cfg.write_text('[builder.filter]\nname = "l1"\n')
     run = subprocess.run(
-        [str(shoal_bin), "demo", "--seconds", "2", "--out", str(out), "--json"],
+        [str(shoal_bin), "demo", "--seconds", "2", "--out", str(out), "--json", "--config", str(cfg)],
         capture_output=True,
         text=True,
         timeout=120,

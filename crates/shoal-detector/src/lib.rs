@@ -1,11 +1,20 @@
 //! shoal-detector: what the detector produces.
 //!
-//! For now one generator, [`NoiseGenerator`]: uncorrelated Poisson background on every
-//! optical module (K-40-like singles at a configurable rate, 70 kHz by default) plus
-//! optional waveform records, encoded as the hit payload of [`shoal_core::hit`]. It is
-//! deterministic: the hits of (seed, source, slice) are the same whatever order or
-//! process generates them. The physics issue replaces it with a full generator
-//! (coincidences, bursts, muons with ground truth).
+//! - [`geometry::Geometry`]: modules (ANTARES floors, KM3NeT DOMs) and their PMTs, the
+//!   ANTARES-like reference or read from a KM3NeT `.detx` file.
+//! - [`physics::PhysicsGenerator`]: the realistic generator (K-40 singles and genuine
+//!   coincidences, afterpulses, bioluminescence bursts, atmospheric muons with Cherenkov
+//!   timing) with ground truth per hit.
+//! - [`NoiseGenerator`]: uncorrelated Poisson singles only (the cheapest data source, for
+//!   network benchmarks).
+//! - [`Generator`]: either, as a source process uses it (`source.generator`).
+//!
+//! Every generator is deterministic: the hits of (seed, source, slice) are the same
+//! whatever order or process generates them. Payloads are the hit payload of
+//! [`shoal_core::hit`].
+
+pub mod geometry;
+pub mod physics;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use rand::{Rng, RngExt, SeedableRng};
@@ -62,8 +71,37 @@ pub struct NoiseGenerator {
     slice_ns: u32,
     hits_per_om: Option<Poisson<f64>>,
     waveforms_per_om: Option<Poisson<f64>>,
-    /// Waveform samples of a pulse of 0..8 photo-electrons (index = amplitude).
-    pulses: Vec<[u8; WAVEFORM_SAMPLES]>,
+}
+
+/// Appends one waveform record: channel, a random time, a pulse of 1-7 photo-electrons.
+fn put_waveform(payload: &mut BytesMut, rng: &mut Pcg64Mcg, channel: u8, span: u32) {
+    static PULSES: std::sync::OnceLock<Vec<[u8; WAVEFORM_SAMPLES]>> = std::sync::OnceLock::new();
+    let pulses = PULSES.get_or_init(|| (0..8).map(pulse).collect());
+    payload.put_u8(channel);
+    payload.put_u32_le(rng.random_range(0..span));
+    let amplitude = rng.random_range(1u8..8);
+    payload.put_slice(&pulses[usize::from(amplitude)]);
+}
+
+/// Appends Poisson(`mean_per_channel`) waveform records for each of `channels`; returns how
+/// many.
+pub(crate) fn append_waveforms(
+    payload: &mut BytesMut,
+    rng: &mut Pcg64Mcg,
+    channels: usize,
+    mean_per_channel: f64,
+    span: u32,
+) -> u32 {
+    let Some(p) = poisson(mean_per_channel) else { return 0 };
+    let mut total = 0;
+    for c in 0..channels {
+        let n = p.sample(rng) as u32;
+        for _ in 0..n {
+            put_waveform(payload, rng, c as u8, span);
+        }
+        total += n;
+    }
+    total
 }
 
 /// A PMT pulse sampled at 1 GHz: baseline 20 counts, fast rise, exponential tail; `pe`
@@ -86,7 +124,7 @@ fn poisson(mean: f64) -> Option<Poisson<f64>> {
 /// Stable LSD radix sort of packed hit keys by their time field (`key >> 16`, below
 /// `span` <= 2^32), in passes of 12 bits: linear in the number of hits, where a comparison
 /// sort of the ~2100 hits of an ANTARES fragment costs several times more.
-fn radix_sort_by_time(mut keys: Vec<u64>, span: u32) -> Vec<u64> {
+pub(crate) fn radix_sort_by_time(mut keys: Vec<u64>, span: u32) -> Vec<u64> {
     const BITS: u32 = 12;
     let mut tmp = vec![0u64; keys.len()];
     let time_bits = 32 - span.saturating_sub(1).leading_zeros();
@@ -114,7 +152,7 @@ fn radix_sort_by_time(mut keys: Vec<u64>, span: u32) -> Vec<u64> {
 }
 
 /// SplitMix64 finaliser: decorrelates (seed, source, slice) into one RNG seed.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -136,7 +174,6 @@ impl NoiseGenerator {
         Ok(Self {
             hits_per_om: poisson(cfg.rate_hz * secs),
             waveforms_per_om: poisson(cfg.waveform_rate_hz * secs),
-            pulses: (0..8).map(pulse).collect(),
             cfg,
             slice_ns,
         })
@@ -187,10 +224,7 @@ impl NoiseGenerator {
         payload.reserve(waveforms as usize * WAVEFORM_LEN);
         for (channel, &n) in wave_counts.iter().enumerate().take(usize::from(self.cfg.oms)) {
             for _ in 0..n {
-                payload.put_u8(channel as u8);
-                payload.put_u32_le(rng.random_range(0..span));
-                let amplitude = rng.random_range(1u8..8);
-                payload.put_slice(&self.pulses[usize::from(amplitude)]);
+                put_waveform(&mut payload, &mut rng, channel as u8, span);
             }
         }
         GeneratedFragment {
@@ -198,6 +232,33 @@ impl NoiseGenerator {
             waveform_count: waveforms,
             payload: payload.freeze(),
             burst: false,
+        }
+    }
+}
+
+/// Which generator a source runs (`source.generator`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GeneratorKind {
+    /// [`physics::PhysicsGenerator`] on the ANTARES-like geometry (one floor per source).
+    #[default]
+    Physics,
+    /// [`NoiseGenerator`]: singles only.
+    Noise,
+}
+
+/// A source's generator, either kind.
+#[derive(Clone, Debug)]
+pub enum Generator {
+    Physics(Box<physics::PhysicsGenerator>),
+    Noise(Box<NoiseGenerator>),
+}
+
+impl Generator {
+    pub fn generate(&self, source: SourceId, slice: u64) -> GeneratedFragment {
+        match self {
+            Generator::Physics(g) => g.generate(source as usize, slice),
+            Generator::Noise(g) => g.generate(source, slice),
         }
     }
 }

@@ -345,6 +345,7 @@ fn filter_loop(
         let data = SliceData {
             slice: o.slice,
             slice_start_ns: slice_start.as_nanos(),
+            slice_ns: slice_clock.length().as_nanos() as u64,
             fragments: o.fragments.into_iter().filter(|f| !f.cut_off).map(|f| f.data).collect(),
         };
         let t = std::time::Instant::now();

@@ -12,7 +12,9 @@ use shoal_core::assembly::AssemblerConfig;
 use shoal_core::shaping::Policy;
 use shoal_core::slice::SliceClock;
 use shoal_core::{Duration, SourceId};
-use shoal_detector::NoiseConfig;
+use shoal_detector::geometry::Geometry;
+use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
+use shoal_detector::{Generator, GeneratorKind, NoiseConfig, NoiseGenerator};
 use shoal_trigger::FilterConfig;
 
 /// The whole configuration.
@@ -74,7 +76,12 @@ pub struct SourceConfig {
     /// Source ids this process hosts (empty: all of `0..run.sources`). Sources hosted by
     /// one process share one connection per builder; each keeps its own shaper.
     pub ids: Vec<SourceId>,
-    /// Background generator.
+    /// `physics` (default: K-40 singles and coincidences, afterpulses, bursts, muons on the
+    /// ANTARES-like geometry, one floor per source) or `noise` (singles only, cheapest).
+    pub generator: GeneratorKind,
+    /// The physics generator's parameters.
+    pub physics: PhysicsConfig,
+    /// The noise generator's parameters.
     pub noise: NoiseConfig,
     /// 0: generate every fragment live. N > 0: generate N slices per source at start and
     /// replay them in turn (same bytes, new slice numbers), so that a benchmark of the
@@ -101,6 +108,8 @@ impl Default for SourceConfig {
     fn default() -> Self {
         Self {
             ids: Vec::new(),
+            generator: GeneratorKind::default(),
+            physics: PhysicsConfig::default(),
             noise: NoiseConfig::default(),
             replay_pool: 0,
             queue_limit_mb: 64,
@@ -219,10 +228,27 @@ impl Config {
         if self.builder.max_active == 0 {
             return invalid("builder.max_active must be at least 1");
         }
-        shoal_detector::NoiseGenerator::new(self.source.noise.clone(), self.slice_clock()?.length())
-            .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}")))?;
+        self.generator()?;
         shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         Ok(())
+    }
+
+    /// The sources' generator (physics on the ANTARES-like geometry with one floor per
+    /// source, or noise).
+    pub fn generator(&self) -> Result<Generator, ConfigError> {
+        let slice = self.slice_clock()?.length();
+        match self.source.generator {
+            GeneratorKind::Physics => PhysicsGenerator::new(
+                self.source.physics.clone(),
+                Geometry::antares_for_sources(self.run.sources),
+                slice,
+            )
+            .map(|g| Generator::Physics(Box::new(g)))
+            .map_err(|e| ConfigError::Invalid(format!("source.physics: {e}"))),
+            GeneratorKind::Noise => NoiseGenerator::new(self.source.noise.clone(), slice)
+                .map(|g| Generator::Noise(Box::new(g)))
+                .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}"))),
+        }
     }
 
     pub fn policy(&self) -> Result<Policy, ConfigError> {
@@ -308,6 +334,7 @@ mod tests {
         assert!(bad("[run]\nsources = 2\n[source]\nids = [5]").contains("source.ids"));
         assert!(bad("[run]\nbogus = 1").contains("bogus"));
         assert!(bad("[builder.filter]\nname = \"nope\"").contains("nope"));
-        assert!(bad("[source.noise]\nrate_hz = -1.0").contains("rate"));
+        assert!(bad("[source]\ngenerator = \"noise\"\n[source.noise]\nrate_hz = -1.0").contains("rate"));
+        assert!(bad("[source.physics]\nsingles_hz = -1.0").contains("source.physics"));
     }
 }

@@ -17,7 +17,7 @@ use shoal_core::ledger::SourceTally;
 use shoal_core::shaping::{BurstCutoff, CutoffDecision, Outgoing, Shaper, ShaperContext, Transmit};
 use shoal_core::slice::{SliceClock, SliceNumber};
 use shoal_core::{BuilderId, Duration, Instant, SourceId};
-use shoal_detector::{GeneratedFragment, NoiseGenerator};
+use shoal_detector::{GeneratedFragment, Generator};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -69,8 +69,7 @@ pub async fn run_source_node(
 ) -> Result<SourceReport, ConfigError> {
     let policy = cfg.policy()?;
     let slice_clock: SliceClock = cfg.slice_clock()?;
-    let generator = NoiseGenerator::new(cfg.source.noise.clone(), slice_clock.length())
-        .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}")))?;
+    let generator = cfg.generator()?;
     let generator = FragmentSource::new(generator, &ids, cfg.source.replay_pool);
     let n_builders = cfg.run.builders;
     let addrs = (0..n_builders).map(|b| cfg.builder_addr(b)).collect::<Result<Vec<_>, _>>()?;
@@ -234,12 +233,12 @@ pub async fn run_source_node(
 
 /// Where fragments come from: the live generator or a pre-generated pool.
 enum FragmentSource {
-    Live(NoiseGenerator),
+    Live(Generator),
     Pool(HashMap<SourceId, Vec<GeneratedFragment>>),
 }
 
 impl FragmentSource {
-    fn new(generator: NoiseGenerator, ids: &[SourceId], pool: u32) -> Self {
+    fn new(generator: Generator, ids: &[SourceId], pool: u32) -> Self {
         if pool == 0 {
             return FragmentSource::Live(generator);
         }

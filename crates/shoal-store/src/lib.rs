@@ -54,6 +54,7 @@ pub fn event_schema() -> SchemaRef {
         Field::new("builder", DataType::UInt32, false),
         Field::new("event_id", DataType::UInt32, false),
         Field::new("trigger_mask", DataType::UInt32, false),
+        Field::new("overlays", DataType::UInt32, false),
         Field::new("slice_start", ts.clone(), false),
         Field::new("time", ts, false),
         Field::new("n_hits", DataType::UInt32, false),
@@ -88,6 +89,7 @@ struct Rows {
     builder: UInt32Builder,
     event_id: UInt32Builder,
     trigger_mask: UInt32Builder,
+    overlays: UInt32Builder,
     slice_start: TimestampNanosecondBuilder,
     time: TimestampNanosecondBuilder,
     n_hits: UInt32Builder,
@@ -104,6 +106,7 @@ impl Rows {
             builder: UInt32Builder::new(),
             event_id: UInt32Builder::new(),
             trigger_mask: UInt32Builder::new(),
+            overlays: UInt32Builder::new(),
             slice_start: TimestampNanosecondBuilder::new().with_timezone("UTC"),
             time: TimestampNanosecondBuilder::new().with_timezone("UTC"),
             n_hits: UInt32Builder::new(),
@@ -119,6 +122,7 @@ impl Rows {
             Arc::new(self.builder.finish()),
             Arc::new(self.event_id.finish()),
             Arc::new(self.trigger_mask.finish()),
+            Arc::new(self.overlays.finish()),
             Arc::new(self.slice_start.finish()),
             Arc::new(self.time.finish()),
             Arc::new(self.n_hits.finish()),
@@ -173,6 +177,7 @@ impl EventFileWriter {
             r.builder.append_value(builder);
             r.event_id.append_value(e.id);
             r.trigger_mask.append_value(e.trigger_mask);
+            r.overlays.append_value(e.overlays);
             r.slice_start.append_value(ts(slice_start_ns));
             r.time.append_value(ts(slice_start_ns + u64::from(e.first_time_ns().unwrap_or(0))));
             r.n_hits.append_value(e.hits.len() as u32);
@@ -228,7 +233,7 @@ mod tests {
         let mut w = EventFileWriter::create(&path, 7).unwrap();
         let hit = |t, trig| EventHit { source: 2, channel: 1, time_ns: t, amplitude: 30, triggered: trig };
         let events: Vec<Event> = (0..5000)
-            .map(|i| Event { id: i, trigger_mask: 1, hits: vec![hit(100 + i, true), hit(200 + i, false)] })
+            .map(|i| Event { id: i, trigger_mask: 1, overlays: 0, hits: vec![hit(100 + i, true), hit(200 + i, false)] })
             .collect();
         w.write_slice(3, 42, 1_000_000_000, &events).unwrap();
         let stats = w.close().unwrap();

@@ -1,6 +1,6 @@
 //! Filtered events and their wire encoding (payload of an `EVENTS` frame).
 //!
-//! Encoding (little-endian): per event `id u32, trigger_mask u32, n_hits u32`, then
+//! Encoding (little-endian): per event `id u32, trigger_mask u32, overlays u32, n_hits u32`, then
 //! `n_hits` records of 11 bytes: `source u32, channel u8, time_ns u32, amplitude u8,
 //! flags u8` (bit 0: the hit took part in the trigger).
 
@@ -8,7 +8,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use shoal_core::SourceId;
 use shoal_core::hit::Hit;
 
-const EVENT_HEADER_LEN: usize = 12;
+const EVENT_HEADER_LEN: usize = 16;
 const EVENT_HIT_LEN: usize = 11;
 
 /// A hit inside an event.
@@ -34,8 +34,11 @@ impl EventHit {
 pub struct Event {
     /// Index of the event within its slice.
     pub id: u32,
-    /// Which triggers fired (bit 0: L1 multiplicity).
+    /// Which triggers fired (bit 0: L1 multiplicity, bit 1: causality cluster, bit 2:
+    /// direction scan).
     pub trigger_mask: u32,
+    /// Further triggers merged into this event because their windows overlapped.
+    pub overlays: u32,
     /// Hits sorted by time.
     pub hits: Vec<EventHit>,
 }
@@ -56,6 +59,7 @@ pub fn encode_events(events: &[Event]) -> Bytes {
     for e in events {
         b.put_u32_le(e.id);
         b.put_u32_le(e.trigger_mask);
+        b.put_u32_le(e.overlays);
         b.put_u32_le(e.hits.len() as u32);
         for h in &e.hits {
             b.put_u32_le(h.source);
@@ -89,6 +93,7 @@ pub fn decode_events(mut buf: &[u8]) -> Result<Vec<Event>, EventDecodeError> {
         }
         let id = buf.get_u32_le();
         let trigger_mask = buf.get_u32_le();
+        let overlays = buf.get_u32_le();
         let n_hits = buf.get_u32_le();
         let need = (n_hits as usize).checked_mul(EVENT_HIT_LEN);
         if need.is_none_or(|need| need > buf.len()) {
@@ -106,7 +111,7 @@ pub fn decode_events(mut buf: &[u8]) -> Result<Vec<Event>, EventDecodeError> {
             }
             hits.push(EventHit { source, channel, time_ns, amplitude, triggered: flags == 1 });
         }
-        events.push(Event { id, trigger_mask, hits });
+        events.push(Event { id, trigger_mask, overlays, hits });
     }
     Ok(events)
 }
@@ -122,6 +127,7 @@ mod tests {
             let events: Vec<Event> = raw.into_iter().enumerate().map(|(i, (mask, hits))| Event {
                 id: i as u32,
                 trigger_mask: mask,
+                overlays: mask >> 28,
                 hits: hits.into_iter().map(|(source, channel, time_ns, amplitude, triggered)| EventHit { source, channel, time_ns, amplitude, triggered }).collect(),
             }).collect();
             prop_assert_eq!(decode_events(&encode_events(&events)).unwrap(), events);
@@ -138,6 +144,7 @@ mod tests {
         let e = Event {
             id: 1,
             trigger_mask: 1,
+            overlays: 0,
             hits: vec![EventHit { source: 1, channel: 2, time_ns: 3, amplitude: 4, triggered: true }],
         };
         let b = encode_events(&[e]);

@@ -135,7 +135,7 @@ impl Filter for L1Multiplicity {
                 triggered[fi][hi] = false;
             }
             hits.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
-            events.push(Event { id: id as u32, trigger_mask: 1, hits });
+            events.push(Event { id: id as u32, trigger_mask: 1, overlays: 0, hits });
         }
         events
     }
@@ -197,10 +197,10 @@ mod tests {
         ) {
             let cfg = L1Config { min_sources, cluster_ns, snapshot_ns: 0, ..Default::default() };
             let mut f = L1Multiplicity::default();
-            f.init(&FilterConfig { name: "l1".into(), l1: cfg.clone() }).unwrap();
+            f.init(&FilterConfig { name: "l1".into(), l1: cfg.clone(), ..Default::default() }).unwrap();
             let mut sorted: Vec<Vec<Hit>> = raw.iter().map(|v| { let mut h: Vec<Hit> = v.iter().map(|&(c, t)| h(c, t)).collect(); h.sort_unstable(); h }).collect();
             for v in &mut sorted { v.dedup(); }
-            let slice = SliceData { slice: 0, slice_start_ns: 0, fragments: sorted.iter().enumerate().map(|(i, v)| frag(i as u32, v)).collect() };
+            let slice = SliceData { slice: 0, slice_start_ns: 0, slice_ns: 10_000_000, fragments: sorted.iter().enumerate().map(|(i, v)| frag(i as u32, v)).collect() };
             let got: std::collections::BTreeSet<(u32, u32, u8)> = f.process(&slice).iter()
                 .flat_map(|e| e.hits.iter().filter(|h| h.triggered).map(|h| (h.source, h.time_ns, h.channel)).collect::<Vec<_>>())
                 .collect();
@@ -227,6 +227,7 @@ mod tests {
         let slice = SliceData {
             slice: 1,
             slice_start_ns: 0,
+            slice_ns: 10_000_000,
             fragments: vec![
                 frag(0, &[h(0, 1_000), h(1, 1_010), h(2, 1_500), h(0, 500_000)]),
                 frag(1, &[h(0, 2_000), h(2, 2_015), h(1, 9_000)]),

@@ -5,11 +5,14 @@
 //! `init(configuration)` / `process(slice)` / `cleanup()`: the [`Filter`] trait.
 //!
 //! Built-in filters (selected by [`FilterConfig::name`]):
+//! - `muon` ([`MuonFilter`], the default): L1 (ANTARES or KM3NeT definition), the
+//!   causality cluster trigger with optional direction scan, and event building with
+//!   snapshot windows, merged overlapping triggers, trigger bits and overlay counts (see
+//!   [`muon`]).
 //! - `l1` ([`L1Multiplicity`]): local coincidences (two hits on different channels of one
 //!   source within `coincidence_ns`) and a multiplicity trigger (L1 hits on at least
 //!   `min_sources` distinct sources within `cluster_ns`); an event keeps every hit within
-//!   `snapshot_ns` around the triggering L1 hits. A simple stand-in until the physics issue
-//!   brings the causality trigger.
+//!   `snapshot_ns` around the triggering L1 hits (no geometry needed).
 //! - `pass` ([`PassThrough`]): one event per slice with every hit (no reduction; for tests).
 //! - `none` ([`SelectNothing`]): checks every payload and selects nothing (to measure the
 //!   data path without filter cost).
@@ -17,11 +20,14 @@
 //! Events travel from builder to writer as the payload of an `EVENTS` frame, encoded with
 //! [`encode_events`] and checked by [`decode_events`].
 
+pub mod eval;
 mod event;
 mod l1;
+pub mod muon;
 
 pub use event::{Event, EventDecodeError, EventHit, decode_events, encode_events};
 pub use l1::{L1Config, L1Multiplicity};
+pub use muon::{MuonConfig, MuonFilter};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -49,6 +55,8 @@ pub struct SliceData {
     pub slice: u64,
     /// Slice start, ns in the driver's time origin (UNIX ns in the runtime).
     pub slice_start_ns: u64,
+    /// Slice length, ns (rates per PMT are hits / length).
+    pub slice_ns: u64,
     pub fragments: Vec<FragmentData>,
 }
 
@@ -56,21 +64,22 @@ pub struct SliceData {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FilterConfig {
-    /// `l1` (default), `pass` or `none`.
+    /// `muon` (default), `l1`, `pass` or `none`.
     pub name: String,
     pub l1: L1Config,
+    pub muon: MuonConfig,
 }
 
 impl Default for FilterConfig {
     fn default() -> Self {
-        Self { name: "l1".into(), l1: L1Config::default() }
+        Self { name: "muon".into(), l1: L1Config::default(), muon: MuonConfig::default() }
     }
 }
 
 /// Why a filter cannot start.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FilterError {
-    #[error("unknown filter {0:?} (known: l1, pass, none)")]
+    #[error("unknown filter {0:?} (known: muon, l1, pass, none)")]
     Unknown(String),
     #[error("invalid filter parameter: {0}")]
     BadParameter(String),
@@ -89,6 +98,7 @@ pub trait Filter: Send {
 /// Builds and initialises the filter named in `config`.
 pub fn build(config: &FilterConfig) -> Result<Box<dyn Filter>, FilterError> {
     let mut f: Box<dyn Filter> = match config.name.as_str() {
+        "muon" => Box::new(MuonFilter::default()),
         "l1" => Box::new(L1Multiplicity::default()),
         "pass" => Box::new(PassThrough),
         "none" => Box::new(SelectNothing),
@@ -117,7 +127,7 @@ impl Filter for PassThrough {
             return Vec::new();
         }
         hits.sort_by_key(|h| (h.time_ns, h.source, h.channel));
-        vec![Event { id: 0, trigger_mask: 0, hits }]
+        vec![Event { id: 0, trigger_mask: 0, overlays: 0, hits }]
     }
 }
 
@@ -143,7 +153,7 @@ mod tests {
 
     #[test]
     fn build_by_name() {
-        for name in ["l1", "pass", "none"] {
+        for name in ["muon", "l1", "pass", "none"] {
             assert!(build(&FilterConfig { name: name.into(), ..Default::default() }).is_ok(), "{name}");
         }
         assert_eq!(

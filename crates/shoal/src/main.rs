@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 mod run;
 mod sim;
 mod summary;
+mod trigger;
 
 // The data path allocates and frees many fragment-sized buffers from several threads;
 // glibc's allocator spent about a third of the CPU in page clearing and malloc there.
@@ -46,6 +47,9 @@ enum Command {
     Node(NodeArgs),
     /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
     Run(run::RunArgs),
+    /// Generate slices with known muons, filter them, and print efficiency, purity,
+    /// background rate and data reduction.
+    TriggerEval(trigger::EvalArgs),
     /// Print the full default configuration as TOML.
     Config,
     /// Run a ControlHost-compatible message dispatcher (KM3NeT Ligier dialect).
@@ -210,6 +214,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
         Command::Run(args) => run::command(args).await,
+        Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Dispatcher(args) => dispatcher(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
         Command::Config => {

@@ -1,0 +1,533 @@
+//! The physics generator (physics.md section 1): K-40 singles, genuine K-40 coincidences,
+//! afterpulses, bioluminescence bursts and atmospheric muons with Cherenkov timing, with
+//! ground truth per hit, deterministic per seed.
+//!
+//! Everything is a pure function of (seed, module, slice) except the muons, which are a
+//! function of (seed, slice) shared by all modules: each source computes the light of the
+//! slice's muons on its own PMTs only, so sources in different processes agree without
+//! talking. Bursts are drawn per (seed, module, 10-second window), so a burst spanning
+//! slices (and windows) is seen consistently by every slice it covers.
+
+use bytes::BytesMut;
+use rand::{Rng, RngExt, SeedableRng};
+use rand_distr::{Distribution, Exp, Normal, Poisson};
+use rand_pcg::Pcg64Mcg;
+use serde::{Deserialize, Serialize};
+use shoal_core::hit::{HIT_LEN, Hit};
+
+use crate::geometry::{Geometry, Module};
+use crate::{ConfigError, GeneratedFragment, mix, radix_sort_by_time};
+
+/// Speed of light in vacuum, m/ns.
+pub const C_LIGHT: f64 = 0.299_792_458;
+/// Phase refractive index of sea water.
+pub const N_WATER: f64 = 1.38;
+/// Cherenkov angle in sea water (cos = 1/n), radians.
+pub fn cherenkov_angle() -> f64 {
+    (1.0 / N_WATER).acos()
+}
+
+/// How the amplitude byte of a hit encodes the light it saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AmplitudeKind {
+    /// ANTARES: charge, 10 counts per photo-electron.
+    Charge,
+    /// KM3NeT: time over threshold in ns (single photo-electron peak near 27 ns).
+    Tot,
+}
+
+/// Parameters of [`PhysicsGenerator`] (the `[source.physics]` table).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PhysicsConfig {
+    /// K-40 single-hit rate per PMT, Hz (ANTARES about 70 kHz, KM3NeT about 5-12 kHz).
+    pub singles_hz: f64,
+    /// Genuine K-40 coincidences per module, Hz (one decay lighting 2-3 PMTs within a few ns).
+    pub coincidence_hz: f64,
+    /// Spread of a genuine coincidence's hit times, ns (sd).
+    pub coincidence_sigma_ns: f64,
+    /// Probability that a hit is followed by an afterpulse 8-25 ns later on the same PMT.
+    pub afterpulse_probability: f64,
+    /// Fraction of the time a module is in a bioluminescence burst (domain.md: 5%).
+    pub burst_fraction: f64,
+    /// Longest burst, seconds (lengths uniform up to this).
+    pub burst_max_s: f64,
+    /// Singles rate multiplier during a burst.
+    pub burst_rate_factor: f64,
+    /// Atmospheric muons crossing the generation disk, Hz.
+    pub muon_rate_hz: f64,
+    /// Expected photo-electrons at 1 m from the track, head-on (scales with exp(-d/L)/d).
+    pub muon_yield_pe: f64,
+    /// Light attenuation length, m.
+    pub attenuation_m: f64,
+    /// PMT transit-time spread, ns (sd).
+    pub jitter_ns: f64,
+    /// Extra radius around the detector for muon starting points, m.
+    pub muon_margin_m: f64,
+    pub amplitude: AmplitudeKind,
+    /// Waveform records per PMT per second (263 bytes each; 0: none).
+    pub waveform_hz: f64,
+    pub seed: u64,
+}
+
+impl Default for PhysicsConfig {
+    fn default() -> Self {
+        Self {
+            singles_hz: 70_000.0,
+            coincidence_hz: 15.0,
+            coincidence_sigma_ns: 2.0,
+            afterpulse_probability: 0.02,
+            burst_fraction: 0.05,
+            burst_max_s: 3.0,
+            burst_rate_factor: 6.0,
+            muon_rate_hz: 10.0,
+            muon_yield_pe: 100.0,
+            attenuation_m: 55.0,
+            jitter_ns: 1.3,
+            muon_margin_m: 60.0,
+            amplitude: AmplitudeKind::Charge,
+            waveform_hz: 1_650.0,
+            seed: 1,
+        }
+    }
+}
+
+impl PhysicsConfig {
+    /// The KM3NeT/ARCA flavour: small PMTs, about 7 kHz each, ToT amplitudes, a DOM-wide
+    /// genuine-coincidence rate of some hundreds of Hz.
+    pub fn km3net() -> Self {
+        Self {
+            singles_hz: 7_000.0,
+            coincidence_hz: 600.0,
+            muon_yield_pe: 30.0,
+            amplitude: AmplitudeKind::Tot,
+            waveform_hz: 0.0,
+            ..Self::default()
+        }
+    }
+}
+
+/// An atmospheric muon: a straight track through `point` at time `t_ns` (ns since the
+/// slice start) along the unit vector `dir`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Muon {
+    /// Index of the muon within its slice.
+    pub id: u32,
+    pub point: [f64; 3],
+    pub dir: [f64; 3],
+    pub t_ns: f64,
+}
+
+/// A muon's identity: the slice it was generated in and its index there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MuonId {
+    pub slice: u64,
+    pub index: u32,
+}
+
+/// Where a hit came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Singles,
+    Coincidence,
+    Afterpulse,
+    /// Cherenkov light of a muon (possibly one of a neighbouring slice near the boundary).
+    Muon(MuonId),
+}
+
+/// One slice of one module with its ground truth.
+#[derive(Clone, Debug)]
+pub struct TruthFragment {
+    pub fragment: GeneratedFragment,
+    /// Hits in payload order (sorted by time) and their origin.
+    pub hits: Vec<Hit>,
+    pub origins: Vec<Origin>,
+}
+
+/// See the module documentation.
+#[derive(Clone, Debug)]
+pub struct PhysicsGenerator {
+    cfg: PhysicsConfig,
+    geometry: Geometry,
+    slice_ns: u32,
+    centre: [f64; 3],
+    gen_radius: f64,
+    cos_c: f64,
+    tan_c: f64,
+    sin_c: f64,
+}
+
+fn sub(a: [f64; 3], b: [f64; 3]) -> [f64; 3] {
+    [a[0] - b[0], a[1] - b[1], a[2] - b[2]]
+}
+fn dot(a: [f64; 3], b: [f64; 3]) -> f64 {
+    a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+}
+fn norm(a: [f64; 3]) -> f64 {
+    dot(a, a).sqrt()
+}
+
+impl PhysicsGenerator {
+    pub fn new(cfg: PhysicsConfig, geometry: Geometry, slice: core::time::Duration) -> Result<Self, ConfigError> {
+        for r in [
+            cfg.singles_hz,
+            cfg.coincidence_hz,
+            cfg.muon_rate_hz,
+            cfg.muon_yield_pe,
+            cfg.waveform_hz,
+            cfg.burst_rate_factor,
+            cfg.jitter_ns,
+            cfg.coincidence_sigma_ns,
+        ] {
+            if !r.is_finite() || r < 0.0 {
+                return Err(ConfigError::BadRate(r));
+            }
+        }
+        for p in [cfg.afterpulse_probability, cfg.burst_fraction] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(ConfigError::BadRate(p));
+            }
+        }
+        if !(cfg.attenuation_m > 0.0 && cfg.burst_max_s > 0.0) {
+            return Err(ConfigError::BadRate(cfg.attenuation_m.min(cfg.burst_max_s)));
+        }
+        if geometry.modules.is_empty() {
+            return Err(ConfigError::NoModules);
+        }
+        let (centre, radius) = geometry.bounding_sphere();
+        let theta = cherenkov_angle();
+        Ok(Self {
+            slice_ns: u32::try_from(slice.as_nanos()).unwrap_or(u32::MAX),
+            gen_radius: radius + cfg.muon_margin_m,
+            centre,
+            cos_c: theta.cos(),
+            tan_c: theta.tan(),
+            sin_c: theta.sin(),
+            cfg,
+            geometry,
+        })
+    }
+
+    pub fn config(&self) -> &PhysicsConfig {
+        &self.cfg
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    pub fn slice_ns(&self) -> u32 {
+        self.slice_ns
+    }
+
+    /// The muons of a slice (the same for every module).
+    pub fn muons(&self, slice: u64) -> Vec<Muon> {
+        let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ 0x6d75_6f6e ^ mix(slice)));
+        let mean = self.cfg.muon_rate_hz * f64::from(self.slice_ns) * 1e-9;
+        let n = if mean > 0.0 { Poisson::new(mean).expect("positive mean").sample(&mut rng) as u32 } else { 0 };
+        (0..n)
+            .map(|id| {
+                // Down-going, zenith density ~ cos^2: cos(zenith) = u^(1/3).
+                let cz: f64 = rng.random::<f64>().cbrt();
+                let sz = (1.0 - cz * cz).max(0.0).sqrt();
+                let phi = rng.random::<f64>() * std::f64::consts::TAU;
+                let dir = [sz * phi.cos(), sz * phi.sin(), -cz];
+                // A point uniform on the disk through the centre, perpendicular to dir.
+                let a = if dir[2].abs() < 0.9 { [0.0, 0.0, 1.0] } else { [1.0, 0.0, 0.0] };
+                let e1 = {
+                    let d = dot(a, dir);
+                    let v = [a[0] - d * dir[0], a[1] - d * dir[1], a[2] - d * dir[2]];
+                    let k = norm(v);
+                    [v[0] / k, v[1] / k, v[2] / k]
+                };
+                let e2 =
+                    [dir[1] * e1[2] - dir[2] * e1[1], dir[2] * e1[0] - dir[0] * e1[2], dir[0] * e1[1] - dir[1] * e1[0]];
+                let r = self.gen_radius * rng.random::<f64>().sqrt();
+                let psi = rng.random::<f64>() * std::f64::consts::TAU;
+                let (u, v) = (r * psi.cos(), r * psi.sin());
+                let point = [
+                    self.centre[0] + u * e1[0] + v * e2[0],
+                    self.centre[1] + u * e1[1] + v * e2[1],
+                    self.centre[2] + u * e1[2] + v * e2[2],
+                ];
+                let t_ns = rng.random::<f64>() * f64::from(self.slice_ns);
+                Muon { id, point, dir, t_ns }
+            })
+            .collect()
+    }
+
+    /// Whether `module` is in a bioluminescence burst during `slice` (at its middle).
+    pub fn in_burst(&self, module: usize, slice: u64) -> bool {
+        if self.cfg.burst_fraction <= 0.0 {
+            return false;
+        }
+        let t = (slice as f64 + 0.5) * f64::from(self.slice_ns) * 1e-9;
+        const WINDOW_S: f64 = 10.0;
+        let w = (t / WINDOW_S).floor() as u64;
+        // Bursts starting in this window or the few before it may cover t.
+        let reach = (self.cfg.burst_max_s / WINDOW_S).ceil() as u64;
+        let mean_len = self.cfg.burst_max_s / 2.0;
+        let per_window = self.cfg.burst_fraction / (1.0 - self.cfg.burst_fraction) * WINDOW_S / mean_len;
+        let poisson = Poisson::new(per_window).expect("positive mean");
+        (w.saturating_sub(reach)..=w).any(|win| {
+            let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ 0x6269_6f6c ^ mix(module as u64 ^ mix(win))));
+            let n = poisson.sample(&mut rng) as u32;
+            (0..n).any(|_| {
+                let start = (win as f64 + rng.random::<f64>()) * WINDOW_S;
+                let len = rng.random::<f64>() * self.cfg.burst_max_s;
+                t >= start && t < start + len
+            })
+        })
+    }
+
+    fn amplitude(&self, rng: &mut Pcg64Mcg, pe: u32) -> u8 {
+        let g: f64 = Normal::new(0.0, 1.0).expect("valid").sample(rng);
+        let v = match self.cfg.amplitude {
+            AmplitudeKind::Charge => 10.0 * f64::from(pe) * (1.0 + 0.3 * g),
+            AmplitudeKind::Tot => 27.0 + 12.0 * f64::from(pe).ln() + 4.0 * g,
+        };
+        v.round().clamp(1.0, 255.0) as u8
+    }
+
+    /// The light of `muon` on one PMT: (expected photo-electrons, arrival time in ns).
+    fn muon_light(&self, muon: &Muon, pos: [f64; 3], pmt_dir: [f64; 3]) -> (f64, f64) {
+        let v = sub(pos, muon.point);
+        let l = dot(v, muon.dir);
+        let perp = [v[0] - l * muon.dir[0], v[1] - l * muon.dir[1], v[2] - l * muon.dir[2]];
+        let d = norm(perp).max(0.1);
+        // Emission point: where the Cherenkov cone through the PMT leaves the track.
+        let back = d / self.tan_c;
+        let path = d / self.sin_c;
+        let t = muon.t_ns + (l - back) / C_LIGHT + path * N_WATER / C_LIGHT;
+        // Photon direction at the PMT and the PMT's angular acceptance.
+        let q = [
+            muon.point[0] + (l - back) * muon.dir[0],
+            muon.point[1] + (l - back) * muon.dir[1],
+            muon.point[2] + (l - back) * muon.dir[2],
+        ];
+        let w = sub(pos, q);
+        let wn = norm(w).max(1e-9);
+        let cos_inc = -dot(pmt_dir, w) / wn;
+        // A large OM in a glass sphere still sees light from behind, less of it.
+        let acceptance = 0.25 + 0.75 * (1.0 + cos_inc) / 2.0;
+        let _ = self.cos_c;
+        let npe = self.cfg.muon_yield_pe * (-d / self.cfg.attenuation_m).exp() / d * acceptance;
+        (npe, t)
+    }
+
+    /// The data of module `module` (= source id) in `slice`, with ground truth.
+    pub fn generate_with_truth(&self, module: usize, slice: u64) -> TruthFragment {
+        let m: &Module = &self.geometry.modules[module % self.geometry.modules.len()];
+        let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ mix(module as u64 ^ mix(slice))));
+        let span = self.slice_ns.max(1);
+        let burst = self.in_burst(module, slice);
+        let secs = f64::from(span) * 1e-9;
+        // Keys pack (time << 16 | channel << 8 | amp); the origin goes to a side table
+        // indexed by the low bits of a second key list, kept in step by sorting pairs.
+        let mut hits: Vec<(u64, Origin)> = Vec::new();
+        let push = |t: f64, channel: usize, amp: u8, o: Origin, hits: &mut Vec<(u64, Origin)>| {
+            if t >= 0.0 && t < f64::from(span) {
+                hits.push(((t as u64) << 16 | (channel as u64) << 8 | u64::from(amp), o));
+            }
+        };
+        let rate = self.cfg.singles_hz * if burst { self.cfg.burst_rate_factor } else { 1.0 };
+        if rate > 0.0 {
+            let p = Poisson::new(rate * secs).expect("positive mean");
+            for c in 0..m.pmts.len() {
+                let n = p.sample(&mut rng) as usize;
+                for _ in 0..n {
+                    let r = rng.next_u64();
+                    let t = ((r >> 32) * u64::from(span)) >> 32;
+                    let amp = self.amplitude(&mut rng, 1);
+                    push(t as f64, c, amp, Origin::Singles, &mut hits);
+                }
+            }
+        }
+        if self.cfg.coincidence_hz > 0.0 && m.pmts.len() >= 2 {
+            let n = Poisson::new(self.cfg.coincidence_hz * secs).expect("positive mean").sample(&mut rng) as usize;
+            let jitter = Normal::new(0.0, self.cfg.coincidence_sigma_ns.max(1e-9)).expect("valid");
+            for _ in 0..n {
+                let t = rng.random::<f64>() * f64::from(span);
+                let k = if rng.random::<f64>() < 0.15 { 3 } else { 2 }.min(m.pmts.len());
+                let first = rng.random_range(0..m.pmts.len());
+                for j in 0..k {
+                    let c = (first + j * (1 + m.pmts.len() / k.max(1))) % m.pmts.len();
+                    let amp = self.amplitude(&mut rng, 1);
+                    push(t + jitter.sample(&mut rng).abs(), c, amp, Origin::Coincidence, &mut hits);
+                }
+            }
+        }
+        // Muon light: the slice's muons and the neighbouring slices' (light crosses a
+        // slice boundary with the track).
+        let jitter = Normal::new(0.0, self.cfg.jitter_ns.max(1e-9)).expect("valid");
+        let scatter = Exp::new(1.0 / 3.0).expect("valid");
+        for (ds, base) in [(-1i64, -(f64::from(span))), (0, 0.0), (1, f64::from(span))] {
+            let Some(s) = slice.checked_add_signed(ds) else { continue };
+            // The muon draws must not depend on this module's RNG stream.
+            for mu in self.muons(s) {
+                let mut mrng = Pcg64Mcg::seed_from_u64(mix(
+                    self.cfg.seed ^ mix(module as u64 ^ mix(s ^ mix(u64::from(mu.id) + 7)))
+                ));
+                for (c, p) in m.pmts.iter().enumerate() {
+                    let (npe, t) = self.muon_light(&mu, p.pos, p.dir);
+                    if npe < 1e-4 {
+                        continue;
+                    }
+                    let n = Poisson::new(npe).expect("positive mean").sample(&mut mrng) as u32;
+                    if n == 0 {
+                        continue;
+                    }
+                    let t = t + base + jitter.sample(&mut mrng) + scatter.sample(&mut mrng) - p.t0_ns;
+                    let amp = self.amplitude(&mut mrng, n);
+                    push(t, c, amp, Origin::Muon(MuonId { slice: s, index: mu.id }), &mut hits);
+                }
+            }
+        }
+        if self.cfg.afterpulse_probability > 0.0 {
+            let n = hits.len();
+            for i in 0..n {
+                if rng.random::<f64>() < self.cfg.afterpulse_probability {
+                    let (k, _) = hits[i];
+                    let t = (k >> 16) as f64 + rng.random_range(8.0..25.0);
+                    let amp = self.amplitude(&mut rng, 1);
+                    push(t, ((k >> 8) & 0xff) as usize, amp, Origin::Afterpulse, &mut hits);
+                }
+            }
+        }
+        // Sort by time (stable, linear): sort indices packed with the key's time.
+        let keys: Vec<u64> = hits.iter().enumerate().map(|(i, (k, _))| (k >> 16) << 16 | (i as u64 & 0xffff)).collect();
+        let sorted_idx: Vec<usize> = if hits.len() <= 0xffff {
+            radix_sort_by_time(keys, span).iter().map(|k| (k & 0xffff) as usize).collect()
+        } else {
+            let mut idx: Vec<usize> = (0..hits.len()).collect();
+            idx.sort_by_key(|&i| hits[i].0 >> 16);
+            idx
+        };
+        let mut out_hits = Vec::with_capacity(hits.len());
+        let mut origins = Vec::with_capacity(hits.len());
+        let mut payload = BytesMut::zeroed(hits.len() * HIT_LEN);
+        for (rec, &i) in payload.chunks_exact_mut(HIT_LEN).zip(&sorted_idx) {
+            let (k, o) = hits[i];
+            let h = Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: k as u8 };
+            h.write_record(rec);
+            out_hits.push(h);
+            origins.push(o);
+        }
+        let waveforms =
+            crate::append_waveforms(&mut payload, &mut rng, m.pmts.len(), self.cfg.waveform_hz * secs, span);
+        TruthFragment {
+            fragment: GeneratedFragment {
+                hit_count: out_hits.len() as u32,
+                waveform_count: waveforms,
+                payload: payload.freeze(),
+                burst,
+            },
+            hits: out_hits,
+            origins,
+        }
+    }
+
+    /// The data of module `module` in `slice` (what a source sends).
+    pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
+        self.generate_with_truth(module, slice).fragment
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_core::hit::HitPayload;
+
+    fn antares(cfg: PhysicsConfig) -> PhysicsGenerator {
+        PhysicsGenerator::new(cfg, Geometry::antares(10, 30), core::time::Duration::from_millis(10)).unwrap()
+    }
+
+    #[test]
+    fn deterministic_sorted_and_parsable() {
+        let g = antares(PhysicsConfig { waveform_hz: 1650.0, ..Default::default() });
+        let a = g.generate_with_truth(17, 1234);
+        let b = g.generate_with_truth(17, 1234);
+        assert_eq!(a.fragment, b.fragment);
+        assert_eq!(a.origins, b.origins);
+        assert_ne!(a.fragment.payload, g.generate(18, 1234).payload);
+        let p = HitPayload::parse(&a.fragment.payload, a.fragment.hit_count).unwrap();
+        let hits: Vec<Hit> = p.hits().collect();
+        assert_eq!(hits, a.hits);
+        assert!(hits.windows(2).all(|w| w[0].time_ns <= w[1].time_ns));
+        assert!(hits.iter().all(|h| h.channel < 3 && h.time_ns < 10_000_000));
+        assert!(a.fragment.waveform_count > 0);
+    }
+
+    #[test]
+    fn background_rates_and_afterpulses() {
+        let cfg = PhysicsConfig { burst_fraction: 0.0, muon_rate_hz: 0.0, ..Default::default() };
+        let g = antares(cfg);
+        let (mut singles, mut coinc, mut after) = (0u64, 0u64, 0u64);
+        for s in 0..50 {
+            for o in g.generate_with_truth(5, s).origins {
+                match o {
+                    Origin::Singles => singles += 1,
+                    Origin::Coincidence => coinc += 1,
+                    Origin::Afterpulse => after += 1,
+                    Origin::Muon(_) => panic!("no muons configured"),
+                }
+            }
+        }
+        // 3 PMTs x 70 kHz x 0.5 s = 105,000 singles (sd ~ 324).
+        assert!((singles as f64 - 105_000.0).abs() < 2_000.0, "{singles}");
+        // 2% afterpulses of everything before them.
+        let frac = after as f64 / (singles + coinc) as f64;
+        assert!((frac - 0.02).abs() < 0.002, "{frac}");
+        // 15 Hz x 0.5 s = 7.5 coincidences of 2-3 hits.
+        assert!(coinc < 100, "{coinc}");
+    }
+
+    #[test]
+    fn bursts_cover_about_five_percent_and_raise_the_rate() {
+        let g = antares(PhysicsConfig { muon_rate_hz: 0.0, ..Default::default() });
+        // 60 modules x 100 s of 10 ms slices sampled every 50 ms.
+        let mut n = 0u32;
+        let mut burst = 0u32;
+        for m in 0..60 {
+            for s in (0..10_000u64).step_by(5) {
+                n += 1;
+                burst += u32::from(g.in_burst(m, s));
+            }
+        }
+        let f = f64::from(burst) / f64::from(n);
+        assert!((0.02..0.09).contains(&f), "burst fraction {f}");
+        let (m, s) = (0..60)
+            .flat_map(|m| (0..10_000u64).step_by(5).map(move |s| (m, s)))
+            .find(|&(m, s)| g.in_burst(m, s))
+            .unwrap();
+        let f = g.generate(m, s);
+        assert!(f.burst && f.hit_count > 3 * 2100, "{}", f.hit_count);
+    }
+
+    #[test]
+    fn muon_light_follows_the_cherenkov_cone() {
+        // A vertical down-going muon 20 m from a PMT facing it: the light arrives when the
+        // cone passes, t = t0 + (l - d/tan)/c + d n/(c sin); the PMT sees a few pe.
+        let g = antares(PhysicsConfig::default());
+        let mu = Muon { id: 0, point: [0.0, 0.0, 0.0], dir: [0.0, 0.0, -1.0], t_ns: 100.0 };
+        let (npe, t) = g.muon_light(&mu, [20.0, 0.0, -50.0], [-1.0, 0.0, 0.0]);
+        let th = cherenkov_angle();
+        let expect = 100.0 + (50.0 - 20.0 / th.tan()) / C_LIGHT + 20.0 / th.sin() * N_WATER / C_LIGHT;
+        assert!((t - expect).abs() < 1e-9);
+        assert!(npe > 1.0 && npe < 5.0, "{npe}");
+        // Causality: the arrival time difference of two PMTs is within d * n / c.
+        let (_, t2) = g.muon_light(&mu, [20.0, 10.0, -80.0], [-1.0, 0.0, 0.0]);
+        let d = (10f64.powi(2) + 30f64.powi(2)).sqrt();
+        assert!((t2 - t).abs() <= d * N_WATER / C_LIGHT);
+    }
+
+    #[test]
+    fn muons_leave_ground_truth_hits() {
+        let g = antares(PhysicsConfig { muon_rate_hz: 2000.0, burst_fraction: 0.0, ..Default::default() });
+        let signal: usize = (0..300)
+            .map(|m| g.generate_with_truth(m, 9).origins.iter().filter(|o| matches!(o, Origin::Muon(_))).count())
+            .sum();
+        assert!(signal > 100, "{signal} signal hits from ~20 muons");
+    }
+}

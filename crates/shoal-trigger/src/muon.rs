@@ -1,0 +1,728 @@
+//! The muon filter: L1 local coincidences, the causality cluster trigger (3D, optional
+//! direction scan) and event building (physics.md section 2).
+//!
+//! Steps for one slice:
+//! 1. **L1** per module ([`l1_flags`]): ANTARES: a hit with a partner on a *different* PMT
+//!    of the floor within `l1.window_ns`, or with amplitude at least `l1.high_amplitude`;
+//!    KM3NeT: a hit with any other hit of the DOM within `l1.window_ns` (the same PMT may
+//!    count twice).
+//!    A module above `rate_veto_hz` per PMT in the slice (a bioluminescence burst) is left
+//!    out of the trigger (counted); its hits still join events.
+//! 2. **Trigger hits**: the L1 hits of a module within `l1.window_ns` of each other merge
+//!    into one trigger hit (earliest calibrated time, that PMT's position), so that one
+//!    local coincidence counts once.
+//! 3. **Causality clusters** ([`clusters`]): for each trigger hit (seed), the trigger hits in
+//!    `[t, t + window_ns]` causally related to it (`|dt| <= d n / c + t_extra_ns`); while
+//!    they are not all pairwise related, the one with the fewest relations (the latest on
+//!    ties) is removed; a clique of at least `min_hits` trigger hits on `min_modules`
+//!    modules fires. With `direction_scan`, it must also be a clique of at least
+//!    `min_hits` under the road test of some direction of a grid (`|dt - dz/c| <=
+//!    R tan(theta_c)/c + t_extra_ns` for transverse distance `R <= road_width_m`).
+//!    The members of a firing cluster are not used as seeds again.
+//! 4. **Events** ([`build_events`]): every L0 hit within `snapshot_ns` of a firing cluster;
+//!    overlapping windows merge into one event, counted in `overlays`. Hits of the firing
+//!    clusters are flagged triggered.
+
+use serde::{Deserialize, Serialize};
+use shoal_core::hit::Hit;
+use shoal_detector::geometry::Geometry;
+use shoal_detector::physics::{C_LIGHT, N_WATER, cherenkov_angle};
+
+use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData};
+
+/// Trigger bit of the causality cluster trigger.
+pub const TRIGGER_3D: u32 = 1 << 1;
+/// Trigger bit of the direction-scan confirmation.
+pub const TRIGGER_3D_SCAN: u32 = 1 << 2;
+
+/// Which L1 definition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum L1Kind {
+    /// Different PMTs of one floor within the window, or one large hit.
+    Antares,
+    /// Two hits of one DOM within the window (same PMT allowed).
+    Km3net,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct L1Params {
+    pub kind: L1Kind,
+    /// ANTARES 20 ns; KM3NeT TMaxLocal 25 ns (10 and 15 also seen).
+    pub window_ns: u32,
+    /// ANTARES: a hit with at least this amplitude is an L1 alone (30 = 3 p.e. in the
+    /// generator's charge units; 0: off).
+    pub high_amplitude: u8,
+}
+
+impl Default for L1Params {
+    fn default() -> Self {
+        Self { kind: L1Kind::Antares, window_ns: 20, high_amplitude: 30 }
+    }
+}
+
+/// Parameters of the muon filter (`[builder.filter.muon]`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MuonConfig {
+    pub l1: L1Params,
+    /// `antares` (one floor per source) or the path of a `.detx` file.
+    pub geometry: String,
+    /// Longest time span of a cluster, ns (ANTARES 3N: 2.2 us).
+    pub window_ns: u32,
+    /// Added to the light-travel time in the causality test, ns (20-25).
+    pub t_extra_ns: f64,
+    pub min_hits: usize,
+    pub min_modules: usize,
+    pub direction_scan: bool,
+    /// Grid step of the direction scan, degrees (ORCA 10, ARCA 1).
+    pub scan_step_deg: f64,
+    pub road_width_m: f64,
+    /// L0 hits this long before and after a firing cluster join the event, ns.
+    pub snapshot_ns: u32,
+    /// High-rate veto: a module whose mean rate per PMT over the slice exceeds this (Hz)
+    /// is left out of the trigger (its hits still join events), counted in
+    /// [`MuonStats::vetoed_modules`]. 0: off.
+    pub rate_veto_hz: f64,
+}
+
+impl Default for MuonConfig {
+    fn default() -> Self {
+        Self {
+            l1: L1Params::default(),
+            geometry: "antares".into(),
+            window_ns: 2_200,
+            t_extra_ns: 20.0,
+            min_hits: 5,
+            min_modules: 5,
+            direction_scan: false,
+            scan_step_deg: 10.0,
+            road_width_m: 43.0,
+            snapshot_ns: 1_000,
+            rate_veto_hz: 200_000.0,
+        }
+    }
+}
+
+/// L1 flags of one module's time-sorted hits.
+pub fn l1_flags(hits: &[Hit], p: &L1Params, out: &mut Vec<bool>) {
+    out.clear();
+    out.resize(hits.len(), false);
+    let w = p.window_ns;
+    match p.kind {
+        L1Kind::Km3net => {
+            // Sorted: a hit has a partner iff a neighbour is within the window.
+            for i in 1..hits.len() {
+                if hits[i].time_ns - hits[i - 1].time_ns <= w {
+                    out[i] = true;
+                    out[i - 1] = true;
+                }
+            }
+        }
+        L1Kind::Antares => {
+            for i in 0..hits.len() {
+                let h = hits[i];
+                if p.high_amplitude > 0 && h.amplitude >= p.high_amplitude {
+                    out[i] = true;
+                }
+                let mut j = i + 1;
+                while j < hits.len() && hits[j].time_ns - h.time_ns <= w {
+                    if hits[j].channel != h.channel {
+                        out[i] = true;
+                        out[j] = true;
+                    }
+                    j += 1;
+                }
+            }
+        }
+    }
+}
+
+/// A merged local coincidence: the input of the cluster trigger.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TriggerHit {
+    /// Calibrated time, ns since the slice start.
+    pub t: f64,
+    pub pos: [f64; 3],
+    /// Index of the module (fragment) and of its first hit.
+    pub module: usize,
+    pub hit: usize,
+    /// The L1 hits merged into it: `hit..hit_end` of that module's hits.
+    pub hit_end: usize,
+}
+
+fn distance(a: [f64; 3], b: [f64; 3]) -> f64 {
+    ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
+}
+
+/// The plain 3D causality relation.
+pub fn causal(a: &TriggerHit, b: &TriggerHit, t_extra: f64) -> bool {
+    (a.t - b.t).abs() <= distance(a.pos, b.pos) * N_WATER / C_LIGHT + t_extra
+}
+
+/// The road test along unit direction `dir`.
+pub fn causal_along(a: &TriggerHit, b: &TriggerHit, dir: [f64; 3], road: f64, t_extra: f64) -> bool {
+    let d = [b.pos[0] - a.pos[0], b.pos[1] - a.pos[1], b.pos[2] - a.pos[2]];
+    let dz = d[0] * dir[0] + d[1] * dir[1] + d[2] * dir[2];
+    let r2 = (d[0] * d[0] + d[1] * d[1] + d[2] * d[2] - dz * dz).max(0.0);
+    let r = r2.sqrt();
+    if r > road {
+        return false;
+    }
+    let tau = (b.t - a.t - dz / C_LIGHT).abs();
+    tau <= r * cherenkov_angle().tan() / C_LIGHT + t_extra
+}
+
+/// Greedy clique pruning: removes the member with the fewest relations (the latest on
+/// ties) until all remaining members are related. `related(i, j)` over `members` indices.
+pub fn prune_to_clique(members: &mut Vec<usize>, related: impl Fn(usize, usize) -> bool) {
+    let k = members.len();
+    let mut counts = vec![0usize; k];
+    let mut rel = vec![false; k * k];
+    for a in 0..k {
+        for b in a + 1..k {
+            if related(members[a], members[b]) {
+                rel[a * k + b] = true;
+                rel[b * k + a] = true;
+                counts[a] += 1;
+                counts[b] += 1;
+            }
+        }
+    }
+    let mut alive: Vec<bool> = vec![true; k];
+    let mut size = k;
+    loop {
+        // The live member with the fewest relations; the latest (highest index) on ties.
+        let mut worst = usize::MAX;
+        for a in 0..k {
+            if alive[a] && (worst == usize::MAX || counts[a] <= counts[worst]) {
+                worst = a;
+            }
+        }
+        if worst == usize::MAX || counts[worst] + 1 >= size {
+            break;
+        }
+        alive[worst] = false;
+        size -= 1;
+        for b in 0..k {
+            if alive[b] && rel[worst * k + b] {
+                counts[b] -= 1;
+            }
+        }
+    }
+    let mut i = 0;
+    members.retain(|_| {
+        let keep = alive[i];
+        i += 1;
+        keep
+    });
+}
+
+/// Unit vectors of a grid of directions covering the sphere with about `step_deg` spacing.
+pub fn direction_grid(step_deg: f64) -> Vec<[f64; 3]> {
+    let step = step_deg.clamp(0.5, 90.0).to_radians();
+    let mut out = Vec::new();
+    let n_theta = (std::f64::consts::PI / step).round().max(1.0) as usize;
+    for i in 0..=n_theta {
+        let theta = std::f64::consts::PI * i as f64 / n_theta as f64;
+        let n_phi = ((2.0 * std::f64::consts::PI * theta.sin()) / step).round().max(1.0) as usize;
+        for j in 0..n_phi {
+            let phi = 2.0 * std::f64::consts::PI * j as f64 / n_phi as f64;
+            out.push([theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()]);
+        }
+    }
+    out
+}
+
+fn distinct_modules(hits: &[TriggerHit], members: &[usize]) -> usize {
+    let mut m: Vec<usize> = members.iter().map(|&i| hits[i].module).collect();
+    m.sort_unstable();
+    m.dedup();
+    m.len()
+}
+
+/// A firing cluster: indices into the trigger hits, and its trigger bits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cluster {
+    pub members: Vec<usize>,
+    pub mask: u32,
+}
+
+/// The causality clusters of time-sorted trigger hits (see the module documentation).
+pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec<Cluster> {
+    let mut out = Vec::new();
+    let window = f64::from(cfg.window_ns);
+    let mut end = 0;
+    let mut members = Vec::new();
+    // Members of the last firing cluster are not seeds again (one cluster, one trigger).
+    let mut taken: Vec<usize> = Vec::new();
+    for i in 0..hits.len() {
+        end = end.max(i + 1);
+        if taken.binary_search(&i).is_ok() {
+            continue;
+        }
+        while end < hits.len() && hits[end].t - hits[i].t <= window {
+            end += 1;
+        }
+        if end - i < cfg.min_hits {
+            continue;
+        }
+        members.clear();
+        members.push(i);
+        members.extend((i + 1..end).filter(|&j| causal(&hits[i], &hits[j], cfg.t_extra_ns)));
+        if members.len() < cfg.min_hits {
+            continue;
+        }
+        prune_to_clique(&mut members, |a, b| causal(&hits[a], &hits[b], cfg.t_extra_ns));
+        if members.len() < cfg.min_hits || distinct_modules(hits, &members) < cfg.min_modules {
+            continue;
+        }
+        let mut mask = TRIGGER_3D;
+        if cfg.direction_scan {
+            let confirmed = grid.iter().any(|&dir| {
+                let mut m = members.clone();
+                prune_to_clique(&mut m, |a, b| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns));
+                m.len() >= cfg.min_hits && distinct_modules(hits, &m) >= cfg.min_modules
+            });
+            if !confirmed {
+                continue;
+            }
+            mask |= TRIGGER_3D_SCAN;
+        }
+        taken.clone_from(&members);
+        out.push(Cluster { members: members.clone(), mask });
+    }
+    out
+}
+
+/// An event window before hits are collected: calibrated times and what it holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventWindow {
+    pub start: f64,
+    pub end: f64,
+    pub mask: u32,
+    /// Firing clusters merged into it (1 = no overlay).
+    pub clusters: u32,
+    /// Trigger hits of its firing clusters.
+    pub trigger_hits: Vec<usize>,
+}
+
+/// Snapshot windows of the firing clusters, overlapping ones merged.
+pub fn build_events(hits: &[TriggerHit], clusters: &[Cluster], snapshot_ns: f64) -> Vec<EventWindow> {
+    let mut windows: Vec<EventWindow> = clusters
+        .iter()
+        .map(|c| {
+            let t0 = c.members.iter().map(|&i| hits[i].t).fold(f64::INFINITY, f64::min);
+            let t1 = c.members.iter().map(|&i| hits[i].t).fold(f64::NEG_INFINITY, f64::max);
+            EventWindow {
+                start: t0 - snapshot_ns,
+                end: t1 + snapshot_ns,
+                mask: c.mask,
+                clusters: 1,
+                trigger_hits: c.members.clone(),
+            }
+        })
+        .collect();
+    windows.sort_by(|a, b| a.start.total_cmp(&b.start));
+    let mut merged: Vec<EventWindow> = Vec::new();
+    for w in windows {
+        match merged.last_mut() {
+            Some(m) if w.start <= m.end => {
+                m.end = m.end.max(w.end);
+                m.mask |= w.mask;
+                m.clusters += w.clusters;
+                m.trigger_hits.extend(w.trigger_hits);
+            }
+            _ => merged.push(w),
+        }
+    }
+    for m in &mut merged {
+        m.trigger_hits.sort_unstable();
+        m.trigger_hits.dedup();
+    }
+    merged
+}
+
+/// The `muon` filter.
+#[derive(Debug, Default)]
+pub struct MuonFilter {
+    cfg: MuonConfig,
+    geometry: Option<Geometry>,
+    grid: Vec<[f64; 3]>,
+    /// Per fragment: hits, L1 flags (reused buffers).
+    hits: Vec<Vec<Hit>>,
+    flags: Vec<Vec<bool>>,
+    /// Counters for the evaluation.
+    pub stats: MuonStats,
+}
+
+/// What the filter saw, summed over slices.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MuonStats {
+    pub slices: u64,
+    pub l0_hits: u64,
+    pub l1_hits: u64,
+    pub trigger_hits: u64,
+    pub clusters: u64,
+    pub events: u64,
+    /// Hits of modules the geometry does not know (not in the trigger).
+    pub unknown_module_hits: u64,
+    /// Module-slices left out of the trigger by the high-rate veto.
+    pub vetoed_modules: u64,
+}
+
+impl MuonFilter {
+    pub fn new(cfg: MuonConfig, geometry: Geometry) -> Self {
+        let grid = if cfg.direction_scan { direction_grid(cfg.scan_step_deg) } else { Vec::new() };
+        Self { cfg, geometry: Some(geometry), grid, ..Default::default() }
+    }
+
+    fn geometry_for(&mut self, max_source: u32) -> &Geometry {
+        let need = max_source as usize + 1;
+        if self.geometry.as_ref().is_none_or(|g| g.modules.len() < need) && self.cfg.geometry == "antares" {
+            self.geometry = Some(Geometry::antares_for_sources(need as u32));
+        }
+        self.geometry.get_or_insert_with(Geometry::default)
+    }
+
+    /// Runs L1, clusters and event building; returns the events and, per event, the
+    /// firing clusters' trigger hits (for the evaluation).
+    pub fn process_slice(&mut self, slice: &SliceData) -> Vec<Event> {
+        let max_source = slice.fragments.iter().map(|f| f.source).max().unwrap_or(0);
+        let geometry = self.geometry_for(max_source).clone();
+        let cfg = self.cfg.clone();
+        let n = slice.fragments.len();
+        self.hits.resize_with(n, Vec::new);
+        self.flags.resize_with(n, Vec::new);
+        let mut trig: Vec<TriggerHit> = Vec::new();
+        for (fi, f) in slice.fragments.iter().enumerate() {
+            let hits = &mut self.hits[fi];
+            hits.clear();
+            if let Ok(p) = f.hits() {
+                hits.extend(p.hits());
+            }
+            if !hits.is_sorted() {
+                hits.sort_unstable();
+            }
+            self.stats.l0_hits += hits.len() as u64;
+            let flags = &mut self.flags[fi];
+            l1_flags(hits, &cfg.l1, flags);
+            let Some(module) = geometry.modules.get(f.source as usize) else {
+                self.stats.unknown_module_hits += hits.len() as u64;
+                continue;
+            };
+            if cfg.rate_veto_hz > 0.0 && slice.slice_ns > 0 {
+                let per_pmt = hits.len() as f64 / module.pmts.len().max(1) as f64 / (slice.slice_ns as f64 * 1e-9);
+                if per_pmt > cfg.rate_veto_hz {
+                    self.stats.vetoed_modules += 1;
+                    continue;
+                }
+            }
+            let mut i = 0;
+            while i < hits.len() {
+                if !flags[i] {
+                    i += 1;
+                    continue;
+                }
+                self.stats.l1_hits += 1;
+                let first = i;
+                let mut j = i + 1;
+                while j < hits.len() && hits[j].time_ns - hits[first].time_ns <= cfg.l1.window_ns {
+                    if flags[j] {
+                        self.stats.l1_hits += 1;
+                    }
+                    j += 1;
+                }
+                let pmt = module.pmts.get(usize::from(hits[first].channel));
+                trig.push(TriggerHit {
+                    t: f64::from(hits[first].time_ns) + pmt.map_or(0.0, |p| p.t0_ns),
+                    pos: pmt.map_or(module.pos, |p| p.pos),
+                    module: fi,
+                    hit: first,
+                    hit_end: j,
+                });
+                i = j;
+            }
+        }
+        trig.sort_by(|a, b| a.t.total_cmp(&b.t));
+        self.stats.slices += 1;
+        self.stats.trigger_hits += trig.len() as u64;
+        let cl = clusters(&trig, &cfg, &self.grid);
+        self.stats.clusters += cl.len() as u64;
+        let windows = build_events(&trig, &cl, f64::from(cfg.snapshot_ns));
+        self.stats.events += windows.len() as u64;
+
+        // Collect the L0 hits of each window; flag the L1 hits of its firing clusters.
+        let t0_range = |m: usize| -> (f64, f64) {
+            geometry.modules.get(slice.fragments[m].source as usize).map_or((0.0, 0.0), |md| {
+                md.pmts
+                    .iter()
+                    .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| (lo.min(p.t0_ns), hi.max(p.t0_ns)))
+            })
+        };
+        let offsets: Vec<(f64, f64)> =
+            (0..n).map(t0_range).map(|(lo, hi)| if lo.is_finite() { (lo, hi) } else { (0.0, 0.0) }).collect();
+        let mut events = Vec::with_capacity(windows.len());
+        for (id, w) in windows.iter().enumerate() {
+            let mut triggered: Vec<(usize, usize)> = Vec::new();
+            for &ti in &w.trigger_hits {
+                let th = &trig[ti];
+                triggered.extend((th.hit..th.hit_end).filter(|&k| self.flags[th.module][k]).map(|k| (th.module, k)));
+            }
+            triggered.sort_unstable();
+            let mut hits_out = Vec::new();
+            for (fi, fh) in self.hits.iter().enumerate() {
+                let module = geometry.modules.get(slice.fragments[fi].source as usize);
+                let (lo, hi) = offsets[fi];
+                let a = fh.partition_point(|h| f64::from(h.time_ns) + hi < w.start);
+                let b = fh.partition_point(|h| f64::from(h.time_ns) + lo <= w.end);
+                for (k, &h) in fh.iter().enumerate().take(b).skip(a) {
+                    let t0 = module.and_then(|m| m.pmts.get(usize::from(h.channel))).map_or(0.0, |p| p.t0_ns);
+                    let t = f64::from(h.time_ns) + t0;
+                    if t < w.start || t > w.end {
+                        continue;
+                    }
+                    let is_trig = triggered.binary_search(&(fi, k)).is_ok();
+                    hits_out.push(EventHit::from_hit(slice.fragments[fi].source, h, is_trig));
+                }
+            }
+            hits_out.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
+            events.push(Event { id: id as u32, trigger_mask: w.mask, overlays: w.clusters - 1, hits: hits_out });
+        }
+        events
+    }
+}
+
+impl Filter for MuonFilter {
+    fn init(&mut self, config: &FilterConfig) -> Result<(), FilterError> {
+        let c = &config.muon;
+        if c.min_hits == 0 || c.min_modules == 0 {
+            return Err(FilterError::BadParameter("muon.min_hits and muon.min_modules must be at least 1".into()));
+        }
+        if !(c.t_extra_ns.is_finite() && c.t_extra_ns >= 0.0 && c.road_width_m > 0.0) {
+            return Err(FilterError::BadParameter("muon.t_extra_ns >= 0 and muon.road_width_m > 0".into()));
+        }
+        let geometry = if c.geometry == "antares" {
+            Geometry::antares(10, 30)
+        } else {
+            let text = std::fs::read_to_string(&c.geometry)
+                .map_err(|e| FilterError::BadParameter(format!("muon.geometry {:?}: {e}", c.geometry)))?;
+            Geometry::from_detx(&text).map_err(|e| FilterError::BadParameter(format!("muon.geometry: {e}")))?
+        };
+        *self = MuonFilter::new(c.clone(), geometry);
+        Ok(())
+    }
+
+    fn process(&mut self, slice: &SliceData) -> Vec<Event> {
+        self.process_slice(slice)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FragmentData;
+    use bytes::BytesMut;
+    use proptest::prelude::*;
+
+    /// L1 by definition, pair by pair.
+    fn brute_l1(hits: &[Hit], p: &L1Params) -> Vec<bool> {
+        (0..hits.len())
+            .map(|i| {
+                let high = p.kind == L1Kind::Antares && p.high_amplitude > 0 && hits[i].amplitude >= p.high_amplitude;
+                high || (0..hits.len()).any(|j| {
+                    j != i
+                        && hits[i].time_ns.abs_diff(hits[j].time_ns) <= p.window_ns
+                        && (p.kind == L1Kind::Km3net || hits[j].channel != hits[i].channel)
+                })
+            })
+            .collect()
+    }
+
+    /// The clustering by its definition, recomputing every count from scratch at each step.
+    fn brute_clusters(hits: &[TriggerHit], cfg: &MuonConfig) -> Vec<Vec<usize>> {
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        for i in 0..hits.len() {
+            if out.last().is_some_and(|c| c.contains(&i)) {
+                continue;
+            }
+            let window: Vec<usize> =
+                (i..hits.len()).filter(|&j| hits[j].t - hits[i].t <= f64::from(cfg.window_ns)).collect();
+            if window.len() < cfg.min_hits {
+                continue;
+            }
+            let mut set: Vec<usize> =
+                window.into_iter().filter(|&j| j == i || causal(&hits[i], &hits[j], cfg.t_extra_ns)).collect();
+            if set.len() < cfg.min_hits {
+                continue;
+            }
+            loop {
+                let count =
+                    |a: usize| set.iter().filter(|&&b| b != a && causal(&hits[a], &hits[b], cfg.t_extra_ns)).count();
+                if set.iter().all(|&a| count(a) + 1 == set.len()) {
+                    break;
+                }
+                // Fewest relations, the latest on ties.
+                let worst = *set.iter().rev().min_by_key(|&&a| count(a)).unwrap();
+                set.retain(|&a| a != worst);
+            }
+            let mut modules: Vec<usize> = set.iter().map(|&a| hits[a].module).collect();
+            modules.sort_unstable();
+            modules.dedup();
+            if set.len() >= cfg.min_hits && modules.len() >= cfg.min_modules {
+                out.push(set);
+            }
+        }
+        out
+    }
+
+    fn trigger_hits(raw: &[(u8, u32, u8)], modules: &[[f64; 3]]) -> Vec<TriggerHit> {
+        let mut v: Vec<TriggerHit> = raw
+            .iter()
+            .enumerate()
+            .map(|(k, &(m, t, _))| {
+                let m = usize::from(m) % modules.len();
+                TriggerHit { t: f64::from(t), pos: modules[m], module: m, hit: k, hit_end: k + 1 }
+            })
+            .collect();
+        v.sort_by(|a, b| a.t.total_cmp(&b.t));
+        v
+    }
+
+    proptest! {
+        #[test]
+        fn l1_matches_the_definition(
+            raw in proptest::collection::vec((0u8..31, 0u32..3000, 0u8..60), 0..120),
+            window in 0u32..40, high in 0u8..60, km3net in any::<bool>(),
+        ) {
+            let mut hits: Vec<Hit> = raw.into_iter().map(|(channel, time_ns, amplitude)| Hit { channel, time_ns, amplitude }).collect();
+            hits.sort_unstable();
+            let p = L1Params { kind: if km3net { L1Kind::Km3net } else { L1Kind::Antares }, window_ns: window, high_amplitude: high };
+            let mut got = Vec::new();
+            l1_flags(&hits, &p, &mut got);
+            prop_assert_eq!(got, brute_l1(&hits, &p));
+        }
+
+        #[test]
+        fn clusters_match_the_definition_and_are_causal_cliques(
+            raw in proptest::collection::vec((0u8..8, 0u32..4000, 0u8..1), 0..40),
+            pos in proptest::collection::vec((0.0f64..120.0, 0.0f64..120.0, 0.0f64..120.0), 8),
+            min_hits in 2usize..6, min_modules in 1usize..5, window in 200u32..3000,
+        ) {
+            let modules: Vec<[f64; 3]> = pos.into_iter().map(|(x, y, z)| [x, y, z]).collect();
+            let hits = trigger_hits(&raw, &modules);
+            let cfg = MuonConfig { min_hits, min_modules, window_ns: window, ..Default::default() };
+            let got = clusters(&hits, &cfg, &[]);
+            let want = brute_clusters(&hits, &cfg);
+            prop_assert_eq!(got.iter().map(|c| c.members.clone()).collect::<Vec<_>>(), want);
+            for c in &got {
+                for &a in &c.members {
+                    for &b in &c.members {
+                        prop_assert!(causal(&hits[a], &hits[b], cfg.t_extra_ns));
+                    }
+                }
+                prop_assert!(c.members.len() >= min_hits);
+                prop_assert!(distinct_modules(&hits, &c.members) >= min_modules);
+            }
+        }
+
+        #[test]
+        fn event_windows_merge_exactly_the_overlapping(
+            spans in proptest::collection::vec((0u32..100_000, 0u32..5_000), 0..30), snapshot in 0u32..3000,
+        ) {
+            // One cluster per span: two trigger hits at its ends.
+            let mut hits = Vec::new();
+            let mut cl = Vec::new();
+            for (k, &(t, len)) in spans.iter().enumerate() {
+                for dt in [0, len] {
+                    hits.push(TriggerHit { t: f64::from(t + dt), pos: [0.0; 3], module: k, hit: 0, hit_end: 1 });
+                }
+                cl.push(Cluster { members: vec![2 * k, 2 * k + 1], mask: 1 << (k % 3) });
+            }
+            let ev = build_events(&hits, &cl, f64::from(snapshot));
+            // Windows are disjoint and ordered; every cluster's window is inside exactly one
+            // event; the overlay counts add up.
+            prop_assert!(ev.windows(2).all(|w| w[0].end < w[1].start));
+            prop_assert_eq!(ev.iter().map(|e| e.clusters as usize).sum::<usize>(), cl.len());
+            for (k, &(t, len)) in spans.iter().enumerate() {
+                let (a, b) = (f64::from(t) - f64::from(snapshot), f64::from(t + len) + f64::from(snapshot));
+                let inside: Vec<_> = ev.iter().filter(|e| e.start <= a && b <= e.end).collect();
+                prop_assert_eq!(inside.len(), 1);
+                prop_assert!(inside[0].trigger_hits.contains(&(2 * k)));
+                prop_assert!(inside[0].mask & (1 << (k % 3)) != 0);
+            }
+            // Brute force: two windows share an event iff they are connected by overlaps.
+            let n = spans.len();
+            let win = |k: usize| (f64::from(spans[k].0) - f64::from(snapshot), f64::from(spans[k].0 + spans[k].1) + f64::from(snapshot));
+            let mut group: Vec<usize> = (0..n).collect();
+            loop {
+                let mut changed = false;
+                for a in 0..n {
+                    for b in 0..n {
+                        let (wa, wb) = (win(a), win(b));
+                        if wa.0 <= wb.1 && wb.0 <= wa.1 && group[a] != group[b] {
+                            let g = group[a].min(group[b]);
+                            group[a] = g;
+                            group[b] = g;
+                            changed = true;
+                        }
+                    }
+                }
+                if !changed { break; }
+            }
+            let mut groups = group.clone();
+            groups.sort_unstable();
+            groups.dedup();
+            prop_assert_eq!(groups.len(), ev.len());
+        }
+    }
+
+    #[test]
+    fn a_muon_on_five_floors_fires_and_noise_alone_does_not() {
+        let g = Geometry::antares(1, 30);
+        let mut f = MuonFilter::new(MuonConfig::default(), g.clone());
+        // A vertical muon along the string: pairs of hits on two OMs of floors 3..9, at the
+        // times the light passes, plus isolated noise.
+        let mut frags = Vec::new();
+        for (m, module) in g.modules.iter().enumerate() {
+            let mut hits = vec![Hit { time_ns: 50_000 + 37 * m as u32, channel: 0, amplitude: 10 }];
+            if (3..10).contains(&m) {
+                let t = 1_000_000 + (f64::from(30 - m as u32) * 14.5 / C_LIGHT) as u32;
+                hits.push(Hit { time_ns: t, channel: 0, amplitude: 10 });
+                hits.push(Hit { time_ns: t + 3, channel: 1, amplitude: 12 });
+            }
+            hits.sort_unstable();
+            let mut b = BytesMut::new();
+            for h in &hits {
+                h.encode(&mut b);
+            }
+            let _ = module;
+            frags.push(FragmentData { source: m as u32, hit_count: hits.len() as u32, payload: b.freeze() });
+        }
+        let slice = SliceData { slice: 1, slice_start_ns: 0, slice_ns: 10_000_000, fragments: frags.clone() };
+        let ev = f.process_slice(&slice);
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!(ev[0].triggered_hits(), 14);
+        assert!(ev[0].trigger_mask & TRIGGER_3D != 0);
+        assert_eq!(ev[0].overlays, 0);
+        // The same with the direction scan on.
+        let mut f = MuonFilter::new(MuonConfig { direction_scan: true, ..Default::default() }, g.clone());
+        let ev = f.process_slice(&slice);
+        assert_eq!(ev.len(), 1);
+        assert!(ev[0].trigger_mask & TRIGGER_3D_SCAN != 0);
+        // Noise only: no event.
+        let noise: Vec<FragmentData> = frags
+            .iter()
+            .map(|fr| {
+                let mut b = BytesMut::new();
+                Hit { time_ns: 50_000 + 37 * fr.source, channel: 0, amplitude: 10 }.encode(&mut b);
+                FragmentData { source: fr.source, hit_count: 1, payload: b.freeze() }
+            })
+            .collect();
+        assert!(
+            f.process_slice(&SliceData { slice: 2, slice_start_ns: 0, slice_ns: 10_000_000, fragments: noise })
+                .is_empty()
+        );
+    }
+}
