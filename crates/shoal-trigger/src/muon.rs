@@ -255,11 +255,12 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec
     let window = f64::from(cfg.window_ns);
     let mut end = 0;
     let mut members = Vec::new();
-    // Members of the last firing cluster are not seeds again (one cluster, one trigger).
-    let mut taken: Vec<usize> = Vec::new();
+    // Members of a firing cluster are not seeds again (one cluster, one trigger; and a
+    // bright event with hundreds of L1 hits costs one clustering, not hundreds).
+    let mut taken = vec![false; hits.len()];
     for i in 0..hits.len() {
         end = end.max(i + 1);
-        if taken.binary_search(&i).is_ok() {
+        if taken[i] {
             continue;
         }
         while end < hits.len() && hits[end].t - hits[i].t <= window {
@@ -290,7 +291,9 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec
             }
             mask |= TRIGGER_3D_SCAN;
         }
-        taken.clone_from(&members);
+        for &m in &members {
+            taken[m] = true;
+        }
         out.push(Cluster { members: members.clone(), mask });
     }
     out
@@ -544,7 +547,7 @@ mod tests {
     fn brute_clusters(hits: &[TriggerHit], cfg: &MuonConfig) -> Vec<Vec<usize>> {
         let mut out: Vec<Vec<usize>> = Vec::new();
         for i in 0..hits.len() {
-            if out.last().is_some_and(|c| c.contains(&i)) {
+            if out.iter().any(|c| c.contains(&i)) {
                 continue;
             }
             let window: Vec<usize> =

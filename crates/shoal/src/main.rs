@@ -22,6 +22,7 @@ use shoal_net::demo::{RunSummary, run_embedded};
 use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
+mod replay;
 mod run;
 mod sim;
 mod summary;
@@ -50,6 +51,9 @@ enum Command {
     /// Generate slices with known muons, filter them, and print efficiency, purity,
     /// background rate and data reduction.
     TriggerEval(trigger::EvalArgs),
+    /// Replay real KM3NeT data (converted by scripts/km3net_to_shoal.py) through assembly
+    /// and the filter; for triggered events, compare with the stored trigger flags.
+    Replay(replay::ReplayArgs),
     /// Print the full default configuration as TOML.
     Config,
     /// Run a ControlHost-compatible message dispatcher (KM3NeT Ligier dialect).
@@ -215,6 +219,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Node(args) => node(args).await,
         Command::Run(args) => run::command(args).await,
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
+        Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,
         Command::Dispatcher(args) => dispatcher(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
         Command::Config => {
