@@ -51,9 +51,10 @@ py-test: build py-env
 	SHOAL_BIN=$(CURDIR)/$(SHOAL) $(PY) -m pytest tests/python -q; \
 	  rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
-bench: build
+bench: build py-env
 	scripts/bench-demo.sh
 	scripts/bench-pubsub.sh
+	scripts/bench-l1.sh
 
 clean:
 	$(CARGO) clean

@@ -78,6 +78,42 @@ impl Geometry {
         Geometry { modules }
     }
 
+    /// A KM3NeT/ARCA-like detector: `lines` detection units on a 90 m grid, `doms` DOMs
+    /// per line 36 m apart, 31 PMTs per DOM spread over the sphere (ARCA run 267: 453 DOMs).
+    pub fn arca_like(lines: u32, doms: u32) -> Geometry {
+        let per_row = f64::from(lines.max(1)).sqrt().ceil() as u32;
+        let half = f64::from(per_row - 1) / 2.0;
+        // 31 directions: a Fibonacci sphere (roughly the DOM's 6 rings + 1 down).
+        let dirs: Vec<[f64; 3]> = (0..31)
+            .map(|k| {
+                let z = 1.0 - 2.0 * (f64::from(k) + 0.5) / 31.0;
+                let r = (1.0 - z * z).sqrt();
+                let phi = f64::from(k) * std::f64::consts::PI * (3.0 - 5f64.sqrt());
+                [r * phi.cos(), r * phi.sin(), -z]
+            })
+            .collect();
+        let mut modules = Vec::new();
+        for l in 0..lines {
+            let (x, y) = ((f64::from(l % per_row) - half) * 90.0, (f64::from(l / per_row) - half) * 90.0);
+            for d in 0..doms {
+                let id = 800_000_000 + l * 100 + d;
+                let pos = [x, y, 80.0 + 36.0 * f64::from(d)];
+                let pmts = dirs
+                    .iter()
+                    .enumerate()
+                    .map(|(k, dir)| Pmt {
+                        id: id * 31 + k as u32,
+                        pos: [pos[0] + 0.2 * dir[0], pos[1] + 0.2 * dir[1], pos[2] + 0.2 * dir[2]],
+                        dir: *dir,
+                        t0_ns: 0.0,
+                    })
+                    .collect();
+                modules.push(Module { id, string: l, floor: d + 1, pos, pmts });
+            }
+        }
+        Geometry { modules }
+    }
+
     /// The ANTARES-like detector with at least `modules` floors (30 per string, so 5 gives
     /// one sector of string 0 and 300 gives 10 strings), cut to exactly `modules`.
     pub fn antares_for_sources(modules: u32) -> Geometry {

@@ -17,7 +17,9 @@
 //!    ties) is removed; a clique of at least `min_hits` trigger hits on `min_modules`
 //!    modules fires. With `direction_scan`, it must also be a clique of at least
 //!    `min_hits` under the road test of some direction of a grid (`|dt - dz/c| <=
-//!    R tan(theta_c)/c + t_extra_ns` for transverse distance `R <= road_width_m`).
+//!    R tan(theta_c)/c + t_extra_ns` for transverse distance `R <= road_width_m`), and
+//!    pairs must pass the road bound that test implies for every direction (`|dt| <= d/c +
+//!    road_width_m tan(theta_c)/c + t_extra_ns`, the "3B" test).
 //!    The members of a firing cluster are not used as seeds again.
 //! 4. **Events** ([`build_events`]): every L0 hit within `snapshot_ns` of a firing cluster;
 //!    overlapping windows merge into one event, counted in `overlays`. Hits of the firing
@@ -269,19 +271,49 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec
         if end - i < cfg.min_hits {
             continue;
         }
+        // With the direction scan, pairs must also pass the road bound every direction's
+        // test implies (|dt| <= d/c + R tan(theta_c)/c + t_extra): far tighter than the
+        // light cone over hundreds of metres, so far fewer candidates reach the scan.
+        let road_t = cfg.road_width_m * cherenkov_angle().tan() / C_LIGHT + cfg.t_extra_ns;
+        let related = |a: &TriggerHit, b: &TriggerHit| {
+            causal(a, b, cfg.t_extra_ns)
+                && (!cfg.direction_scan || (a.t - b.t).abs() <= distance(a.pos, b.pos) / C_LIGHT + road_t)
+        };
         members.clear();
         members.push(i);
-        members.extend((i + 1..end).filter(|&j| causal(&hits[i], &hits[j], cfg.t_extra_ns)));
+        members.extend((i + 1..end).filter(|&j| related(&hits[i], &hits[j])));
         if members.len() < cfg.min_hits {
             continue;
         }
-        prune_to_clique(&mut members, |a, b| causal(&hits[a], &hits[b], cfg.t_extra_ns));
+        prune_to_clique(&mut members, |a, b| related(&hits[a], &hits[b]));
         if members.len() < cfg.min_hits || distinct_modules(hits, &members) < cfg.min_modules {
             continue;
         }
         let mut mask = TRIGGER_3D;
         if cfg.direction_scan {
+            let tan_c = cherenkov_angle().tan();
+            let tau_width = cfg.road_width_m * tan_c / C_LIGHT + cfg.t_extra_ns;
+            let mut tau: Vec<f64> = Vec::with_capacity(members.len());
             let confirmed = grid.iter().any(|&dir| {
+                // Cheap necessary condition first: along `dir`, hits of one track have
+                // tau = t - z/c within R tan(theta_c)/c + t_extra of each other, so some
+                // window of that width must hold min_hits of them.
+                tau.clear();
+                tau.extend(members.iter().map(|&m| {
+                    let h = &hits[m];
+                    h.t - (h.pos[0] * dir[0] + h.pos[1] * dir[1] + h.pos[2] * dir[2]) / C_LIGHT
+                }));
+                tau.sort_by(f64::total_cmp);
+                let mut lo = 0;
+                let dense = (0..tau.len()).any(|hi| {
+                    while tau[hi] - tau[lo] > tau_width {
+                        lo += 1;
+                    }
+                    hi + 1 - lo >= cfg.min_hits
+                });
+                if !dense {
+                    return false;
+                }
                 let mut m = members.clone();
                 prune_to_clique(&mut m, |a, b| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns));
                 m.len() >= cfg.min_hits && distinct_modules(hits, &m) >= cfg.min_modules
@@ -383,7 +415,7 @@ impl MuonFilter {
 
     fn geometry_for(&mut self, max_source: u32) -> &Geometry {
         let need = max_source as usize + 1;
-        if self.geometry.as_ref().is_none_or(|g| g.modules.len() < need) && self.cfg.geometry == "antares" {
+        if self.cfg.geometry == "antares" && self.geometry.as_ref().is_none_or(|g| g.modules.len() < need) {
             self.geometry = Some(Geometry::antares_for_sources(need as u32));
         }
         self.geometry.get_or_insert_with(Geometry::default)

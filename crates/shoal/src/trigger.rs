@@ -33,7 +33,7 @@ pub struct EvalArgs {
     /// Bioluminescence bursts off (they are on by default, 5% of the time).
     #[arg(long)]
     no_bursts: bool,
-    /// Confirm clusters with the direction scan.
+    /// Confirm clusters with the direction scan (always on with --detx).
     #[arg(long)]
     direction_scan: bool,
     #[arg(long, default_value_t = 1)]
@@ -54,6 +54,9 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
             let mut m = MuonConfig { geometry: path.display().to_string(), ..Default::default() };
             m.l1.kind = L1Kind::Km3net;
             m.l1.window_ns = 25;
+            // Small PMTs: a burst shows at tens of kHz, not hundreds.
+            m.rate_veto_hz = 20_000.0;
+            m.window_ns = 5_000;
             m.min_hits = 5;
             m.min_modules = 5;
             (g, PhysicsConfig::km3net(), m)
@@ -71,7 +74,9 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
     if args.no_bursts {
         physics.burst_fraction = 0.0;
     }
-    muon.direction_scan = args.direction_scan;
+    // KM3NeT-sized detectors need the direction scan: over hundreds of metres almost any
+    // pair of L1 hits within microseconds passes the plain 3D causality test.
+    muon.direction_scan = args.direction_scan || args.detx.is_some();
     let generator = PhysicsGenerator::new(physics, geometry.clone(), std::time::Duration::from_millis(args.slice_ms))?;
     let mut filter = MuonFilter::new(muon, geometry);
     // Slices far from zero, as in a real run (slice numbers count from the UNIX epoch).

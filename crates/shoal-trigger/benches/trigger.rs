@@ -1,0 +1,93 @@
+//! L0 -> L1 and the full muon trigger on one core, in hits per second.
+//!
+//! Slices: ANTARES 10-string (300 floors x 3 OMs, 70 kHz, 10 ms: about 630 k hits) and an
+//! ARCA-sized KM3NeT slice (25 lines x 18 DOMs x 31 PMTs, 7 kHz, 10 ms: about 980 k hits),
+//! from the physics generator without bursts; the KM3NeT trigger with the 10-degree
+//! direction scan. `scripts/bench-l1.sh` runs this beside the
+//! numpy baseline and prints both.
+
+use divan::counter::ItemsCount;
+use divan::{Bencher, black_box};
+use shoal_detector::geometry::Geometry;
+use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
+use shoal_trigger::muon::{L1Kind, MuonConfig, MuonFilter, l1_flags};
+use shoal_trigger::{FragmentData, SliceData};
+
+fn main() {
+    divan::main();
+}
+
+struct Case {
+    slice: SliceData,
+    hits: usize,
+    cfg: MuonConfig,
+    geometry: Geometry,
+}
+
+fn case(arca: bool) -> Case {
+    let (geometry, physics, mut cfg) = if arca {
+        // KM3NeT-sized: the plain 3D test passes almost anything over hundreds of metres,
+        // so the direction scan (10 degrees, as ORCA) confirms every cluster.
+        let mut m = MuonConfig { window_ns: 5_000, direction_scan: true, ..Default::default() };
+        m.l1.kind = L1Kind::Km3net;
+        m.l1.window_ns = 25;
+        (Geometry::arca_like(25, 18), PhysicsConfig::km3net(), m)
+    } else {
+        (Geometry::antares(10, 30), PhysicsConfig::default(), MuonConfig::default())
+    };
+    let physics = PhysicsConfig { burst_fraction: 0.0, waveform_hz: 0.0, ..physics };
+    cfg.geometry = "given".into();
+    let g = PhysicsGenerator::new(physics, geometry.clone(), core::time::Duration::from_millis(10)).unwrap();
+    let slice = 170_000_000_000;
+    let fragments: Vec<FragmentData> = (0..geometry.modules.len())
+        .map(|m| {
+            let f = g.generate(m, slice);
+            FragmentData { source: m as u32, hit_count: f.hit_count, payload: f.payload }
+        })
+        .collect();
+    let hits = fragments.iter().map(|f| f.hit_count as usize).sum();
+    Case { slice: SliceData { slice, slice_start_ns: 0, slice_ns: 10_000_000, fragments }, hits, cfg, geometry }
+}
+
+fn l1(bencher: Bencher, arca: bool) {
+    let c = case(arca);
+    // Decoding the payloads is part of the cost, as in the builder.
+    bencher.counter(ItemsCount::new(c.hits)).bench_local(|| {
+        let mut flags = Vec::new();
+        let mut hits = Vec::new();
+        let mut n = 0usize;
+        for f in &c.slice.fragments {
+            hits.clear();
+            hits.extend(f.hits().unwrap().hits());
+            l1_flags(&hits, &c.cfg.l1, &mut flags);
+            n += flags.iter().filter(|&&x| x).count();
+        }
+        black_box(n)
+    });
+}
+
+fn full(bencher: Bencher, arca: bool) {
+    let c = case(arca);
+    let mut filter = MuonFilter::new(c.cfg.clone(), c.geometry.clone());
+    bencher.counter(ItemsCount::new(c.hits)).bench_local(|| black_box(filter.process_slice(&c.slice)));
+}
+
+#[divan::bench(sample_count = 20)]
+fn l1_antares_10_string(b: Bencher) {
+    l1(b, false);
+}
+
+#[divan::bench(sample_count = 20)]
+fn trigger_antares_10_string(b: Bencher) {
+    full(b, false);
+}
+
+#[divan::bench(sample_count = 20)]
+fn l1_arca_sized(b: Bencher) {
+    l1(b, true);
+}
+
+#[divan::bench(sample_count = 20)]
+fn trigger_arca_sized(b: Bencher) {
+    full(b, true);
+}
