@@ -76,13 +76,7 @@ impl Filter for L1Multiplicity {
         let mut idx = Vec::new();
         for (fi, f) in slice.fragments.iter().enumerate() {
             let hits = &mut self.hits[fi];
-            hits.clear();
-            if let Ok(p) = f.hits() {
-                hits.extend(p.hits());
-            }
-            if !hits.is_sorted() {
-                hits.sort_unstable();
-            }
+            f.sorted_hits_into(hits);
             l1_indices(hits, cfg, &mut idx);
             l1.extend(idx.iter().map(|&hi| (hits[hi].time_ns, fi, hi)));
         }

@@ -47,6 +47,18 @@ impl FragmentData {
     pub fn hits(&self) -> Result<HitPayload<'_>, PayloadError> {
         HitPayload::parse(&self.payload, self.hit_count)
     }
+
+    /// Replaces `out` with this fragment's hits sorted by time (none if the payload is
+    /// malformed: the builder has already checked it).
+    pub fn sorted_hits_into(&self, out: &mut Vec<shoal_core::hit::Hit>) {
+        out.clear();
+        if let Ok(p) = self.hits() {
+            out.extend(p.hits());
+        }
+        if !out.is_sorted() {
+            out.sort_unstable();
+        }
+    }
 }
 
 /// An assembled slice handed to the filter.

@@ -433,13 +433,7 @@ impl MuonFilter {
         let mut trig: Vec<TriggerHit> = Vec::new();
         for (fi, f) in slice.fragments.iter().enumerate() {
             let hits = &mut self.hits[fi];
-            hits.clear();
-            if let Ok(p) = f.hits() {
-                hits.extend(p.hits());
-            }
-            if !hits.is_sorted() {
-                hits.sort_unstable();
-            }
+            f.sorted_hits_into(hits);
             self.stats.l0_hits += hits.len() as u64;
             let flags = &mut self.flags[fi];
             l1_flags(hits, &cfg.l1, flags);
