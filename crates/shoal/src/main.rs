@@ -178,7 +178,9 @@ struct DemoArgs {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SHOAL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only on a terminal: process logs under `shoal run` go to files.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 }
 
 fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {

@@ -289,12 +289,12 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     // Everyone was told OFF; give them a moment to exit, then make sure.
     exits.finish(Duration::from_secs(10)).await;
+    listen_task.abort();
     if let Some(mut d) = dispatcher_child {
         let _ = d.start_kill();
         let _ = d.wait().await;
     }
     http_cancel.cancel();
-    listen_task.abort();
     let status = shared.snapshot();
     if let Some(last) = status.history.first() {
         println!("{}", serde_json::to_string_pretty(last)?);
