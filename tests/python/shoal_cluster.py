@@ -24,6 +24,7 @@ def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path
         "[cluster]",
         f'name = "{name}"',
         f'dispatcher = "127.0.0.1:{free_port()}"',
+        f'dispatcher_http = "127.0.0.1:{free_port()}"',
         f'state_dir = "{state_dir}"',
         "reply_timeout_ms = 5000",
         "stats_interval_ms = 500",

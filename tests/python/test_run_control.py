@@ -25,7 +25,10 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path):
             text=True,
             timeout=180,
         )
-        assert r.returncode == 0, r.stderr
+        if r.returncode != 0:
+            logs = tmp_path / "shoal-runs" / "logs"
+            tails = {p.name: p.read_text()[-2000:] for p in logs.iterdir()} if logs.exists() else {}
+            raise AssertionError(f"shoal run exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}\nlogs: {tails}")
         record = json.loads((tmp_path / "shoal-runs" / "runs" / f"run{expected_run:06}.json").read_text())
         assert record["run"] == expected_run
         roles = sorted(p["role"] for p in record["processes"])
@@ -64,6 +67,11 @@ def test_builder_killed_while_running(shoal_bin, tmp_path):
             with urllib.request.urlopen(f"http://{p['metrics_addr']}/metrics", timeout=10) as r:
                 text = r.read().decode()
             assert f'name="{p["name"]}"' in text and "shoal_node_fragments_produced" in text
+
+        with urllib.request.urlopen(f"http://{s['dispatcher_metrics']}/metrics", timeout=10) as r:
+            assert "shoal_dispatcher_messages_in" in r.read().decode()
+        with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+            assert 'shoal_runcontrol_process_active{name="builder1"' in r.read().decode()
 
         victim = c.process(s, "builder1")
         os.kill(victim["pid"], signal.SIGKILL)

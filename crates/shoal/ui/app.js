@@ -83,6 +83,10 @@ function render(s) {
   $("state").className = "state " + s.state.replace(/\s/g, "_");
   $("run").textContent = s.run === null || s.run === undefined ? "-" : s.run;
   $("busy").textContent = s.busy ? "carrying out " + s.busy + "..." : "";
+  if (s.dispatcher_metrics) {
+    $("dispatcher-metrics").textContent = "dispatcher metrics";
+    $("dispatcher-metrics").href = "http://" + s.dispatcher_metrics + "/metrics";
+  }
   const allowed = ALLOWED[s.state] || COMMANDS;
   for (const c of COMMANDS) buttons[c].disabled = !!s.busy || !allowed.includes(c);
 

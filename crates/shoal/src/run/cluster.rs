@@ -30,6 +30,8 @@ pub struct ClusterSettings {
     pub dispatcher: String,
     /// Start the dispatcher as a child process (false: one is already running there).
     pub start_dispatcher: bool,
+    /// The started dispatcher's HTTP `/status` and Prometheus `/metrics` ("off": none).
+    pub dispatcher_http: String,
     /// Web UI and HTTP API of run control ("off" to disable).
     pub http: String,
     /// Run records, the last run number, process logs.
@@ -50,6 +52,7 @@ impl Default for ClusterSettings {
             name: "shoal".into(),
             dispatcher: "127.0.0.1:5553".into(),
             start_dispatcher: true,
+            dispatcher_http: "127.0.0.1:5554".into(),
             http: "127.0.0.1:8080".into(),
             state_dir: PathBuf::from("shoal-runs"),
             reply_timeout_ms: 5_000,

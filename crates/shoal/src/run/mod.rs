@@ -170,7 +170,13 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     let mut dispatcher_child = None;
     if file.cluster.start_dispatcher {
-        let args = vec!["dispatcher".into(), "--listen".into(), dispatcher.to_string(), "--http".into(), "off".into()];
+        let args = vec![
+            "dispatcher".into(),
+            "--listen".into(),
+            dispatcher.to_string(),
+            "--http".into(),
+            file.cluster.dispatcher_http.clone(),
+        ];
         dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"))?);
     }
     wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
@@ -201,6 +207,8 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
             })
             .collect(),
         history: control::load_history(&state_dir, 50),
+        dispatcher_metrics: (file.cluster.start_dispatcher && file.cluster.dispatcher_http != "off")
+            .then(|| file.cluster.dispatcher_http.clone()),
         ..Default::default()
     });
     let (reply_tx, reply_rx) = mpsc::unbounded_channel();

@@ -86,6 +86,8 @@ pub struct ClusterStatus {
     pub run_started: Option<String>,
     pub processes: Vec<ProcStatus>,
     pub history: Vec<RunBrief>,
+    /// The started dispatcher's `/status` and `/metrics` address.
+    pub dispatcher_metrics: Option<String>,
     /// Recent run-control messages, newest last.
     pub log: VecDeque<String>,
     /// The time of this snapshot, UNIX ms.
