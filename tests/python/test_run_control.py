@@ -73,6 +73,10 @@ def test_builder_killed_while_running(shoal_bin, tmp_path):
         with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
             assert 'shoal_runcontrol_process_active{name="builder1"' in r.read().decode()
 
+        # PAUSE keeps the slice schedule with empty fragments; CONTINUE resumes.
+        c.run_command("PAUSE", "PAUSED")
+        c.run_command("CONTINUE", "RUNNING")
+
         victim = c.process(s, "builder1")
         os.kill(victim["pid"], signal.SIGKILL)
         s = c.wait(lambda s: not c.process(s, "builder1")["active"], 30, "builder1 to be shown inactive")
@@ -124,7 +128,9 @@ def test_api_refuses_what_does_not_apply(shoal_bin, tmp_path):
             assert e.code == 400
         # START in IDLE: every process refuses, nothing changes, the log says why.
         assert c.command("START") == 202
-        s = c.wait(lambda s: s["busy"] is None and any("refused" in l for l in s["log"]), 30, "the refusal")
+        s = c.wait(lambda s: s["busy"] is None and any("refused" in line for line in s["log"]), 30, "the refusal")
         assert s["state"] == "IDLE"
+        c.run_command("INIT", "STANDBY")
+        c.run_command("RESET", "IDLE")
     finally:
         c.close()
