@@ -156,6 +156,20 @@ pub struct PhysicsGenerator {
     cos_c: f64,
     tan_c: f64,
     sin_c: f64,
+    /// Single photo-electron amplitudes, drawn once: a hit picks one with 10 random bits
+    /// (a normal draw per hit cost most of the generator's time).
+    spe_amplitudes: Vec<u8>,
+}
+
+/// The amplitude of `pe` photo-electrons (charge: 10 counts per p.e., 30% spread; ToT:
+/// logarithmic around the 27 ns single-p.e. peak).
+fn amplitude(kind: AmplitudeKind, rng: &mut Pcg64Mcg, pe: u32) -> u8 {
+    let g: f64 = Normal::new(0.0, 1.0).expect("valid").sample(rng);
+    let v = match kind {
+        AmplitudeKind::Charge => 10.0 * f64::from(pe) * (1.0 + 0.3 * g),
+        AmplitudeKind::Tot => 27.0 + 12.0 * f64::from(pe).ln() + 4.0 * g,
+    };
+    v.round().clamp(1.0, 255.0) as u8
 }
 
 fn sub(a: [f64; 3], b: [f64; 3]) -> [f64; 3] {
@@ -197,7 +211,10 @@ impl PhysicsGenerator {
         }
         let (centre, radius) = geometry.bounding_sphere();
         let theta = cherenkov_angle();
+        let mut table_rng = Pcg64Mcg::seed_from_u64(mix(cfg.seed ^ 0x7370_6521));
+        let spe_amplitudes = (0..1024).map(|_| amplitude(cfg.amplitude, &mut table_rng, 1)).collect();
         Ok(Self {
+            spe_amplitudes,
             slice_ns: u32::try_from(slice.as_nanos()).unwrap_or(u32::MAX),
             gen_radius: radius + cfg.muon_margin_m,
             centre,
@@ -282,12 +299,11 @@ impl PhysicsGenerator {
     }
 
     fn amplitude(&self, rng: &mut Pcg64Mcg, pe: u32) -> u8 {
-        let g: f64 = Normal::new(0.0, 1.0).expect("valid").sample(rng);
-        let v = match self.cfg.amplitude {
-            AmplitudeKind::Charge => 10.0 * f64::from(pe) * (1.0 + 0.3 * g),
-            AmplitudeKind::Tot => 27.0 + 12.0 * f64::from(pe).ln() + 4.0 * g,
-        };
-        v.round().clamp(1.0, 255.0) as u8
+        if pe == 1 {
+            self.spe_amplitudes[(rng.next_u32() >> 22) as usize]
+        } else {
+            amplitude(self.cfg.amplitude, rng, pe)
+        }
     }
 
     /// The light of `muon` on one PMT: (expected photo-electrons, arrival time in ns).
