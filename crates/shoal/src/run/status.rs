@@ -100,6 +100,10 @@ impl ClusterStatus {
     }
 
     pub fn update_overall(&mut self) {
+        // An inactive process's last rates are history, not its present.
+        for p in self.processes.iter_mut().filter(|p| !p.active) {
+            p.rates = Rates::default();
+        }
         let mut states = self.processes.iter().filter(|p| p.active).map(|p| p.state.as_str());
         self.state = match states.next() {
             None => "NO PROCESS".into(),
