@@ -153,7 +153,6 @@ pub struct PhysicsGenerator {
     slice_ns: u32,
     centre: [f64; 3],
     gen_radius: f64,
-    cos_c: f64,
     tan_c: f64,
     sin_c: f64,
     /// Single photo-electron amplitudes, drawn once: a hit picks one with 10 random bits
@@ -218,7 +217,6 @@ impl PhysicsGenerator {
             slice_ns: u32::try_from(slice.as_nanos()).unwrap_or(u32::MAX),
             gen_radius: radius + cfg.muon_margin_m,
             centre,
-            cos_c: theta.cos(),
             tan_c: theta.tan(),
             sin_c: theta.sin(),
             cfg,
@@ -327,7 +325,6 @@ impl PhysicsGenerator {
         let cos_inc = -dot(pmt_dir, w) / wn;
         // A large OM in a glass sphere still sees light from behind, less of it.
         let acceptance = 0.25 + 0.75 * (1.0 + cos_inc) / 2.0;
-        let _ = self.cos_c;
         let npe = self.cfg.muon_yield_pe * (-d / self.cfg.attenuation_m).exp() / d * acceptance;
         (npe, t)
     }

@@ -18,7 +18,8 @@
 //!   data path without filter cost).
 //!
 //! Events travel from builder to writer as the payload of an `EVENTS` frame, encoded with
-//! [`encode_events`] and checked by [`decode_events`].
+//! [`encode_events`] and checked by [`decode_events`]. [`eval::evaluate`] measures a filter
+//! against the physics generator's ground truth (`shoal trigger-eval`).
 
 pub mod eval;
 mod event;

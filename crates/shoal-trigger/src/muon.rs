@@ -421,8 +421,8 @@ impl MuonFilter {
         self.geometry.get_or_insert_with(Geometry::default)
     }
 
-    /// Runs L1, clusters and event building; returns the events and, per event, the
-    /// firing clusters' trigger hits (for the evaluation).
+    /// Runs L1, clusters and event building on one slice; returns its events (counters in
+    /// [`MuonFilter::stats`]).
     pub fn process_slice(&mut self, slice: &SliceData) -> Vec<Event> {
         let max_source = slice.fragments.iter().map(|f| f.source).max().unwrap_or(0);
         let geometry = self.geometry_for(max_source).clone();
