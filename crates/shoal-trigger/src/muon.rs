@@ -413,20 +413,31 @@ impl MuonFilter {
         Self { cfg, geometry: Some(geometry), grid, ..Default::default() }
     }
 
-    fn geometry_for(&mut self, max_source: u32) -> &Geometry {
+    /// Makes sure the geometry covers source `max_source` (the `antares` geometry grows
+    /// with the sources seen; a `.detx` geometry is what it is).
+    fn ensure_geometry(&mut self, max_source: u32) {
         let need = max_source as usize + 1;
         if self.cfg.geometry == "antares" && self.geometry.as_ref().is_none_or(|g| g.modules.len() < need) {
             self.geometry = Some(Geometry::antares_for_sources(need as u32));
         }
-        self.geometry.get_or_insert_with(Geometry::default)
     }
 
     /// Runs L1, clusters and event building on one slice; returns its events (counters in
     /// [`MuonFilter::stats`]).
     pub fn process_slice(&mut self, slice: &SliceData) -> Vec<Event> {
         let max_source = slice.fragments.iter().map(|f| f.source).max().unwrap_or(0);
-        let geometry = self.geometry_for(max_source).clone();
-        let cfg = self.cfg.clone();
+        self.ensure_geometry(max_source);
+        // Moved out for the slice (and back below) instead of cloned per slice: the
+        // per-fragment buffers of `self` are borrowed mutably meanwhile.
+        let geometry = self.geometry.take().unwrap_or_default();
+        let cfg = std::mem::take(&mut self.cfg);
+        let events = self.process_with(slice, &geometry, &cfg);
+        self.geometry = Some(geometry);
+        self.cfg = cfg;
+        events
+    }
+
+    fn process_with(&mut self, slice: &SliceData, geometry: &Geometry, cfg: &MuonConfig) -> Vec<Event> {
         let n = slice.fragments.len();
         self.hits.resize_with(n, Vec::new);
         self.flags.resize_with(n, Vec::new);
@@ -477,7 +488,7 @@ impl MuonFilter {
         trig.sort_by(|a, b| a.t.total_cmp(&b.t));
         self.stats.slices += 1;
         self.stats.trigger_hits += trig.len() as u64;
-        let cl = clusters(&trig, &cfg, &self.grid);
+        let cl = clusters(&trig, cfg, &self.grid);
         self.stats.clusters += cl.len() as u64;
         let windows = build_events(&trig, &cl, f64::from(cfg.snapshot_ns));
         self.stats.events += windows.len() as u64;
