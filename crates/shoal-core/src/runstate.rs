@@ -165,6 +165,38 @@ pub enum TransitionError {
     RunNumberReused { run: u64, last: u64 },
 }
 
+/// A process's answer to a command (payload of `RC_REPLY`): `<name> <STATE> ok`, or
+/// `<name> <STATE> error <reason>` when the command was refused (the state is then the
+/// unchanged one). The text form is written by the processes and read by run control.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub name: String,
+    pub state: RunState,
+    pub error: Option<String>,
+}
+
+impl Reply {
+    pub fn to_text(&self) -> String {
+        match &self.error {
+            None => format!("{} {} ok", self.name, self.state),
+            Some(e) => format!("{} {} error {e}", self.name, self.state),
+        }
+    }
+
+    /// `None` for a text that is not a reply.
+    pub fn parse(text: &str) -> Option<Reply> {
+        let mut words = text.splitn(4, ' ');
+        let name = words.next().filter(|n| !n.is_empty())?.to_string();
+        let state = RunState::parse(words.next()?)?;
+        let error = match words.next()? {
+            "ok" => None,
+            "error" => Some(words.next().unwrap_or("").to_string()),
+            _ => return None,
+        };
+        Some(Reply { name, state, error })
+    }
+}
+
 /// The state machine of one process.
 #[derive(Clone, Debug)]
 pub struct RunControl {
@@ -344,6 +376,19 @@ mod tests {
         for c in commands() {
             assert_eq!(Command::parse(&c.to_text()), Ok(c));
         }
+        for state in RunState::ALL {
+            for error in [None, Some("START is not allowed in state IDLE".to_string())] {
+                let r = Reply { name: "builder0".into(), state, error };
+                assert_eq!(Reply::parse(&r.to_text()), Some(r));
+            }
+        }
+        let r = Reply::parse("builder0 READY ok").unwrap();
+        assert_eq!((r.name.as_str(), r.state, r.error), ("builder0", Ready, None));
+        let r = Reply::parse("s1 IDLE error START is not allowed in state IDLE").unwrap();
+        assert_eq!(r.error.as_deref(), Some("START is not allowed in state IDLE"));
+        assert!(Reply::parse("garbage").is_none());
+        assert!(Reply::parse("a B maybe").is_none());
+        assert!(Reply::parse("a READY maybe").is_none());
         assert_eq!(Command::parse("quit"), Ok(Command::Off));
         assert_eq!(Command::parse("  start 42 "), Ok(Command::Start { run: 42, start_slice: None }));
         assert_eq!(Command::parse("START 42 1700"), Ok(Command::Start { run: 42, start_slice: Some(1700) }));

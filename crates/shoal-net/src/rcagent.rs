@@ -14,7 +14,7 @@
 use std::net::SocketAddr;
 
 use shoal_core::controlhost::Mode;
-use shoal_core::runstate::{Command, CommandParseError, RunControl, RunState, TransitionError};
+use shoal_core::runstate::{Command, CommandParseError, Reply, RunControl, RunState, TransitionError};
 
 use crate::chclient::{ChClient, ClientError};
 use crate::clock::WallClock;
@@ -65,11 +65,8 @@ impl RcAgent {
     }
 
     async fn reply(&mut self, error: Option<String>) -> Result<(), ClientError> {
-        let text = match error {
-            None => format!("{} {} ok", self.name, self.rc.state()),
-            Some(e) => format!("{} {} error {e}", self.name, self.rc.state()),
-        };
-        self.client.publish(RC_REPLY, text.as_bytes()).await
+        let reply = Reply { name: self.name.clone(), state: self.rc.state(), error };
+        self.client.publish(RC_REPLY, reply.to_text().as_bytes()).await
     }
 
     /// The next command addressed to this process (by name or `*`). A text that is not a

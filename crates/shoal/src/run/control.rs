@@ -15,7 +15,7 @@ use anyhow::Context;
 use serde::Serialize;
 use shoal_core::controlhost::Mode;
 use shoal_core::ledger::Ledger;
-use shoal_core::runstate::Command;
+use shoal_core::runstate::{Command, Reply, RunState};
 use shoal_net::chclient::ChClient;
 use shoal_net::config::Config;
 use shoal_net::demo::LedgerSummary;
@@ -26,26 +26,6 @@ use tracing::warn;
 
 use super::cluster::ClusterFile;
 use super::status::{Rates, RunBrief, Shared};
-
-/// A process's answer to a command.
-#[derive(Clone, Debug)]
-pub struct Reply {
-    pub name: String,
-    pub state: String,
-    pub error: Option<String>,
-}
-
-fn parse_reply(text: &str) -> Option<Reply> {
-    let mut words = text.splitn(4, ' ');
-    let name = words.next()?.to_string();
-    let state = words.next()?.to_string();
-    let error = match words.next()? {
-        "ok" => None,
-        "error" => Some(words.next().unwrap_or("").to_string()),
-        _ => return None,
-    };
-    Some(Reply { name, state, error })
-}
 
 /// Follows the dispatcher for run control (see the module documentation).
 pub async fn listen(
@@ -69,7 +49,7 @@ pub async fn listen(
         let text = String::from_utf8_lossy(&msg.payload);
         match tag.as_str() {
             RC_REPLY => {
-                let Some(r) = parse_reply(&text) else {
+                let Some(r) = Reply::parse(&text) else {
                     shared.update(|s| {
                         s.note(format!("unreadable reply {:?}", text.chars().take(80).collect::<String>()))
                     });
@@ -77,9 +57,9 @@ pub async fn listen(
                 };
                 shared.update(|s| {
                     if let Some(p) = s.process_mut(&r.name) {
-                        p.state = r.state.clone();
+                        p.state = r.state.to_string();
                         p.last_reply = Some(text.to_string());
-                        if r.state != "OFF" {
+                        if r.state != RunState::Off {
                             p.active = true;
                             p.inactive_reason = None;
                         }
@@ -588,16 +568,6 @@ pub fn load_history(state_dir: &std::path::Path, limit: usize) -> Vec<RunBrief> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn replies_parse() {
-        let r = parse_reply("builder0 READY ok").unwrap();
-        assert_eq!((r.name.as_str(), r.state.as_str(), r.error), ("builder0", "READY", None));
-        let r = parse_reply("s1 IDLE error START is not allowed in state IDLE").unwrap();
-        assert_eq!(r.error.as_deref(), Some("START is not allowed in state IDLE"));
-        assert!(parse_reply("garbage").is_none());
-        assert!(parse_reply("a B maybe").is_none());
-    }
 
     #[test]
     fn run_numbers_never_repeat_even_when_the_counter_is_lost() {
