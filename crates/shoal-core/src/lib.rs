@@ -15,6 +15,9 @@
 //!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`), plus [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
+//! - [`node`]: the source and builder node machines that own every decision of a source
+//!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), and the
+//!   [`node::Workload`] interface.
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
 
@@ -23,6 +26,7 @@ pub mod controlhost;
 pub mod frame;
 pub mod hit;
 pub mod ledger;
+pub mod node;
 pub mod runstate;
 pub mod shaping;
 pub mod slice;

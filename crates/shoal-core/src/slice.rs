@@ -46,6 +46,18 @@ impl SliceClock {
     pub fn end_of(&self, n: SliceNumber) -> Instant {
         self.start_of(n.saturating_add(1))
     }
+
+    /// The first slice after the one containing `now` that starts on a whole second, so
+    /// that processes started within the same second agree on it with no message (slices
+    /// that do not divide a second: simply the next slice).
+    pub fn first_on_a_second_after(&self, now: Instant) -> SliceNumber {
+        let next = self.slice_at(now) + 1;
+        if 1_000_000_000 % self.length_ns != 0 {
+            return next;
+        }
+        let per_second = 1_000_000_000 / self.length_ns;
+        next.div_ceil(per_second) * per_second
+    }
 }
 
 /// The static round-robin rule of the reference design: `builder = slice mod n_builders`.

@@ -1,0 +1,284 @@
+//! The builder node: the slice assembler plus what a builder process decides around it.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::assembly::{Admission, AssemblerConfig, EmitReason, SliceAssembler, SliceOutcome};
+use crate::frame::{Flags, FrameHeader, HEADER_LEN};
+use crate::ledger::BuilderTally;
+use crate::slice::{SliceClock, SliceNumber};
+use crate::{BuilderId, Duration, Instant, SourceId};
+
+/// What a builder node is told at start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuilderNodeConfig {
+    pub id: BuilderId,
+    pub assembler: AssemblerConfig,
+    pub slice_clock: SliceClock,
+}
+
+/// A fragment that arrived whole.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arrival {
+    pub source: SourceId,
+    pub slice: SliceNumber,
+    /// Length on the wire (header and payload).
+    pub wire_bytes: u64,
+    /// A burst-cutoff marker (no data).
+    pub cut_off: bool,
+    /// When the source handed the frame to the transport (`Instant::ZERO`: unknown).
+    pub send_time: Instant,
+}
+
+impl Arrival {
+    pub fn from_header(h: &FrameHeader) -> Self {
+        Self {
+            source: h.source,
+            slice: h.slice,
+            wire_bytes: HEADER_LEN as u64 + u64::from(h.payload_len),
+            cut_off: h.flags.contains(Flags::CUT_OFF),
+            send_time: h.send_time,
+        }
+    }
+}
+
+/// What became of an arrival, and the delays it measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArrivalOutcome {
+    pub admission: Admission,
+    /// Application send to complete arrival.
+    pub network_delay: Option<Duration>,
+    /// Slice end to application send: the delay added on purpose by shaping.
+    pub shaping_delay: Option<Duration>,
+}
+
+/// Why a slice was processed incomplete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IncompleteReason {
+    /// Every source delivered or was dropped, some for overload.
+    DroppedOverload,
+    SliceCountTimeout,
+    WallClockTimeout,
+    EndOfRun,
+}
+
+impl IncompleteReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            IncompleteReason::DroppedOverload => "dropped_overload",
+            IncompleteReason::SliceCountTimeout => "slice_count_timeout",
+            IncompleteReason::WallClockTimeout => "wall_clock_timeout",
+            IncompleteReason::EndOfRun => "end_of_run",
+        }
+    }
+
+    fn of(reason: EmitReason) -> Self {
+        match reason {
+            EmitReason::Complete => IncompleteReason::DroppedOverload,
+            EmitReason::SliceCountTimeout => IncompleteReason::SliceCountTimeout,
+            EmitReason::WallClockTimeout => IncompleteReason::WallClockTimeout,
+            EmitReason::Drained => IncompleteReason::EndOfRun,
+        }
+    }
+}
+
+/// What a builder node reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct BuilderNodeReport {
+    pub id: BuilderId,
+    pub tally: BuilderTally,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    /// Incomplete slices by the reason they were processed.
+    pub incomplete_reasons: BTreeMap<String, u64>,
+    /// Fragments accepted into slices, and their bytes on the wire.
+    pub fragments: u64,
+    pub bytes: u64,
+    /// Sources that ended their stream.
+    pub sources_ended: u32,
+    /// Closed connections by reason (bad magic, CRC errors, ...).
+    pub rejected_connections: BTreeMap<String, u64>,
+    /// Arrival of the first and last accepted fragment (driver's time origin, ns).
+    pub first_arrival_ns: u64,
+    pub last_arrival_ns: u64,
+}
+
+/// A builder process's decisions. See the [module documentation](super).
+///
+/// Driving it: feed arrivals ([`BuilderNode::handle_frame`]), call
+/// [`BuilderNode::handle_timeout`] at [`BuilderNode::poll_timeout`], hand every slice from
+/// [`BuilderNode::poll_slice`] to the filter and report its bytes back with
+/// [`BuilderNode::handle_released`] when the filter is done with it. The run is over for
+/// this builder when [`BuilderNode::all_ended`]; then [`BuilderNode::handle_drain`].
+#[derive(Debug)]
+pub struct BuilderNode<T> {
+    cfg: BuilderNodeConfig,
+    asm: SliceAssembler<T>,
+    ended: BTreeSet<SourceId>,
+    report: BuilderNodeReport,
+    out: VecDeque<SliceOutcome<T>>,
+}
+
+impl<T> BuilderNode<T> {
+    pub fn new(cfg: BuilderNodeConfig) -> Self {
+        Self {
+            asm: SliceAssembler::new(cfg.assembler),
+            cfg,
+            ended: BTreeSet::new(),
+            report: BuilderNodeReport { id: cfg.id, ..Default::default() },
+            out: VecDeque::new(),
+        }
+    }
+
+    pub fn config(&self) -> &BuilderNodeConfig {
+        &self.cfg
+    }
+
+    /// A whole frame arrived: a data fragment or a source's end-of-stream marker (`None`).
+    pub fn handle_frame(&mut self, now: Instant, header: &FrameHeader, data: T) -> Option<ArrivalOutcome> {
+        if header.flags.contains(Flags::END_OF_STREAM) {
+            self.handle_end_of_stream(header.source);
+            return None;
+        }
+        Some(self.handle_fragment(now, Arrival::from_header(header), data))
+    }
+
+    /// A data fragment arrived whole.
+    pub fn handle_fragment(&mut self, now: Instant, a: Arrival, data: T) -> ArrivalOutcome {
+        let (mut network_delay, mut shaping_delay) = (None, None);
+        if a.send_time > Instant::ZERO {
+            network_delay = Some(now - a.send_time);
+            shaping_delay = Some(a.send_time - self.cfg.slice_clock.end_of(a.slice));
+        }
+        let admission = self.asm.handle_fragment(now, a.source, a.slice, a.wire_bytes, a.cut_off, data);
+        if admission == Admission::Accepted {
+            self.report.fragments += 1;
+            self.report.bytes += a.wire_bytes;
+            if self.report.first_arrival_ns == 0 {
+                self.report.first_arrival_ns = now.as_nanos();
+            }
+            self.report.last_arrival_ns = now.as_nanos();
+        }
+        self.collect();
+        ArrivalOutcome { admission, network_delay, shaping_delay }
+    }
+
+    /// A source ended its stream (markers from unknown sources are ignored).
+    pub fn handle_end_of_stream(&mut self, source: SourceId) {
+        if source < self.cfg.assembler.n_sources {
+            self.ended.insert(source);
+        }
+    }
+
+    /// A connection was closed for bad input.
+    pub fn handle_rejected(&mut self, reason: &str) {
+        *self.report.rejected_connections.entry(reason.to_string()).or_default() += 1;
+    }
+
+    /// Lets the wall-clock guard fire.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.asm.handle_timeout(now);
+        self.collect();
+    }
+
+    /// The filter is done with `bytes` handed out earlier: they leave the memory budget.
+    pub fn handle_released(&mut self, bytes: u64) {
+        self.asm.handle_released(bytes);
+    }
+
+    /// End of run: every active slice is processed, in order.
+    pub fn handle_drain(&mut self, now: Instant) {
+        self.asm.handle_drain(now);
+        self.collect();
+    }
+
+    /// The next processed slice, for the filter.
+    pub fn poll_slice(&mut self) -> Option<SliceOutcome<T>> {
+        self.out.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.asm.poll_timeout()
+    }
+
+    /// Every source has ended its stream.
+    pub fn all_ended(&self) -> bool {
+        self.ended.len() as u32 >= self.cfg.assembler.n_sources
+    }
+
+    pub fn sources_ended(&self) -> usize {
+        self.ended.len()
+    }
+
+    pub fn memory_in_use(&self) -> u64 {
+        self.asm.memory_in_use()
+    }
+
+    /// The report so far; fragments still held count as pending.
+    pub fn report(&self) -> BuilderNodeReport {
+        let mut r = self.report.clone();
+        r.tally = self.asm.tally();
+        r.sources_ended = self.ended.len() as u32;
+        r
+    }
+
+    fn collect(&mut self) {
+        while let Some(o) = self.asm.poll_outcome() {
+            if o.is_complete() {
+                self.report.slices_complete += 1;
+            } else {
+                self.report.slices_incomplete += 1;
+                let name = IncompleteReason::of(o.reason).name();
+                *self.report.incomplete_reasons.entry(name.to_string()).or_default() += 1;
+            }
+            self.out.push_back(o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(n_sources: u32) -> BuilderNode<u32> {
+        BuilderNode::new(BuilderNodeConfig {
+            id: 0,
+            assembler: AssemblerConfig::new(n_sources),
+            slice_clock: SliceClock::new(Duration::from_millis(10)),
+        })
+    }
+
+    fn arrival(source: SourceId, slice: SliceNumber) -> Arrival {
+        Arrival { source, slice, wire_bytes: 100, cut_off: false, send_time: Instant::from_nanos(12_000_000) }
+    }
+
+    #[test]
+    fn builds_measures_and_ends() {
+        let mut b = node(2);
+        let now = Instant::from_nanos(13_000_000);
+        let o = b.handle_fragment(now, arrival(0, 0), 7);
+        assert_eq!(o.admission, Admission::Accepted);
+        assert_eq!(o.network_delay, Some(Duration::from_millis(1)));
+        assert_eq!(o.shaping_delay, Some(Duration::from_millis(2)));
+        assert!(b.poll_slice().is_none());
+        b.handle_fragment(now, arrival(1, 0), 8);
+        let s = b.poll_slice().unwrap();
+        assert!(s.is_complete());
+        assert_eq!(b.memory_in_use(), 200);
+        b.handle_released(s.bytes);
+        assert_eq!(b.memory_in_use(), 0);
+        assert_eq!(b.handle_fragment(now, arrival(1, 0), 9).admission, Admission::Late);
+        b.handle_fragment(now, arrival(1, 1), 9);
+        b.handle_end_of_stream(0);
+        b.handle_end_of_stream(99);
+        assert!(!b.all_ended());
+        b.handle_end_of_stream(1);
+        assert!(b.all_ended());
+        b.handle_drain(now);
+        assert_eq!(b.poll_slice().unwrap().missing, [0]);
+        let r = b.report();
+        assert_eq!((r.slices_complete, r.slices_incomplete, r.fragments, r.sources_ended), (1, 1, 3, 2));
+        assert_eq!(r.incomplete_reasons["end_of_run"], 1);
+        assert_eq!((r.tally.delivered, r.tally.late, r.tally.unaccounted()), (3, 1, 0));
+    }
+}

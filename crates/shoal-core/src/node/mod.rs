@@ -1,0 +1,30 @@
+//! Node machines: everything a source process and a builder process decide, as sans-IO
+//! state machines that the runtime (tokio, real sockets), the simulator (modelled network)
+//! and `shoal replay` drive alike.
+//!
+//! - [`SourceNode`] hosts one or more sources (boards): the slice schedule (first slice,
+//!   slice ends reached late, end slice, pause), each source's burst cutoff and shaper, the
+//!   pending fragments, the stall limit, the per-builder queue limit and drop-at-source, the
+//!   end-of-run drain with its slot ticks and deadline, the end-of-stream markers and the
+//!   tallies. The driver moves bytes ([`SourceTransmit`]) and reports what the transport did
+//!   with them ([`SourceNode::handle_sent`], [`SourceNode::handle_send_failed`]).
+//! - [`BuilderNode`] wraps the [`crate::assembly::SliceAssembler`] with what a builder adds:
+//!   which sources have ended their stream, the hand-off of processed slices to the filter
+//!   and the release of their memory, per-slice outcome counts and the report.
+//! - [`Workload`]: where a source's data come from (fixed-size fragments, the burst model,
+//!   the noise and physics generators, replay), implemented in shoal-detector.
+//!
+//! Shape (quinn-proto): inputs are `handle_*(now, ...)`, outputs are drained with `poll_*`,
+//! and `poll_timeout` says when to call `handle_timeout` next. Inputs that later policies
+//! need (pull requests, datagram loss reports, alerts) come in the same way.
+
+mod builder;
+mod source;
+mod workload;
+
+pub use builder::{Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport, IncompleteReason};
+pub use source::{
+    CutoffConfig, SourceEvent, SourceNode, SourceNodeConfig, SourceNodeReport, SourceTotals, SourceTransmit,
+    TransmitKind, TransmitRecord,
+};
+pub use workload::{GeneratedFragment, Workload};

@@ -1,0 +1,770 @@
+//! The source node: one process's sources, from slice end to bytes on a connection.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use bytes::Bytes;
+
+use super::{GeneratedFragment, Workload};
+use crate::frame::{self, Flags, FrameHeader, HEADER_LEN};
+use crate::ledger::SourceTally;
+use crate::shaping::{BurstCutoff, CutoffDecision, Outgoing, Policy, PullRequest, Shaper, ShaperContext, Transmit};
+use crate::slice::{SliceClock, SliceNumber};
+use crate::{BuilderId, Duration, Instant, SourceId};
+
+/// The burst rate cutoff: during a burst send only the first `head` and last `tail` slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CutoffConfig {
+    pub head: u32,
+    pub tail: u32,
+}
+
+/// What a source node is told at start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SourceNodeConfig {
+    /// The sources (boards) this node hosts. They share the node's connections (one per
+    /// builder) and its per-builder queue limit; each keeps its own cutoff and shaper.
+    pub sources: Vec<SourceId>,
+    pub n_builders: u32,
+    pub policy: Policy,
+    pub slice_clock: SliceClock,
+    /// First slice to produce. `None`: the first slice that starts on a whole second after
+    /// the node is created, so processes started within the same second agree.
+    pub first_slice: Option<SliceNumber>,
+    /// How many slices to produce (`None`: until [`SourceNode::handle_stop`] or the end slice).
+    pub slices: Option<u64>,
+    pub cutoff: Option<CutoffConfig>,
+    /// Most bytes handed to the transport towards one builder and not yet written; a
+    /// fragment that would exceed it is dropped at the source (counted).
+    pub queue_limit_bytes: u64,
+    /// A fragment still being written this many slices after it was handed out no longer
+    /// holds back its shaper's schedule, so one slow builder cannot stall the others.
+    pub stall_limit_slices: u32,
+    /// After the last slice, most time to hand out what is still queued.
+    pub drain_timeout: Duration,
+    /// Keep a log of every piece handed to the transport (parity tests, studies).
+    pub record_transmits: bool,
+}
+
+impl SourceNodeConfig {
+    /// A node with the reference defaults: 64 MiB per builder (the ANTARES board's
+    /// buffer), stall limit 2 slices, 10 s drain, no cutoff, no fixed length.
+    pub fn new(sources: Vec<SourceId>, n_builders: u32, policy: Policy, slice_clock: SliceClock) -> Self {
+        Self {
+            sources,
+            n_builders,
+            policy,
+            slice_clock,
+            first_slice: None,
+            slices: None,
+            cutoff: None,
+            queue_limit_bytes: 64 << 20,
+            stall_limit_slices: 2,
+            drain_timeout: Duration::from_secs(10),
+            record_transmits: false,
+        }
+    }
+}
+
+/// What a transmit carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransmitKind {
+    /// A piece of a data frame (accounted: the transport must report it sent or failed).
+    Data,
+    /// The source's end-of-stream marker (one per hosted source and builder, after the
+    /// last data frame; not accounted).
+    EndOfStream,
+}
+
+/// A piece of a frame to write to builder `dest`: `head` (part of the 56-byte header),
+/// then `body` (part of the payload), without copying the payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceTransmit {
+    pub kind: TransmitKind,
+    pub source: SourceId,
+    pub dest: BuilderId,
+    pub slice: SliceNumber,
+    pub flags: Flags,
+    /// Where this piece starts in the frame, and the frame's whole length on the wire.
+    pub offset: u64,
+    pub frame_len: u64,
+    /// The frame's last piece: the transport reports the frame when it has written it.
+    pub last: bool,
+    pub head: Bytes,
+    pub body: Bytes,
+}
+
+impl SourceTransmit {
+    /// The piece starts the frame (its head is the whole header; stamp the send time).
+    pub fn first(&self) -> bool {
+        self.offset == 0
+    }
+    pub fn len(&self) -> u64 {
+        (self.head.len() + self.body.len()) as u64
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One piece a node handed to the transport (with [`SourceNodeConfig::record_transmits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct TransmitRecord {
+    pub at: Instant,
+    pub source: SourceId,
+    pub dest: BuilderId,
+    pub slice: SliceNumber,
+    pub bytes: u64,
+}
+
+/// Something the driver should log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceEvent {
+    /// The drain deadline passed with fragments still queued (they count as unsent).
+    DrainTimeout { queued: usize },
+    /// A shaper released a fragment the node does not hold (a bug; nothing is sent).
+    UnknownFragment { source: SourceId, slice: SliceNumber },
+}
+
+/// What a source node reports at the end.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SourceNodeReport {
+    pub tallies: BTreeMap<SourceId, SourceTally>,
+    /// Slices produced (per source).
+    pub slices: u64,
+    /// Payload bytes produced (all sources of the node).
+    pub bytes_produced: u64,
+    /// Slice ends reached late by more than one slice (the driver was starved of CPU).
+    pub late_slice_ends: u64,
+    /// With [`SourceNodeConfig::record_transmits`]: every piece handed out, in order.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub transmits: Vec<TransmitRecord>,
+}
+
+/// Running totals for live statistics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceTotals {
+    pub produced: u64,
+    /// Dropped at the source (queue limit) plus failed sends.
+    pub dropped: u64,
+}
+
+#[derive(Debug)]
+struct PendingFrame {
+    header: [u8; HEADER_LEN],
+    flags: Flags,
+    payload: Bytes,
+    dest: Option<BuilderId>,
+    dropped: bool,
+    /// Bytes of this frame handed to the transport so far.
+    handed: u64,
+}
+
+impl PendingFrame {
+    fn len(&self) -> u64 {
+        (HEADER_LEN + self.payload.len()) as u64
+    }
+}
+
+#[derive(Debug)]
+struct Hosted {
+    id: SourceId,
+    shaper: Box<dyn Shaper>,
+    cutoff: Option<BurstCutoff>,
+    /// Frames handed to the shaper and not yet reported sent, failed or dropped.
+    frames: HashMap<SliceNumber, PendingFrame>,
+    /// Produced, waiting for the cutoff's decision.
+    undecided: HashMap<SliceNumber, GeneratedFragment>,
+    /// The fragment holding back the schedule, and when it stops doing so.
+    stall: Option<(SliceNumber, Instant)>,
+    tally: SourceTally,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Producing,
+    Draining {
+        deadline: Instant,
+    },
+    /// End-of-stream markers handed out (or queued in `eos`); nothing else is sent.
+    Closed,
+}
+
+/// A source process's decisions. See the [module documentation](super).
+///
+/// Driving it: call [`SourceNode::handle_timeout`] when [`SourceNode::poll_timeout`] is
+/// reached (earlier is harmless), feed the transport's reports, and after every input drain
+/// [`SourceNode::poll_transmit`] and [`SourceNode::poll_event`]. The node is done when
+/// [`SourceNode::is_closed`]; reports that still arrive are accounted until
+/// [`SourceNode::report`].
+#[derive(Debug)]
+pub struct SourceNode {
+    cfg: SourceNodeConfig,
+    hosted: Vec<Hosted>,
+    index: HashMap<SourceId, usize>,
+    first_slice: SliceNumber,
+    next_slice: SliceNumber,
+    end_slice: Option<SliceNumber>,
+    stopped: bool,
+    paused: bool,
+    phase: Phase,
+    /// Bytes handed to the transport per builder and not yet reported.
+    in_transport: Vec<u64>,
+    stall_limit: Duration,
+    /// Round-robin cursor over hosted sources for `poll_transmit`.
+    cursor: usize,
+    eos: VecDeque<SourceTransmit>,
+    events: VecDeque<SourceEvent>,
+    totals: SourceTotals,
+    report: SourceNodeReport,
+}
+
+impl SourceNode {
+    /// A node created at `now` (which fixes the first slice when the configuration does
+    /// not). Panics if the configuration has no builder (validated by the caller).
+    pub fn new(cfg: SourceNodeConfig, now: Instant) -> Self {
+        assert!(cfg.n_builders > 0, "a source node needs at least one builder");
+        let first_slice = cfg.first_slice.unwrap_or_else(|| cfg.slice_clock.first_on_a_second_after(now));
+        let hosted: Vec<Hosted> = cfg
+            .sources
+            .iter()
+            .map(|&id| Hosted {
+                id,
+                shaper: cfg.policy.build(ShaperContext { source: id, n_builders: cfg.n_builders }),
+                cutoff: cfg.cutoff.map(|c| BurstCutoff::new(c.head, c.tail)),
+                frames: HashMap::new(),
+                undecided: HashMap::new(),
+                stall: None,
+                tally: SourceTally::default(),
+            })
+            .collect();
+        let index = hosted.iter().enumerate().map(|(i, h)| (h.id, i)).collect();
+        let stall_limit = cfg.slice_clock.length() * cfg.stall_limit_slices.max(1);
+        let in_transport = vec![0; cfg.n_builders as usize];
+        let mut node = Self {
+            cfg,
+            hosted,
+            index,
+            first_slice,
+            next_slice: first_slice,
+            end_slice: None,
+            stopped: false,
+            paused: false,
+            phase: Phase::Producing,
+            in_transport,
+            stall_limit,
+            cursor: 0,
+            eos: VecDeque::new(),
+            events: VecDeque::new(),
+            totals: SourceTotals::default(),
+            report: SourceNodeReport::default(),
+        };
+        if node.cfg.slices == Some(0) {
+            node.start_drain(now);
+        }
+        node
+    }
+
+    pub fn config(&self) -> &SourceNodeConfig {
+        &self.cfg
+    }
+
+    /// The first slice this node produces.
+    pub fn first_slice(&self) -> SliceNumber {
+        self.first_slice
+    }
+
+    /// The next slice whose end the node waits for (produced or, after data taking, ticked).
+    pub fn next_slice(&self) -> SliceNumber {
+        self.next_slice
+    }
+
+    /// Time has passed: produce every slice that has ended (several if the driver was
+    /// late), tick slots after data taking, release stalls, end the drain.
+    pub fn handle_timeout<W: Workload + ?Sized>(&mut self, now: Instant, workload: &W) {
+        let clock = self.cfg.slice_clock;
+        if self.phase == Phase::Producing {
+            while !self.ends_before(self.next_slice) && now >= clock.end_of(self.next_slice) {
+                let slice = self.next_slice;
+                if now >= clock.end_of(slice + 1) {
+                    self.report.late_slice_ends += 1;
+                }
+                for i in 0..self.hosted.len() {
+                    self.produce(i, slice, now, workload);
+                }
+                self.report.slices += 1;
+                self.next_slice += 1;
+            }
+            if self.ends_before(self.next_slice) {
+                self.start_drain(now);
+            }
+        }
+        if let Phase::Draining { .. } = self.phase {
+            // After data taking, slots keep passing: delayed transmission keeps its schedule
+            // instead of sending every held fragment at once (an incast of its own making).
+            while now >= clock.end_of(self.next_slice) {
+                for h in &mut self.hosted {
+                    h.shaper.handle_slot_end(now, self.next_slice);
+                }
+                self.next_slice += 1;
+            }
+        }
+        for h in &mut self.hosted {
+            if let Some((slice, until)) = h.stall
+                && now >= until
+            {
+                // The fragment keeps going on its connection; the schedule stops waiting.
+                h.stall = None;
+                h.shaper.handle_sent(now, slice);
+            }
+        }
+        self.check_closed(now);
+    }
+
+    /// The transport has written the last byte of the frame of (`source`, `slice`).
+    pub fn handle_sent(&mut self, now: Instant, source: SourceId, slice: SliceNumber) {
+        self.handle_report(now, source, slice, true);
+    }
+
+    /// The connection failed while the frame of (`source`, `slice`) was queued or being
+    /// written: the frame is lost (counted as `send_failed`).
+    pub fn handle_send_failed(&mut self, now: Instant, source: SourceId, slice: SliceNumber) {
+        self.handle_report(now, source, slice, false);
+    }
+
+    /// Run control ends the run: `end` is the first slice not to produce.
+    pub fn handle_end_slice(&mut self, now: Instant, end: SliceNumber) {
+        self.end_slice = Some(self.end_slice.map_or(end, |e| e.min(end)));
+        if self.phase == Phase::Producing && self.ends_before(self.next_slice) {
+            self.start_drain(now);
+            self.check_closed(now);
+        }
+    }
+
+    /// Stop producing now (Ctrl-C, cancellation); what is queued is still drained.
+    pub fn handle_stop(&mut self, now: Instant) {
+        self.stopped = true;
+        if self.phase == Phase::Producing {
+            self.start_drain(now);
+            self.check_closed(now);
+        }
+    }
+
+    /// Paused sources keep the slice schedule (builders still see every slice complete)
+    /// but send empty fragments.
+    pub fn handle_pause(&mut self, paused: bool) {
+        self.paused = paused;
+    }
+
+    /// A builder asks `source` for a fragment (credit-based pull policies).
+    pub fn handle_request(&mut self, now: Instant, source: SourceId, req: PullRequest) {
+        if let Some(&i) = self.index.get(&source) {
+            self.hosted[i].shaper.handle_request(now, req);
+        }
+    }
+
+    /// The next piece to hand to the transport.
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<SourceTransmit> {
+        if self.phase == Phase::Closed {
+            return self.eos.pop_front();
+        }
+        let n = self.hosted.len();
+        for _ in 0..n {
+            let i = self.cursor;
+            while let Some(tx) = self.hosted[i].shaper.poll_transmit(now) {
+                if let Some(t) = self.dispatch(i, tx, now) {
+                    return Some(t);
+                }
+            }
+            self.cursor = (self.cursor + 1) % n;
+        }
+        None
+    }
+
+    /// When to call [`SourceNode::handle_timeout`] next (`None`: only on inputs).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let deadline = match self.phase {
+            Phase::Closed => return None,
+            Phase::Producing => Instant::MAX,
+            Phase::Draining { deadline } => deadline,
+        };
+        let mut wake = deadline.min(self.cfg.slice_clock.end_of(self.next_slice));
+        for h in &self.hosted {
+            wake = wake.min(h.shaper.poll_timeout().unwrap_or(Instant::MAX));
+            wake = wake.min(h.stall.map_or(Instant::MAX, |s| s.1));
+        }
+        Some(wake)
+    }
+
+    pub fn poll_event(&mut self) -> Option<SourceEvent> {
+        self.events.pop_front()
+    }
+
+    /// Data taking and drain are over and every end-of-stream marker has been handed out.
+    pub fn is_closed(&self) -> bool {
+        self.phase == Phase::Closed && self.eos.is_empty()
+    }
+
+    /// Whether the node still produces slices.
+    pub fn is_producing(&self) -> bool {
+        self.phase == Phase::Producing
+    }
+
+    /// Fragments produced and not yet reported sent, failed or dropped.
+    pub fn queued(&self) -> usize {
+        self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum()
+    }
+
+    /// Bytes handed to the transport towards `dest` and not yet reported.
+    pub fn in_transport(&self, dest: BuilderId) -> u64 {
+        self.in_transport.get(dest as usize).copied().unwrap_or(0)
+    }
+
+    pub fn totals(&self) -> SourceTotals {
+        self.totals
+    }
+
+    /// The node's report; fragments still held count as unsent.
+    pub fn report(&self) -> SourceNodeReport {
+        let mut r = self.report.clone();
+        for h in &self.hosted {
+            let mut t = h.tally.clone();
+            t.unsent += (h.frames.len() + h.undecided.len()) as u64;
+            r.tallies.insert(h.id, t);
+        }
+        r
+    }
+
+    fn ends_before(&self, slice: SliceNumber) -> bool {
+        self.stopped
+            || self.end_slice.is_some_and(|e| slice >= e)
+            || self.cfg.slices.is_some_and(|n| slice - self.first_slice >= n)
+    }
+
+    fn start_drain(&mut self, now: Instant) {
+        self.phase = Phase::Draining { deadline: now + self.cfg.drain_timeout };
+        for i in 0..self.hosted.len() {
+            if let Some(c) = self.hosted[i].cutoff.as_mut() {
+                c.handle_drain();
+            }
+            self.decide(i, now);
+        }
+    }
+
+    fn check_closed(&mut self, now: Instant) {
+        let Phase::Draining { deadline } = self.phase else { return };
+        let queued = self.queued();
+        if queued > 0 {
+            if now < deadline {
+                return;
+            }
+            self.events.push_back(SourceEvent::DrainTimeout { queued });
+        }
+        self.phase = Phase::Closed;
+        let clock = self.cfg.slice_clock;
+        for dest in 0..self.cfg.n_builders {
+            for h in &self.hosted {
+                let eos = FrameHeader {
+                    flags: Flags::END_OF_STREAM,
+                    source: h.id,
+                    hit_count: 0,
+                    slice: self.next_slice,
+                    slice_start: clock.start_of(self.next_slice),
+                    send_time: now,
+                    payload_len: 0,
+                };
+                let head = Bytes::copy_from_slice(&frame::encode_header(&eos, &[]));
+                self.eos.push_back(SourceTransmit {
+                    kind: TransmitKind::EndOfStream,
+                    source: h.id,
+                    dest,
+                    slice: self.next_slice,
+                    flags: Flags::END_OF_STREAM,
+                    offset: 0,
+                    frame_len: HEADER_LEN as u64,
+                    last: true,
+                    head,
+                    body: Bytes::new(),
+                });
+            }
+        }
+    }
+
+    fn produce<W: Workload + ?Sized>(&mut self, i: usize, slice: SliceNumber, now: Instant, workload: &W) {
+        let h = &mut self.hosted[i];
+        let frag = if self.paused { GeneratedFragment::empty() } else { workload.generate(h.id, slice) };
+        h.tally.produced += 1;
+        self.totals.produced += 1;
+        self.report.bytes_produced += frag.payload.len() as u64;
+        match h.cutoff.as_mut() {
+            None => self.enqueue(i, slice, frag, false, now),
+            Some(c) => {
+                c.handle_fragment(slice, frag.burst);
+                h.undecided.insert(slice, frag);
+                self.decide(i, now);
+            }
+        }
+    }
+
+    fn decide(&mut self, i: usize, now: Instant) {
+        while let Some(d) = self.hosted[i].cutoff.as_mut().and_then(|c| c.poll_decision()) {
+            let (slice, cut) = match d {
+                CutoffDecision::Keep(slice) => (slice, false),
+                CutoffDecision::Cut(slice) => (slice, true),
+            };
+            if let Some(frag) = self.hosted[i].undecided.remove(&slice) {
+                self.enqueue(i, slice, frag, cut, now);
+            }
+        }
+    }
+
+    fn enqueue(&mut self, i: usize, slice: SliceNumber, frag: GeneratedFragment, cut: bool, now: Instant) {
+        let h = &mut self.hosted[i];
+        let mut flags = Flags::EMPTY;
+        if frag.burst {
+            flags = flags | Flags::BURST;
+        }
+        let (hit_count, payload) = if cut {
+            flags = flags | Flags::CUT_OFF;
+            (0, Bytes::new())
+        } else {
+            (frag.hit_count, frag.payload)
+        };
+        let header = FrameHeader {
+            flags,
+            source: h.id,
+            hit_count,
+            slice,
+            slice_start: self.cfg.slice_clock.start_of(slice),
+            send_time: Instant::ZERO,
+            payload_len: 0,
+        };
+        let header = frame::encode_header(&header, &payload);
+        let f = PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0 };
+        let len = f.len();
+        h.frames.insert(slice, f);
+        h.shaper.handle_fragment(now, Outgoing { slice, len });
+    }
+
+    /// Turns a shaper's decision into a transmit, or drops the fragment at the source.
+    fn dispatch(&mut self, i: usize, tx: Transmit, now: Instant) -> Option<SourceTransmit> {
+        let h = &mut self.hosted[i];
+        let Some(f) = h.frames.get_mut(&tx.slice) else {
+            self.events.push_back(SourceEvent::UnknownFragment { source: h.id, slice: tx.slice });
+            return None;
+        };
+        let dest = tx.dest as usize;
+        if tx.offset == 0 {
+            f.dest = Some(tx.dest);
+            f.dropped = self.in_transport[dest] + f.len() > self.cfg.queue_limit_bytes;
+        }
+        if f.dropped {
+            if tx.last {
+                h.frames.remove(&tx.slice);
+                h.tally.dropped_at_source += 1;
+                self.totals.dropped += 1;
+                h.shaper.handle_sent(now, tx.slice);
+            }
+            return None;
+        }
+        // The transmit's byte range over header ++ payload, without copying the payload.
+        let (start, end) = (tx.offset as usize, (tx.offset + tx.len) as usize);
+        let head = if start < HEADER_LEN {
+            Bytes::copy_from_slice(&f.header[start..end.min(HEADER_LEN)])
+        } else {
+            Bytes::new()
+        };
+        let body = if end > HEADER_LEN {
+            f.payload.slice(start.max(HEADER_LEN) - HEADER_LEN..end - HEADER_LEN)
+        } else {
+            Bytes::new()
+        };
+        self.in_transport[dest] += tx.len;
+        f.handed += tx.len;
+        let out = SourceTransmit {
+            kind: TransmitKind::Data,
+            source: h.id,
+            dest: tx.dest,
+            slice: tx.slice,
+            flags: f.flags,
+            offset: tx.offset,
+            frame_len: f.len(),
+            last: tx.last,
+            head,
+            body,
+        };
+        if tx.last {
+            h.stall = Some((tx.slice, now + self.stall_limit));
+        }
+        if self.cfg.record_transmits {
+            let rec = TransmitRecord { at: now, source: h.id, dest: tx.dest, slice: tx.slice, bytes: tx.len };
+            self.report.transmits.push(rec);
+        }
+        Some(out)
+    }
+
+    fn handle_report(&mut self, now: Instant, source: SourceId, slice: SliceNumber, sent: bool) {
+        let Some(&i) = self.index.get(&source) else { return };
+        let h = &mut self.hosted[i];
+        // End-of-stream markers are not held: nothing to account.
+        let Some(f) = h.frames.remove(&slice) else { return };
+        let Some(dest) = f.dest else {
+            // Reported before it was handed out: cannot happen with a correct driver; keep
+            // the fragment so it counts as unsent rather than being double-counted.
+            h.frames.insert(slice, f);
+            return;
+        };
+        self.in_transport[dest as usize] -= f.handed;
+        if sent {
+            *h.tally.sent.entry(dest).or_default() += 1;
+        } else {
+            h.tally.send_failed += 1;
+            self.totals.dropped += 1;
+        }
+        if h.stall.is_some_and(|(s, _)| s == slice) {
+            h.stall = None;
+        }
+        h.shaper.handle_sent(now, slice);
+        self.check_closed(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed(usize);
+    impl Workload for Fixed {
+        fn generate(&self, _source: SourceId, _slice: SliceNumber) -> GeneratedFragment {
+            GeneratedFragment {
+                hit_count: (self.0 / 6) as u32,
+                waveform_count: 0,
+                payload: Bytes::from(vec![0u8; self.0]),
+                burst: false,
+            }
+        }
+    }
+
+    const MS: u64 = 1_000_000;
+
+    fn cfg(sources: Vec<SourceId>, n_builders: u32, policy: &str) -> SourceNodeConfig {
+        let mut c = SourceNodeConfig::new(
+            sources,
+            n_builders,
+            policy.parse().unwrap(),
+            SliceClock::new(Duration::from_millis(10)),
+        );
+        c.first_slice = Some(0);
+        c
+    }
+
+    fn drain(node: &mut SourceNode, now: Instant) -> Vec<SourceTransmit> {
+        std::iter::from_fn(|| node.poll_transmit(now)).collect()
+    }
+
+    #[test]
+    fn first_slice_defaults_to_a_whole_second() {
+        let mut c = cfg(vec![0], 1, "direct");
+        c.first_slice = None;
+        let node = SourceNode::new(c, Instant::from_nanos(1_234 * MS));
+        assert_eq!(node.first_slice(), 200);
+    }
+
+    #[test]
+    fn produces_sends_drains_and_ends_the_stream() {
+        let mut c = cfg(vec![0, 1], 2, "direct");
+        c.slices = Some(2);
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        assert_eq!(node.poll_timeout(), Some(Instant::from_nanos(10 * MS)));
+        let t = Instant::from_nanos(25 * MS); // two slice ends at once: one reached late
+        node.handle_timeout(t, &Fixed(60));
+        let tx = drain(&mut node, t);
+        assert_eq!(tx.len(), 4);
+        assert!(tx.iter().all(|x| x.kind == TransmitKind::Data && x.last && x.len() == 116));
+        assert!(!node.is_closed());
+        for x in &tx {
+            node.handle_sent(t, x.source, x.slice);
+        }
+        let eos = drain(&mut node, t);
+        assert_eq!(eos.len(), 4, "one marker per hosted source and builder");
+        assert!(eos.iter().all(|x| x.kind == TransmitKind::EndOfStream && x.slice == 2));
+        assert!(node.is_closed());
+        let r = node.report();
+        assert_eq!((r.slices, r.late_slice_ends), (2, 1));
+        assert!(r.tallies.values().all(|t| t.produced == 2 && t.unaccounted() == 0 && t.unsent == 0));
+    }
+
+    #[test]
+    fn queue_limit_drops_at_source() {
+        let mut c = cfg(vec![0], 1, "direct");
+        c.queue_limit_bytes = 250; // two 116-byte frames fit, the third does not
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        for slice in 0..3u64 {
+            let t = Instant::from_nanos((slice + 1) * 10 * MS);
+            node.handle_timeout(t, &Fixed(60));
+            drain(&mut node, t);
+        }
+        assert_eq!(node.in_transport(0), 232);
+        let r = node.report();
+        assert_eq!(r.tallies[&0].dropped_at_source, 1);
+        assert_eq!(r.tallies[&0].unsent, 2);
+    }
+
+    #[test]
+    fn stall_limit_releases_the_barrel_shifter() {
+        // delayed:1, one source: each fragment waits for the previous one to be written.
+        let mut node = SourceNode::new(cfg(vec![0], 2, "delayed:1"), Instant::ZERO);
+        let t1 = Instant::from_nanos(10 * MS);
+        node.handle_timeout(t1, &Fixed(60));
+        assert_eq!(drain(&mut node, t1).len(), 1);
+        // Builder 0 never takes the bytes. Slice 1's fragment must wait ...
+        let t2 = Instant::from_nanos(20 * MS);
+        node.handle_timeout(t2, &Fixed(60));
+        assert!(drain(&mut node, t2).is_empty());
+        // ... until the stall limit (2 slices after slice 0 was handed out) releases it.
+        assert_eq!(node.poll_timeout(), Some(Instant::from_nanos(30 * MS)));
+        let t3 = Instant::from_nanos(30 * MS);
+        node.handle_timeout(t3, &Fixed(60));
+        let tx = drain(&mut node, t3);
+        assert_eq!(tx.iter().map(|x| x.slice).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn pause_sends_empty_fragments_on_schedule() {
+        let mut node = SourceNode::new(cfg(vec![3], 1, "direct"), Instant::ZERO);
+        node.handle_pause(true);
+        let t = Instant::from_nanos(10 * MS);
+        node.handle_timeout(t, &Fixed(600));
+        let tx = drain(&mut node, t);
+        assert_eq!(tx.len(), 1);
+        assert_eq!(tx[0].len(), HEADER_LEN as u64);
+        let h = frame::decode_header(&tx[0].head, 1 << 20).unwrap();
+        assert_eq!((h.hit_count, h.payload_len, h.slice), (0, 0, 0));
+    }
+
+    #[test]
+    fn drain_timeout_counts_unsent_and_closes() {
+        let mut c = cfg(vec![0], 1, "direct");
+        c.slices = Some(1);
+        c.drain_timeout = Duration::from_millis(50);
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let t = Instant::from_nanos(10 * MS);
+        node.handle_timeout(t, &Fixed(60));
+        drain(&mut node, t);
+        let deadline = Instant::from_nanos(60 * MS);
+        let mut now = t;
+        while !node.is_closed() {
+            now = node.poll_timeout().unwrap();
+            assert!(now <= deadline);
+            node.handle_timeout(now, &Fixed(60));
+            drain(&mut node, now);
+        }
+        assert_eq!(now, deadline);
+        assert_eq!(node.poll_event(), Some(SourceEvent::DrainTimeout { queued: 1 }));
+        // A report that comes after the close is still accounted.
+        node.handle_sent(now, 0, 0);
+        let r = node.report();
+        assert_eq!((r.tallies[&0].sent[&0], r.tallies[&0].unsent), (1, 0));
+    }
+}
