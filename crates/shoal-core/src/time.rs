@@ -11,6 +11,7 @@ pub use core::time::Duration;
 
 /// A point in time, in integer nanoseconds since an origin chosen by the driver.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(transparent))]
 pub struct Instant(u64);
 
 impl Instant {

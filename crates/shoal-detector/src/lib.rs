@@ -7,7 +7,10 @@
 //!   timing) with ground truth per hit.
 //! - [`NoiseGenerator`]: uncorrelated Poisson singles only (the cheapest data source, for
 //!   network benchmarks).
-//! - [`Generator`]: either, as a source process uses it (`source.generator`).
+//! - [`workload`]: the fixed-size and burst-model workloads of the studies and the replay
+//!   pool.
+//! - [`Generator`]: any of them, as a source process or the simulator uses it
+//!   (`source.generator`), behind shoal-core's [`shoal_core::node::Workload`] trait.
 //!
 //! Every generator is deterministic: the hits of (seed, source, slice) are the same
 //! whatever order or process generates them. Payloads are the hit payload of
@@ -15,13 +18,15 @@
 
 pub mod geometry;
 pub mod physics;
+pub mod workload;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
 use rand::{Rng, RngExt, SeedableRng};
 use rand_distr::{Distribution, Poisson};
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 use shoal_core::hit::{HIT_LEN, Hit, WAVEFORM_LEN, WAVEFORM_SAMPLES};
+use shoal_core::node::Workload;
 use shoal_core::{Duration, SourceId};
 
 /// Background model of one source (front-end board).
@@ -45,15 +50,7 @@ impl Default for NoiseConfig {
     }
 }
 
-/// One source's data for one slice, encoded as a frame payload.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GeneratedFragment {
-    pub hit_count: u32,
-    pub waveform_count: u32,
-    pub payload: Bytes,
-    /// The source was in a bioluminescence burst (always false for pure noise).
-    pub burst: bool,
-}
+pub use shoal_core::node::GeneratedFragment;
 
 /// Why a generator configuration is unusable.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -245,13 +242,20 @@ pub enum GeneratorKind {
     Physics,
     /// [`NoiseGenerator`]: singles only.
     Noise,
+    /// [`workload::FixedWorkload`]: the same fragment every slice (`source.fixed_bytes`).
+    Fixed,
+    /// [`workload::BurstWorkload`]: domain.md's burst model (`[source.bursts]`).
+    Bursts,
 }
 
-/// A source's generator, either kind.
+/// A source's workload, any kind.
 #[derive(Clone, Debug)]
 pub enum Generator {
     Physics(Box<physics::PhysicsGenerator>),
     Noise(Box<NoiseGenerator>),
+    Fixed(workload::FixedWorkload),
+    Bursts(Box<workload::BurstWorkload>),
+    Replay(workload::ReplayPool),
 }
 
 impl Generator {
@@ -259,7 +263,21 @@ impl Generator {
         match self {
             Generator::Physics(g) => g.generate(source as usize, slice),
             Generator::Noise(g) => g.generate(source, slice),
+            Generator::Fixed(g) => g.generate(source, slice),
+            Generator::Bursts(g) => g.generate(source, slice),
+            Generator::Replay(g) => g.generate(source, slice),
         }
+    }
+
+    /// `n` slices per source of `sources` generated now and replayed in turn.
+    pub fn into_replay_pool(self, sources: &[SourceId], n: u32) -> Generator {
+        Generator::Replay(workload::ReplayPool::new(&self, sources, n))
+    }
+}
+
+impl Workload for Generator {
+    fn generate(&self, source: SourceId, slice: u64) -> GeneratedFragment {
+        Generator::generate(self, source, slice)
     }
 }
 

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use shoal_core::hit::{HIT_LEN, Hit};
 
 use crate::geometry::{Geometry, Module};
+use crate::workload::BurstSchedule;
 use crate::{ConfigError, GeneratedFragment, mix, radix_sort_by_time};
 
 /// Speed of light in vacuum, m/ns.
@@ -158,6 +159,7 @@ pub struct PhysicsGenerator {
     /// Single photo-electron amplitudes, drawn once: a hit picks one with 10 random bits
     /// (a normal draw per hit cost most of the generator's time).
     spe_amplitudes: Vec<u8>,
+    bursts: BurstSchedule,
 }
 
 /// The amplitude of `pe` photo-electrons (charge: 10 counts per p.e., 30% spread; ToT:
@@ -212,9 +214,17 @@ impl PhysicsGenerator {
         let theta = cherenkov_angle();
         let mut table_rng = Pcg64Mcg::seed_from_u64(mix(cfg.seed ^ 0x7370_6521));
         let spe_amplitudes = (0..1024).map(|_| amplitude(cfg.amplitude, &mut table_rng, 1)).collect();
+        let slice_ns = u32::try_from(slice.as_nanos()).unwrap_or(u32::MAX);
+        let bursts = BurstSchedule::new(
+            cfg.seed,
+            cfg.burst_fraction,
+            cfg.burst_max_s,
+            core::time::Duration::from_nanos(u64::from(slice_ns)),
+        )?;
         Ok(Self {
             spe_amplitudes,
-            slice_ns: u32::try_from(slice.as_nanos()).unwrap_or(u32::MAX),
+            bursts,
+            slice_ns,
             gen_radius: radius + cfg.muon_margin_m,
             centre,
             tan_c: theta.tan(),
@@ -274,26 +284,7 @@ impl PhysicsGenerator {
 
     /// Whether `module` is in a bioluminescence burst during `slice` (at its middle).
     pub fn in_burst(&self, module: usize, slice: u64) -> bool {
-        if self.cfg.burst_fraction <= 0.0 {
-            return false;
-        }
-        let t = (slice as f64 + 0.5) * f64::from(self.slice_ns) * 1e-9;
-        const WINDOW_S: f64 = 10.0;
-        let w = (t / WINDOW_S).floor() as u64;
-        // Bursts starting in this window or the few before it may cover t.
-        let reach = (self.cfg.burst_max_s / WINDOW_S).ceil() as u64;
-        let mean_len = self.cfg.burst_max_s / 2.0;
-        let per_window = self.cfg.burst_fraction / (1.0 - self.cfg.burst_fraction) * WINDOW_S / mean_len;
-        let poisson = Poisson::new(per_window).expect("positive mean");
-        (w.saturating_sub(reach)..=w).any(|win| {
-            let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ 0x6269_6f6c ^ mix(module as u64 ^ mix(win))));
-            let n = poisson.sample(&mut rng) as u32;
-            (0..n).any(|_| {
-                let start = (win as f64 + rng.random::<f64>()) * WINDOW_S;
-                let len = rng.random::<f64>() * self.cfg.burst_max_s;
-                t >= start && t < start + len
-            })
-        })
+        self.bursts.in_burst(module as u64, slice)
     }
 
     fn amplitude(&self, rng: &mut Pcg64Mcg, pe: u32) -> u8 {

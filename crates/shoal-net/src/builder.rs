@@ -8,18 +8,17 @@
 //! connection that sends garbage is closed with a logged reason and a counted rejection;
 //! the other connections carry on.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
 use hdrhistogram::Histogram;
-use shoal_core::assembly::{EmitReason, SliceAssembler, SliceOutcome};
+use shoal_core::Instant;
+use shoal_core::assembly::{Admission, SliceOutcome};
 use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
-use shoal_core::ledger::BuilderTally;
+use shoal_core::node::{BuilderNode, BuilderNodeReport};
 use shoal_core::slice::SliceClock;
-use shoal_core::{Instant, SourceId};
 use shoal_trigger::{FilterConfig, FragmentData, SliceData, encode_events};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -28,6 +27,7 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError};
+use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
 use crate::link::{Backoff, Chunk, Link, LinkReport};
 use crate::live::Live;
@@ -37,35 +37,27 @@ pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds")
 }
 
-/// What a builder reports at the end.
+/// What a builder reports at the end: the node's report plus what only the process knows
+/// (delay histograms, connections, the filter's work).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct BuilderReport {
-    pub id: u32,
-    pub tally: BuilderTally,
-    pub slices_complete: u64,
-    pub slices_incomplete: u64,
-    /// Incomplete slices by the reason they were processed.
-    pub incomplete_reasons: BTreeMap<String, u64>,
-    /// Fragments accepted into slices, and their bytes on the wire.
-    pub fragments: u64,
-    pub bytes: u64,
-    /// Application send to complete arrival, microseconds.
+    #[serde(flatten)]
+    pub node: BuilderNodeReport,
+    /// Application send to complete arrival, and slice end to application send (the delay
+    /// added on purpose by shaping).
+    pub network_delay: DelayStats,
+    pub shaping_delay: DelayStats,
+    /// The same, as histograms in microseconds (to combine several builders).
     #[serde(skip)]
     pub net_delay_us: Histogram<u64>,
-    /// Slice end to application send (the delay added on purpose by shaping), microseconds.
     #[serde(skip)]
     pub shaping_delay_us: Histogram<u64>,
-    /// Closed connections by reason (bad magic, CRC errors, ...).
-    pub rejected_connections: BTreeMap<String, u64>,
     pub connections: u64,
     pub events: u64,
     /// Time the filter spent processing, seconds.
     pub filter_busy_s: f64,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
-    /// Arrival of the first and last accepted fragment (UNIX ns).
-    pub first_arrival_ns: u64,
-    pub last_arrival_ns: u64,
 }
 
 enum Incoming {
@@ -170,71 +162,46 @@ pub async fn run_builder(
         .spawn(move || filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, writer_link, filter_live))
         .expect("spawn filter thread");
 
-    let mut asm: SliceAssembler<FragmentData> = SliceAssembler::new(cfg.assembler());
-    let mut report = BuilderReport {
-        id,
-        tally: BuilderTally::default(),
-        slices_complete: 0,
-        slices_incomplete: 0,
-        incomplete_reasons: BTreeMap::new(),
-        fragments: 0,
-        bytes: 0,
-        net_delay_us: new_histogram(),
-        shaping_delay_us: new_histogram(),
-        rejected_connections: BTreeMap::new(),
-        connections: 0,
-        events: 0,
-        filter_busy_s: 0.0,
-        event_frames_failed: 0,
-        first_arrival_ns: 0,
-        last_arrival_ns: 0,
-    };
-    let mut ended: BTreeSet<SourceId> = BTreeSet::new();
+    let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
+    let mut delays = Delays { net: new_histogram(), shaping: new_histogram() };
     info!(builder = id, n_sources, "builder started");
 
     loop {
-        let wake = asm.poll_timeout();
+        let wake = node.poll_timeout();
         tokio::select! {
             m = in_rx.recv() => match m {
-                Some(Incoming::Frame { frame, arrival }) => {
-                    on_frame(&mut asm, &mut report, &mut ended, &slice_clock, frame, arrival, &live);
+                Some(m) => {
+                    on_incoming(&mut node, &mut delays, m, &live);
                     // Take what else is ready without another trip through select.
                     while let Ok(m) = in_rx.try_recv() {
-                        match m {
-                            Incoming::Frame { frame, arrival } => on_frame(&mut asm, &mut report, &mut ended, &slice_clock, frame, arrival, &live),
-                            Incoming::Rejected { reason } => on_reject(&mut report, reason, &live),
-                        }
+                        on_incoming(&mut node, &mut delays, m, &live);
                     }
                 }
-                Some(Incoming::Rejected { reason }) => on_reject(&mut report, reason, &live),
                 None => break,
             },
             _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {
-                asm.handle_timeout(clock.now());
+                node.handle_timeout(clock.now());
             }
-            Some(bytes) = released_rx.recv() => asm.handle_released(bytes),
+            Some(bytes) = released_rx.recv() => node.handle_released(bytes),
             _ = cancel.cancelled() => {
-                warn!(builder = id, ended = ended.len(), n_sources, "stopping before every source ended its stream");
+                warn!(builder = id, ended = node.sources_ended(), n_sources, "stopping before every source ended its stream");
                 break;
             }
         }
-        forward(&mut asm, &mut report, &out_tx, &live);
-        if ended.len() as u32 >= n_sources {
+        forward(&mut node, &out_tx, &live);
+        if node.all_ended() {
             break;
         }
     }
     readers.cancel();
-    report.connections = accept_task.await.unwrap_or(0);
-    asm.handle_drain(clock.now());
-    forward(&mut asm, &mut report, &out_tx, &live);
-    report.tally = asm.tally();
+    let connections = accept_task.await.unwrap_or(0);
+    node.handle_drain(clock.now());
+    forward(&mut node, &out_tx, &live);
     drop(out_tx);
     let (events, busy, link) =
         tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"))
             .await
             .expect("join filter thread");
-    report.events = events;
-    report.filter_busy_s = busy;
     // End of stream to the writer, then close the link.
     let eos = FrameHeader {
         flags: Flags::END_OF_STREAM,
@@ -251,79 +218,75 @@ pub async fn run_builder(
     if tokio::time::timeout(StdDuration::from_secs(10), link_task).await.is_err() {
         warn!(builder = id, "writer link did not finish in time");
     }
-    report.event_frames_failed = failed_task.await.unwrap_or(0);
-    info!(builder = id, complete = report.slices_complete, incomplete = report.slices_incomplete, "builder finished");
+    let report = BuilderReport {
+        node: node.report(),
+        network_delay: DelayStats::from_histogram(&delays.net),
+        shaping_delay: DelayStats::from_histogram(&delays.shaping),
+        net_delay_us: delays.net,
+        shaping_delay_us: delays.shaping,
+        connections,
+        events,
+        filter_busy_s: busy,
+        event_frames_failed: failed_task.await.unwrap_or(0),
+    };
+    info!(
+        builder = id,
+        complete = report.node.slices_complete,
+        incomplete = report.node.slices_incomplete,
+        "builder finished"
+    );
     Ok(report)
 }
 
-fn on_reject(report: &mut BuilderReport, reason: &'static str, live: &Live) {
-    *report.rejected_connections.entry(reason.to_string()).or_default() += 1;
-    Live::add(&live.rejected_connections, 1);
+struct Delays {
+    net: Histogram<u64>,
+    shaping: Histogram<u64>,
 }
 
-fn on_frame(
-    asm: &mut SliceAssembler<FragmentData>,
-    report: &mut BuilderReport,
-    ended: &mut BTreeSet<SourceId>,
-    slice_clock: &SliceClock,
-    frame: Frame,
-    arrival: Instant,
-    live: &Live,
-) {
+fn on_incoming(node: &mut BuilderNode<FragmentData>, delays: &mut Delays, m: Incoming, live: &Live) {
+    let (frame, arrival) = match m {
+        Incoming::Frame { frame, arrival } => (frame, arrival),
+        Incoming::Rejected { reason } => {
+            node.handle_rejected(reason);
+            Live::add(&live.rejected_connections, 1);
+            return;
+        }
+    };
     let h = frame.header;
-    if h.flags.contains(Flags::END_OF_STREAM) {
-        ended.insert(h.source);
-        return;
-    }
-    let bytes = frame.wire_len() as u64;
-    if h.send_time > Instant::ZERO {
-        let delay_us = (arrival - h.send_time).as_micros().max(1) as u64;
-        let _ = report.net_delay_us.record(delay_us);
-        live.record_delay(delay_us);
-        let _ = report.shaping_delay_us.record((h.send_time - slice_clock.end_of(h.slice)).as_micros().max(1) as u64);
-    }
-    if report.first_arrival_ns == 0 {
-        report.first_arrival_ns = arrival.as_nanos();
-    }
-    report.last_arrival_ns = arrival.as_nanos();
     let data = FragmentData { source: h.source, hit_count: h.hit_count, payload: frame.payload };
-    let admission = asm.handle_fragment(arrival, h.source, h.slice, bytes, h.flags.contains(Flags::CUT_OFF), data);
-    if admission != shoal_core::assembly::Admission::Accepted {
+    let Some(o) = node.handle_frame(arrival, &h, data) else { return };
+    if let Some(d) = o.network_delay {
+        let us = (d.as_micros() as u64).max(1);
+        let _ = delays.net.record(us);
+        live.record_delay(us);
+    }
+    if let Some(d) = o.shaping_delay {
+        let _ = delays.shaping.record((d.as_micros() as u64).max(1));
+    }
+    if o.admission == Admission::Accepted {
+        Live::add(&live.fragments_received, 1);
+        Live::add(&live.bytes_received, h.payload_len as u64 + frame::HEADER_LEN as u64);
+    } else {
         Live::add(&live.fragments_discarded_at_builder, 1);
     }
-    if admission == shoal_core::assembly::Admission::Accepted {
-        report.fragments += 1;
-        report.bytes += bytes;
-        Live::add(&live.fragments_received, 1);
-        Live::add(&live.bytes_received, bytes);
-    }
 }
 
+/// Hands processed slices to the filter thread.
 fn forward(
-    asm: &mut SliceAssembler<FragmentData>,
-    report: &mut BuilderReport,
+    node: &mut BuilderNode<FragmentData>,
     out: &std::sync::mpsc::Sender<SliceOutcome<FragmentData>>,
     live: &Live,
 ) {
-    while let Some(o) = asm.poll_outcome() {
+    while let Some(o) = node.poll_slice() {
         if o.is_complete() {
-            report.slices_complete += 1;
             Live::add(&live.slices_complete, 1);
         } else {
-            report.slices_incomplete += 1;
             Live::add(&live.slices_incomplete, 1);
-            let reason = match o.reason {
-                EmitReason::Complete => "dropped_overload",
-                EmitReason::SliceCountTimeout => "slice_count_timeout",
-                EmitReason::WallClockTimeout => "wall_clock_timeout",
-                EmitReason::Drained => "end_of_run",
-            };
-            *report.incomplete_reasons.entry(reason.into()).or_default() += 1;
         }
         let bytes = o.bytes;
         if out.send(o).is_err() {
             // The filter thread is gone (it only ends after we drop the sender).
-            asm.handle_released(bytes);
+            node.handle_released(bytes);
         }
     }
 }

@@ -9,11 +9,13 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use shoal_core::assembly::AssemblerConfig;
+use shoal_core::node::{BuilderNodeConfig, CutoffConfig, SourceNodeConfig};
 use shoal_core::shaping::Policy;
 use shoal_core::slice::SliceClock;
 use shoal_core::{Duration, SourceId};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
+use shoal_detector::workload::{BurstConfig, BurstWorkload, FixedWorkload};
 use shoal_detector::{Generator, GeneratorKind, NoiseConfig, NoiseGenerator};
 use shoal_trigger::FilterConfig;
 
@@ -77,12 +79,19 @@ pub struct SourceConfig {
     /// one process share one connection per builder; each keeps its own shaper.
     pub ids: Vec<SourceId>,
     /// `physics` (default: K-40 singles and coincidences, afterpulses, bursts, muons on the
-    /// ANTARES-like geometry, one floor per source) or `noise` (singles only, cheapest).
+    /// ANTARES-like geometry, one floor per source), `noise` (singles only), `fixed` (the
+    /// same `fixed_bytes` fragment every slice, as in the studies) or `bursts` (fixed sizes
+    /// with domain.md's burst model, `[source.bursts]`). The simulator runs the same ones.
     pub generator: GeneratorKind,
     /// The physics generator's parameters.
     pub physics: PhysicsConfig,
     /// The noise generator's parameters.
     pub noise: NoiseConfig,
+    /// `fixed`: every fragment this many bytes on the wire (the studies' constant
+    /// fragment; the demo's default ANTARES fragment is about 30,000 bytes).
+    pub fixed_bytes: u32,
+    /// `bursts`: domain.md's burst model.
+    pub bursts: BurstConfig,
     /// 0: generate every fragment live. N > 0: generate N slices per source at start and
     /// replay them in turn (same bytes, new slice numbers), so that a benchmark of the
     /// network path is not limited by the random generator.
@@ -111,6 +120,8 @@ impl Default for SourceConfig {
             generator: GeneratorKind::default(),
             physics: PhysicsConfig::default(),
             noise: NoiseConfig::default(),
+            fixed_bytes: 30_000,
+            bursts: BurstConfig::default(),
             replay_pool: 0,
             queue_limit_mb: 64,
             cutoff: false,
@@ -248,7 +259,41 @@ impl Config {
             GeneratorKind::Noise => NoiseGenerator::new(self.source.noise.clone(), slice)
                 .map(|g| Generator::Noise(Box::new(g)))
                 .map_err(|e| ConfigError::Invalid(format!("source.noise: {e}"))),
+            GeneratorKind::Fixed => Ok(Generator::Fixed(FixedWorkload::new(self.source.fixed_bytes, slice))),
+            GeneratorKind::Bursts => BurstWorkload::new(&self.source.bursts, slice)
+                .map(|g| Generator::Bursts(Box::new(g)))
+                .map_err(|e| ConfigError::Invalid(format!("source.bursts: {e}"))),
         }
+    }
+
+    /// The workload of the sources this process hosts (with `source.replay_pool`, a pool
+    /// generated now and replayed in turn).
+    pub fn workload(&self) -> Result<Generator, ConfigError> {
+        let g = self.generator()?;
+        Ok(match self.source.replay_pool {
+            0 => g,
+            n => g.into_replay_pool(&self.hosted_sources(), n),
+        })
+    }
+
+    /// The source node's settings for the sources this process hosts.
+    pub fn source_node(&self) -> Result<SourceNodeConfig, ConfigError> {
+        let clock = self.slice_clock()?;
+        let mut c = SourceNodeConfig::new(self.hosted_sources(), self.run.builders, self.policy()?, clock);
+        c.first_slice = self.run.start_slice;
+        c.slices = (self.run.seconds > 0.0)
+            .then(|| ((self.run.seconds * 1e9) as u64).div_ceil(clock.length().as_nanos() as u64).max(1));
+        let s = &self.source;
+        c.cutoff = s.cutoff.then_some(CutoffConfig { head: s.cutoff_head, tail: s.cutoff_tail });
+        c.queue_limit_bytes = s.queue_limit_mb << 20;
+        c.stall_limit_slices = s.stall_limit_slices.max(1);
+        c.drain_timeout = Duration::from_millis(s.drain_timeout_ms);
+        Ok(c)
+    }
+
+    /// The builder node's settings.
+    pub fn builder_node(&self, id: u32) -> Result<BuilderNodeConfig, ConfigError> {
+        Ok(BuilderNodeConfig { id, assembler: self.assembler(), slice_clock: self.slice_clock()? })
     }
 
     pub fn policy(&self) -> Result<Policy, ConfigError> {

@@ -205,23 +205,24 @@ fn summarize(
     let mut shaping = new_histogram();
     let mut incomplete_reasons = BTreeMap::new();
     let mut rejected = BTreeMap::new();
-    let btallies: BTreeMap<u32, BuilderTally> = builder_reports.iter().map(|b| (b.id, b.tally.clone())).collect();
+    let btallies: BTreeMap<u32, BuilderTally> =
+        builder_reports.iter().map(|b| (b.node.id, b.node.tally.clone())).collect();
     let (mut first, mut last) = (u64::MAX, 0u64);
     for b in &builder_reports {
         let _ = net.add(&b.net_delay_us);
         let _ = shaping.add(&b.shaping_delay_us);
-        for (k, v) in &b.incomplete_reasons {
+        for (k, v) in &b.node.incomplete_reasons {
             *incomplete_reasons.entry(k.clone()).or_default() += v;
         }
-        for (k, v) in &b.rejected_connections {
+        for (k, v) in &b.node.rejected_connections {
             *rejected.entry(k.clone()).or_default() += v;
         }
-        if b.fragments > 0 {
-            first = first.min(b.first_arrival_ns);
-            last = last.max(b.last_arrival_ns);
+        if b.node.fragments > 0 {
+            first = first.min(b.node.first_arrival_ns);
+            last = last.max(b.node.last_arrival_ns);
         }
     }
-    let bytes: u64 = builder_reports.iter().map(|b| b.bytes).sum();
+    let bytes: u64 = builder_reports.iter().map(|b| b.node.bytes).sum();
     let span_s = if last > first { (last - first) as f64 * 1e-9 } else { 0.0 };
     let ledger = Ledger::combine(tallies, &btallies);
     RunSummary {
@@ -233,10 +234,10 @@ fn summarize(
         slice_ms: cfg.run.slice_ms,
         seconds: cfg.run.seconds,
         slices_produced,
-        slices_complete: builder_reports.iter().map(|b| b.slices_complete).sum(),
-        slices_incomplete: builder_reports.iter().map(|b| b.slices_incomplete).sum(),
+        slices_complete: builder_reports.iter().map(|b| b.node.slices_complete).sum(),
+        slices_incomplete: builder_reports.iter().map(|b| b.node.slices_incomplete).sum(),
         incomplete_reasons,
-        fragments_received: builder_reports.iter().map(|b| b.fragments).sum(),
+        fragments_received: builder_reports.iter().map(|b| b.node.fragments).sum(),
         bytes_received: bytes,
         mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
         network_delay: DelayStats::from_histogram(&net),

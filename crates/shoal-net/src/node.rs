@@ -289,11 +289,11 @@ async fn start_data(
             tokio::spawn(async move {
                 match crate::builder::run_builder(cfg, id, listener, clock, live, c).await {
                     Ok(r) => NodeReport {
-                        builder: Some((r.id, r.tally.clone())),
-                        slices_complete: r.slices_complete,
-                        slices_incomplete: r.slices_incomplete,
+                        builder: Some((r.node.id, r.node.tally.clone())),
+                        slices_complete: r.node.slices_complete,
+                        slices_incomplete: r.node.slices_incomplete,
                         events: r.events,
-                        bytes_received: r.bytes,
+                        bytes_received: r.node.bytes,
                         network_delay: Some(DelayStats::from_histogram(&r.net_delay_us).into()),
                         detail: serde_json::to_value(&r).unwrap_or_default(),
                         ..base

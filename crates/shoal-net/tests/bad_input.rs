@@ -34,7 +34,7 @@ async fn run_with_intruder(name: &str, bad: Vec<u8>) -> (shoal_net::builder::Bui
     let b = builder.await.unwrap().unwrap();
     let w = writer.await.unwrap().unwrap();
     assert!(w.error.is_none());
-    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.tally.clone())]));
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
     std::fs::remove_dir_all(&out).unwrap();
     (b, ledger)
 }
@@ -42,8 +42,8 @@ async fn run_with_intruder(name: &str, bad: Vec<u8>) -> (shoal_net::builder::Bui
 fn assert_builder_carried_on(b: &shoal_net::builder::BuilderReport, ledger: &Ledger) {
     assert!(ledger.is_balanced(), "{ledger:?}");
     assert_eq!(ledger.lost(), 0, "no fragment of the real sources may be lost: {ledger:?}");
-    assert!(b.slices_complete > 0);
-    assert_eq!(b.rejected_connections.values().sum::<u64>(), 1, "{:?}", b.rejected_connections);
+    assert!(b.node.slices_complete > 0);
+    assert_eq!(b.node.rejected_connections.values().sum::<u64>(), 1, "{:?}", b.node.rejected_connections);
 }
 
 /// A valid header (correct CRC) of an empty frame from source 0.
@@ -66,7 +66,7 @@ async fn random_bytes_close_only_that_connection() {
     rng.fill_bytes(&mut bad);
     let (b, ledger) = run_with_intruder("random", bad).await;
     assert_builder_carried_on(&b, &ledger);
-    assert_eq!(b.rejected_connections.get("bad_magic"), Some(&1));
+    assert_eq!(b.node.rejected_connections.get("bad_magic"), Some(&1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,7 +77,7 @@ async fn oversized_length_is_rejected_before_allocation() {
     bytes.truncate(frame::HEADER_LEN + 10);
     let (b, ledger) = run_with_intruder("oversized", bytes).await;
     assert_builder_carried_on(&b, &ledger);
-    assert_eq!(b.rejected_connections.get("payload_too_large"), Some(&1));
+    assert_eq!(b.node.rejected_connections.get("payload_too_large"), Some(&1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,5 +87,5 @@ async fn truncated_frame_at_eof_is_counted() {
     bytes.truncate(300);
     let (b, ledger) = run_with_intruder("truncated", bytes).await;
     assert_builder_carried_on(&b, &ledger);
-    assert_eq!(b.rejected_connections.get("truncated"), Some(&1));
+    assert_eq!(b.node.rejected_connections.get("truncated"), Some(&1));
 }

@@ -2,6 +2,10 @@
 //! taken from domain.md section 8; a file only says what differs.
 
 use serde::{Deserialize, Serialize};
+use shoal_detector::geometry::Geometry;
+use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
+use shoal_detector::workload::{BurstConfig, BurstWorkload, FixedWorkload};
+use shoal_detector::{Generator, NoiseConfig, NoiseGenerator};
 
 /// A whole scenario.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -123,6 +127,15 @@ pub struct Traffic {
     pub cutoff: bool,
     pub cutoff_head: u32,
     pub cutoff_tail: u32,
+    /// The sources' workload, as the runtime's `source.generator`: `fixed`
+    /// (`fragment_bytes`), `bursts` (the burst model above), `noise` or `physics` (the
+    /// generators with their defaults, on the ANTARES-like geometry). Default: `bursts`
+    /// when `bursts` is set, else `fixed`.
+    pub generator: Option<String>,
+    /// The source node's queue limit per builder (as `source.queue_limit_mb`).
+    pub queue_limit_mb: u64,
+    /// The source node's stall limit (as `source.stall_limit_slices`).
+    pub stall_limit_slices: u32,
 }
 
 impl Default for Traffic {
@@ -142,6 +155,9 @@ impl Default for Traffic {
             cutoff: false,
             cutoff_head: 4,
             cutoff_tail: 4,
+            generator: None,
+            queue_limit_mb: 64,
+            stall_limit_slices: 2,
         }
     }
 }
@@ -219,10 +235,45 @@ impl Scenario {
         if !(0.0..=1.0).contains(&self.topology.shore_ber) {
             return Err("topology.shore_ber must be in [0, 1]".into());
         }
+        self.traffic.workload(self.topology.n_sources()?, self.seed)?;
         if self.topology.boards_per_sector == 0 || self.tcp.mss == 0 {
             return Err("boards_per_sector and tcp.mss must be at least 1".into());
         }
         Ok(())
+    }
+}
+
+impl Traffic {
+    /// The workload named by `generator` (see there), seeded with the scenario's seed, as
+    /// shoal-detector builds it for the runtime: the simulator and the runtime run the same
+    /// data.
+    pub fn workload(&self, n_sources: u32, seed: u64) -> Result<Generator, String> {
+        let slice = shoal_core::Duration::from_nanos((self.slice_ms * 1e6) as u64);
+        let kind = self.generator.as_deref().unwrap_or(if self.bursts { "bursts" } else { "fixed" });
+        match kind {
+            "fixed" => Ok(Generator::Fixed(FixedWorkload::new(self.fragment_bytes, slice))),
+            "bursts" => {
+                let cfg = BurstConfig {
+                    fraction: self.burst_fraction,
+                    max_s: self.burst_max_s,
+                    base_bytes: self.base_fragment_bytes,
+                    burst_bytes: self.burst_fragment_bytes,
+                    seed,
+                };
+                BurstWorkload::new(&cfg, slice).map(|w| Generator::Bursts(Box::new(w))).map_err(|e| e.to_string())
+            }
+            "noise" => NoiseGenerator::new(NoiseConfig { seed, ..Default::default() }, slice)
+                .map(|g| Generator::Noise(Box::new(g)))
+                .map_err(|e| e.to_string()),
+            "physics" => PhysicsGenerator::new(
+                PhysicsConfig { seed, ..Default::default() },
+                Geometry::antares_for_sources(n_sources),
+                slice,
+            )
+            .map(|g| Generator::Physics(Box::new(g)))
+            .map_err(|e| e.to_string()),
+            other => Err(format!("traffic.generator {other:?}: fixed, bursts, noise or physics")),
+        }
     }
 }
 

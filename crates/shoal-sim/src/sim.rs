@@ -1,15 +1,23 @@
-//! The simulated DAQ: sources running shoal-core shapers, builders running shoal-core's
-//! slice assembler, over [`crate::net`] with [`crate::tcp`] or UDP.
+//! The simulated DAQ: each board host runs a shoal-core [`SourceNode`] and each builder
+//! host a [`BuilderNode`], the very machines the runtime drives, fed by the same
+//! workloads, over [`crate::net`] with [`crate::tcp`] or UDP. This driver only moves
+//! bytes and time: every decision (schedule, cutoff, shaping, stall and queue limits,
+//! drain, end of stream, assembly) is the nodes'.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use rand::{RngExt, SeedableRng};
-use rand_pcg::Pcg64Mcg;
-use shoal_core::assembly::{AssemblerConfig, SliceAssembler};
-use shoal_core::ledger::{Ledger, SourceTally};
-use shoal_core::shaping::{BurstCutoff, CutoffDecision, Outgoing, Policy, Shaper, ShaperContext, Transmit};
-use shoal_core::slice::SliceNumber;
-use shoal_core::{Duration, Instant};
+use shoal_core::assembly::AssemblerConfig;
+use shoal_core::frame::Flags;
+use shoal_core::ledger::Ledger;
+use shoal_core::node::{
+    Arrival, BuilderNode, BuilderNodeConfig, CutoffConfig, GeneratedFragment, SourceNode, SourceNodeConfig,
+    SourceTransmit, TransmitKind, Workload,
+};
+use shoal_core::shaping::Policy;
+use shoal_core::slice::{SliceClock, SliceNumber};
+use shoal_core::{Duration, Instant, SourceId};
+use shoal_detector::Generator;
 
 use crate::engine::EventQueue;
 use crate::net::{NetEvent, Network, NodeId, Packet, PortSpec, wire_size};
@@ -22,24 +30,35 @@ const UDP_HEADER: u32 = 8;
 const IP_FRAGMENT_PAYLOAD: u32 = 1480;
 /// Largest UDP datagram the sources send; bigger fragments go as several datagrams.
 const MAX_DATAGRAM: u32 = 60_000;
-/// Frame header carried by a cut-off marker (the wire format's header size).
-const CUTOFF_MARKER_BYTES: u32 = shoal_core::frame::HEADER_LEN as u32;
-
 #[derive(Clone, Debug)]
 enum Body {
-    Data { conn: u32, seq: u64, len: u32 },
-    Ack { conn: u32, ack: u64 },
-    Udp { source: u32, slice: SliceNumber, dgram: u64, ip_fragments: u16, dgram_bytes: u32, fragment_bytes: u32 },
+    Data {
+        conn: u32,
+        seq: u64,
+        len: u32,
+    },
+    Ack {
+        conn: u32,
+        ack: u64,
+    },
+    Udp {
+        source: u32,
+        slice: SliceNumber,
+        kind: TransmitKind,
+        dgram: u64,
+        ip_fragments: u16,
+        dgram_bytes: u32,
+        fragment_bytes: u32,
+    },
 }
 
 #[derive(Debug)]
 enum Ev {
     Net(NetEvent<Body>),
-    SliceEnd(SliceNumber),
-    ShaperWake(u32),
+    SourceWake(u32),
     Rto(u32),
     DelAck(u32),
-    AsmWake(u32),
+    BuilderWake(u32),
 }
 
 /// One fragment's life.
@@ -67,31 +86,41 @@ struct Conn {
     tx: TcpSender,
     rx: TcpReceiver,
     sndbuf: u64,
-    /// Pending application writes: (slice, bytes left, ends the fragment).
-    writes: VecDeque<(SliceNumber, u64, bool)>,
-    /// Stream offsets at which fragments end.
-    ends: VecDeque<(u64, SliceNumber)>,
+    /// Pending application writes: (slice, kind, bytes left, ends the frame).
+    writes: VecDeque<(SliceNumber, TransmitKind, u64, bool)>,
+    /// Stream offsets at which frames end.
+    ends: VecDeque<(u64, SliceNumber, TransmitKind)>,
     rto_event: Option<Instant>,
     delack_event: Option<Instant>,
 }
 
 struct SourceApp {
     host: NodeId,
-    shaper: Box<dyn Shaper>,
-    cutoff: Option<BurstCutoff>,
-    /// Sizes of fragments waiting for the cutoff's decision.
-    undecided: HashMap<SliceNumber, u32>,
-    burst_until: Instant,
+    node: SourceNode,
     wake: Option<Instant>,
-    tally: SourceTally,
 }
 
 struct BuilderApp {
     host: NodeId,
-    asm: SliceAssembler<()>,
+    node: BuilderNode<()>,
     wake: Option<Instant>,
-    complete: u64,
-    incomplete: u64,
+}
+
+/// The scenario's workload, counting the boards in a burst per slice (a check of the
+/// burst generator, domain.md section 8).
+struct CountingWorkload {
+    inner: Generator,
+    bursts: RefCell<HashMap<SliceNumber, u32>>,
+}
+
+impl Workload for CountingWorkload {
+    fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
+        let f = self.inner.generate(source, slice);
+        if f.burst {
+            *self.bursts.borrow_mut().entry(slice).or_default() += 1;
+        }
+        f
+    }
 }
 
 /// Results of one run.
@@ -164,8 +193,8 @@ struct World {
     sc: Scenario,
     q: EventQueue<Ev>,
     net: Network<Body>,
-    rng: Pcg64Mcg,
-    slice_len: Duration,
+    workload: CountingWorkload,
+    slice_clock: SliceClock,
     n_slices: u64,
     n_builders: u32,
     tcp: bool,
@@ -180,11 +209,8 @@ struct World {
     udp_progress: HashMap<(u32, SliceNumber), u32>,
     udp_ip_sent: u64,
     udp_frags_sent: u64,
-    burst_hist: Vec<u64>,
     to_pump: Vec<u32>,
     segs: Vec<Segment>,
-    log_transmits: bool,
-    transmits: Vec<TransmitRecord>,
 }
 
 fn mbps(v: f64) -> u64 {
@@ -204,10 +230,11 @@ pub fn run(sc: &Scenario) -> Result<SimResult, String> {
 pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     sc.validate()?;
     let started = std::time::Instant::now();
-    let mut w = World::build(sc)?;
-    w.log_transmits = opts.log_transmits;
+    let mut w = World::build(sc, opts)?;
     let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);
-    w.q.schedule(Instant::ZERO + w.slice_len, Ev::SliceEnd(0));
+    for s in 0..w.sources.len() as u32 {
+        w.arm_source(s);
+    }
     while let Some((now, ev)) = w.q.pop(end) {
         w.handle(now, ev);
     }
@@ -215,13 +242,14 @@ pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
 }
 
 impl World {
-    fn build(sc: &Scenario) -> Result<World, String> {
+    fn build(sc: &Scenario, opts: RunOptions) -> Result<World, String> {
         let t = &sc.topology;
         let n_sources = t.n_sources()?;
         let n_builders = t.n_builders()?;
         let policy: Policy =
             sc.traffic.policy.parse().map_err(|e: shoal_core::shaping::PolicyParseError| e.to_string())?;
         let slice_len = Duration::from_nanos((sc.traffic.slice_ms * 1e6) as u64);
+        let slice_clock = SliceClock::try_new(slice_len).ok_or("traffic.slice_ms is too small")?;
         let n_slices = ((sc.traffic.load_s * 1e9) as u64 / slice_len.as_nanos() as u64).max(1);
         let mut net = Network::new(sc.seed ^ 0x5eed);
         let switch_q = |rate: f64, delay: f64, ber: f64| PortSpec {
@@ -299,15 +327,19 @@ impl World {
                 }
             }
         }
+        let tr = &sc.traffic;
         let sources = (0..n_sources)
-            .map(|s| SourceApp {
-                host: source_hosts[s as usize],
-                shaper: policy.build(ShaperContext { source: s, n_builders }),
-                cutoff: sc.traffic.cutoff.then(|| BurstCutoff::new(sc.traffic.cutoff_head, sc.traffic.cutoff_tail)),
-                undecided: HashMap::new(),
-                burst_until: Instant::ZERO,
-                wake: None,
-                tally: SourceTally::default(),
+            .map(|s| {
+                let mut c = SourceNodeConfig::new(vec![s], n_builders, policy, slice_clock);
+                c.first_slice = Some(0);
+                c.slices = Some(n_slices);
+                c.cutoff = tr.cutoff.then_some(CutoffConfig { head: tr.cutoff_head, tail: tr.cutoff_tail });
+                c.queue_limit_bytes = tr.queue_limit_mb << 20;
+                c.stall_limit_slices = tr.stall_limit_slices.max(1);
+                // The drain ends with the simulation: load_s of slices, then relax_s.
+                c.drain_timeout = Duration::from_secs_f64(tr.relax_s);
+                c.record_transmits = opts.log_transmits;
+                SourceApp { host: source_hosts[s as usize], node: SourceNode::new(c, Instant::ZERO), wake: None }
             })
             .collect();
         let asm_cfg = AssemblerConfig {
@@ -318,15 +350,22 @@ impl World {
         };
         let builders = builder_hosts
             .iter()
-            .map(|&host| BuilderApp { host, asm: SliceAssembler::new(asm_cfg), wake: None, complete: 0, incomplete: 0 })
+            .enumerate()
+            .map(|(id, &host)| {
+                let cfg = BuilderNodeConfig { id: id as u32, assembler: asm_cfg, slice_clock };
+                BuilderApp { host, node: BuilderNode::new(cfg), wake: None }
+            })
             .collect();
         let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         Ok(World {
             sc: sc.clone(),
             q: EventQueue::new(),
             net,
-            rng: Pcg64Mcg::seed_from_u64(sc.seed),
-            slice_len,
+            workload: CountingWorkload {
+                inner: sc.traffic.workload(n_sources, sc.seed)?,
+                bursts: RefCell::new(HashMap::new()),
+            },
+            slice_clock,
             n_slices,
             n_builders,
             tcp,
@@ -340,11 +379,8 @@ impl World {
             udp_progress: HashMap::new(),
             udp_ip_sent: 0,
             udp_frags_sent: 0,
-            burst_hist: vec![0; n_sources as usize + 1],
             to_pump: Vec::new(),
             segs: Vec::new(),
-            log_transmits: false,
-            transmits: Vec::new(),
         })
     }
 
@@ -366,9 +402,10 @@ impl World {
                     self.receive(now, host, pkt);
                 }
             }
-            Ev::SliceEnd(slice) => self.slice_end(now, slice),
-            Ev::ShaperWake(s) => {
-                self.sources[s as usize].wake = None;
+            Ev::SourceWake(s) => {
+                let src = &mut self.sources[s as usize];
+                src.wake = None;
+                src.node.handle_timeout(now, &self.workload);
                 self.to_pump.push(s);
             }
             Ev::Rto(c) => {
@@ -389,142 +426,70 @@ impl World {
                 }
                 self.arm_conn(c);
             }
-            Ev::AsmWake(b) => {
+            Ev::BuilderWake(b) => {
                 let bl = &mut self.builders[b as usize];
                 bl.wake = None;
-                bl.asm.handle_timeout(now);
+                bl.node.handle_timeout(now);
                 self.drain_outcomes(b);
             }
         }
         self.pump(now);
     }
 
-    fn fragment_size(&mut self, source: u32, now: Instant) -> (u32, bool) {
-        let tr = &self.sc.traffic;
-        if !tr.bursts {
-            return (tr.fragment_bytes, false);
-        }
-        let src = &mut self.sources[source as usize];
-        if now >= src.burst_until {
-            // Bursts start as a Poisson process so that the board is in a burst for
-            // `burst_fraction` of the time: mean gap = mean length (1 - f) / f.
-            let mean_len = tr.burst_max_s / 2.0;
-            let mean_gap = mean_len * (1.0 - tr.burst_fraction) / tr.burst_fraction.max(1e-9);
-            let p_start = (self.slice_len.as_secs_f64() / mean_gap).min(1.0);
-            if self.rng.random::<f64>() < p_start {
-                let len = self.rng.random::<f64>() * tr.burst_max_s;
-                src.burst_until = now + Duration::from_secs_f64(len);
-            }
-        }
-        if now < src.burst_until { (tr.burst_fragment_bytes, true) } else { (tr.base_fragment_bytes, false) }
-    }
-
-    fn slice_end(&mut self, now: Instant, slice: SliceNumber) {
-        if slice >= self.n_slices {
-            // After the load: slots keep passing so that shapers keep their schedule.
-            let mut busy = false;
-            for s in 0..self.sources.len() as u32 {
-                let src = &mut self.sources[s as usize];
-                src.shaper.handle_slot_end(now, slice);
-                busy |= src.shaper.queued() > 0;
-                self.to_pump.push(s);
-            }
-            if busy {
-                self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
-            }
-            return;
-        }
-        let mut in_burst = 0;
-        for s in 0..self.sources.len() as u32 {
-            let (bytes, burst) = self.fragment_size(s, now);
-            in_burst += usize::from(burst);
-            let builder = shoal_core::slice::builder_for(slice, self.n_builders);
-            *self.record(s, slice) =
-                FragRecord { source: s, slice, builder, bytes, burst, ready_ns: now.as_nanos(), ..Default::default() };
-            let src = &mut self.sources[s as usize];
-            src.tally.produced += 1;
-            match src.cutoff.as_mut() {
-                None => src.shaper.handle_fragment(now, Outgoing { slice, len: u64::from(bytes) }),
-                Some(c) => {
-                    src.undecided.insert(slice, bytes);
-                    c.handle_fragment(slice, burst);
-                    if slice + 1 == self.n_slices {
-                        c.handle_drain();
-                    }
-                    self.apply_cutoff(now, s);
-                }
-            }
-            self.to_pump.push(s);
-        }
-        self.burst_hist[in_burst] += 1;
-        self.q.schedule(now + self.slice_len, Ev::SliceEnd(slice + 1));
-    }
-
-    fn apply_cutoff(&mut self, now: Instant, s: u32) {
-        loop {
-            let src = &mut self.sources[s as usize];
-            let Some(d) = src.cutoff.as_mut().and_then(|c| c.poll_decision()) else { return };
-            let (slice, cut) = match d {
-                CutoffDecision::Keep(x) => (x, false),
-                CutoffDecision::Cut(x) => (x, true),
-            };
-            let Some(bytes) = src.undecided.remove(&slice) else { continue };
-            let len = if cut { CUTOFF_MARKER_BYTES } else { bytes };
-            src.shaper.handle_fragment(now, Outgoing { slice, len: u64::from(len) });
-            if cut {
-                let r = self.record(s, slice);
-                r.cut_off = true;
-                r.bytes = len;
-            }
-        }
-    }
-
-    /// Drains every shaper that may have something to send.
+    /// Drains every source node that may have something to send.
     fn pump(&mut self, now: Instant) {
         while let Some(s) = self.to_pump.pop() {
-            while let Some(tx) = self.sources[s as usize].shaper.poll_transmit(now) {
+            while let Some(tx) = self.sources[s as usize].node.poll_transmit(now) {
                 self.transmit(now, s, tx);
             }
-            let src = &mut self.sources[s as usize];
-            if let Some(t) = src.shaper.poll_timeout()
-                && src.wake.is_none_or(|w| t < w)
-            {
-                src.wake = Some(t);
-                self.q.schedule(t, Ev::ShaperWake(s));
-            }
+            self.arm_source(s);
         }
     }
 
-    fn transmit(&mut self, now: Instant, s: u32, tx: Transmit) {
-        if self.log_transmits {
-            let rec =
-                TransmitRecord { at_ns: now.as_nanos(), source: s, dest: tx.dest, slice: tx.slice, bytes: tx.len };
-            self.transmits.push(rec);
+    /// Schedules the source node's next timeout (one pending event at most, unless the
+    /// timeout moved earlier).
+    fn arm_source(&mut self, s: u32) {
+        let src = &mut self.sources[s as usize];
+        if let Some(t) = src.node.poll_timeout()
+            && src.wake.is_none_or(|w| t < w)
+        {
+            src.wake = Some(t);
+            self.q.schedule(t, Ev::SourceWake(s));
         }
-        let r = self.record(s, tx.slice);
-        if r.sent_ns == 0 {
-            r.sent_ns = now.as_nanos().max(1);
+    }
+
+    fn transmit(&mut self, now: Instant, s: u32, tx: SourceTransmit) {
+        if tx.kind == TransmitKind::Data && tx.first() {
+            let ready_ns = self.slice_clock.end_of(tx.slice).as_nanos();
+            *self.record(s, tx.slice) = FragRecord {
+                source: s,
+                slice: tx.slice,
+                builder: tx.dest,
+                bytes: tx.frame_len as u32,
+                burst: tx.flags.contains(Flags::BURST),
+                cut_off: tx.flags.contains(Flags::CUT_OFF),
+                ready_ns,
+                sent_ns: now.as_nanos().max(1),
+                arrived_ns: 0,
+            };
         }
-        let fragment_bytes = r.bytes;
         if self.tcp {
             let c = s * self.n_builders + tx.dest;
-            self.conns[c as usize].writes.push_back((tx.slice, tx.len, tx.last));
+            self.conns[c as usize].writes.push_back((tx.slice, tx.kind, tx.len(), tx.last));
             self.try_write(now, c);
         } else {
-            self.send_udp(now, s, tx, fragment_bytes);
+            self.send_udp(now, s, &tx);
             if tx.last {
-                let src = &mut self.sources[s as usize];
-                *src.tally.sent.entry(tx.dest).or_default() += 1;
-                src.shaper.handle_sent(now, tx.slice);
+                self.sources[s as usize].node.handle_sent(now, s, tx.slice);
                 self.to_pump.push(s);
             }
         }
     }
 
-    fn send_udp(&mut self, now: Instant, s: u32, tx: Transmit, fragment_bytes: u32) {
+    fn send_udp(&mut self, now: Instant, s: u32, tx: &SourceTransmit) {
         let src_host = self.sources[s as usize].host;
         let dst = self.builders[tx.dest as usize].host;
-        let mut left = tx.len as u32;
+        let mut left = tx.len() as u32;
         while left > 0 {
             let dgram_bytes = left.min(MAX_DATAGRAM);
             left -= dgram_bytes;
@@ -542,10 +507,11 @@ impl World {
                     body: Body::Udp {
                         source: s,
                         slice: tx.slice,
+                        kind: tx.kind,
                         dgram,
                         ip_fragments: n as u16,
                         dgram_bytes,
-                        fragment_bytes,
+                        fragment_bytes: tx.frame_len as u32,
                     },
                 };
                 let q = &mut self.q;
@@ -553,7 +519,7 @@ impl World {
                 self.udp_ip_sent += 1;
             }
         }
-        if tx.last {
+        if tx.last && tx.kind == TransmitKind::Data {
             self.udp_frags_sent += 1;
         }
     }
@@ -562,7 +528,6 @@ impl World {
     fn try_write(&mut self, now: Instant, c: u32) {
         let conn = &mut self.conns[c as usize];
         let source = conn.source;
-        let builder = conn.builder;
         loop {
             let used = conn.tx.written() - conn.tx.acked();
             let space = conn.sndbuf.saturating_sub(used);
@@ -570,18 +535,17 @@ impl World {
             if space == 0 {
                 break;
             }
-            let n = front.1.min(space);
+            let n = front.2.min(space);
             conn.tx.write(n);
-            front.1 -= n;
-            if front.1 > 0 {
+            front.2 -= n;
+            if front.2 > 0 {
                 break;
             }
-            let (slice, _, last) = conn.writes.pop_front().expect("front exists");
+            let (slice, kind, _, last) = conn.writes.pop_front().expect("front exists");
             if last {
-                conn.ends.push_back((conn.tx.written(), slice));
-                let src = &mut self.sources[source as usize];
-                *src.tally.sent.entry(builder).or_default() += 1;
-                src.shaper.handle_sent(now, slice);
+                conn.ends.push_back((conn.tx.written(), slice, kind));
+                // The last byte is in the socket buffer: the source node counts it sent.
+                self.sources[source as usize].node.handle_sent(now, source, slice);
                 self.to_pump.push(source);
             }
         }
@@ -649,16 +613,16 @@ impl World {
                 }
                 let conn = &mut self.conns[c as usize];
                 let mut done = Vec::new();
-                while let Some(&(end, slice)) = conn.ends.front() {
+                while let Some(&(end, slice, kind)) = conn.ends.front() {
                     if end > conn.rx.delivered() {
                         break;
                     }
                     conn.ends.pop_front();
-                    done.push(slice);
+                    done.push((slice, kind));
                 }
                 let (source, builder) = (conn.source, conn.builder);
-                for slice in done {
-                    self.fragment_arrived(now, source, builder, slice);
+                for (slice, kind) in done {
+                    self.frame_arrived(now, source, builder, slice, kind);
                 }
                 self.arm_conn(c);
             }
@@ -670,7 +634,7 @@ impl World {
                 self.segs = segs;
                 self.try_write(now, c);
             }
-            Body::Udp { source, slice, dgram, ip_fragments, dgram_bytes, fragment_bytes } => {
+            Body::Udp { source, slice, kind, dgram, ip_fragments, dgram_bytes, fragment_bytes } => {
                 let got = self.udp_dgrams.entry(dgram).or_insert(0);
                 *got += 1;
                 if *got < ip_fragments {
@@ -682,53 +646,67 @@ impl World {
                 if *p >= fragment_bytes {
                     self.udp_progress.remove(&(source, slice));
                     let builder = self.builder_of_host[&host];
-                    self.fragment_arrived(now, source, builder, slice);
+                    self.frame_arrived(now, source, builder, slice, kind);
                 }
             }
         }
     }
 
-    fn fragment_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber) {
+    fn frame_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber, kind: TransmitKind) {
+        if kind == TransmitKind::EndOfStream {
+            let b = &mut self.builders[builder as usize].node;
+            b.handle_end_of_stream(source);
+            if b.all_ended() {
+                b.handle_drain(now);
+            }
+            self.drain_outcomes(builder);
+            return;
+        }
         let r = self.record(source, slice);
         r.arrived_ns = now.as_nanos();
-        let (bytes, cut) = (u64::from(r.bytes), r.cut_off);
-        let b = &mut self.builders[builder as usize];
-        b.asm.handle_fragment(now, source, slice, bytes, cut, ());
+        // Delays are measured from the records; the send time stays unknown to the node.
+        let arrival =
+            Arrival { source, slice, wire_bytes: u64::from(r.bytes), cut_off: r.cut_off, send_time: Instant::ZERO };
+        self.builders[builder as usize].node.handle_fragment(now, arrival, ());
         self.drain_outcomes(builder);
     }
 
+    /// Processed slices go straight through the (instant) filter.
     fn drain_outcomes(&mut self, builder: u32) {
         let b = &mut self.builders[builder as usize];
-        while let Some(o) = b.asm.poll_outcome() {
-            b.asm.handle_released(o.bytes);
-            if o.is_complete() {
-                b.complete += 1;
-            } else {
-                b.incomplete += 1;
-            }
+        while let Some(o) = b.node.poll_slice() {
+            b.node.handle_released(o.bytes);
         }
-        if let Some(t) = b.asm.poll_timeout()
+        if let Some(t) = b.node.poll_timeout()
             && b.wake.is_none_or(|w| t < w)
         {
             b.wake = Some(t);
-            self.q.schedule(t, Ev::AsmWake(builder));
+            self.q.schedule(t, Ev::BuilderWake(builder));
         }
     }
 
     fn finish(mut self, end: Instant, wall_s: f64) -> SimResult {
         for b in 0..self.builders.len() as u32 {
-            self.builders[b as usize].asm.handle_drain(end);
+            self.builders[b as usize].node.handle_drain(end);
             self.drain_outcomes(b);
         }
-        // Fragments not completely handed to the transport by the end are unsent.
+        // Fragments the source nodes still hold at the end count as unsent.
         let mut sources = BTreeMap::new();
-        for (i, s) in self.sources.iter().enumerate() {
-            let mut t = s.tally.clone();
-            t.unsent = t.produced - t.sent.values().sum::<u64>();
-            sources.insert(i as u32, t);
+        let mut transmits = Vec::new();
+        for s in &self.sources {
+            let r = s.node.report();
+            sources.extend(r.tallies);
+            transmits.extend(r.transmits.iter().map(|t| TransmitRecord {
+                at_ns: t.at.as_nanos(),
+                source: t.source,
+                dest: t.dest,
+                slice: t.slice,
+                bytes: t.bytes,
+            }));
         }
-        let builders: BTreeMap<u32, _> =
-            self.builders.iter().enumerate().map(|(i, b)| (i as u32, b.asm.tally())).collect();
+        transmits.sort_by_key(|t| t.at_ns);
+        let reports: Vec<_> = self.builders.iter().map(|b| b.node.report()).collect();
+        let builders: BTreeMap<u32, _> = reports.iter().map(|r| (r.id, r.tally.clone())).collect();
         let ledger = Ledger::combine(&sources, &builders);
 
         let mut net_delays: Vec<u64> = Vec::new();
@@ -760,13 +738,14 @@ impl World {
         }
         let arrived = self.records.iter().filter(|r| r.arrived_ns > 0).count() as u64;
         let udp_lost = if self.tcp { 0 } else { self.udp_frags_sent - arrived.min(self.udp_frags_sent) };
-        let slices_total: u64 = self.burst_hist.iter().sum();
+        let mut burst_hist = vec![0u64; self.sources.len() + 1];
+        let bursts = self.workload.bursts.borrow();
+        for slice in 0..self.n_slices {
+            burst_hist[bursts.get(&slice).copied().unwrap_or(0) as usize] += 1;
+        }
         let n = self.sources.len() as f64;
-        let burst_mean = if slices_total > 0 {
-            self.burst_hist.iter().enumerate().map(|(k, &c)| k as f64 * c as f64).sum::<f64>() / slices_total as f64 / n
-        } else {
-            0.0
-        };
+        let burst_mean =
+            burst_hist.iter().enumerate().map(|(k, &c)| k as f64 * c as f64).sum::<f64>() / self.n_slices as f64 / n;
         let summary = SimSummary {
             name: self.sc.name.clone(),
             seed: self.sc.seed,
@@ -800,18 +779,19 @@ impl World {
             } else {
                 0.0
             },
-            slices_complete: self.builders.iter().map(|b| b.complete).sum(),
-            slices_incomplete: self.builders.iter().map(|b| b.incomplete).sum(),
+            slices_complete: reports.iter().map(|r| r.slices_complete).sum(),
+            slices_incomplete: reports.iter().map(|r| r.slices_incomplete).sum(),
             queue_drops: self.net.ports.iter().map(|p| p.stats.dropped).sum(),
             damaged_packets: self.net.ports.iter().map(|p| p.stats.damaged).sum(),
             ledger: ledger.buckets().map(|(b, n)| (b.name().to_string(), n)).collect(),
             ledger_produced: ledger.produced,
             ledger_unaccounted: ledger.unaccounted(),
             burst_mean_fraction: burst_mean,
-            burst_histogram: if self.sc.traffic.bursts { self.burst_hist.clone() } else { Vec::new() },
+            burst_histogram: if self.sc.traffic.bursts { burst_hist } else { Vec::new() },
             events: self.q.processed(),
             wall_s,
         };
-        SimResult { summary, records: self.records, transmits: self.transmits }
+        drop(bursts);
+        SimResult { summary, records: self.records, transmits }
     }
 }
