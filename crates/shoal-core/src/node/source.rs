@@ -211,6 +211,11 @@ pub struct SourceNode {
     phase: Phase,
     /// Bytes handed to the transport per builder and not yet reported.
     in_transport: Vec<u64>,
+    /// Per builder, the frame whose pieces are being handed out: hosted sources share one
+    /// connection per builder, so a frame cut into pieces (token bucket) owns it until its
+    /// last piece and pieces of other frames wait in `deferred`.
+    open_frame: Vec<Option<(SourceId, SliceNumber)>>,
+    deferred: Vec<VecDeque<(usize, Transmit)>>,
     stall_limit: Duration,
     /// Round-robin cursor over hosted sources for `poll_transmit`.
     cursor: usize,
@@ -242,6 +247,8 @@ impl SourceNode {
         let index = hosted.iter().enumerate().map(|(i, h)| (h.id, i)).collect();
         let stall_limit = cfg.slice_clock.length() * cfg.stall_limit_slices.max(1);
         let in_transport = vec![0; cfg.n_builders as usize];
+        let open_frame = vec![None; cfg.n_builders as usize];
+        let deferred = vec![VecDeque::new(); cfg.n_builders as usize];
         let mut node = Self {
             cfg,
             hosted,
@@ -253,6 +260,8 @@ impl SourceNode {
             paused: false,
             phase: Phase::Producing,
             in_transport,
+            open_frame,
+            deferred,
             stall_limit,
             cursor: 0,
             eos: VecDeque::new(),
@@ -369,10 +378,22 @@ impl SourceNode {
         if self.phase == Phase::Closed {
             return self.eos.pop_front();
         }
+        for dest in 0..self.deferred.len() {
+            while let Some((i, tx)) = self.next_deferred(dest) {
+                if let Some(t) = self.dispatch(i, tx, now) {
+                    return Some(t);
+                }
+            }
+        }
         let n = self.hosted.len();
         for _ in 0..n {
             let i = self.cursor;
             while let Some(tx) = self.hosted[i].shaper.poll_transmit(now) {
+                let key = (self.hosted[i].id, tx.slice);
+                if self.open_frame[tx.dest as usize].is_some_and(|open| open != key) {
+                    self.deferred[tx.dest as usize].push_back((i, tx));
+                    continue;
+                }
                 if let Some(t) = self.dispatch(i, tx, now) {
                     return Some(t);
                 }
@@ -380,6 +401,17 @@ impl SourceNode {
             self.cursor = (self.cursor + 1) % n;
         }
         None
+    }
+
+    /// The next waiting piece for `dest` that may go now: one of the open frame, or any
+    /// if no frame is open (pieces of one frame stay in order).
+    fn next_deferred(&mut self, dest: usize) -> Option<(usize, Transmit)> {
+        let q = &mut self.deferred[dest];
+        let pos = match self.open_frame[dest] {
+            None => 0,
+            Some(open) => q.iter().position(|(i, tx)| (self.hosted[*i].id, tx.slice) == open)?,
+        };
+        q.remove(pos)
     }
 
     /// When to call [`SourceNode::handle_timeout`] next (`None`: only on inputs).
@@ -413,6 +445,7 @@ impl SourceNode {
 
     /// Fragments produced and not yet reported sent, failed or dropped.
     pub fn queued(&self) -> usize {
+        // Deferred pieces belong to frames in `frames`.
         self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum()
     }
 
@@ -559,6 +592,7 @@ impl SourceNode {
             f.dest = Some(tx.dest);
             f.dropped = self.in_transport[dest] + f.len() > self.cfg.queue_limit_bytes;
         }
+        self.open_frame[dest] = (!tx.last && !f.dropped).then_some((h.id, tx.slice));
         if f.dropped {
             if tx.last {
                 h.frames.remove(&tx.slice);
@@ -728,6 +762,34 @@ mod tests {
         node.handle_timeout(t3, &Fixed(60));
         let tx = drain(&mut node, t3);
         assert_eq!(tx.iter().map(|x| x.slice).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn hosted_sources_never_interleave_frames_on_a_connection() {
+        // Two sources share the connection to builder 0; the token bucket cuts each
+        // 1,056-byte frame into 100-byte pieces that become ready at the same instants.
+        let mut node = SourceNode::new(cfg(vec![0, 1], 1, "tbf:100k:100"), Instant::ZERO);
+        let mut now = Instant::from_nanos(10 * MS);
+        node.handle_timeout(now, &Fixed(1000));
+        let mut order = Vec::new();
+        for _ in 0..1000 {
+            for t in drain(&mut node, now) {
+                order.push((t.source, t.offset, t.last));
+                if t.last {
+                    node.handle_sent(now, t.source, t.slice);
+                }
+            }
+            match node.poll_timeout() {
+                Some(t) if t < Instant::from_nanos(20 * MS) => now = t,
+                _ => break,
+            }
+            node.handle_timeout(now, &Fixed(1000));
+        }
+        assert_eq!(order.len(), 2 * 11, "both frames, 11 pieces each");
+        let first = order[0].0;
+        assert!(order[..11].iter().all(|p| p.0 == first) && order[10].2, "one frame, then the other: {order:?}");
+        let offsets: Vec<u64> = order[11..].iter().map(|p| p.1).collect();
+        assert_eq!(offsets, (0..11).map(|k| k * 100).collect::<Vec<_>>());
     }
 
     #[test]
