@@ -24,6 +24,43 @@ use core::fmt;
 
 use crate::Instant;
 
+/// The role a DAQ process plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "lowercase"))]
+pub enum Role {
+    Source,
+    Builder,
+    Writer,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Source, Role::Builder, Role::Writer];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Source => "source",
+            Role::Builder => "builder",
+            Role::Writer => "writer",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl core::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| format!("unknown role {s:?} (source, builder or writer)"))
+    }
+}
+
 /// A process's run-control state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RunState {

@@ -35,24 +35,7 @@ use crate::demo::DelayStats;
 use crate::live::Live;
 use crate::rcagent::{RC_REPORT, RC_STATS, RcAgent};
 
-/// The role a process plays.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Source,
-    Builder,
-    Writer,
-}
-
-impl Role {
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Source => "source",
-            Role::Builder => "builder",
-            Role::Writer => "writer",
-        }
-    }
-}
+pub use shoal_core::runstate::Role;
 
 /// How a run-controlled process is started (the `shoal node --dispatcher ...` options).
 #[derive(Clone, Debug)]

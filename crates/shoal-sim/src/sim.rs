@@ -11,8 +11,8 @@ use shoal_core::assembly::AssemblerConfig;
 use shoal_core::frame::Flags;
 use shoal_core::ledger::Ledger;
 use shoal_core::node::{
-    Arrival, BuilderNode, BuilderNodeConfig, CutoffConfig, GeneratedFragment, SourceNode, SourceNodeConfig,
-    SourceTransmit, TransmitKind, Workload,
+    Arrival, BuilderNode, BuilderNodeConfig, BuilderNodeReport, CutoffConfig, GeneratedFragment, SourceNode,
+    SourceNodeConfig, SourceTransmit, TransmitKind, Workload,
 };
 use shoal_core::shaping::Policy;
 use shoal_core::slice::{SliceClock, SliceNumber};
@@ -169,11 +169,13 @@ pub struct SimSummary {
 pub struct SimResult {
     pub summary: SimSummary,
     pub records: Vec<FragRecord>,
-    /// With [`RunOptions::log_transmits`]: every piece a shaper released, in order.
+    /// With [`RunOptions::log_transmits`]: every piece a source node handed out, in order.
     pub transmits: Vec<TransmitRecord>,
+    /// Each builder node's report (per-slice outcomes and its tally).
+    pub builders: Vec<BuilderNodeReport>,
 }
 
-/// One [`Transmit`] a source's shaper released.
+/// One piece a source node handed to the transport.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransmitRecord {
     pub at_ns: u64,
@@ -792,6 +794,6 @@ impl World {
             wall_s,
         };
         drop(bursts);
-        SimResult { summary, records: self.records, transmits }
+        SimResult { summary, records: self.records, transmits, builders: reports }
     }
 }

@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use shoal_core::runstate::Role;
 use shoal_net::clock::WallClock;
 use shoal_net::config::Config;
 use shoal_net::demo::{RunSummary, run_embedded};
@@ -114,7 +115,8 @@ struct DispatcherArgs {
 
 #[derive(Parser)]
 struct NodeArgs {
-    #[arg(long, value_enum)]
+    /// source, builder or writer.
+    #[arg(long)]
     role: Role,
     /// TOML configuration (see examples/shoal.toml); defaults apply to what it omits.
     /// Runs one run at once; with --dispatcher the configuration comes from run control.
@@ -135,13 +137,6 @@ struct NodeArgs {
     /// Statistics period under run control, milliseconds.
     #[arg(long, default_value_t = 1000)]
     stats_ms: u64,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Role {
-    Source,
-    Builder,
-    Writer,
 }
 
 #[derive(Parser)]
@@ -349,15 +344,24 @@ fn exit_code(s: &RunSummary, min_complete: Option<f64>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// `--ids` on the command line overrides the configuration file's ids for the role, or is
+/// refused: an option is never silently ignored.
+fn apply_ids(cfg: &mut Config, role: Role, ids: &[u32]) -> anyhow::Result<()> {
+    match (role, ids) {
+        (_, []) => {}
+        (Role::Source, ids) => cfg.source.ids = ids.to_vec(),
+        (Role::Builder, [id]) => cfg.builder.id = *id,
+        (Role::Builder, _) => anyhow::bail!("a builder process has one id: --ids {ids:?}"),
+        (Role::Writer, _) => anyhow::bail!("the writer takes no --ids"),
+    }
+    Ok(())
+}
+
 async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let role = args.role;
     if let Some(dispatcher) = args.dispatcher {
         let opts = shoal_net::node::NodeOptions {
-            role: match role {
-                Role::Source => shoal_net::node::Role::Source,
-                Role::Builder => shoal_net::node::Role::Builder,
-                Role::Writer => shoal_net::node::Role::Writer,
-            },
+            role,
             name: args.name.expect("clap requires --name"),
             dispatcher,
             ids: args.ids,
@@ -368,7 +372,8 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         shoal_net::node::run_controlled(opts, ctrl_c_token()).await?;
         return Ok(ExitCode::SUCCESS);
     }
-    let cfg = load(args.config.as_ref())?;
+    let mut cfg = load(args.config.as_ref())?;
+    apply_ids(&mut cfg, role, &args.ids)?;
     cfg.validate()?;
     let clock = WallClock::new();
     let live = Arc::new(Live::default());

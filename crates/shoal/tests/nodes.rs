@@ -1,4 +1,12 @@
-//! Each role as its own OS process (`shoal node --role ...`), configured by one TOML file.
+//! Each role as its own OS process (`shoal node --role ...`), configured by one TOML file
+//! and `--ids`.
+//!
+//! The processes start one after another, and a cold start can take longer than the first
+//! slice is ahead: a source may then produce its first slices late. The builders' slice
+//! timeouts are set out of reach, so they wait for every source whatever the start-up
+//! timing and the test checks completeness, not the machine's speed. (With the default
+//! slice-count timeout, a source 330 ms late had 33 fragments counted `late`: in the
+//! ledger, but not delivered.)
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -32,9 +40,16 @@ builder_addrs = ["127.0.0.1:{b0}", "127.0.0.1:{b1}"]
 writer_addr = "127.0.0.1:{w}"
 start_slice = {start_slice}
 
+[source]
+generator = "noise"
+
 [source.noise]
 rate_hz = 10000.0
 waveform_rate_hz = 0.0
+
+[builder]
+max_active = 100000
+wall_timeout_ms = 600000
 
 [writer]
 out_dir = "{out}"
@@ -43,28 +58,20 @@ out_dir = "{out}"
     );
     let base = dir.join("cluster.toml");
     std::fs::write(&base, &toml).unwrap();
-    let with = |name: &str, extra: &str| {
-        let p = dir.join(format!("{name}.toml"));
-        // Append role-specific tables (TOML tables may not repeat, so only new ones).
-        std::fs::write(&p, format!("{toml}\n{extra}")).unwrap();
-        p
+    let spawn = |role: &str, ids: &str| {
+        let mut c = shoal();
+        c.args(["node", "--role", role, "--config"]).arg(&base);
+        if !ids.is_empty() {
+            c.args(["--ids", ids]);
+        }
+        c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap()
     };
-    let spawn = |role: &str, cfg: &std::path::Path| {
-        shoal()
-            .args(["node", "--role", role, "--config"])
-            .arg(cfg)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let writer = spawn("writer", &base);
-    let builder0 = spawn("builder", &with("builder0", "[builder]\nid = 0\n"));
-    let builder1 = spawn("builder", &with("builder1", "[builder]\nid = 1\n"));
-    // Sources start after the listeners exist; they would reconnect with backoff anyway.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let source_a = spawn("source", &with("source_a", "[source]\nids = [0, 1]\n"));
-    let source_b = spawn("source", &with("source_b", "[source]\nids = [2]\n"));
+    // Sources reconnect with backoff until the listeners exist: no start order is needed.
+    let writer = spawn("writer", "");
+    let builder0 = spawn("builder", "0");
+    let builder1 = spawn("builder", "1");
+    let source_a = spawn("source", "0,1");
+    let source_b = spawn("source", "2");
 
     let mut reports = Vec::new();
     for child in [source_a, source_b, builder0, builder1, writer] {
@@ -82,10 +89,25 @@ out_dir = "{out}"
     assert_eq!(delivered, produced, "every fragment delivered to a builder");
     let complete: u64 = reports[2..4].iter().map(|r| r["slices_complete"].as_u64().unwrap()).sum();
     assert_eq!(complete, 100, "every slice complete: the processes agreed on the slices");
+    assert_eq!(reports[2]["id"], 0, "--ids 0 applied");
+    assert_eq!(reports[3]["id"], 1, "--ids 1 applied");
+    for b in &reports[2..4] {
+        assert_eq!(b["network_delay"]["count"], b["fragments"], "the standalone report has the network delay");
+    }
     let writer = &reports[4];
     assert_eq!(writer["builders_ended"], 2);
     assert!(dir.join("run000042.events.parquet").exists());
     assert!(dir.join("run000042.writer.json").exists());
     assert!(dir.join("run000042.builder0.json").exists());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ids_that_do_not_fit_the_role_are_refused() {
+    for (role, ids) in [("builder", "0,1"), ("writer", "0")] {
+        let out = shoal().args(["node", "--role", role, "--ids", ids]).output().unwrap();
+        assert!(!out.status.success(), "{role} --ids {ids} must be refused");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--ids"), "{role}: {err}");
+    }
 }
