@@ -53,6 +53,8 @@ pub struct BuilderReport {
     #[serde(skip)]
     pub shaping_delay_us: Histogram<u64>,
     pub connections: u64,
+    /// Hits in the accepted fragments (the filter's input).
+    pub hits: u64,
     pub events: u64,
     /// Time the filter spent processing, seconds.
     pub filter_busy_s: f64,
@@ -163,7 +165,7 @@ pub async fn run_builder(
         .expect("spawn filter thread");
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
-    let mut delays = Delays { net: new_histogram(), shaping: new_histogram() };
+    let mut delays = Delays { net: new_histogram(), shaping: new_histogram(), hits: 0 };
     info!(builder = id, n_sources, "builder started");
 
     loop {
@@ -225,6 +227,7 @@ pub async fn run_builder(
         net_delay_us: delays.net,
         shaping_delay_us: delays.shaping,
         connections,
+        hits: delays.hits,
         events,
         filter_busy_s: busy,
         event_frames_failed: failed_task.await.unwrap_or(0),
@@ -238,9 +241,11 @@ pub async fn run_builder(
     Ok(report)
 }
 
+/// What the driver measures beside the node: delays and the filter's input.
 struct Delays {
     net: Histogram<u64>,
     shaping: Histogram<u64>,
+    hits: u64,
 }
 
 fn on_incoming(node: &mut BuilderNode<FragmentData>, delays: &mut Delays, m: Incoming, live: &Live) {
@@ -264,6 +269,7 @@ fn on_incoming(node: &mut BuilderNode<FragmentData>, delays: &mut Delays, m: Inc
         let _ = delays.shaping.record((d.as_micros() as u64).max(1));
     }
     if o.admission == Admission::Accepted {
+        delays.hits += u64::from(h.hit_count);
         Live::add(&live.fragments_received, 1);
         Live::add(&live.bytes_received, h.payload_len as u64 + frame::HEADER_LEN as u64);
     } else {

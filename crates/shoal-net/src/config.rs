@@ -266,6 +266,28 @@ impl Config {
         }
     }
 
+    /// The sources' workload in words (summaries).
+    pub fn describe_workload(&self) -> String {
+        let s = &self.source;
+        let base = match s.generator {
+            GeneratorKind::Physics => format!(
+                "physics: K-40 {:.0} kHz per PMT, bursts {:.0}% of the time, muons {} Hz",
+                s.physics.singles_hz / 1e3,
+                s.physics.burst_fraction * 100.0,
+                s.physics.muon_rate_hz
+            ),
+            GeneratorKind::Noise => format!("noise: {:.0} kHz per module", s.noise.rate_hz / 1e3),
+            GeneratorKind::Fixed => format!("fixed: {} bytes per fragment", s.fixed_bytes),
+            GeneratorKind::Bursts => format!(
+                "bursts: {} bytes, {} bytes in bursts {:.0}% of the time",
+                s.bursts.base_bytes,
+                s.bursts.burst_bytes,
+                s.bursts.fraction * 100.0
+            ),
+        };
+        if s.replay_pool > 0 { format!("{base} (replaying {} slices)", s.replay_pool) } else { base }
+    }
+
     /// The workload of the sources this process hosts (with `source.replay_pool`, a pool
     /// generated now and replayed in turn).
     pub fn workload(&self) -> Result<Generator, ConfigError> {

@@ -62,6 +62,10 @@ pub struct RunSummary {
     pub incomplete_reasons: BTreeMap<String, u64>,
     pub fragments_received: u64,
     pub bytes_received: u64,
+    /// Hits in the fragments accepted into slices (the filter's input).
+    pub hits_received: u64,
+    /// What the sources generated, in words.
+    pub workload: String,
     /// Bytes received over the time from the first to the last arrival.
     pub mbytes_per_s: f64,
     pub network_delay: DelayStats,
@@ -239,6 +243,8 @@ fn summarize(
         incomplete_reasons,
         fragments_received: builder_reports.iter().map(|b| b.node.fragments).sum(),
         bytes_received: bytes,
+        hits_received: builder_reports.iter().map(|b| b.hits).sum(),
+        workload: cfg.describe_workload(),
         mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
         network_delay: DelayStats::from_histogram(&net),
         shaping_delay: DelayStats::from_histogram(&shaping),

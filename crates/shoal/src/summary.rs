@@ -29,6 +29,19 @@ fn counts(m: &std::collections::BTreeMap<String, u64>) -> String {
     format!(" ({})", parts.join(", "))
 }
 
+/// Events, and the filter's reduction: hits received over hits stored.
+fn events(s: &RunSummary) -> String {
+    let stored = s.writer.file.hits;
+    let reduction = if stored > 0 {
+        format!(", reduction {:.0}x", s.hits_received as f64 / stored as f64)
+    } else if s.hits_received > 0 {
+        ", nothing selected".to_string()
+    } else {
+        String::new()
+    };
+    format!("{} ({} of {} hits stored{reduction})", s.writer.file.events, stored, s.hits_received)
+}
+
 pub fn table(s: &RunSummary) -> String {
     let mut o = String::new();
     let total = s.slices_complete + s.slices_incomplete;
@@ -77,7 +90,8 @@ pub fn table(s: &RunSummary) -> String {
             "rejected conns",
             format!("{}{}", s.rejected_connections.values().sum::<u64>(), counts(&s.rejected_connections)),
         ),
-        ("events", format!("{} ({} hits stored)", s.writer.file.events, s.writer.file.hits)),
+        ("workload", s.workload.clone()),
+        ("events", events(s)),
         (
             "ledger",
             format!(
