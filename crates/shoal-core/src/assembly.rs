@@ -91,6 +91,12 @@ impl<T> SliceOutcome<T> {
     pub fn is_complete(&self) -> bool {
         self.missing.is_empty() && self.dropped.is_empty()
     }
+
+    /// What the filter sees: the fragments' data in source order, without burst-cutoff
+    /// markers (they carry no data; they only keep the slice from waiting for them).
+    pub fn into_filter_input(self) -> Vec<T> {
+        self.fragments.into_iter().filter(|f| !f.cut_off).map(|f| f.data).collect()
+    }
 }
 
 #[derive(Debug)]

@@ -1,5 +1,5 @@
 //! The builder: accepts every source's connection, finds frames in each byte stream,
-//! assembles slices (shoal-core's [`SliceAssembler`]), filters them on a thread of its own
+//! assembles slices (shoal-core's [`BuilderNode`]), filters them on a thread of its own
 //! and ships the selected events to the writer.
 //!
 //! Receiving never waits for filtering: completed slices go to the filter thread through a
@@ -310,12 +310,13 @@ fn filter_loop(
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
     for o in rx {
-        let slice_start = slice_clock.start_of(o.slice);
+        let (slice, bytes) = (o.slice, o.bytes);
+        let slice_start = slice_clock.start_of(slice);
         let data = SliceData {
-            slice: o.slice,
+            slice,
             slice_start_ns: slice_start.as_nanos(),
             slice_ns: slice_clock.length().as_nanos() as u64,
-            fragments: o.fragments.into_iter().filter(|f| !f.cut_off).map(|f| f.data).collect(),
+            fragments: o.into_filter_input(),
         };
         let t = std::time::Instant::now();
         let selected = filter.process(&data);
@@ -327,14 +328,14 @@ fn filter_loop(
             flags: Flags::EVENTS,
             source: id,
             hit_count: 0,
-            slice: o.slice,
+            slice,
             slice_start,
             send_time: Instant::ZERO,
             payload_len: 0,
         };
         let payload = encode_events(&selected);
-        link.send(Chunk::frame(id, o.slice, frame::encode_header(&header, &payload), payload));
-        let _ = released.send(o.bytes);
+        link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
+        let _ = released.send(bytes);
     }
     filter.cleanup();
     (events, busy.as_secs_f64(), link)

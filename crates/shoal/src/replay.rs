@@ -2,7 +2,7 @@
 //!
 //! Input is a hit table written by `scripts/km3net_to_shoal.py` (format in that script):
 //! - time slices (kind 1): each slice's per-DOM hits become shoal frames (encoded and
-//!   decoded with the wire format), go through the builder's `SliceAssembler`, then the
+//!   decoded with the wire format), go through the builder's `BuilderNode`, then the
 //!   filter; events are written to Parquet like a builder's;
 //! - triggered events (kind 2): each event's snapshot hits go through the filter and our
 //!   triggered hits are compared with the flags the KM3NeT trigger stored.
@@ -19,9 +19,11 @@ use anyhow::{Context, bail};
 use bytes::BytesMut;
 use clap::Parser;
 use serde::Serialize;
-use shoal_core::assembly::{AssemblerConfig, SliceAssembler};
+use shoal_core::assembly::AssemblerConfig;
 use shoal_core::frame::{self, Flags, FrameHeader};
 use shoal_core::hit::Hit;
+use shoal_core::node::{BuilderNode, BuilderNodeConfig};
+use shoal_core::slice::SliceClock;
 use shoal_core::{Duration, Instant};
 use shoal_detector::geometry::Geometry;
 use shoal_trigger::muon::{L1Kind, MuonConfig, MuonFilter};
@@ -190,11 +192,16 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
     match kind {
         1 => {
             let n_sources = map.index.len() as u32;
-            let mut asm: SliceAssembler<FragmentData> = SliceAssembler::new(AssemblerConfig {
-                n_sources,
-                max_active: 2,
-                wall_timeout: Duration::from_secs(3600),
-                memory_budget: 1 << 34,
+            // The builder node, as a builder process runs it; the driver here is a loop.
+            let mut node: BuilderNode<FragmentData> = BuilderNode::new(BuilderNodeConfig {
+                id: 0,
+                assembler: AssemblerConfig {
+                    n_sources,
+                    max_active: 2,
+                    wall_timeout: Duration::from_secs(3600),
+                    memory_budget: 1 << 34,
+                },
+                slice_clock: SliceClock::new(Duration::from_nanos(slice_ns)),
             });
             let mut writer = match &args.out {
                 Some(dir) => {
@@ -219,27 +226,27 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
                 events_file: None,
             };
             let now = Instant::ZERO;
-            let mut process =
-                |asm: &mut SliceAssembler<FragmentData>, report: &mut SliceReport| -> anyhow::Result<()> {
-                    while let Some(o) = asm.poll_outcome() {
-                        report.slices += 1;
-                        report.complete += u64::from(o.is_complete());
-                        let data = SliceData {
-                            slice: o.slice,
-                            slice_start_ns: o.slice * slice_ns,
-                            slice_ns,
-                            fragments: o.fragments.into_iter().map(|f| f.data).collect(),
-                        };
-                        let events = filter.process_slice(&data);
-                        report.events += events.len() as u64;
-                        report.event_hits += events.iter().map(|e| e.hits.len() as u64).sum::<u64>();
-                        if let Some(w) = writer.as_mut() {
-                            w.write_slice(0, o.slice, data.slice_start_ns, &events)?;
-                        }
-                        asm.handle_released(o.bytes);
+            let mut process = |node: &mut BuilderNode<FragmentData>, report: &mut SliceReport| -> anyhow::Result<()> {
+                while let Some(o) = node.poll_slice() {
+                    report.slices += 1;
+                    report.complete += u64::from(o.is_complete());
+                    let (slice, bytes) = (o.slice, o.bytes);
+                    let data = SliceData {
+                        slice,
+                        slice_start_ns: slice * slice_ns,
+                        slice_ns,
+                        fragments: o.into_filter_input(),
+                    };
+                    let events = filter.process_slice(&data);
+                    report.events += events.len() as u64;
+                    report.event_hits += events.iter().map(|e| e.hits.len() as u64).sum::<u64>();
+                    if let Some(w) = writer.as_mut() {
+                        w.write_slice(0, slice, data.slice_start_ns, &events)?;
                     }
-                    Ok(())
-                };
+                    node.handle_released(bytes);
+                }
+                Ok(())
+            };
             for (group, recs) in &groups {
                 let slice = u64::from(*group);
                 let by_source = fragments(recs, &map);
@@ -260,12 +267,12 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
                     let wire = frame::encode(&header, &body);
                     let (f, _) = frame::decode(&wire, u32::MAX >> 1).context("re-decoding a frame")?;
                     let data = FragmentData { source, hit_count: f.header.hit_count, payload: f.payload };
-                    asm.handle_fragment(now, source, slice, wire.len() as u64, false, data);
+                    node.handle_frame(now, &f.header, data);
                 }
-                process(&mut asm, &mut report)?;
+                process(&mut node, &mut report)?;
             }
-            asm.handle_drain(now);
-            process(&mut asm, &mut report)?;
+            node.handle_drain(now);
+            process(&mut node, &mut report)?;
             if let Some(w) = writer {
                 let path = w.path().to_path_buf();
                 w.close()?;
