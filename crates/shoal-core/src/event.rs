@@ -1,12 +1,13 @@
-//! Filtered events and their wire encoding (payload of an `EVENTS` frame).
+//! Filtered events and their wire encoding: the payload of an `EVENTS` frame (wire
+//! format, beside [`crate::frame`]).
 //!
 //! Encoding (little-endian): per event `id u32, trigger_mask u32, overlays u32, n_hits u32`, then
 //! `n_hits` records of 11 bytes: `source u32, channel u8, time_ns u32, amplitude u8,
 //! flags u8` (bit 0: the hit took part in the trigger).
 
+use crate::SourceId;
+use crate::hit::Hit;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use shoal_core::SourceId;
-use shoal_core::hit::Hit;
 
 const EVENT_HEADER_LEN: usize = 16;
 const EVENT_HIT_LEN: usize = 11;

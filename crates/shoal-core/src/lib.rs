@@ -9,6 +9,7 @@
 //! Main types:
 //! - [`frame`]: the data-frame wire format v1 ([`frame::FrameHeader`], checked
 //!   [`frame::decode`], [`frame::StreamDecoder`] for TCP byte streams).
+//! - [`event`]: selected events and the `EVENTS` payload codec (builder to writer).
 //! - [`hit`]: the 6-byte hit record and the waveform record carried in frame payloads.
 //! - [`slice`]: slice numbers, the slice clock and the slice-to-builder rule.
 //! - [`shaping`]: traffic-shaping policies behind the [`shaping::Shaper`] trait
@@ -23,6 +24,7 @@
 
 pub mod assembly;
 pub mod controlhost;
+pub mod event;
 pub mod frame;
 pub mod hit;
 pub mod ledger;

@@ -18,7 +18,7 @@ use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, TimeUnit};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
-use shoal_trigger::Event;
+use shoal_core::event::Event;
 
 /// Errors while writing output files.
 #[derive(Debug, thiserror::Error)]
@@ -223,7 +223,7 @@ impl EventFileWriter {
 mod tests {
     use super::*;
     use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-    use shoal_trigger::EventHit;
+    use shoal_core::event::EventHit;
 
     #[test]
     fn writes_readable_file() {

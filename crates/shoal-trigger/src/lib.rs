@@ -22,13 +22,12 @@
 //! against the physics generator's ground truth (`shoal trigger-eval`).
 
 pub mod eval;
-mod event;
 mod l1;
 pub mod muon;
 
-pub use event::{Event, EventDecodeError, EventHit, decode_events, encode_events};
 pub use l1::{L1Config, L1Multiplicity};
 pub use muon::{MuonConfig, MuonFilter};
+pub use shoal_core::event::{Event, EventDecodeError, EventHit, decode_events, encode_events};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
