@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use shoal_core::controlhost::{Mode, RouterConfig, Tag, encode_prefix};
-use shoal_net::chclient::ChClient;
-use shoal_net::dispatcher::{DispatcherConfig, DispatcherHandle, Snapshot, spawn_dispatcher};
+use shoal_dispatcher::client::ChClient;
+use shoal_dispatcher::server::{DispatcherConfig, DispatcherHandle, Snapshot, spawn_dispatcher};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;

@@ -17,11 +17,9 @@
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
 
 pub mod builder;
-pub mod chclient;
 pub mod clock;
 pub mod config;
 pub mod demo;
-pub mod dispatcher;
 pub mod framed;
 pub mod link;
 pub mod live;

@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 use shoal_core::controlhost::Mode;
 use shoal_core::runstate::{Command, CommandParseError, Reply, RunControl, RunState, TransitionError};
 
-use crate::chclient::{ChClient, ClientError};
 use crate::clock::WallClock;
+use shoal_dispatcher::client::{ChClient, ClientError};
 
 /// Tag of run-control commands.
 pub const RC_CMD: &str = "RC_CMD";

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use shoal_core::controlhost::Mode;
 use shoal_core::runstate::{Command, RunState};
-use shoal_net::chclient::ChClient;
+use shoal_dispatcher::client::ChClient;
+use shoal_dispatcher::server::{DispatcherConfig, spawn_dispatcher};
 use shoal_net::clock::WallClock;
-use shoal_net::dispatcher::{DispatcherConfig, spawn_dispatcher};
 use shoal_net::rcagent::{RC_CMD, RC_REPLY, RcAgent};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

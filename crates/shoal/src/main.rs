@@ -307,7 +307,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
 
 async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     use shoal_core::controlhost::RouterConfig;
-    use shoal_net::dispatcher::{DispatcherConfig, serve_http, spawn_dispatcher};
+    use shoal_dispatcher::server::{DispatcherConfig, serve_http, spawn_dispatcher};
     if args.queue_limit == 0 || args.max_payload_mb == 0 {
         anyhow::bail!("--queue-limit and --max-payload-mb must be at least 1");
     }

@@ -16,7 +16,7 @@ use serde::Serialize;
 use shoal_core::controlhost::Mode;
 use shoal_core::ledger::Ledger;
 use shoal_core::runstate::{Command, Reply, RunState};
-use shoal_net::chclient::ChClient;
+use shoal_dispatcher::client::ChClient;
 use shoal_net::config::Config;
 use shoal_net::demo::LedgerSummary;
 use shoal_net::node::{NodeReport, NodeStats, Role};

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use shoal_net::chclient::ChClient;
+use shoal_dispatcher::client::ChClient;
 use shoal_net::node::Role;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;

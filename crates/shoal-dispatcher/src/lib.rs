@@ -1,0 +1,16 @@
+//! shoal-dispatcher: a ControlHost-compatible message dispatcher (the KM3NeT "Ligier"
+//! dialect) and its client, on tokio.
+//!
+//! The protocol decisions (prefix codec, subscription grammar, routing, queues and
+//! back-pressure) are shoal-core's [`shoal_core::controlhost`]; this crate moves bytes:
+//! - [`server`]: the dispatcher (`shoal dispatcher`), one reader and one writer task per
+//!   connection around one [`shoal_core::controlhost::Router`], with `/status` and
+//!   Prometheus `/metrics` over HTTP;
+//! - [`client`]: [`client::ChClient`], the async client that run control, the nodes' agents
+//!   and the tests use.
+//!
+//! Real third-party clients (Python `controlhost`, `km3pipe`) talk to it unchanged; see
+//! `docs/dispatcher.md`.
+
+pub mod client;
+pub mod server;
