@@ -129,11 +129,17 @@ pub enum Command {
     },
     Reset,
     Off,
+    /// A query, not a transition: the process answers with its current state. Run control
+    /// asks every process (`* STATUS`) when it starts, so processes that announced
+    /// themselves before it listened are found.
+    Status,
 }
 
 /// Why a command text could not be parsed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("bad run-control command {0:?} (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF)")]
+#[error(
+    "bad run-control command {0:?} (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF, STATUS)"
+)]
 pub struct CommandParseError(pub String);
 
 impl Command {
@@ -147,6 +153,7 @@ impl Command {
             Command::Stop { .. } => "STOP",
             Command::Reset => "RESET",
             Command::Off => "OFF",
+            Command::Status => "STATUS",
         }
     }
 
@@ -188,6 +195,7 @@ impl Command {
             },
             "RESET" => simple(Command::Reset),
             "OFF" | "QUIT" => simple(Command::Off),
+            "STATUS" => simple(Command::Status),
             _ => Err(err()),
         }
     }
@@ -279,6 +287,7 @@ impl RunControl {
         use RunState::*;
         let not_allowed = TransitionError::NotAllowed { state: self.state, command: cmd.name() };
         let next = match (self.state, cmd) {
+            (state, Command::Status) => return Ok(state),
             (Off, _) => return Err(not_allowed),
             (_, Command::Off) => Off,
             (Idle, Command::Init) => Standby,
@@ -327,19 +336,21 @@ mod tests {
             Command::Stop { end_slice: Some(9) },
             Command::Reset,
             Command::Off,
+            Command::Status,
         ]
     }
 
     /// The table of the module documentation, written out independently.
     fn expected(from: RunState, cmd: &Command) -> Option<RunState> {
         let i = commands().iter().position(|c| c.name() == cmd.name()).unwrap();
-        let row: [Option<RunState>; 8] = match from {
-            Idle => [Some(Standby), None, None, None, None, None, None, Some(Off)],
-            Standby => [None, Some(Ready), None, None, None, None, Some(Idle), Some(Off)],
-            Ready => [None, Some(Ready), Some(Running), None, None, None, Some(Idle), Some(Off)],
-            Running => [None, None, None, Some(Paused), None, Some(Ready), None, Some(Off)],
-            Paused => [None, None, None, None, Some(Running), Some(Ready), None, Some(Off)],
-            Off => [None; 8],
+        // The last column is STATUS: every state answers with itself.
+        let row: [Option<RunState>; 9] = match from {
+            Idle => [Some(Standby), None, None, None, None, None, None, Some(Off), Some(Idle)],
+            Standby => [None, Some(Ready), None, None, None, None, Some(Idle), Some(Off), Some(Standby)],
+            Ready => [None, Some(Ready), Some(Running), None, None, None, Some(Idle), Some(Off), Some(Ready)],
+            Running => [None, None, None, Some(Paused), None, Some(Ready), None, Some(Off), Some(Running)],
+            Paused => [None, None, None, None, Some(Running), Some(Ready), None, Some(Off), Some(Paused)],
+            Off => [None, None, None, None, None, None, None, None, Some(Off)],
         };
         row[i]
     }
@@ -379,7 +390,9 @@ mod tests {
                     Some(to) => {
                         assert_eq!(got, Ok(to), "{from} --{}-->", cmd.name());
                         assert_eq!(m.state(), to);
-                        assert_eq!(m.since(), Instant::from_nanos(5));
+                        // A query is not a transition: the state's start time stays.
+                        let since = if cmd == Command::Status { Instant::ZERO } else { Instant::from_nanos(5) };
+                        assert_eq!(m.since(), since);
                     }
                     None => {
                         assert_eq!(got, Err(TransitionError::NotAllowed { state: from, command: cmd.name() }));

@@ -39,7 +39,7 @@ impl FixedPayload {
         let payload_len = (wire_bytes as usize).saturating_sub(HEADER_LEN);
         // 263 = 5 (mod 6) is invertible mod 6: some w in 0..6 makes the rest whole hits.
         let waveforms = (0..6usize)
-            .find(|&w| w * WAVEFORM_LEN <= payload_len && (payload_len - w * WAVEFORM_LEN) % HIT_LEN == 0)
+            .find(|&w| w * WAVEFORM_LEN <= payload_len && (payload_len - w * WAVEFORM_LEN).is_multiple_of(HIT_LEN))
             .unwrap_or(0);
         let hits = (payload_len - waveforms * WAVEFORM_LEN) / HIT_LEN;
         let span = u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX).clamp(1, u64::from(u32::MAX));

@@ -189,7 +189,7 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                         live.paused.store(false, Ordering::Relaxed);
                     }
                     Command::Reset => config = None,
-                    Command::Init => {}
+                    Command::Init | Command::Status => {}
                 }
                 let applied = agent.commit(command).await?;
                 if applied.result.is_ok_and(|s| s == RunState::Off) {

@@ -59,8 +59,7 @@ fn digest(transmits: &[TransmitRecord], first_slice: u64, builders: Vec<BuilderN
 }
 
 fn simulated(policy: &str) -> Run {
-    let mut sc = Scenario::default();
-    sc.name = format!("parity-{policy}");
+    let mut sc = Scenario { name: format!("parity-{policy}"), ..Default::default() };
     sc.topology.sources = Some(SOURCES);
     sc.topology.builders = Some(BUILDERS);
     sc.traffic.policy = policy.into();

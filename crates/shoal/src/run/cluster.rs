@@ -44,6 +44,10 @@ pub struct ClusterSettings {
     pub seconds: f64,
     /// The shoal executable for launched processes (default: this one).
     pub binary: Option<PathBuf>,
+    /// START even when some processes are inactive (never announced, did not answer, left
+    /// the dispatcher). Default false: a run with a missing builder or source loses data by
+    /// design, so run control refuses and says which processes are missing.
+    pub start_with_missing: bool,
 }
 
 impl Default for ClusterSettings {
@@ -59,6 +63,7 @@ impl Default for ClusterSettings {
             stats_interval_ms: 1_000,
             seconds: 10.0,
             binary: None,
+            start_with_missing: false,
         }
     }
 }

@@ -247,11 +247,36 @@ impl Controller {
             .collect()
     }
 
+    /// Processes of the cluster file that are not active, with the reason.
+    fn inactive(&self) -> Vec<String> {
+        let s = self.shared.snapshot();
+        s.processes
+            .iter()
+            .filter(|p| !p.active)
+            .map(|p| format!("{}: {}", p.name, p.inactive_reason.as_deref().unwrap_or("inactive")))
+            .collect()
+    }
+
+    /// Asks every process for its state (`* STATUS`): processes that were up before run
+    /// control listened (started by systemd, `launch = "external"`) answer like new ones.
+    async fn ask_status(&mut self) {
+        let text = format!("* {}", Command::Status.to_text());
+        if let Err(e) = self.client.publish(RC_CMD, text.as_bytes()).await {
+            self.shared.update(|s| s.note(format!("cannot ask for the processes' states: {e}")));
+        }
+    }
+
     /// Waits until every process has announced itself (or `timeout`); the silent ones are
-    /// marked inactive.
+    /// marked inactive. Asks for the states at once and every half second, so processes
+    /// that announced themselves before run control listened are found too.
     pub async fn await_announcements(&mut self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
+        let mut next_ask = Instant::now();
         loop {
+            if Instant::now() >= next_ask {
+                self.ask_status().await;
+                next_ask = Instant::now() + Duration::from_millis(500);
+            }
             let s = self.shared.snapshot();
             let missing: Vec<String> =
                 s.processes.iter().filter(|p| p.state == "UNKNOWN").map(|p| p.name.clone()).collect();
@@ -358,6 +383,16 @@ impl Controller {
                 if self.run.is_some() {
                     anyhow::bail!("a run is in progress");
                 }
+                let missing = self.inactive();
+                if !missing.is_empty() && !self.file.cluster.start_with_missing {
+                    anyhow::bail!(
+                        "not starting: {} of {} processes inactive ({}); bring them back, or set \
+                         cluster.start_with_missing = true to run without them",
+                        missing.len(),
+                        self.file.processes.len(),
+                        missing.join(", ")
+                    );
+                }
                 let run = self.numbers.take_next()?;
                 // Every source begins with the same slice, far enough ahead for the START
                 // to reach all of them.
@@ -386,9 +421,12 @@ impl Controller {
                 if self.run.is_some() {
                     self.stop().await?;
                 }
-                // Upstream first, the reverse of START.
+                // Upstream first, the reverse of START; to every process of the cluster, also
+                // those marked inactive (a process that is alive but was not heard from must
+                // not keep running a data path without control).
                 for role in order.iter().rev() {
-                    let targets = self.active(Some(*role));
+                    let targets: Vec<String> =
+                        self.file.processes.iter().filter(|p| p.role == *role).map(|p| p.name.clone()).collect();
                     self.shared.update(|s| {
                         for p in s.processes.iter_mut().filter(|p| targets.contains(&p.name)) {
                             p.switched_off = true;

@@ -48,6 +48,9 @@ pub struct RunArgs {
     /// Override cluster.dispatcher.
     #[arg(long)]
     pub dispatcher: Option<String>,
+    /// End by printing the last run's summary as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 struct Launched {
@@ -305,7 +308,11 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
     http_cancel.cancel();
     let status = shared.snapshot();
     if let Some(last) = status.history.first() {
-        println!("{}", serde_json::to_string_pretty(last)?);
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(last)?);
+        } else {
+            print!("{}", brief_table(last, &state_dir));
+        }
         ok &= last.balanced;
     }
     let inactive: Vec<&str> = status.processes.iter().filter(|p| !p.active).map(|p| p.name.as_str()).collect();
@@ -313,6 +320,33 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
         eprintln!("inactive processes: {}", inactive.join(", "));
     }
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// The last run in words, like `shoal demo`'s summary.
+fn brief_table(b: &status::RunBrief, state_dir: &std::path::Path) -> String {
+    let total = b.slices_complete + b.slices_incomplete;
+    let pct = if total > 0 { 100.0 * b.slices_complete as f64 / total as f64 } else { 0.0 };
+    let rows = [
+        ("run", format!("{} started {}, {:.1} s", b.run, b.start_time, b.seconds)),
+        ("slices", format!("{} complete ({pct:.2}%), {} incomplete", b.slices_complete, b.slices_incomplete)),
+        ("events", b.events.to_string()),
+        (
+            "ledger",
+            format!(
+                "produced {}, lost {}{}",
+                b.produced,
+                b.lost,
+                if b.balanced { " (balanced)" } else { " (NOT BALANCED)" }
+            ),
+        ),
+        ("inactive", if b.inactive.is_empty() { "none".to_string() } else { b.inactive.join(", ") }),
+        ("record", state_dir.join("runs").join(format!("run{:06}.json", b.run)).display().to_string()),
+    ];
+    let mut o = String::from("shoal run summary\n");
+    for (k, v) in rows {
+        o.push_str(&format!("  {k:<10} {v}\n"));
+    }
+    o
 }
 
 /// Follows the launched children: one that exits on its own is marked inactive.
