@@ -1,11 +1,13 @@
 //! shoal-net: the tokio runtime that deploys shoal-core on real sockets.
 //!
-//! Roles, each runnable alone (`shoal node --role ...`) or all in one process
-//! (`shoal demo`, [`demo::run_embedded`]) with the same code:
-//! - [`source::run_source_node`]: generator, frames, shaping, one TCP [`link::Link`] per
-//!   builder with reconnect and backoff;
-//! - [`builder::run_builder`]: stream decoding, slice assembly, filter thread, events to
-//!   the writer;
+//! Every decision of a source or builder process is shoal-core's node machines
+//! ([`shoal_core::node::SourceNode`], [`shoal_core::node::BuilderNode`]); this crate moves
+//! their bytes and gives them time. Roles, each runnable alone (`shoal node --role ...`) or
+//! all in one process (`shoal demo`, [`demo::run_embedded`]) with the same code:
+//! - [`source::run_source_node`]: the workload and a `SourceNode` on one TCP
+//!   [`link::Link`] per builder with reconnect and backoff;
+//! - [`builder::run_builder`]: stream decoding into a `BuilderNode`, the filter thread,
+//!   events to the writer;
 //! - [`writer::run_writer`]: events into Parquet plus a JSON summary.
 //!
 //! Under run control ([`node::run_controlled`], `shoal node --dispatcher ...`) a process

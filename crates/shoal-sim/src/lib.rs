@@ -1,6 +1,7 @@
 //! shoal-sim: a deterministic, packet-level discrete-event network simulator that runs
-//! shoal-core's real policies (shapers, slice assembler, ledger) over modelled links,
-//! switches, TCP and UDP.
+//! shoal-core's real node machines (a [`shoal_core::node::SourceNode`] per board, a
+//! [`shoal_core::node::BuilderNode`] per builder, the runtime's workloads) over modelled
+//! links, switches, TCP and UDP.
 //!
 //! Main types:
 //! - [`engine::EventQueue`]: timestamp-ordered events (ties broken by insertion order), no
@@ -10,8 +11,8 @@
 //!   forward by destination.
 //! - [`tcp`]: a NewReno TCP model; [`udp`]: datagrams split into IP fragments.
 //!
-//! Everything random comes from one seeded PCG stream: the same scenario and seed give
-//! identical results.
+//! Everything random comes from the scenario's seed (the network's PCG stream, the workloads'
+//! per (seed, source, slice) draws): the same scenario and seed give identical results.
 
 pub mod engine;
 pub mod net;
