@@ -66,6 +66,20 @@ def start(shoal_bin, args, log):
     return subprocess.Popen([str(shoal_bin), *args], stdout=log, stderr=log, start_new_session=True)
 
 
+def start_cluster(shoal_bin, log, names):
+    """A dispatcher and the named node processes, connected and announced: returns the
+    dispatcher port and the processes (the dispatcher first)."""
+    port, http = free_port(), free_port()
+    procs = [start(shoal_bin, ["dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}"], log)]
+    for name, role, ids in names:
+        args = ["node", "--role", role, "--name", name, "--dispatcher", f"127.0.0.1:{port}"]
+        if ids:
+            args += ["--ids", ids]
+        procs.append(start(shoal_bin, args, log))
+    wait_for_nicknames(http, [n for n, _, _ in names])
+    return port, procs
+
+
 def stop_all(procs):
     for p in procs:
         if p.poll() is None:
@@ -74,19 +88,12 @@ def stop_all(procs):
 
 
 def test_processes_up_before_run_control_are_found(shoal_bin, tmp_path):
-    port, http = free_port(), free_port()
     procs = []
     log = open(tmp_path / "processes.log", "w")
     names = [("writer", "writer", ""), ("builder0", "builder", "0"), ("source0", "source", "0"), ("source1", "source", "1")]
     try:
-        procs.append(start(shoal_bin, ["dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}"], log))
-        for name, role, ids in names:
-            args = ["node", "--role", role, "--name", name, "--dispatcher", f"127.0.0.1:{port}"]
-            if ids:
-                args += ["--ids", ids]
-            procs.append(start(shoal_bin, args, log))
         # Every process has connected and announced itself before run control exists.
-        wait_for_nicknames(http, [n for n, _, _ in names])
+        port, procs = start_cluster(shoal_bin, log, names)
         cluster = tmp_path / "cluster.toml"
         cluster.write_text(external_cluster(tmp_path, port, names, builders=1, sources=2))
         r = subprocess.run([str(shoal_bin), "run", str(cluster)], capture_output=True, text=True, timeout=180)
@@ -107,18 +114,11 @@ def test_processes_up_before_run_control_are_found(shoal_bin, tmp_path):
 
 
 def test_a_run_does_not_start_with_a_process_missing(shoal_bin, tmp_path):
-    port, http = free_port(), free_port()
     procs = []
     log = open(tmp_path / "processes.log", "w")
     present = [("writer", "writer", ""), ("builder0", "builder", "0"), ("source0", "source", "0")]
     try:
-        procs.append(start(shoal_bin, ["dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}"], log))
-        for name, role, ids in present:
-            args = ["node", "--role", role, "--name", name, "--dispatcher", f"127.0.0.1:{port}"]
-            if ids:
-                args += ["--ids", ids]
-            procs.append(start(shoal_bin, args, log))
-        wait_for_nicknames(http, [n for n, _, _ in present])
+        port, procs = start_cluster(shoal_bin, log, present)
         cluster = tmp_path / "cluster.toml"
         # source1 never comes.
         cluster.write_text(external_cluster(tmp_path, port, present + [("source1", "source", "1")], 1, 2))

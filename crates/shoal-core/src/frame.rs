@@ -160,6 +160,12 @@ pub fn encode_into(header: &FrameHeader, payload: &[u8], buf: &mut BytesMut) {
 /// Panics if the payload is longer than `u32::MAX` bytes (a caller bug, not an input).
 pub fn encode_header(header: &FrameHeader, payload: &[u8]) -> [u8; HEADER_LEN] {
     let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
+    encode_header_with_crc(header, payload_len, crc32c::crc32c(payload))
+}
+
+/// [`encode_header`] for a payload whose length and CRC32C the caller already knows (a
+/// payload sent many times need not be checksummed each time).
+pub fn encode_header_with_crc(header: &FrameHeader, payload_len: u32, payload_crc: u32) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     let mut b = &mut h[..];
     b.put_slice(&MAGIC);
@@ -172,7 +178,7 @@ pub fn encode_header(header: &FrameHeader, payload: &[u8]) -> [u8; HEADER_LEN] {
     b.put_u64_le(header.slice_start.as_nanos());
     b.put_u64_le(header.send_time.as_nanos());
     b.put_u32_le(payload_len);
-    b.put_u32_le(crc32c::crc32c(payload));
+    b.put_u32_le(payload_crc);
     b.put_u32_le(0);
     let hcrc = crc32c::crc32c(&h[..OFF_HEADER_CRC]);
     h[OFF_HEADER_CRC..].copy_from_slice(&hcrc.to_le_bytes());

@@ -215,6 +215,17 @@ struct World {
     segs: Vec<Segment>,
 }
 
+/// Timers are scheduled lazily: at most one pending event per timer, unless it moved
+/// earlier. Returns the instant to schedule, if any, and records it in `pending`.
+fn rearm(pending: &mut Option<Instant>, due: Option<Instant>) -> Option<Instant> {
+    let t = due?;
+    if pending.is_some_and(|p| p <= t) {
+        return None;
+    }
+    *pending = Some(t);
+    Some(t)
+}
+
 fn mbps(v: f64) -> u64 {
     (v * 1e6) as u64
 }
@@ -448,14 +459,10 @@ impl World {
         }
     }
 
-    /// Schedules the source node's next timeout (one pending event at most, unless the
-    /// timeout moved earlier).
+    /// Schedules the source node's next timeout.
     fn arm_source(&mut self, s: u32) {
         let src = &mut self.sources[s as usize];
-        if let Some(t) = src.node.poll_timeout()
-            && src.wake.is_none_or(|w| t < w)
-        {
-            src.wake = Some(t);
+        if let Some(t) = rearm(&mut src.wake, src.node.poll_timeout()) {
             self.q.schedule(t, Ev::SourceWake(s));
         }
     }
@@ -592,16 +599,10 @@ impl World {
     /// unless the timer moved earlier).
     fn arm_conn(&mut self, c: u32) {
         let conn = &mut self.conns[c as usize];
-        if let Some(t) = conn.tx.timer()
-            && conn.rto_event.is_none_or(|e| t < e)
-        {
-            conn.rto_event = Some(t);
+        if let Some(t) = rearm(&mut conn.rto_event, conn.tx.timer()) {
             self.q.schedule(t, Ev::Rto(c));
         }
-        if let Some(t) = conn.rx.delack_timer()
-            && conn.delack_event.is_none_or(|e| t < e)
-        {
-            conn.delack_event = Some(t);
+        if let Some(t) = rearm(&mut conn.delack_event, conn.rx.delack_timer()) {
             self.q.schedule(t, Ev::DelAck(c));
         }
     }
@@ -679,10 +680,7 @@ impl World {
         while let Some(o) = b.node.poll_slice() {
             b.node.handle_released(o.bytes);
         }
-        if let Some(t) = b.node.poll_timeout()
-            && b.wake.is_none_or(|w| t < w)
-        {
-            b.wake = Some(t);
+        if let Some(t) = rearm(&mut b.wake, b.node.poll_timeout()) {
             self.q.schedule(t, Ev::BuilderWake(builder));
         }
     }

@@ -223,6 +223,10 @@ pub struct SourceNode {
     events: VecDeque<SourceEvent>,
     totals: SourceTotals,
     report: SourceNodeReport,
+    /// The last payload checksummed and its CRC32C. Fixed workloads and replay pools hand
+    /// out the same buffer again and again; holding it keeps its address from being reused,
+    /// so the same address and length mean the same bytes.
+    crc_cache: Option<(Bytes, u32)>,
 }
 
 impl SourceNode {
@@ -268,6 +272,7 @@ impl SourceNode {
             events: VecDeque::new(),
             totals: SourceTotals::default(),
             report: SourceNodeReport::default(),
+            crc_cache: None,
         };
         if node.cfg.slices == Some(0) {
             node.start_drain(now);
@@ -553,7 +558,7 @@ impl SourceNode {
     }
 
     fn enqueue(&mut self, i: usize, slice: SliceNumber, frag: GeneratedFragment, cut: bool, now: Instant) {
-        let h = &mut self.hosted[i];
+        let h = &self.hosted[i];
         let mut flags = Flags::EMPTY;
         if frag.burst {
             flags = flags | Flags::BURST;
@@ -573,9 +578,19 @@ impl SourceNode {
             send_time: Instant::ZERO,
             payload_len: 0,
         };
-        let header = frame::encode_header(&header, &payload);
+        let crc = match &self.crc_cache {
+            Some((p, crc)) if p.as_ptr() == payload.as_ptr() && p.len() == payload.len() => *crc,
+            _ => {
+                let crc = crc32c::crc32c(&payload);
+                self.crc_cache = Some((payload.clone(), crc));
+                crc
+            }
+        };
+        let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
+        let header = frame::encode_header_with_crc(&header, payload_len, crc);
         let f = PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0 };
         let len = f.len();
+        let h = &mut self.hosted[i];
         h.frames.insert(slice, f);
         h.shaper.handle_fragment(now, Outgoing { slice, len });
     }
@@ -790,6 +805,38 @@ mod tests {
         assert!(order[..11].iter().all(|p| p.0 == first) && order[10].2, "one frame, then the other: {order:?}");
         let offsets: Vec<u64> = order[11..].iter().map(|p| p.1).collect();
         assert_eq!(offsets, (0..11).map(|k| k * 100).collect::<Vec<_>>());
+    }
+
+    /// Shared payloads (fixed workloads, replay pools) reuse the cached CRC; any other
+    /// payload is checksummed. Every frame must decode with its CRC checked.
+    #[test]
+    fn payload_crc_is_right_for_shared_and_fresh_buffers() {
+        struct Mixed(Bytes);
+        impl Workload for Mixed {
+            fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
+                let payload = if slice % 3 == 0 {
+                    Bytes::from(vec![(slice as u8).wrapping_add(source as u8); 96])
+                } else {
+                    self.0.clone()
+                };
+                GeneratedFragment { hit_count: 16, waveform_count: 0, payload, burst: false }
+            }
+        }
+        let w = Mixed(Bytes::from(vec![7u8; 96]));
+        let mut node = SourceNode::new(cfg(vec![0, 1], 2, "direct"), Instant::ZERO);
+        let mut frames = 0;
+        for slice in 0..12u64 {
+            let t = Instant::from_nanos((slice + 1) * 10 * MS);
+            node.handle_timeout(t, &w);
+            for x in drain(&mut node, t) {
+                let mut wire = x.head.to_vec();
+                wire.extend_from_slice(&x.body);
+                let (f, _) = frame::decode(&wire, 1 << 20).expect("frame with the right CRC");
+                assert_eq!(f.payload.len(), 96);
+                frames += 1;
+            }
+        }
+        assert_eq!(frames, 24);
     }
 
     #[test]
