@@ -55,6 +55,10 @@ enum Body {
 #[derive(Debug)]
 enum Ev {
     Net(NetEvent<Body>),
+    /// A slice ended: every source node waiting for it is woken (one event for all, as the
+    /// boards share the slice clock).
+    SliceTick(SliceNumber),
+    /// A source node's own earlier timer (token bucket, stall limit, drain deadline).
     SourceWake(u32),
     Rto(u32),
     DelAck(u32),
@@ -245,6 +249,7 @@ pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     let started = std::time::Instant::now();
     let mut w = World::build(sc, opts)?;
     let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);
+    w.q.schedule(w.slice_clock.end_of(0), Ev::SliceTick(0));
     for s in 0..w.sources.len() as u32 {
         w.arm_source(s);
     }
@@ -415,6 +420,20 @@ impl World {
                     self.receive(now, host, pkt);
                 }
             }
+            Ev::SliceTick(slice) => {
+                let mut open = false;
+                for s in 0..self.sources.len() as u32 {
+                    let node = &mut self.sources[s as usize].node;
+                    if node.poll_timeout().is_some_and(|t| t <= now) {
+                        node.handle_timeout(now, &self.workload);
+                        self.to_pump.push(s);
+                    }
+                    open |= !self.sources[s as usize].node.is_closed();
+                }
+                if open {
+                    self.q.schedule(self.slice_clock.end_of(slice + 1), Ev::SliceTick(slice + 1));
+                }
+            }
             Ev::SourceWake(s) => {
                 let src = &mut self.sources[s as usize];
                 src.wake = None;
@@ -459,10 +478,13 @@ impl World {
         }
     }
 
-    /// Schedules the source node's next timeout.
+    /// Schedules the source node's next timeout, unless it falls on a slice boundary (the
+    /// slice tick wakes it then).
     fn arm_source(&mut self, s: u32) {
         let src = &mut self.sources[s as usize];
-        if let Some(t) = rearm(&mut src.wake, src.node.poll_timeout()) {
+        let clock = self.slice_clock;
+        let due = src.node.poll_timeout().filter(|&t| clock.start_of(clock.slice_at(t)) != t);
+        if let Some(t) = rearm(&mut src.wake, due) {
             self.q.schedule(t, Ev::SourceWake(s));
         }
     }

@@ -216,6 +216,8 @@ pub struct SourceNode {
     /// last piece and pieces of other frames wait in `deferred`.
     open_frame: Vec<Option<(SourceId, SliceNumber)>>,
     deferred: Vec<VecDeque<(usize, Transmit)>>,
+    /// Pieces in `deferred` (most of the time zero: skip the scan).
+    deferred_pieces: usize,
     stall_limit: Duration,
     /// Round-robin cursor over hosted sources for `poll_transmit`.
     cursor: usize,
@@ -266,6 +268,7 @@ impl SourceNode {
             in_transport,
             open_frame,
             deferred,
+            deferred_pieces: 0,
             stall_limit,
             cursor: 0,
             eos: VecDeque::new(),
@@ -383,7 +386,7 @@ impl SourceNode {
         if self.phase == Phase::Closed {
             return self.eos.pop_front();
         }
-        for dest in 0..self.deferred.len() {
+        for dest in 0..if self.deferred_pieces > 0 { self.deferred.len() } else { 0 } {
             while let Some((i, tx)) = self.next_deferred(dest) {
                 if let Some(t) = self.dispatch(i, tx, now) {
                     return Some(t);
@@ -397,6 +400,7 @@ impl SourceNode {
                 let key = (self.hosted[i].id, tx.slice);
                 if self.open_frame[tx.dest as usize].is_some_and(|open| open != key) {
                     self.deferred[tx.dest as usize].push_back((i, tx));
+                    self.deferred_pieces += 1;
                     continue;
                 }
                 if let Some(t) = self.dispatch(i, tx, now) {
@@ -416,7 +420,9 @@ impl SourceNode {
             None => 0,
             Some(open) => q.iter().position(|(i, tx)| (self.hosted[*i].id, tx.slice) == open)?,
         };
-        q.remove(pos)
+        let piece = q.remove(pos)?;
+        self.deferred_pieces -= 1;
+        Some(piece)
     }
 
     /// When to call [`SourceNode::handle_timeout`] next (`None`: only on inputs).
