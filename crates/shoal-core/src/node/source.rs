@@ -820,7 +820,7 @@ mod tests {
         struct Mixed(Bytes);
         impl Workload for Mixed {
             fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
-                let payload = if slice % 3 == 0 {
+                let payload = if slice.is_multiple_of(3) {
                     Bytes::from(vec![(slice as u8).wrapping_add(source as u8); 96])
                 } else {
                     self.0.clone()
