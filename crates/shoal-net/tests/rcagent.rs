@@ -51,10 +51,11 @@ async fn agent_follows_commands_and_replies() {
         ("builder0", "CONFIGURE [run]\nsources = 5", "builder0 READY ok"),
         ("*", "START 5", "builder0 RUNNING ok"),
         ("builder0", "PAUSE", "builder0 PAUSED ok"),
+        ("*", "STATUS", "builder0 PAUSED ok"), // a query: answered, nothing changes
         (
             "builder0",
             "FLY",
-            "builder0 PAUSED error bad run-control command \"FLY\" (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF)",
+            "builder0 PAUSED error bad run-control command \"FLY\" (INIT, CONFIGURE <config>, START <run>, PAUSE, CONTINUE, STOP, RESET, OFF, STATUS)",
         ),
         ("builder0", "CONTINUE", "builder0 RUNNING ok"),
         ("*", "STOP", "builder0 READY ok"),
@@ -69,9 +70,13 @@ async fn agent_follows_commands_and_replies() {
     }
     let applied = agent.await.unwrap();
     let commands: Vec<&str> = applied.iter().map(|a| a.command.name()).collect();
-    assert_eq!(commands, ["INIT", "START", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "START", "OFF"]);
+    assert_eq!(
+        commands,
+        ["INIT", "START", "CONFIGURE", "START", "PAUSE", "STATUS", "CONTINUE", "STOP", "START", "OFF"]
+    );
     assert_eq!(applied[3].command, Command::Start { run: 5, start_slice: None });
-    assert!(applied[1].result.is_err() && applied[7].result.is_err());
+    assert_eq!(applied[5].result, Ok(RunState::Paused), "STATUS answers and changes nothing");
+    assert!(applied[1].result.is_err() && applied[8].result.is_err());
     cancel.cancel();
 }
 
