@@ -165,7 +165,7 @@ pub async fn run_builder(
         .expect("spawn filter thread");
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
-    let mut delays = Delays { net: new_histogram(), shaping: new_histogram(), hits: 0 };
+    let mut measured = Measured { net: new_histogram(), shaping: new_histogram(), hits: 0 };
     info!(builder = id, n_sources, "builder started");
 
     loop {
@@ -173,10 +173,10 @@ pub async fn run_builder(
         tokio::select! {
             m = in_rx.recv() => match m {
                 Some(m) => {
-                    on_incoming(&mut node, &mut delays, m, &live);
+                    on_incoming(&mut node, &mut measured, m, &live);
                     // Take what else is ready without another trip through select.
                     while let Ok(m) = in_rx.try_recv() {
-                        on_incoming(&mut node, &mut delays, m, &live);
+                        on_incoming(&mut node, &mut measured, m, &live);
                     }
                 }
                 None => break,
@@ -222,12 +222,12 @@ pub async fn run_builder(
     }
     let report = BuilderReport {
         node: node.report(),
-        network_delay: DelayStats::from_histogram(&delays.net),
-        shaping_delay: DelayStats::from_histogram(&delays.shaping),
-        net_delay_us: delays.net,
-        shaping_delay_us: delays.shaping,
+        network_delay: DelayStats::from_histogram(&measured.net),
+        shaping_delay: DelayStats::from_histogram(&measured.shaping),
+        net_delay_us: measured.net,
+        shaping_delay_us: measured.shaping,
         connections,
-        hits: delays.hits,
+        hits: measured.hits,
         events,
         filter_busy_s: busy,
         event_frames_failed: failed_task.await.unwrap_or(0),
@@ -242,13 +242,13 @@ pub async fn run_builder(
 }
 
 /// What the driver measures beside the node: delays and the filter's input.
-struct Delays {
+struct Measured {
     net: Histogram<u64>,
     shaping: Histogram<u64>,
     hits: u64,
 }
 
-fn on_incoming(node: &mut BuilderNode<FragmentData>, delays: &mut Delays, m: Incoming, live: &Live) {
+fn on_incoming(node: &mut BuilderNode<FragmentData>, measured: &mut Measured, m: Incoming, live: &Live) {
     let (frame, arrival) = match m {
         Incoming::Frame { frame, arrival } => (frame, arrival),
         Incoming::Rejected { reason } => {
@@ -262,14 +262,14 @@ fn on_incoming(node: &mut BuilderNode<FragmentData>, delays: &mut Delays, m: Inc
     let Some(o) = node.handle_frame(arrival, &h, data) else { return };
     if let Some(d) = o.network_delay {
         let us = (d.as_micros() as u64).max(1);
-        let _ = delays.net.record(us);
+        let _ = measured.net.record(us);
         live.record_delay(us);
     }
     if let Some(d) = o.shaping_delay {
-        let _ = delays.shaping.record((d.as_micros() as u64).max(1));
+        let _ = measured.shaping.record((d.as_micros() as u64).max(1));
     }
     if o.admission == Admission::Accepted {
-        delays.hits += u64::from(h.hit_count);
+        measured.hits += u64::from(h.hit_count);
         Live::add(&live.fragments_received, 1);
         Live::add(&live.bytes_received, h.payload_len as u64 + frame::HEADER_LEN as u64);
     } else {

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use shoal_core::assembly::AssemblerConfig;
 use shoal_core::frame::Flags;
 use shoal_core::ledger::Ledger;
+pub use shoal_core::node::TransmitRecord;
 use shoal_core::node::{
     Arrival, BuilderNode, BuilderNodeConfig, BuilderNodeReport, CutoffConfig, GeneratedFragment, SourceNode,
     SourceNodeConfig, SourceTransmit, TransmitKind, Workload,
@@ -177,16 +178,6 @@ pub struct SimResult {
     pub transmits: Vec<TransmitRecord>,
     /// Each builder node's report (per-slice outcomes and its tally).
     pub builders: Vec<BuilderNodeReport>,
-}
-
-/// One piece a source node handed to the transport.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TransmitRecord {
-    pub at_ns: u64,
-    pub source: u32,
-    pub dest: u32,
-    pub slice: SliceNumber,
-    pub bytes: u64,
 }
 
 /// What a run keeps beyond the summary and the per-fragment records.
@@ -718,15 +709,9 @@ impl World {
         for s in &self.sources {
             let r = s.node.report();
             sources.extend(r.tallies);
-            transmits.extend(r.transmits.iter().map(|t| TransmitRecord {
-                at_ns: t.at.as_nanos(),
-                source: t.source,
-                dest: t.dest,
-                slice: t.slice,
-                bytes: t.bytes,
-            }));
+            transmits.extend(r.transmits);
         }
-        transmits.sort_by_key(|t| t.at_ns);
+        transmits.sort_by_key(|t| t.at);
         let reports: Vec<_> = self.builders.iter().map(|b| b.node.report()).collect();
         let builders: BTreeMap<u32, _> = reports.iter().map(|r| (r.id, r.tally.clone())).collect();
         let ledger = Ledger::combine(&sources, &builders);

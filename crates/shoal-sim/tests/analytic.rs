@@ -193,7 +193,7 @@ fn token_bucket_bound_holds_in_the_simulator() {
     assert_eq!(r.summary.ledger["unsent"], 0);
     let mut per: std::collections::HashMap<(u32, u32), Vec<(u64, u64)>> = Default::default();
     for t in &r.transmits {
-        per.entry((t.source, t.dest)).or_default().push((t.at_ns, t.bytes));
+        per.entry((t.source, t.dest)).or_default().push((t.at.as_nanos(), t.bytes));
     }
     assert_eq!(per.len(), 10);
     for (pair, events) in per {

@@ -42,7 +42,12 @@ struct Run {
     ledger: BTreeMap<String, u64>,
 }
 
-fn digest(transmits: &[TransmitRecord], first_slice: u64, builders: Vec<BuilderNodeReport>, ledger: &Ledger) -> Run {
+fn digest(
+    transmits: &[TransmitRecord],
+    first_slice: u64,
+    builders: Vec<BuilderNodeReport>,
+    ledger: BTreeMap<String, u64>,
+) -> Run {
     let mut frames: BTreeMap<u32, Vec<Piece>> = BTreeMap::new();
     let mut pieces: BTreeMap<(u32, u32), Vec<Piece>> = BTreeMap::new();
     for t in transmits {
@@ -54,7 +59,6 @@ fn digest(transmits: &[TransmitRecord], first_slice: u64, builders: Vec<BuilderN
             None => f.push(p),
         }
     }
-    let ledger = ledger.buckets().map(|(b, n)| (b.name().to_string(), n)).collect();
     Run { frames, pieces, builders, ledger }
 }
 
@@ -70,24 +74,8 @@ fn simulated(policy: &str) -> Run {
     sc.builder.max_active = MAX_ACTIVE;
     sc.builder.wall_timeout_ms = 600_000.0;
     let r = run_with(&sc, RunOptions { log_transmits: true }).expect("scenario runs");
-    let transmits: Vec<TransmitRecord> = r
-        .transmits
-        .iter()
-        .map(|t| TransmitRecord {
-            at: shoal_core::Instant::from_nanos(t.at_ns),
-            source: t.source,
-            dest: t.dest,
-            slice: t.slice,
-            bytes: t.bytes,
-        })
-        .collect();
-    let mut ledger = Ledger::default();
-    for (name, n) in &r.summary.ledger {
-        let bucket = shoal_core::ledger::Bucket::ALL.into_iter().find(|b| b.name() == name).expect("a bucket");
-        ledger.add(bucket, *n);
-    }
     assert_eq!(r.summary.ledger_unaccounted, 0);
-    digest(&transmits, 0, r.builders, &ledger)
+    digest(&r.transmits, 0, r.builders, r.summary.ledger)
 }
 
 async fn runtime(policy: &str) -> Run {
@@ -156,7 +144,8 @@ async fn runtime(policy: &str) -> Run {
     let btallies = reports.iter().map(|r| (r.id, r.tally.clone())).collect();
     let ledger = Ledger::combine(&tallies, &btallies);
     transmits.sort_by_key(|t| t.at);
-    digest(&transmits, first, reports, &ledger)
+    let ledger = ledger.buckets().map(|(b, n)| (b.name().to_string(), n)).collect();
+    digest(&transmits, first, reports, ledger)
 }
 
 /// What must agree in a builder report (arrival times and connection counts do not).

@@ -51,33 +51,14 @@ pub struct ArrivalOutcome {
     pub shaping_delay: Option<Duration>,
 }
 
-/// Why a slice was processed incomplete.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum IncompleteReason {
-    /// Every source delivered or was dropped, some for overload.
-    DroppedOverload,
-    SliceCountTimeout,
-    WallClockTimeout,
-    EndOfRun,
-}
-
-impl IncompleteReason {
-    pub fn name(self) -> &'static str {
-        match self {
-            IncompleteReason::DroppedOverload => "dropped_overload",
-            IncompleteReason::SliceCountTimeout => "slice_count_timeout",
-            IncompleteReason::WallClockTimeout => "wall_clock_timeout",
-            IncompleteReason::EndOfRun => "end_of_run",
-        }
-    }
-
-    fn of(reason: EmitReason) -> Self {
-        match reason {
-            EmitReason::Complete => IncompleteReason::DroppedOverload,
-            EmitReason::SliceCountTimeout => IncompleteReason::SliceCountTimeout,
-            EmitReason::WallClockTimeout => IncompleteReason::WallClockTimeout,
-            EmitReason::Drained => IncompleteReason::EndOfRun,
-        }
+/// The report's name for why a slice was processed incomplete.
+fn incomplete_reason(reason: EmitReason) -> &'static str {
+    match reason {
+        // Every source delivered or was dropped, some for overload.
+        EmitReason::Complete => "dropped_overload",
+        EmitReason::SliceCountTimeout => "slice_count_timeout",
+        EmitReason::WallClockTimeout => "wall_clock_timeout",
+        EmitReason::Drained => "end_of_run",
     }
 }
 
@@ -228,7 +209,7 @@ impl<T> BuilderNode<T> {
                 self.report.slices_complete += 1;
             } else {
                 self.report.slices_incomplete += 1;
-                let name = IncompleteReason::of(o.reason).name();
+                let name = incomplete_reason(o.reason);
                 *self.report.incomplete_reasons.entry(name.to_string()).or_default() += 1;
             }
             self.out.push_back(o);

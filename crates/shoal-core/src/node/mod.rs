@@ -22,7 +22,7 @@ mod builder;
 mod source;
 mod workload;
 
-pub use builder::{Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport, IncompleteReason};
+pub use builder::{Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport};
 pub use source::{
     CutoffConfig, SourceEvent, SourceNode, SourceNodeConfig, SourceNodeReport, SourceTotals, SourceTransmit,
     TransmitKind, TransmitRecord,

@@ -152,7 +152,8 @@ pub struct SourceTotals {
 
 #[derive(Debug)]
 struct PendingFrame {
-    header: [u8; HEADER_LEN],
+    /// The encoded header, sliced (not copied) into each piece.
+    header: Bytes,
     flags: Flags,
     payload: Bytes,
     dest: Option<BuilderId>,
@@ -455,8 +456,8 @@ impl SourceNode {
     }
 
     /// Fragments produced and not yet reported sent, failed or dropped.
+    /// (Deferred pieces belong to frames counted here.)
     pub fn queued(&self) -> usize {
-        // Deferred pieces belong to frames in `frames`.
         self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum()
     }
 
@@ -593,7 +594,7 @@ impl SourceNode {
             }
         };
         let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
-        let header = frame::encode_header_with_crc(&header, payload_len, crc);
+        let header = Bytes::copy_from_slice(&frame::encode_header_with_crc(&header, payload_len, crc));
         let f = PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0 };
         let len = f.len();
         let h = &mut self.hosted[i];
@@ -625,11 +626,7 @@ impl SourceNode {
         }
         // The transmit's byte range over header ++ payload, without copying the payload.
         let (start, end) = (tx.offset as usize, (tx.offset + tx.len) as usize);
-        let head = if start < HEADER_LEN {
-            Bytes::copy_from_slice(&f.header[start..end.min(HEADER_LEN)])
-        } else {
-            Bytes::new()
-        };
+        let head = if start < HEADER_LEN { f.header.slice(start..end.min(HEADER_LEN)) } else { Bytes::new() };
         let body = if end > HEADER_LEN {
             f.payload.slice(start.max(HEADER_LEN) - HEADER_LEN..end - HEADER_LEN)
         } else {
