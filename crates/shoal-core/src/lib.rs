@@ -20,9 +20,12 @@
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), and the
 //!   [`node::Workload`] interface.
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
+//! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
+//!   order, start and end slices, reply deadlines, inactive processes, discovery.
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
 
 pub mod assembly;
+pub mod cluster;
 pub mod controlhost;
 pub mod event;
 pub mod frame;
