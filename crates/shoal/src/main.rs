@@ -24,7 +24,7 @@ use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
 mod replay;
-mod run;
+use shoal_control as run;
 mod sim;
 mod summary;
 mod trigger;

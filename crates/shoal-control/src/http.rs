@@ -33,11 +33,11 @@ struct AppState {
     state_dir: std::path::PathBuf,
 }
 
-const INDEX_HTML: &str = include_str!("../../ui/index.html");
-const APP_JS: &str = include_str!("../../ui/app.js");
-const STYLE_CSS: &str = include_str!("../../ui/style.css");
-const UPLOT_JS: &str = include_str!("../../ui/vendor/uPlot.iife.min.js");
-const UPLOT_CSS: &str = include_str!("../../ui/vendor/uPlot.min.css");
+const INDEX_HTML: &str = include_str!("../ui/index.html");
+const APP_JS: &str = include_str!("../ui/app.js");
+const STYLE_CSS: &str = include_str!("../ui/style.css");
+const UPLOT_JS: &str = include_str!("../ui/vendor/uPlot.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../ui/vendor/uPlot.min.css");
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type), (header::CACHE_CONTROL, "no-cache")], body).into_response()
