@@ -1,39 +1,50 @@
-//! The controller: sends run-control commands in data-flow order, waits for the answers,
-//! marks processes that do not answer as inactive, and keeps the run records.
+//! The driver of [`ClusterControl`]: it moves run control's messages between the
+//! dispatcher and the sans-IO controller, gives it the time, keeps the run records and
+//! mirrors what the controller knows into the shared status the web UI shows.
 //!
 //! Two dispatcher connections: the controller's own (it publishes commands) and the
 //! listener's ([`listen`]), which follows replies, statistics, end-of-run reports and the
-//! dispatcher's `Died` announcements, updates the shared status, and hands replies and
-//! reports to the controller over channels.
+//! dispatcher's `Died` announcements. Statistics go straight to the shared status (they
+//! decide nothing); everything else reaches the controller, in the order it arrived, over
+//! one channel of [`Incoming`] (launched processes that exit are reported on it too).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 use serde::Serialize;
+use shoal_core::cluster::{
+    ClusterCommand, ClusterControl, ClusterControlConfig, ClusterEvent, ClusterProcess, CommandOutcome,
+};
 use shoal_core::controlhost::Mode;
 use shoal_core::ledger::Ledger;
-use shoal_core::runstate::{Command, Reply, RunState};
+use shoal_core::runstate::Reply;
 use shoal_dispatcher::client::ChClient;
-use shoal_net::config::Config;
 use shoal_net::demo::LedgerSummary;
 use shoal_net::node::{NodeReport, NodeStats, Role};
 use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_REPORT, RC_STATS};
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use super::cluster::ClusterFile;
-use super::status::{Rates, RunBrief, Shared};
+use crate::cluster::ClusterFile;
+use crate::status::{Rates, RunBrief, Shared};
+
+/// What the listener and the process watchers tell the controller.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A reply, with its text as received.
+    Reply(Reply, String),
+    Report(Box<NodeReport>),
+    /// The dispatcher announced that a client left.
+    Left(String),
+    /// A launched process exited; its exit status.
+    Exited(String, String),
+}
 
 /// Follows the dispatcher for run control (see the module documentation).
-pub async fn listen(
-    mut client: ChClient,
-    shared: Arc<Shared>,
-    replies: mpsc::UnboundedSender<Reply>,
-    reports: mpsc::UnboundedSender<NodeReport>,
-) {
+pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::UnboundedSender<Incoming>) {
     let mut last_stats: HashMap<String, NodeStats> = HashMap::new();
     loop {
         let msg = match client.next_message().await {
@@ -47,26 +58,16 @@ pub async fn listen(
         };
         let tag = msg.tag.to_string();
         let text = String::from_utf8_lossy(&msg.payload);
-        match tag.as_str() {
-            RC_REPLY => {
-                let Some(r) = Reply::parse(&text) else {
+        let delivered = match tag.as_str() {
+            RC_REPLY => match Reply::parse(&text) {
+                Some(r) => incoming.send(Incoming::Reply(r, text.to_string())),
+                None => {
                     shared.update(|s| {
                         s.note(format!("unreadable reply {:?}", text.chars().take(80).collect::<String>()))
                     });
-                    continue;
-                };
-                shared.update(|s| {
-                    if let Some(p) = s.process_mut(&r.name) {
-                        p.state = r.state.to_string();
-                        p.last_reply = Some(text.to_string());
-                        if r.state != RunState::Off {
-                            p.active = true;
-                            p.inactive_reason = None;
-                        }
-                    }
-                });
-                let _ = replies.send(r);
-            }
+                    Ok(())
+                }
+            },
             RC_STATS => {
                 let Ok(stats) = serde_json::from_slice::<NodeStats>(&msg.payload) else { continue };
                 let rates = last_stats.get(&stats.name).map(|prev| Rates::between(prev, &stats));
@@ -81,26 +82,20 @@ pub async fn listen(
                     }
                 });
                 last_stats.insert(stats.name.clone(), stats);
+                Ok(())
             }
             RC_REPORT => match serde_json::from_slice::<NodeReport>(&msg.payload) {
-                Ok(r) => {
-                    let _ = reports.send(r);
+                Ok(r) => incoming.send(Incoming::Report(Box::new(r))),
+                Err(e) => {
+                    shared.update(|s| s.note(format!("unreadable end-of-run report: {e}")));
+                    Ok(())
                 }
-                Err(e) => shared.update(|s| s.note(format!("unreadable end-of-run report: {e}"))),
             },
-            "Died" => {
-                let name = text.trim_end_matches('\0').to_string();
-                shared.update(|s| {
-                    if let Some(p) = s.process_mut(&name)
-                        && !p.switched_off
-                    {
-                        p.active = false;
-                        p.inactive_reason = Some("left the dispatcher".into());
-                        s.note(format!("{name} left the dispatcher: inactive"));
-                    }
-                });
-            }
-            _ => {}
+            "Died" => incoming.send(Incoming::Left(text.trim_end_matches('\0').to_string())),
+            _ => Ok(()),
+        };
+        if delivered.is_err() {
+            return; // the controller is gone
         }
     }
 }
@@ -114,11 +109,9 @@ pub async fn subscribe_listener(client: &mut ChClient) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A run in progress.
+/// What the driver keeps of the run in progress (the controller keeps its numbers).
 #[derive(Clone, Debug)]
-struct ActiveRun {
-    run: u64,
-    start_slice: u64,
+struct RunMeta {
     started: SystemTime,
     config: String,
 }
@@ -209,271 +202,248 @@ impl RunNumbers {
     }
 }
 
-/// Sends commands and keeps the books of runs.
+/// Why the controller's loop woke up.
+enum Wake {
+    Input(Incoming),
+    Timeout,
+    Closed,
+}
+
+/// UNIX time as the controller's [`shoal_core::Instant`] (the slice clock counts from the
+/// UNIX epoch).
+fn now() -> shoal_core::Instant {
+    shoal_core::Instant::from_nanos(unix_ns(SystemTime::now()))
+}
+
+/// Drives the cluster controller and keeps the books of runs.
 pub struct Controller {
     pub file: ClusterFile,
+    control: ClusterControl,
     client: ChClient,
     shared: Arc<Shared>,
-    replies: mpsc::UnboundedReceiver<Reply>,
-    reports: mpsc::UnboundedReceiver<NodeReport>,
+    incoming: mpsc::UnboundedReceiver<Incoming>,
     numbers: RunNumbers,
     state_dir: PathBuf,
-    run: Option<ActiveRun>,
+    run: Option<RunMeta>,
+    /// End-of-run reports received during the run in progress.
+    reports: Vec<NodeReport>,
+    /// Outcomes of commands finished and not yet collected by [`Controller::execute`].
+    finished: Vec<CommandOutcome>,
 }
 
 impl Controller {
+    /// Starts discovering the processes at once (`* STATUS`).
     pub fn new(
         file: ClusterFile,
         client: ChClient,
         shared: Arc<Shared>,
-        replies: mpsc::UnboundedReceiver<Reply>,
-        reports: mpsc::UnboundedReceiver<NodeReport>,
-    ) -> Self {
-        let state_dir = file.cluster.state_dir.clone();
-        Self { numbers: RunNumbers::new(&state_dir), state_dir, file, client, shared, replies, reports, run: None }
+        incoming: mpsc::UnboundedReceiver<Incoming>,
+    ) -> anyhow::Result<Self> {
+        let c = &file.cluster;
+        let processes = file.processes.iter().map(|p| ClusterProcess { name: p.name.clone(), role: p.role }).collect();
+        let mut cfg = ClusterControlConfig::new(processes, file.config_text()?, file.config.slice_clock()?);
+        cfg.reply_timeout = Duration::from_millis(c.reply_timeout_ms);
+        cfg.announce_timeout = cfg.reply_timeout.max(Duration::from_secs(10));
+        cfg.start_with_missing = c.start_with_missing;
+        cfg.source_drain = Duration::from_millis(file.config.source.drain_timeout_ms);
+        cfg.builder_drain = Duration::from_millis(file.config.builder.drain_timeout_ms);
+        cfg.writer_drain = Duration::from_secs(5);
+        let state_dir = c.state_dir.clone();
+        Ok(Self {
+            control: ClusterControl::new(cfg, now()),
+            numbers: RunNumbers::new(&state_dir),
+            state_dir,
+            file,
+            client,
+            shared,
+            incoming,
+            run: None,
+            reports: Vec::new(),
+            finished: Vec::new(),
+        })
     }
 
-    fn reply_timeout(&self) -> Duration {
-        Duration::from_millis(self.file.cluster.reply_timeout_ms)
-    }
-
-    fn active(&self, role: Option<Role>) -> Vec<String> {
-        let s = self.shared.snapshot();
-        let roles: HashMap<&str, Role> = self.file.processes.iter().map(|p| (p.name.as_str(), p.role)).collect();
-        s.processes
-            .iter()
-            .filter(|p| p.active && role.is_none_or(|r| roles.get(p.name.as_str()) == Some(&r)))
-            .map(|p| p.name.clone())
-            .collect()
-    }
-
-    /// Processes of the cluster file that are not active, with the reason.
-    fn inactive(&self) -> Vec<String> {
-        let s = self.shared.snapshot();
-        s.processes
-            .iter()
-            .filter(|p| !p.active)
-            .map(|p| format!("{}: {}", p.name, p.inactive_reason.as_deref().unwrap_or("inactive")))
-            .collect()
-    }
-
-    /// Asks every process for its state (`* STATUS`): processes that were up before run
-    /// control listened (started by systemd, `launch = "external"`) answer like new ones.
-    async fn ask_status(&mut self) {
-        let text = format!("* {}", Command::Status.to_text());
-        if let Err(e) = self.client.publish(RC_CMD, text.as_bytes()).await {
-            self.shared.update(|s| s.note(format!("cannot ask for the processes' states: {e}")));
+    /// Publishes what the controller has to say and acts on its events.
+    async fn flush(&mut self) -> anyhow::Result<()> {
+        while let Some(out) = self.control.poll_transmit() {
+            if let Err(e) = self.client.publish(RC_CMD, out.to_text().as_bytes()).await {
+                self.shared.update(|s| s.note(format!("cannot send {} to {}: {e}", out.command.name(), out.target)));
+            }
         }
+        while let Some(event) = self.control.poll_event() {
+            self.on_event(event)?;
+        }
+        self.mirror();
+        Ok(())
     }
 
-    /// Waits until every process has announced itself (or `timeout`); the silent ones are
-    /// marked inactive. Asks for the states at once and every half second, so processes
-    /// that announced themselves before run control listened are found too.
-    pub async fn await_announcements(&mut self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut next_ask = Instant::now();
-        loop {
-            if Instant::now() >= next_ask {
-                self.ask_status().await;
-                next_ask = Instant::now() + Duration::from_millis(500);
+    fn on_event(&mut self, event: ClusterEvent) -> anyhow::Result<()> {
+        match event {
+            ClusterEvent::Announced { .. } => {}
+            ClusterEvent::Back { name, state } => self.shared.update(|s| s.note(format!("{name} is back ({state})"))),
+            ClusterEvent::Inactive { name, reason } => {
+                self.shared.update(|s| s.note(format!("{name} inactive: {reason}")))
             }
-            let s = self.shared.snapshot();
-            let missing: Vec<String> =
-                s.processes.iter().filter(|p| p.state == "UNKNOWN").map(|p| p.name.clone()).collect();
-            if missing.is_empty() {
-                self.shared.update(|s| s.note("every process announced itself"));
-                return;
-            }
-            if Instant::now() >= deadline {
+            ClusterEvent::DiscoveryDone { missing } => self.shared.update(|s| {
+                if missing.is_empty() {
+                    s.note("every process announced itself")
+                } else {
+                    s.note(format!("inactive (never announced): {}", missing.join(", ")))
+                }
+            }),
+            ClusterEvent::RunStarted { run, start_slice } => {
+                let started = SystemTime::now();
+                self.run = Some(RunMeta { started, config: self.control.config().configuration.clone() });
+                self.reports.clear();
                 self.shared.update(|s| {
-                    for name in &missing {
-                        if let Some(p) = s.process_mut(name) {
-                            p.active = false;
-                            p.inactive_reason = Some(format!("did not announce itself within {timeout:?}"));
-                        }
-                    }
-                    s.note(format!("inactive (never announced): {}", missing.join(", ")));
+                    s.run = Some(run);
+                    s.run_started = Some(humantime::format_rfc3339_seconds(started).to_string());
+                    s.note(format!("run {run} starts with slice {start_slice}"));
                 });
-                return;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            ClusterEvent::RunStopped { run, start_slice, end_slice } => {
+                self.write_record(run, start_slice, end_slice)?;
+            }
+            ClusterEvent::CommandDone(outcome) => {
+                let c = outcome.command;
+                self.shared.update(|s| {
+                    if !outcome.refusals.is_empty() {
+                        let list: Vec<String> =
+                            outcome.refusals.iter().map(|r| format!("{}: {}", r.name, r.error)).collect();
+                        s.note(format!("{c} refused: {}", list.join("; ")));
+                    }
+                    if !outcome.no_answer.is_empty() {
+                        s.note(format!("inactive (no answer to {c}): {}", outcome.no_answer.join(", ")));
+                    }
+                });
+                self.finished.push(outcome);
+            }
         }
+        Ok(())
     }
 
-    /// Sends one command to each of `targets` (CONFIGURE gets each process's own
-    /// configuration), then waits up to `timeout` for every answer. Processes that do not
-    /// answer in time are marked inactive. Returns the refusals.
-    async fn send_and_wait(&mut self, targets: &[String], command: &Command, timeout: Duration) -> Vec<String> {
-        while self.replies.try_recv().is_ok() {}
-        for name in targets {
-            let text = format!("{name} {}", command.to_text());
-            if let Err(e) = self.client.publish(RC_CMD, text.as_bytes()).await {
-                self.shared.update(|s| s.note(format!("cannot send {} to {name}: {e}", command.name())));
-            }
-        }
-        let mut waiting: Vec<String> = targets.to_vec();
-        let mut refusals = Vec::new();
-        let deadline = tokio::time::Instant::now() + timeout;
-        while !waiting.is_empty() {
-            match tokio::time::timeout_at(deadline, self.replies.recv()).await {
-                Ok(Some(r)) => {
-                    if let Some(i) = waiting.iter().position(|n| *n == r.name) {
-                        waiting.swap_remove(i);
-                        if let Some(e) = r.error {
-                            refusals.push(format!("{}: {e}", r.name));
-                        }
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => break,
-            }
-        }
-        if !waiting.is_empty() {
-            let what = command.name();
-            self.shared.update(|s| {
-                for name in &waiting {
-                    if let Some(p) = s.process_mut(name) {
-                        p.active = false;
-                        p.inactive_reason = Some(format!("no answer to {what} within {timeout:?}"));
-                    }
-                }
-                s.note(format!("inactive (no answer to {what}): {}", waiting.join(", ")));
-            });
-        }
-        if !refusals.is_empty() {
-            self.shared.update(|s| s.note(format!("{} refused: {}", command.name(), refusals.join("; "))));
-        }
-        refusals
-    }
-
-    /// Carries out one cluster command (`INIT`, `CONFIGURE`, `START`, `PAUSE`, `CONTINUE`,
-    /// `STOP`, `RESET`, `OFF`).
-    pub async fn execute(&mut self, name: &str) -> anyhow::Result<()> {
-        let name = name.trim().to_ascii_uppercase();
+    /// Copies the controller's view of the processes into the shared status.
+    fn mirror(&self) {
+        let busy = self.control.busy().map(|c| c.name().to_string());
         self.shared.update(|s| {
-            s.busy = Some(name.clone());
-            s.note(format!("command {name}"));
+            s.busy = busy;
+            for v in self.control.processes() {
+                if let Some(p) = s.process_mut(&v.name) {
+                    p.state = v.state.map_or_else(|| "UNKNOWN".to_string(), |st| st.to_string());
+                    p.active = v.active;
+                    p.inactive_reason = v.inactive_reason.as_ref().map(|r| r.to_string());
+                    p.switched_off = v.switched_off;
+                }
+            }
         });
-        let result = self.execute_inner(&name).await;
-        self.shared.update(|s| {
-            s.busy = None;
-            match &result {
-                Ok(()) => s.note(format!("{name} done: cluster {}", s.state)),
-                Err(e) => s.note(format!("{name} failed: {e:#}")),
+    }
+
+    fn handle(&mut self, input: Incoming) {
+        let t = now();
+        match input {
+            Incoming::Reply(reply, text) => {
+                if self.control.handle_reply(t, &reply) {
+                    self.shared.update(|s| {
+                        if let Some(p) = s.process_mut(&reply.name) {
+                            p.last_reply = Some(text);
+                        }
+                    });
+                }
             }
+            Incoming::Report(r) => {
+                if self.control.run().is_some_and(|a| a.run == r.run) {
+                    self.reports.push(*r);
+                }
+            }
+            Incoming::Left(name) => self.control.handle_left(t, &name),
+            Incoming::Exited(name, how) => self.control.handle_exited(t, &name, &how),
+        }
+    }
+
+    /// Waits for the next input or the controller's next timeout. Cancel-safe: nothing
+    /// is taken or sent before it returns.
+    async fn wait(&mut self) -> Wake {
+        let wait =
+            self.control.poll_timeout().map(|t| Duration::from_nanos(t.as_nanos().saturating_sub(now().as_nanos())));
+        tokio::select! {
+            input = self.incoming.recv() => input.map_or(Wake::Closed, Wake::Input),
+            _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => Wake::Timeout,
+        }
+    }
+
+    /// Hands one wake-up to the controller and carries out what follows.
+    async fn apply(&mut self, wake: Wake) -> anyhow::Result<()> {
+        match wake {
+            Wake::Input(i) => self.handle(i),
+            Wake::Timeout => self.control.handle_timeout(now()),
+            Wake::Closed => anyhow::bail!("run control's listener stopped"),
+        }
+        self.flush().await
+    }
+
+    async fn turn(&mut self) -> anyhow::Result<()> {
+        let wake = self.wait().await;
+        self.apply(wake).await
+    }
+
+    /// Lets the controller follow the cluster (replies, departures) until `until` is done.
+    /// `until` is polled only between turns, so a publish is never cut in half.
+    pub async fn follow_until<F: std::future::Future>(&mut self, until: F) -> anyhow::Result<F::Output> {
+        tokio::pin!(until);
+        loop {
+            let wake = tokio::select! {
+                out = &mut until => return Ok(out),
+                wake = self.wait() => wake,
+            };
+            self.apply(wake).await?;
+        }
+    }
+
+    /// Until every process announced itself or the announce time is over.
+    pub async fn discover(&mut self) -> anyhow::Result<()> {
+        self.flush().await?;
+        while self.control.is_discovering() {
+            self.turn().await?;
+        }
+        Ok(())
+    }
+
+    /// Carries out one cluster command and waits until every answer is in or overdue.
+    pub async fn execute(&mut self, command: ClusterCommand) -> anyhow::Result<()> {
+        self.shared.update(|s| s.note(format!("command {command}")));
+        let result = self.execute_inner(command).await;
+        self.shared.update(|s| match &result {
+            Ok(()) => s.note(format!("{command} done: cluster {}", s.state)),
+            Err(e) => s.note(format!("{command} failed: {e:#}")),
         });
         result
     }
 
-    async fn execute_inner(&mut self, name: &str) -> anyhow::Result<()> {
-        let t = self.reply_timeout();
-        let order = [Role::Writer, Role::Builder, Role::Source];
-        match name {
-            "INIT" | "PAUSE" | "CONTINUE" | "RESET" => {
-                let cmd = Command::parse(name)?;
-                let all = self.active(None);
-                Self::check_refusals(self.send_and_wait(&all, &cmd, t).await)
+    async fn execute_inner(&mut self, command: ClusterCommand) -> anyhow::Result<()> {
+        self.finished.clear();
+        let numbers = &self.numbers;
+        self.control.handle_command(now(), command, || numbers.take_next().map_err(|e| format!("{e:#}")))?;
+        self.flush().await?;
+        loop {
+            if let Some(i) = self.finished.iter().position(|o| o.command == command) {
+                let outcome = self.finished.swap_remove(i);
+                if outcome.is_ok() {
+                    return Ok(());
+                }
+                let list: Vec<String> = outcome.refusals.iter().map(|r| format!("{}: {}", r.name, r.error)).collect();
+                anyhow::bail!("refused by {}", list.join("; "));
             }
-            "CONFIGURE" => {
-                let text = self.file.config_text()?;
-                let all = self.active(None);
-                Self::check_refusals(self.send_and_wait(&all, &Command::Configure(text), t).await)
-            }
-            "START" => {
-                if self.run.is_some() {
-                    anyhow::bail!("a run is in progress");
-                }
-                let missing = self.inactive();
-                if !missing.is_empty() && !self.file.cluster.start_with_missing {
-                    anyhow::bail!(
-                        "not starting: {} of {} processes inactive ({}); bring them back, or set \
-                         cluster.start_with_missing = true to run without them",
-                        missing.len(),
-                        self.file.processes.len(),
-                        missing.join(", ")
-                    );
-                }
-                let run = self.numbers.take_next()?;
-                // Every source begins with the same slice, far enough ahead for the START
-                // to reach all of them.
-                let slice_clock = self.file.config.slice_clock()?;
-                let lead = t.min(Duration::from_secs(1));
-                let now = shoal_core::Instant::from_nanos(unix_ns(SystemTime::now() + lead));
-                let start_slice = slice_clock.slice_at(now) + 1;
-                let cmd = Command::Start { run, start_slice: Some(start_slice) };
-                self.run =
-                    Some(ActiveRun { run, start_slice, started: SystemTime::now(), config: self.file.config_text()? });
-                let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-                self.shared.update(|s| {
-                    s.run = Some(run);
-                    s.run_started = Some(started);
-                });
-                let mut refusals = Vec::new();
-                // Downstream first, so the receivers listen before data arrives.
-                for role in order {
-                    let targets = self.active(Some(role));
-                    refusals.extend(self.send_and_wait(&targets, &cmd, t).await);
-                }
-                Self::check_refusals(refusals)
-            }
-            "STOP" => self.stop().await,
-            "OFF" => {
-                if self.run.is_some() {
-                    self.stop().await?;
-                }
-                // Upstream first, the reverse of START; to every process of the cluster, also
-                // those marked inactive (a process that is alive but was not heard from must
-                // not keep running a data path without control).
-                for role in order.iter().rev() {
-                    let targets: Vec<String> =
-                        self.file.processes.iter().filter(|p| p.role == *role).map(|p| p.name.clone()).collect();
-                    self.shared.update(|s| {
-                        for p in s.processes.iter_mut().filter(|p| targets.contains(&p.name)) {
-                            p.switched_off = true;
-                        }
-                    });
-                    self.send_and_wait(&targets, &Command::Off, t).await;
-                }
-                Ok(())
-            }
-            other => anyhow::bail!("unknown command {other:?}"),
+            self.turn().await?;
         }
     }
 
-    fn check_refusals(refusals: Vec<String>) -> anyhow::Result<()> {
-        if refusals.is_empty() { Ok(()) } else { anyhow::bail!("refused by {}", refusals.join("; ")) }
-    }
-
-    /// Stops the run in data-flow order (sources drain, builders finish, the writer
-    /// closes its file), collects the end-of-run reports and writes the run record.
-    async fn stop(&mut self) -> anyhow::Result<()> {
-        let Some(active) = self.run.take() else { anyhow::bail!("no run in progress") };
-        let cfg: &Config = &self.file.config;
-        let t = self.reply_timeout();
-        let waits = [
-            (Role::Source, t + Duration::from_millis(cfg.source.drain_timeout_ms)),
-            (Role::Builder, t + Duration::from_millis(cfg.builder.drain_timeout_ms)),
-            (Role::Writer, t + Duration::from_secs(5)),
-        ];
-        // Every source produces up to the same slice, a little ahead so that the STOP
-        // reaches all of them first; the builders and the writer finish behind them.
-        let slice_clock = cfg.slice_clock()?;
-        let lead = t.min(Duration::from_millis(500));
-        let end_slice = slice_clock.slice_at(shoal_core::Instant::from_nanos(unix_ns(SystemTime::now() + lead))) + 1;
-        let mut refusals = Vec::new();
-        for (role, timeout) in waits {
-            let targets = self.active(Some(role));
-            let stop = Command::Stop { end_slice: (role == Role::Source).then_some(end_slice) };
-            refusals.extend(self.send_and_wait(&targets, &stop, timeout + lead).await);
-        }
-        // Reports are published before the replies, so they are here by now.
-        let mut reports = Vec::new();
-        while let Ok(r) = self.reports.try_recv() {
-            if r.run == active.run {
-                reports.push(r);
-            }
-        }
-        let record = self.record(&active, end_slice, reports);
+    /// Writes the record of the run that just ended (every STOP answered or overdue, so
+    /// the reports, published before the replies, are in).
+    fn write_record(&mut self, run: u64, start_slice: u64, end_slice: u64) -> anyhow::Result<()> {
+        let meta = self.run.take().unwrap_or(RunMeta { started: SystemTime::now(), config: String::new() });
+        let reports = std::mem::take(&mut self.reports);
+        self.mirror();
+        let record = self.record(run, &meta, start_slice, end_slice, reports);
         let dir = self.state_dir.join("runs");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("run{:06}.json", record.run));
@@ -493,10 +463,17 @@ impl Controller {
             ));
             s.history.insert(0, brief);
         });
-        Self::check_refusals(refusals)
+        Ok(())
     }
 
-    fn record(&self, active: &ActiveRun, end_slice: u64, reports: Vec<NodeReport>) -> RunRecord {
+    fn record(
+        &self,
+        run: u64,
+        meta: &RunMeta,
+        start_slice: u64,
+        end_slice: u64,
+        reports: Vec<NodeReport>,
+    ) -> RunRecord {
         let stopped = SystemTime::now();
         let mut sources = BTreeMap::new();
         let mut builders = BTreeMap::new();
@@ -515,26 +492,26 @@ impl Controller {
             .map(|p| p.name.clone())
             .collect();
         let ledger = Ledger::combine(&sources, &builders);
-        let status = self.shared.snapshot();
         RunRecord {
-            run: active.run,
+            run,
             cluster: self.file.cluster.name.clone(),
-            start_time: humantime::format_rfc3339_millis(active.started).to_string(),
+            start_time: humantime::format_rfc3339_millis(meta.started).to_string(),
             stop_time: humantime::format_rfc3339_millis(stopped).to_string(),
-            start_unix_ns: unix_ns(active.started),
+            start_unix_ns: unix_ns(meta.started),
             stop_unix_ns: unix_ns(stopped),
-            start_slice: active.start_slice,
+            start_slice,
             end_slice,
-            configuration: active.config.clone(),
-            processes: status
-                .processes
+            configuration: meta.config.clone(),
+            processes: self
+                .control
+                .processes()
                 .iter()
                 .map(|p| ProcessOutcome {
                     name: p.name.clone(),
-                    role: p.role.clone(),
-                    final_state: p.state.clone(),
+                    role: p.role.name().to_string(),
+                    final_state: p.state.map_or_else(|| "UNKNOWN".to_string(), |s| s.to_string()),
                     active: p.active,
-                    inactive_reason: p.inactive_reason.clone(),
+                    inactive_reason: p.inactive_reason.as_ref().map(|r| r.to_string()),
                 })
                 .collect(),
             ledger: LedgerSummary::new(&ledger),

@@ -18,18 +18,17 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use shoal_core::cluster::ClusterCommand;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::status::Shared;
 
-pub const COMMANDS: [&str; 8] = ["INIT", "CONFIGURE", "START", "PAUSE", "CONTINUE", "STOP", "RESET", "OFF"];
-
 #[derive(Clone)]
 struct AppState {
     shared: Arc<Shared>,
-    commands: mpsc::Sender<String>,
+    commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
 }
 
@@ -48,16 +47,15 @@ async fn status(State(s): State<AppState>) -> impl IntoResponse {
 }
 
 async fn command(State(s): State<AppState>, Path(name): Path<String>) -> Response {
-    let name = name.to_ascii_uppercase();
-    if !COMMANDS.contains(&name.as_str()) {
-        return (StatusCode::BAD_REQUEST, format!("unknown command {name:?}; known: {}", COMMANDS.join(" ")))
-            .into_response();
-    }
+    let command = match name.parse::<ClusterCommand>() {
+        Ok(c) => c,
+        Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
+    };
     if let Some(busy) = s.shared.snapshot().busy {
         return (StatusCode::CONFLICT, format!("busy with {busy}")).into_response();
     }
-    match s.commands.try_send(name.clone()) {
-        Ok(()) => (StatusCode::ACCEPTED, format!("{name} queued")).into_response(),
+    match s.commands.try_send(command) {
+        Ok(()) => (StatusCode::ACCEPTED, format!("{command} queued")).into_response(),
         Err(_) => (StatusCode::CONFLICT, "a command is already queued".to_string()).into_response(),
     }
 }
@@ -124,7 +122,7 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
 pub async fn serve(
     listener: TcpListener,
     shared: Arc<Shared>,
-    commands: mpsc::Sender<String>,
+    commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {

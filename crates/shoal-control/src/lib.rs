@@ -1,6 +1,16 @@
-//! `shoal run CLUSTER.toml`: run control for a multi-process deployment.
+//! shoal-control: run control for a multi-process deployment (`shoal run CLUSTER.toml`).
 //!
-//! Starts a dispatcher and every process of the cluster file (each role its own OS
+//! The decisions (command order, start and end slices, reply deadlines, inactive
+//! processes, discovery) are shoal-core's sans-IO [`shoal_core::cluster::ClusterControl`];
+//! this crate is its driver and everything around it:
+//! - [`cluster`]: the cluster file ([`cluster::ClusterFile`]): processes, hosts, settings;
+//! - [`control`]: the [`control::Controller`] that drives `ClusterControl` over the
+//!   dispatcher and writes the run records ([`control::RunRecord`]);
+//! - [`status`]: the status shared with the UI ([`status::ClusterStatus`]);
+//! - [`http`]: the HTTP API, WebSocket and the web UI (compiled in from `ui/`);
+//! - [`command`]: the whole of `shoal run`, given [`RunOptions`].
+//!
+//! `shoal run` starts a dispatcher and every process of the cluster file (each role its own OS
 //! process, in its own process group so that a terminal's Ctrl-C reaches only run
 //! control), waits for them to announce themselves, and then either drives one run
 //! (INIT, CONFIGURE, START, wait, STOP, OFF) or, with `--interactive`, waits for commands
@@ -14,11 +24,9 @@ pub mod status;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
 use shoal_dispatcher::client::ChClient;
 use shoal_net::node::Role;
 use tokio::process::{Child, Command};
@@ -26,30 +34,26 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use cluster::{ClusterFile, Launch, ProcessSpec};
-use control::Controller;
+use control::{Controller, Incoming};
+use shoal_core::cluster::ClusterCommand;
 use status::{ClusterStatus, ProcStatus, Rates, Shared};
 
-#[derive(Parser)]
-pub struct RunArgs {
-    /// The cluster file (see examples/sector.toml and docs/run-control.md).
+/// What `shoal run` was asked to do (the command line's options, or a caller's).
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// The cluster file.
     pub cluster: PathBuf,
     /// Wait for commands from the web UI / HTTP API instead of driving one run.
-    #[arg(long)]
     pub interactive: bool,
     /// Length of the run in seconds (default: cluster.seconds).
-    #[arg(long)]
     pub seconds: Option<f64>,
-    /// Override cluster.http (e.g. 127.0.0.1:0 for any free port; "off" for none).
-    #[arg(long)]
+    /// Override cluster.http (`127.0.0.1:0` for any free port, `off` for none).
     pub http: Option<String>,
     /// Override cluster.state_dir.
-    #[arg(long)]
     pub state_dir: Option<PathBuf>,
     /// Override cluster.dispatcher.
-    #[arg(long)]
     pub dispatcher: Option<String>,
     /// End by printing the last run's summary as JSON instead of a table.
-    #[arg(long)]
     pub json: bool,
 }
 
@@ -131,7 +135,7 @@ async fn await_subscription(sender: &mut ChClient, listener: &mut ChClient) -> a
     anyhow::bail!("the dispatcher does not deliver run control's messages")
 }
 
-pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
+pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     let mut file = ClusterFile::load(&args.cluster)?;
     if let Some(h) = args.http {
         file.cluster.http = h;
@@ -214,9 +218,8 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
             .then(|| file.cluster.dispatcher_http.clone()),
         ..Default::default()
     });
-    let (reply_tx, reply_rx) = mpsc::unbounded_channel();
-    let (report_tx, report_rx) = mpsc::unbounded_channel();
-    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), reply_tx, report_tx));
+    let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
+    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone()));
 
     // Launch, writer first (the order does not matter for correctness: nothing flows
     // before START).
@@ -239,14 +242,13 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     }
     shared.update(|s| s.note(format!("launched {} processes; logs in {}", launched.len(), logs.display())));
-    let exits = watch_exits(launched, shared.clone());
+    let exits = watch_exits(launched, incoming_tx);
 
-    let mut controller = Controller::new(file.clone(), client, shared.clone(), reply_rx, report_rx);
-    let announce = Duration::from_millis(file.cluster.reply_timeout_ms).max(Duration::from_secs(10));
-    controller.await_announcements(announce).await;
+    let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx)?;
+    controller.discover().await?;
 
     let http_cancel = CancellationToken::new();
-    let (cmd_tx, mut cmd_rx) = mpsc::channel::<String>(1);
+    let (cmd_tx, mut cmd_rx) = mpsc::channel::<ClusterCommand>(1);
     if file.cluster.http != "off" {
         let addr: std::net::SocketAddr =
             file.cluster.http.parse().with_context(|| format!("cluster.http {:?}", file.cluster.http))?;
@@ -260,26 +262,28 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut ok = true;
     if args.interactive {
         loop {
-            tokio::select! {
-                Some(name) = cmd_rx.recv() => {
-                    let done = name == "OFF";
-                    if let Err(e) = controller.execute(&name).await {
-                        eprintln!("{name}: {e:#}");
+            let next = controller
+                .follow_until(async {
+                    tokio::select! {
+                        c = cmd_rx.recv() => c,
+                        _ = interrupted.cancelled() => None,
                     }
-                    if done {
-                        break;
-                    }
-                }
-                _ = interrupted.cancelled() => {
-                    ok &= controller.execute("OFF").await.is_ok();
-                    break;
-                }
+                })
+                .await?;
+            let command = next.unwrap_or(ClusterCommand::Off);
+            let result = controller.execute(command).await;
+            if let Err(e) = &result {
+                eprintln!("{command}: {e:#}");
+            }
+            if command == ClusterCommand::Off {
+                ok &= result.is_ok();
+                break;
             }
         }
     } else {
-        for name in ["INIT", "CONFIGURE", "START"] {
-            if let Err(e) = controller.execute(name).await {
-                eprintln!("{name}: {e:#}");
+        for command in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+            if let Err(e) = controller.execute(command).await {
+                eprintln!("{command}: {e:#}");
                 ok = false;
                 break;
             }
@@ -287,12 +291,16 @@ pub async fn command(args: RunArgs) -> anyhow::Result<ExitCode> {
         if ok {
             let seconds = file.cluster.seconds;
             eprintln!("running for {seconds} s (Ctrl-C stops earlier)");
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}
-                _ = interrupted.cancelled() => {}
-            }
+            controller
+                .follow_until(async {
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}
+                        _ = interrupted.cancelled() => {}
+                    }
+                })
+                .await?;
         }
-        if let Err(e) = controller.execute("OFF").await {
+        if let Err(e) = controller.execute(ClusterCommand::Off).await {
             eprintln!("OFF: {e:#}");
             ok = false;
         }
@@ -355,12 +363,12 @@ struct Exits {
     kill: CancellationToken,
 }
 
-fn watch_exits(launched: Vec<Launched>, shared: Arc<Shared>) -> Exits {
+fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming>) -> Exits {
     let kill = CancellationToken::new();
     let tasks = launched
         .into_iter()
         .map(|mut l| {
-            let shared = shared.clone();
+            let incoming = incoming.clone();
             let kill = kill.clone();
             let name = l.name.clone();
             let task = tokio::spawn(async move {
@@ -372,19 +380,12 @@ fn watch_exits(launched: Vec<Launched>, shared: Arc<Shared>) -> Exits {
                         l.child.wait().await
                     }
                 };
-                shared.update(|s| {
-                    let how = match &status {
-                        Ok(st) => st.to_string(),
-                        Err(e) => e.to_string(),
-                    };
-                    if let Some(p) = s.process_mut(&l.name)
-                        && !p.switched_off
-                    {
-                        p.active = false;
-                        p.inactive_reason = Some(format!("process exited ({how})"));
-                        s.note(format!("{} exited ({how}): inactive", l.name));
-                    }
-                });
+                let how = match &status {
+                    Ok(st) => st.to_string(),
+                    Err(e) => e.to_string(),
+                };
+                // The controller decides whether that was expected (after OFF) or not.
+                let _ = incoming.send(Incoming::Exited(l.name, how));
             });
             (name, task)
         })

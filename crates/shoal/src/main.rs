@@ -41,6 +41,44 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The cluster file (see examples/sector.toml and docs/run-control.md).
+    cluster: std::path::PathBuf,
+    /// Wait for commands from the web UI / HTTP API instead of driving one run.
+    #[arg(long)]
+    interactive: bool,
+    /// Length of the run in seconds (default: cluster.seconds).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Override cluster.http (e.g. 127.0.0.1:0 for any free port; "off" for none).
+    #[arg(long)]
+    http: Option<String>,
+    /// Override cluster.state_dir.
+    #[arg(long)]
+    state_dir: Option<std::path::PathBuf>,
+    /// Override cluster.dispatcher.
+    #[arg(long)]
+    dispatcher: Option<String>,
+    /// End by printing the last run's summary as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+impl From<RunArgs> for run::RunOptions {
+    fn from(a: RunArgs) -> Self {
+        run::RunOptions {
+            cluster: a.cluster,
+            interactive: a.interactive,
+            seconds: a.seconds,
+            http: a.http,
+            state_dir: a.state_dir,
+            dispatcher: a.dispatcher,
+            json: a.json,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run sources, builders and a writer in one process over loopback TCP and print a summary.
@@ -48,7 +86,7 @@ enum Command {
     /// Run one role of a distributed deployment.
     Node(NodeArgs),
     /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
-    Run(run::RunArgs),
+    Run(RunArgs),
     /// Generate slices with known muons, filter them, and print efficiency, purity,
     /// background rate and data reduction.
     TriggerEval(trigger::EvalArgs),
@@ -222,7 +260,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
-        Command::Run(args) => run::command(args).await,
+        Command::Run(args) => run::command(args.into()).await,
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,
         Command::Dispatcher(args) => dispatcher(args).await,
