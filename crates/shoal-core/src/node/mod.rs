@@ -19,6 +19,7 @@
 //! need (pull requests, datagram loss reports, alerts) come in the same way.
 
 mod builder;
+mod slice_map;
 mod source;
 mod workload;
 

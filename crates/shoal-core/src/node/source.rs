@@ -1,9 +1,10 @@
 //! The source node: one process's sources, from slice end to bytes on a connection.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use bytes::Bytes;
 
+use super::slice_map::SliceMap;
 use super::{GeneratedFragment, Workload};
 use crate::frame::{self, Flags, FrameHeader, HEADER_LEN};
 use crate::ledger::SourceTally;
@@ -174,11 +175,13 @@ struct Hosted {
     shaper: Box<dyn Shaper>,
     cutoff: Option<BurstCutoff>,
     /// Frames handed to the shaper and not yet reported sent, failed or dropped.
-    frames: HashMap<SliceNumber, PendingFrame>,
+    frames: SliceMap<PendingFrame>,
     /// Produced, waiting for the cutoff's decision.
-    undecided: HashMap<SliceNumber, GeneratedFragment>,
+    undecided: SliceMap<GeneratedFragment>,
     /// The fragment holding back the schedule, and when it stops doing so.
     stall: Option<(SliceNumber, Instant)>,
+    /// Fragments sent per builder (the tally's `sent`, kept as a vector on the hot path).
+    sent_to: Vec<u64>,
     tally: SourceTally,
 }
 
@@ -203,7 +206,8 @@ enum Phase {
 pub struct SourceNode {
     cfg: SourceNodeConfig,
     hosted: Vec<Hosted>,
-    index: HashMap<SourceId, usize>,
+    /// (source id, position in `hosted`), sorted by id.
+    index: Vec<(SourceId, usize)>,
     first_slice: SliceNumber,
     next_slice: SliceNumber,
     end_slice: Option<SliceNumber>,
@@ -245,13 +249,15 @@ impl SourceNode {
                 id,
                 shaper: cfg.policy.build(ShaperContext { source: id, n_builders: cfg.n_builders }),
                 cutoff: cfg.cutoff.map(|c| BurstCutoff::new(c.head, c.tail)),
-                frames: HashMap::new(),
-                undecided: HashMap::new(),
+                frames: SliceMap::default(),
+                undecided: SliceMap::default(),
                 stall: None,
+                sent_to: vec![0; cfg.n_builders as usize],
                 tally: SourceTally::default(),
             })
             .collect();
-        let index = hosted.iter().enumerate().map(|(i, h)| (h.id, i)).collect();
+        let mut index: Vec<(SourceId, usize)> = hosted.iter().enumerate().map(|(i, h)| (h.id, i)).collect();
+        index.sort_unstable();
         let stall_limit = cfg.slice_clock.length() * cfg.stall_limit_slices.max(1);
         let in_transport = vec![0; cfg.n_builders as usize];
         let open_frame = vec![None; cfg.n_builders as usize];
@@ -377,7 +383,7 @@ impl SourceNode {
 
     /// A builder asks `source` for a fragment (credit-based pull policies).
     pub fn handle_request(&mut self, now: Instant, source: SourceId, req: PullRequest) {
-        if let Some(&i) = self.index.get(&source) {
+        if let Some(i) = self.hosted_index(source) {
             self.hosted[i].shaper.handle_request(now, req);
         }
     }
@@ -476,9 +482,16 @@ impl SourceNode {
         for h in &self.hosted {
             let mut t = h.tally.clone();
             t.unsent += (h.frames.len() + h.undecided.len()) as u64;
+            for (b, &n) in h.sent_to.iter().enumerate().filter(|(_, n)| **n > 0) {
+                *t.sent.entry(b as BuilderId).or_default() += n;
+            }
             r.tallies.insert(h.id, t);
         }
         r
+    }
+
+    fn hosted_index(&self, source: SourceId) -> Option<usize> {
+        self.index.binary_search_by_key(&source, |&(id, _)| id).ok().map(|k| self.index[k].1)
     }
 
     fn ends_before(&self, slice: SliceNumber) -> bool {
@@ -558,7 +571,7 @@ impl SourceNode {
                 CutoffDecision::Keep(slice) => (slice, false),
                 CutoffDecision::Cut(slice) => (slice, true),
             };
-            if let Some(frag) = self.hosted[i].undecided.remove(&slice) {
+            if let Some(frag) = self.hosted[i].undecided.remove(slice) {
                 self.enqueue(i, slice, frag, cut, now);
             }
         }
@@ -605,7 +618,7 @@ impl SourceNode {
     /// Turns a shaper's decision into a transmit, or drops the fragment at the source.
     fn dispatch(&mut self, i: usize, tx: Transmit, now: Instant) -> Option<SourceTransmit> {
         let h = &mut self.hosted[i];
-        let Some(f) = h.frames.get_mut(&tx.slice) else {
+        let Some(f) = h.frames.get_mut(tx.slice) else {
             self.events.push_back(SourceEvent::UnknownFragment { source: h.id, slice: tx.slice });
             return None;
         };
@@ -617,7 +630,7 @@ impl SourceNode {
         self.open_frame[dest] = (!tx.last && !f.dropped).then_some((h.id, tx.slice));
         if f.dropped {
             if tx.last {
-                h.frames.remove(&tx.slice);
+                h.frames.remove(tx.slice);
                 h.tally.dropped_at_source += 1;
                 self.totals.dropped += 1;
                 h.shaper.handle_sent(now, tx.slice);
@@ -657,10 +670,10 @@ impl SourceNode {
     }
 
     fn handle_report(&mut self, now: Instant, source: SourceId, slice: SliceNumber, sent: bool) {
-        let Some(&i) = self.index.get(&source) else { return };
+        let Some(i) = self.hosted_index(source) else { return };
         let h = &mut self.hosted[i];
         // End-of-stream markers are not held: nothing to account.
-        let Some(f) = h.frames.remove(&slice) else { return };
+        let Some(f) = h.frames.remove(slice) else { return };
         let Some(dest) = f.dest else {
             // Reported before it was handed out: cannot happen with a correct driver; keep
             // the fragment so it counts as unsent rather than being double-counted.
@@ -669,7 +682,7 @@ impl SourceNode {
         };
         self.in_transport[dest as usize] -= f.handed;
         if sent {
-            *h.tally.sent.entry(dest).or_default() += 1;
+            h.sent_to[dest as usize] += 1;
         } else {
             h.tally.send_failed += 1;
             self.totals.dropped += 1;
