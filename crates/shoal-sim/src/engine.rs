@@ -1,15 +1,26 @@
 //! The event queue: a binary heap keyed by (time, insertion sequence).
+//!
+//! Most of a simulation's time goes into this heap, so its entries are one `u128` each:
+//! the time in the upper 64 bits, then the insertion sequence (40 bits), then the slot
+//! holding the event (24 bits). Ordering by that number is ordering by (time, sequence),
+//! and a comparison is two machine words instead of a three-field tuple.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use shoal_core::Instant;
 
+const SLOT_BITS: u32 = 24;
+/// Events pending at once (the largest scenarios keep a few thousand).
+const SLOTS: usize = 1 << SLOT_BITS;
+/// Events scheduled over a run (the largest scenarios schedule about 10^9).
+const SEQUENCES: u64 = 1 << (64 - SLOT_BITS);
+
 /// A timestamp-ordered queue of events of type `E`. Events at the same instant come out in
 /// the order they were scheduled, so a run is deterministic.
 #[derive(Debug)]
 pub struct EventQueue<E> {
-    heap: BinaryHeap<Reverse<(Instant, u64, usize)>>,
+    heap: BinaryHeap<Reverse<u128>>,
     slots: Vec<Option<E>>,
     free: Vec<usize>,
     seq: u64,
@@ -59,18 +70,23 @@ impl<E> EventQueue<E> {
                 self.slots.len() - 1
             }
         };
-        self.heap.push(Reverse((at, self.seq, slot)));
+        assert!(slot < SLOTS, "more than {SLOTS} events pending");
+        assert!(self.seq < SEQUENCES, "more than {SEQUENCES} events scheduled");
+        let key = (u128::from(at.as_nanos()) << 64) | (u128::from(self.seq) << SLOT_BITS) | slot as u128;
+        self.heap.push(Reverse(key));
         self.seq += 1;
     }
 
     /// The next event, advancing the clock to its time; `None` when empty or when the next
     /// event lies after `until`.
     pub fn pop(&mut self, until: Instant) -> Option<(Instant, E)> {
-        let &Reverse((at, _, _)) = self.heap.peek()?;
+        let &Reverse(key) = self.heap.peek()?;
+        let at = Instant::from_nanos((key >> 64) as u64);
         if at > until {
             return None;
         }
-        let Reverse((at, _, slot)) = self.heap.pop().expect("peeked");
+        self.heap.pop();
+        let slot = (key as usize) & (SLOTS - 1);
         self.now = at;
         self.processed += 1;
         self.free.push(slot);
