@@ -80,6 +80,9 @@ pub enum Launch {
     /// Started by someone else (a systemd unit, a batch system); run control only waits
     /// for it to announce itself on the dispatcher.
     External,
+    /// A child process inside the network namespace named by `host`
+    /// (`ip netns exec <host> <binary> node ...`), as `shoal testbed` runs every host.
+    Netns,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

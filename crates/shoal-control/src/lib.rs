@@ -102,6 +102,11 @@ fn launch(spec: &ProcessSpec, file: &ClusterFile, binary: &Path, logs: &Path) ->
             ssh.extend(args);
             spawn_logged(Path::new("ssh"), &ssh, &log).map(Some)
         }
+        Launch::Netns => {
+            let mut exec = vec!["netns".into(), "exec".into(), spec.host.clone(), binary.display().to_string()];
+            exec.extend(args);
+            spawn_logged(Path::new("ip"), &exec, &log).map(Some)
+        }
     }
 }
 

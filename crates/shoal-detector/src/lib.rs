@@ -248,6 +248,30 @@ pub enum GeneratorKind {
     Bursts,
 }
 
+impl GeneratorKind {
+    pub const ALL: [GeneratorKind; 4] =
+        [GeneratorKind::Physics, GeneratorKind::Noise, GeneratorKind::Fixed, GeneratorKind::Bursts];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GeneratorKind::Physics => "physics",
+            GeneratorKind::Noise => "noise",
+            GeneratorKind::Fixed => "fixed",
+            GeneratorKind::Bursts => "bursts",
+        }
+    }
+}
+
+impl std::str::FromStr for GeneratorKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        GeneratorKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown generator {s:?} (physics, noise, fixed or bursts)"))
+    }
+}
+
 /// A source's workload, any kind.
 #[derive(Clone, Debug)]
 pub enum Generator {

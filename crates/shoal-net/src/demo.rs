@@ -80,7 +80,7 @@ pub struct RunSummary {
 }
 
 /// The ledger as written to JSON.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct LedgerSummary {
     pub produced: u64,
     pub buckets: BTreeMap<String, u64>,

@@ -27,6 +27,7 @@ mod replay;
 use shoal_control as run;
 mod sim;
 mod summary;
+mod testbed;
 mod trigger;
 
 // The data path allocates and frees many fragment-sized buffers from several threads;
@@ -99,6 +100,10 @@ enum Command {
     Dispatcher(DispatcherArgs),
     /// Packet-level network simulation running shoal's real shaping and assembly code.
     Sim(SimArgs),
+    /// The real processes on an emulated network of network namespaces (root).
+    Testbed(testbed::TestbedArgs),
+    /// Run a scenario on the simulator and on the testbed and compare them (root).
+    Validate(testbed::ValidateArgs),
 }
 
 #[derive(Parser)]
@@ -256,6 +261,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs `f` on a blocking thread while Ctrl-C is caught: `shoal run` (a child in the same
+/// process group) gets it and stops the run cleanly, and `f` goes on to collect and to tear
+/// the testbed down instead of dying with the namespaces still up.
+async fn with_ctrl_c_ignored(
+    f: impl FnOnce() -> anyhow::Result<ExitCode> + Send + 'static,
+) -> anyhow::Result<ExitCode> {
+    let watch = tokio::spawn(async {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("interrupted: the run stops, then the testbed is torn down");
+        }
+    });
+    let r = tokio::task::spawn_blocking(f).await?;
+    watch.abort();
+    r
+}
+
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => demo(args).await,
@@ -265,6 +286,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,
         Command::Dispatcher(args) => dispatcher(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
+        Command::Testbed(args) => with_ctrl_c_ignored(move || testbed::command(args)).await,
+        Command::Validate(args) => with_ctrl_c_ignored(move || testbed::validate(args)).await,
         Command::Config => {
             print!("{}", toml::to_string(&Config::default())?);
             Ok(ExitCode::SUCCESS)

@@ -1,0 +1,328 @@
+//! The emulated network of a scenario, as data: namespaces, addresses, veth links and
+//! the commands that configure each namespace. Pure (no command is run here), so the
+//! whole layout is tested without root.
+//!
+//! The layout mirrors the simulator's topology (`shoal_sim::sim`): boards -> sector switch
+//! -> shore link -> central switch -> builders. Each host (source process, builder,
+//! writer, control) is a network namespace with one `eth0`; each switch is a namespace
+//! holding a Linux bridge whose ports are the switch ends of the veth pairs. A link is
+//! shaped in both directions: the host's egress by a token bucket at the link rate with
+//! the host queue behind it, the switch port's egress (toward the host) by a token bucket
+//! with the switch output buffer behind it (drop-tail, packets or bytes). Offloads are off
+//! on both ends, so one queued packet is one frame (../shared/testbed.md).
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use shoal_sim::scenario::Scenario;
+
+/// Largest frame on the wire, as tc counts it (1500 MTU + 14 bytes of Ethernet header).
+const FRAME: u64 = 1514;
+
+/// TCP congestion control of every host namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Congestion {
+    /// What the simulator models (NewReno).
+    Reno,
+    /// What Linux deployments run.
+    Cubic,
+}
+
+impl Congestion {
+    pub fn name(self) -> &'static str {
+        match self {
+            Congestion::Reno => "reno",
+            Congestion::Cubic => "cubic",
+        }
+    }
+}
+
+impl std::str::FromStr for Congestion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reno" => Ok(Congestion::Reno),
+            "cubic" => Ok(Congestion::Cubic),
+            other => Err(format!("unknown congestion control {other:?} (reno or cubic)")),
+        }
+    }
+}
+
+/// What a host namespace is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase", tag = "role", content = "id")]
+pub enum HostRole {
+    Source(u32),
+    Builder(u32),
+    Writer,
+    /// Dispatcher and run control.
+    Control,
+}
+
+/// One host: a namespace with one address.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Host {
+    pub netns: String,
+    pub role: HostRole,
+    pub addr: Ipv4Addr,
+}
+
+/// One shaped direction of a link: a token bucket at `mbps` with a drop-tail queue.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shaping {
+    pub mbps: f64,
+    pub queue: Queue,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queue {
+    Packets(usize),
+    Bytes(u64),
+}
+
+/// A veth pair between two namespaces, shaped at both ends.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Link {
+    pub a_netns: String,
+    pub a_dev: String,
+    pub a_egress: Shaping,
+    pub b_netns: String,
+    pub b_dev: String,
+    pub b_egress: Shaping,
+}
+
+/// The whole testbed of a scenario.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub prefix: String,
+    pub hosts: Vec<Host>,
+    /// Switch namespaces (each holds bridge `br0`).
+    pub switches: Vec<String>,
+    pub links: Vec<Link>,
+    pub congestion: Congestion,
+}
+
+/// Addresses in 198.18.0.0/15: sources 198.18.x.y, builders 198.19.0.x up, writer and
+/// control at the top of 198.19.
+fn source_addr(i: u32) -> Ipv4Addr {
+    let n = i + 1;
+    Ipv4Addr::new(198, 18, (n >> 8) as u8, (n & 0xff) as u8)
+}
+
+fn builder_addr(j: u32) -> Ipv4Addr {
+    let n = j + 1;
+    Ipv4Addr::new(198, 19, (n >> 8) as u8, (n & 0xff) as u8)
+}
+
+pub const WRITER_ADDR: Ipv4Addr = Ipv4Addr::new(198, 19, 254, 1);
+pub const CONTROL_ADDR: Ipv4Addr = Ipv4Addr::new(198, 19, 254, 2);
+
+impl Plan {
+    /// The testbed for `sc`. Namespaces are named `<prefix>-...` so that `down` finds them.
+    pub fn new(sc: &Scenario, prefix: &str, congestion: Congestion) -> Result<Plan, String> {
+        let t = &sc.topology;
+        let n_sources = t.n_sources()?;
+        let n_builders = t.n_builders()?;
+        if n_sources + n_builders + 2 > 1000 {
+            return Err(format!("{n_sources} sources and {n_builders} builders: a bridge holds at most 1023 ports"));
+        }
+        if prefix.is_empty() || prefix.len() > 6 || !prefix.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Err(format!("testbed prefix {prefix:?}: 1 to 6 letters or digits"));
+        }
+        let switch_queue = match (t.queue_packets, t.queue_bytes) {
+            (_, Some(b)) => Queue::Bytes(b),
+            (Some(p), None) => Queue::Packets(p),
+            (None, None) => Queue::Packets(1000),
+        };
+        let host_queue = Queue::Packets(t.host_queue_packets);
+        let ns = |name: String| format!("{prefix}-{name}");
+        let core = ns("core".into());
+        let mut hosts = Vec::new();
+        let mut switches = vec![core.clone()];
+        let mut links = Vec::new();
+        let n_sectors = n_sources.div_ceil(t.boards_per_sector);
+        for sector in 0..n_sectors {
+            let sw = ns(format!("sec{sector}"));
+            switches.push(sw.clone());
+            // The shore link: shaped at the shore rate with the switch buffer on both sides.
+            links.push(Link {
+                a_netns: sw.clone(),
+                a_dev: "uplink".into(),
+                a_egress: Shaping { mbps: t.shore_mbps, queue: switch_queue },
+                b_netns: core.clone(),
+                b_dev: format!("sec{sector}"),
+                b_egress: Shaping { mbps: t.shore_mbps, queue: switch_queue },
+            });
+            let first = sector * t.boards_per_sector;
+            for i in first..(first + t.boards_per_sector).min(n_sources) {
+                let h = ns(format!("s{i}"));
+                hosts.push(Host { netns: h.clone(), role: HostRole::Source(i), addr: source_addr(i) });
+                links.push(Link {
+                    a_netns: h,
+                    a_dev: "eth0".into(),
+                    a_egress: Shaping { mbps: t.board_mbps, queue: host_queue },
+                    b_netns: sw.clone(),
+                    b_dev: format!("s{i}"),
+                    b_egress: Shaping { mbps: t.board_mbps, queue: switch_queue },
+                });
+            }
+        }
+        let mut attach = |netns: String, role: HostRole, addr: Ipv4Addr, port: String, mbps: f64| {
+            hosts.push(Host { netns: netns.clone(), role, addr });
+            links.push(Link {
+                a_netns: netns,
+                a_dev: "eth0".into(),
+                a_egress: Shaping { mbps, queue: host_queue },
+                b_netns: core.clone(),
+                b_dev: port,
+                b_egress: Shaping { mbps, queue: switch_queue },
+            });
+        };
+        for j in 0..n_builders {
+            attach(ns(format!("b{j}")), HostRole::Builder(j), builder_addr(j), format!("b{j}"), t.builder_mbps);
+        }
+        // Writer and control sit on the central switch at the builders' rate; their traffic
+        // (events, run control) is small next to the data.
+        attach(ns("w".into()), HostRole::Writer, WRITER_ADDR, "w".into(), t.builder_mbps);
+        attach(ns("ctl".into()), HostRole::Control, CONTROL_ADDR, "ctl".into(), t.builder_mbps);
+        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion })
+    }
+
+    /// Every namespace of the testbed.
+    pub fn namespaces(&self) -> impl Iterator<Item = &str> {
+        self.hosts.iter().map(|h| h.netns.as_str()).chain(self.switches.iter().map(String::as_str))
+    }
+
+    pub fn host(&self, role: HostRole) -> Option<&Host> {
+        self.hosts.iter().find(|h| h.role == role)
+    }
+
+    /// `ip -b` lines run in the root namespace: the namespaces, then the veth pairs created
+    /// directly inside them (nothing stays in the root namespace).
+    pub fn root_batch(&self) -> String {
+        let mut s = String::new();
+        for n in self.namespaces() {
+            let _ = writeln!(s, "netns add {n}");
+        }
+        for l in &self.links {
+            let _ = writeln!(
+                s,
+                "link add {} netns {} type veth peer name {} netns {}",
+                l.a_dev, l.a_netns, l.b_dev, l.b_netns
+            );
+        }
+        s
+    }
+
+    /// The shell script that configures namespace `netns` (run inside it with `sh -e`).
+    pub fn namespace_script(&self, netns: &str) -> String {
+        let mut s = String::from("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1\n");
+        s.push_str("ip link set lo up\n");
+        let is_switch = self.switches.iter().any(|n| n == netns);
+        if is_switch {
+            s.push_str("ip link add br0 type bridge stp_state 0 forward_delay 0 mcast_snooping 0\n");
+            s.push_str("ip link set br0 up\n");
+        } else {
+            let _ = writeln!(s, "sysctl -qw net.ipv4.tcp_congestion_control={}", self.congestion.name());
+        }
+        for (dev, shaping) in self.devices(netns) {
+            let _ = writeln!(s, "ethtool -K {dev} tso off gso off gro off >/dev/null 2>&1 || true");
+            if is_switch {
+                let _ = writeln!(s, "ip link set dev {dev} master br0");
+            }
+            let _ = writeln!(s, "ip link set dev {dev} up");
+            s.push_str(&shaper(dev, shaping));
+        }
+        if let Some(h) = self.hosts.iter().find(|h| h.netns == netns) {
+            let _ = writeln!(s, "ip addr add {}/15 dev eth0", h.addr);
+        }
+        s
+    }
+
+    /// The devices in `netns` with the shaping of their egress.
+    pub fn devices<'a>(&'a self, netns: &'a str) -> impl Iterator<Item = (&'a str, Shaping)> + 'a {
+        self.links.iter().flat_map(move |l| {
+            let a = (l.a_netns == netns).then_some((l.a_dev.as_str(), l.a_egress));
+            let b = (l.b_netns == netns).then_some((l.b_dev.as_str(), l.b_egress));
+            a.into_iter().chain(b)
+        })
+    }
+}
+
+/// A token bucket at the link rate (it spaces packets, where htb lets bursts through:
+/// ../shared/testbed.md) with the drop-tail queue as its child. The bucket holds 250 us
+/// at the rate, never less than two frames.
+fn shaper(dev: &str, s: Shaping) -> String {
+    let rate_bps = s.mbps * 1e6;
+    let burst = ((rate_bps / 8.0 * 250e-6) as u64).max(2 * FRAME);
+    let child = match s.queue {
+        Queue::Packets(n) => format!("pfifo limit {}", n.max(1)),
+        Queue::Bytes(b) => format!("bfifo limit {}", b.max(FRAME)),
+    };
+    format!(
+        "tc qdisc add dev {dev} root handle 1: tbf rate {}kbit burst {burst} latency 1s\n\
+         tc qdisc add dev {dev} parent 1:1 handle 10: {child}\n",
+        (rate_bps / 1e3).round() as u64
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(sources: u32, builders: u32) -> Scenario {
+        let mut sc = Scenario::default();
+        sc.topology.sources = Some(sources);
+        sc.topology.builders = Some(builders);
+        sc
+    }
+
+    #[test]
+    fn every_host_and_switch_has_a_namespace_and_one_address() {
+        let p = Plan::new(&scenario(12, 4), "tb", Congestion::Reno).unwrap();
+        // 12 sources, 4 builders, writer, control; central switch and 3 sector switches.
+        assert_eq!(p.hosts.len(), 18);
+        assert_eq!(p.switches.len(), 4);
+        let mut addrs: Vec<_> = p.hosts.iter().map(|h| h.addr).collect();
+        addrs.sort();
+        addrs.dedup();
+        assert_eq!(addrs.len(), 18);
+        assert!(p.hosts.iter().all(|h| h.addr.octets()[0] == 198 && (h.addr.octets()[1] & 0xfe) == 18));
+        assert!(p.namespaces().all(|n| n.starts_with("tb-")));
+        // 12 board links, 3 shore links, 4 builder links, writer, control.
+        assert_eq!(p.links.len(), 21);
+        assert_eq!(p.host(HostRole::Source(300)), None);
+        assert_eq!(p.host(HostRole::Builder(3)).unwrap().addr, Ipv4Addr::new(198, 19, 0, 4));
+    }
+
+    #[test]
+    fn links_are_shaped_at_the_scenario_rates_with_its_buffers() {
+        let mut sc = scenario(5, 2);
+        sc.topology.queue_packets = Some(100);
+        sc.topology.host_queue_packets = 1000;
+        let p = Plan::new(&sc, "tb", Congestion::Cubic).unwrap();
+        let s0 = p.namespace_script("tb-s0");
+        assert!(s0.contains("tcp_congestion_control=cubic"), "{s0}");
+        assert!(s0.contains("tbf rate 50000kbit burst 3028 "), "{s0}");
+        assert!(s0.contains("pfifo limit 1000"), "{s0}");
+        assert!(s0.contains("ip addr add 198.18.0.1/15 dev eth0"));
+        let core = p.namespace_script("tb-core");
+        assert!(core.contains("ip link set dev b1 master br0"));
+        // The builder port: 500 Mbit/s, 15625-byte bucket, 100-packet switch buffer.
+        assert!(core.contains("dev b1 root handle 1: tbf rate 500000kbit burst 15625 "), "{core}");
+        assert!(core.contains("dev b1 parent 1:1 handle 10: pfifo limit 100"));
+        assert!(!core.contains("tcp_congestion_control"), "switches carry no TCP");
+        assert!(p.root_batch().contains("link add eth0 netns tb-b1 type veth peer name b1 netns tb-core"));
+    }
+
+    #[test]
+    fn byte_buffers_and_bad_prefixes() {
+        let mut sc = scenario(3, 1);
+        sc.topology.queue_bytes = Some(108_000);
+        let p = Plan::new(&sc, "x1", Congestion::Reno).unwrap();
+        assert!(p.namespace_script("x1-core").contains("bfifo limit 108000"));
+        assert!(Plan::new(&sc, "bad-prefix", Congestion::Reno).is_err());
+        assert!(Plan::new(&scenario(1200, 10), "tb", Congestion::Reno).unwrap_err().contains("1023"));
+    }
+}

@@ -1,0 +1,304 @@
+//! One testbed run: the scenario's network up, the real `shoal node` processes in their
+//! namespaces under `shoal run`, the counters collected into a [`TestbedSummary`], the
+//! network down again (also when something fails).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, bail};
+use shoal_control::cluster::{ClusterFile, ClusterSettings, Launch, ProcessSpec};
+use shoal_net::config::Config;
+use shoal_net::node::Role;
+use shoal_sim::scenario::Scenario;
+use shoal_sim::sim::SimSummary;
+
+use crate::netns;
+use crate::plan::{CONTROL_ADDR, Congestion, HostRole, Plan, WRITER_ADDR};
+
+const BUILDER_PORT: u16 = 5601;
+const WRITER_PORT: u16 = 5700;
+const DISPATCHER_PORT: u16 = 5553;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct TestbedOptions {
+    pub prefix: String,
+    pub congestion: Congestion,
+    /// Run records, logs and the generated cluster file.
+    pub dir: PathBuf,
+    /// The shoal executable every process runs.
+    pub shoal: PathBuf,
+    /// Length of the run (default: the scenario's `load_s`).
+    pub seconds: Option<f64>,
+}
+
+/// How a run went, judged the same way for the simulator and the testbed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// Every slice complete and no delay bound by TCP's retransmission timeout.
+    Healthy,
+    /// Some slices incomplete (under 1%), or TCP timeouts.
+    Degraded,
+    /// More than 1% of the slices incomplete, or a 99th-percentile delay at the 200 ms
+    /// minimum retransmission timeout or beyond (incast collapse).
+    Collapsed,
+}
+
+impl Verdict {
+    pub fn judge(slices_complete: u64, slices_incomplete: u64, p99_delay_us: f64, tcp_timeouts: u64) -> Verdict {
+        let total = slices_complete + slices_incomplete;
+        let incomplete = if total == 0 { 1.0 } else { slices_incomplete as f64 / total as f64 };
+        if incomplete > 0.01 || p99_delay_us >= 200_000.0 {
+            Verdict::Collapsed
+        } else if slices_incomplete > 0 || tcp_timeouts > 0 {
+            Verdict::Degraded
+        } else {
+            Verdict::Healthy
+        }
+    }
+
+    pub fn of_simulation(s: &SimSummary) -> Verdict {
+        Verdict::judge(s.slices_complete, s.slices_incomplete, s.network_delay_p99_us, s.tcp_timeouts)
+    }
+}
+
+/// What a testbed run measured, with the simulator's field names where they mean the same.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TestbedSummary {
+    pub name: String,
+    pub congestion: Congestion,
+    pub policy: String,
+    pub sources: u32,
+    pub builders: u32,
+    pub fragment_bytes: u32,
+    pub seconds: f64,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    /// Fragment network delay (application send to complete arrival): the mean over all
+    /// fragments; p99 and maximum are the largest of the builders'.
+    pub network_delay_avg_us: f64,
+    pub network_delay_p99_us: f64,
+    pub network_delay_max_us: f64,
+    pub tcp_segments: u64,
+    pub tcp_retransmitted: u64,
+    pub tcp_timeouts: u64,
+    /// Packets dropped by the switch output buffers, and by the hosts' own queues.
+    pub queue_drops: u64,
+    pub host_queue_drops: u64,
+    pub ledger: shoal_net::demo::LedgerSummary,
+    /// CPU time the machine was idle and stolen by the hypervisor during the run (%): a
+    /// starved run is flagged, not averaged in.
+    pub cpu_idle_pct: f64,
+    pub cpu_steal_pct: f64,
+    pub starved: bool,
+    pub verdict: Verdict,
+    /// Where the run record and the logs are.
+    pub dir: PathBuf,
+}
+
+/// The runtime configuration of a scenario on the testbed's addresses.
+pub fn runtime_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Result<Config> {
+    let t = &sc.traffic;
+    let n_sources = sc.topology.n_sources().map_err(anyhow::Error::msg)?;
+    let n_builders = sc.topology.n_builders().map_err(anyhow::Error::msg)?;
+    let mut cfg = Config::default();
+    cfg.run.sources = n_sources;
+    cfg.run.builders = n_builders;
+    cfg.run.seconds = seconds;
+    if t.slice_ms.fract() != 0.0 || t.slice_ms < 1.0 {
+        bail!("traffic.slice_ms = {}: the runtime takes whole milliseconds", t.slice_ms);
+    }
+    cfg.run.slice_ms = t.slice_ms as u64;
+    cfg.run.policy = t.policy.clone();
+    cfg.run.builder_addrs = (0..n_builders)
+        .map(|j| {
+            let h = plan.host(HostRole::Builder(j)).expect("the plan has every builder");
+            format!("{}:{BUILDER_PORT}", h.addr)
+        })
+        .collect();
+    cfg.run.writer_addr = format!("{WRITER_ADDR}:{WRITER_PORT}");
+    if t.transport != "tcp" {
+        bail!("traffic.transport = {:?}: the runtime speaks TCP only (UDP is issue 13)", t.transport);
+    }
+    let kind = t.generator.as_deref().unwrap_or(if t.bursts { "bursts" } else { "fixed" });
+    cfg.source.generator = kind.parse().map_err(anyhow::Error::msg)?;
+    cfg.source.fixed_bytes = t.fragment_bytes;
+    cfg.source.bursts.fraction = t.burst_fraction;
+    cfg.source.bursts.max_s = t.burst_max_s;
+    cfg.source.bursts.base_bytes = t.base_fragment_bytes;
+    cfg.source.bursts.burst_bytes = t.burst_fragment_bytes;
+    cfg.source.bursts.seed = sc.seed;
+    cfg.source.cutoff = t.cutoff;
+    cfg.source.cutoff_head = t.cutoff_head;
+    cfg.source.cutoff_tail = t.cutoff_tail;
+    cfg.source.queue_limit_mb = t.queue_limit_mb;
+    cfg.source.stall_limit_slices = t.stall_limit_slices;
+    cfg.builder.max_active = sc.builder.max_active;
+    cfg.builder.wall_timeout_ms = sc.builder.wall_timeout_ms as u64;
+    // The testbed measures the network: the filter keeps everything cheap.
+    cfg.builder.filter.name = "pass".into();
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// The cluster file of a testbed run: every process in its own namespace.
+pub fn cluster_file(sc: &Scenario, plan: &Plan, opts: &TestbedOptions, seconds: f64) -> anyhow::Result<ClusterFile> {
+    let config = runtime_config(sc, plan, seconds)?;
+    let spec = |name: String, role: Role, ids: Vec<u32>, netns: &str| ProcessSpec {
+        name,
+        role,
+        ids,
+        launch: Launch::Netns,
+        host: netns.to_string(),
+        metrics: None,
+    };
+    let mut processes = Vec::new();
+    for h in &plan.hosts {
+        match h.role {
+            HostRole::Source(i) => processes.push(spec(format!("source{i}"), Role::Source, vec![i], &h.netns)),
+            HostRole::Builder(j) => processes.push(spec(format!("builder{j}"), Role::Builder, vec![j], &h.netns)),
+            HostRole::Writer => processes.push(spec("writer".into(), Role::Writer, vec![], &h.netns)),
+            HostRole::Control => {}
+        }
+    }
+    let mut config = config;
+    config.writer.out_dir = opts.dir.join("data");
+    let file = ClusterFile {
+        cluster: ClusterSettings {
+            name: sc.name.clone(),
+            dispatcher: format!("{CONTROL_ADDR}:{DISPATCHER_PORT}"),
+            start_dispatcher: true,
+            dispatcher_http: "off".into(),
+            http: "off".into(),
+            state_dir: opts.dir.join("state"),
+            seconds,
+            binary: Some(opts.shoal.clone()),
+            ..ClusterSettings::default()
+        },
+        processes,
+        config,
+    };
+    file.validate()?;
+    Ok(file)
+}
+
+/// CPU jiffies (total, idle, steal) from /proc/stat.
+fn cpu_times() -> Option<(u64, u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = text.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = cpu.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    Some((total, *v.get(3)? + v.get(4).copied().unwrap_or(0), v.get(7).copied().unwrap_or(0)))
+}
+
+/// Builds the testbed, runs the scenario on it, collects, and tears it down.
+pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummary> {
+    let plan = Plan::new(sc, &opts.prefix, opts.congestion).map_err(anyhow::Error::msg)?;
+    let seconds = opts.seconds.unwrap_or(sc.traffic.load_s);
+    if opts.dir.exists() {
+        std::fs::remove_dir_all(&opts.dir).with_context(|| format!("clearing {}", opts.dir.display()))?;
+    }
+    std::fs::create_dir_all(&opts.dir)?;
+    let file = cluster_file(sc, &plan, opts, seconds)?;
+    let cluster_path = opts.dir.join("cluster.toml");
+    std::fs::write(&cluster_path, toml::to_string(&file)?)?;
+    netns::up(&plan)?;
+    let result = run_on(&plan, sc, opts, &cluster_path, seconds);
+    let removed = netns::down(&plan.prefix);
+    let summary = result?;
+    removed.context("tearing the testbed down")?;
+    Ok(summary)
+}
+
+fn run_on(
+    plan: &Plan,
+    sc: &Scenario,
+    opts: &TestbedOptions,
+    cluster_path: &Path,
+    seconds: f64,
+) -> anyhow::Result<TestbedSummary> {
+    let ctl = plan.host(HostRole::Control).expect("the plan has a control host");
+    let cpu_before = cpu_times();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ctl.netns])
+        .arg(&opts.shoal)
+        .arg("run")
+        .arg(cluster_path)
+        .arg("--json")
+        .stdin(Stdio::null())
+        .stderr(std::fs::File::create(opts.dir.join("run.log"))?)
+        .output()
+        .context("running shoal run in the control namespace")?;
+    let cpu_after = cpu_times();
+    let state = opts.dir.join("state");
+    let last: u64 =
+        std::fs::read_to_string(state.join("last_run")).ok().and_then(|t| t.trim().parse().ok()).with_context(
+            || format!("shoal run left no run ({}); see {}", out.status, opts.dir.join("run.log").display()),
+        )?;
+    let record_path = state.join("runs").join(format!("run{last:06}.json"));
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(&record_path).with_context(|| format!("reading {}", record_path.display()))?,
+    )?;
+    let ledger: shoal_net::demo::LedgerSummary = serde_json::from_value(record["ledger"].clone())?;
+    let reports = record["reports"].as_array().cloned().unwrap_or_default();
+    let (mut n, mut sum, mut p99, mut max) = (0u64, 0.0f64, 0f64, 0f64);
+    for r in reports.iter().filter(|r| r["role"] == "builder") {
+        let d = &r["network_delay"];
+        let c = d["count"].as_u64().unwrap_or(0);
+        n += c;
+        sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
+        p99 = p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
+        max = max.max(d["max_us"].as_f64().unwrap_or(0.0));
+    }
+    let mut tcp = netns::TcpCounters::default();
+    let mut host_drops = 0;
+    for h in &plan.hosts {
+        let c = netns::tcp_counters(&h.netns)?;
+        tcp.retransmitted_segments += c.retransmitted_segments;
+        tcp.timeouts += c.timeouts;
+        tcp.segments_out += c.segments_out;
+        host_drops += netns::drops(&h.netns)?.iter().map(|(_, d)| d).sum::<u64>();
+    }
+    let mut switch_drops = 0;
+    for s in &plan.switches {
+        switch_drops += netns::drops(s)?.iter().map(|(_, d)| d).sum::<u64>();
+    }
+    let (idle, steal) = match (cpu_before, cpu_after) {
+        (Some(a), Some(b)) if b.0 > a.0 => {
+            let dt = (b.0 - a.0) as f64;
+            (100.0 * (b.1 - a.1) as f64 / dt, 100.0 * (b.2 - a.2) as f64 / dt)
+        }
+        _ => (f64::NAN, f64::NAN),
+    };
+    let slices_complete = record["slices_complete"].as_u64().unwrap_or(0);
+    let slices_incomplete = record["slices_incomplete"].as_u64().unwrap_or(0);
+    let p99_us = p99;
+    Ok(TestbedSummary {
+        name: sc.name.clone(),
+        congestion: opts.congestion,
+        policy: sc.traffic.policy.clone(),
+        sources: sc.topology.n_sources().map_err(anyhow::Error::msg)?,
+        builders: sc.topology.n_builders().map_err(anyhow::Error::msg)?,
+        fragment_bytes: sc.traffic.fragment_bytes,
+        seconds,
+        slices_complete,
+        slices_incomplete,
+        network_delay_avg_us: if n > 0 { sum / n as f64 } else { 0.0 },
+        network_delay_p99_us: p99_us,
+        network_delay_max_us: max,
+        tcp_segments: tcp.segments_out,
+        tcp_retransmitted: tcp.retransmitted_segments,
+        tcp_timeouts: tcp.timeouts,
+        queue_drops: switch_drops,
+        host_queue_drops: host_drops,
+        ledger,
+        cpu_idle_pct: idle,
+        cpu_steal_pct: steal,
+        // Under 5% idle with both cores busy: the processes may have waited for a CPU,
+        // which a network delay then includes.
+        starved: idle < 5.0 || steal > 10.0,
+        verdict: Verdict::judge(slices_complete, slices_incomplete, p99_us, tcp.timeouts),
+        dir: opts.dir.clone(),
+    })
+}

@@ -1,0 +1,270 @@
+//! `shoal testbed up|run|down SCENARIO` and `shoal validate SCENARIO`: the scenario's
+//! network emulated with namespaces, the real processes on it, and the simulator beside it.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use shoal_sim::scenario::Scenario;
+use shoal_testbed::netns;
+use shoal_testbed::plan::{Congestion, Plan};
+use shoal_testbed::run::{TestbedOptions, TestbedSummary, Verdict};
+
+#[derive(clap::Args)]
+pub struct TestbedArgs {
+    #[command(subcommand)]
+    pub command: TestbedCommand,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct TestbedCommon {
+    /// TCP congestion control of every host: reno (what the simulator models) or cubic.
+    #[arg(long, default_value = "reno")]
+    pub congestion: Congestion,
+    /// Namespace prefix (1-6 letters or digits): `<prefix>-s0`, `<prefix>-core`, ...
+    #[arg(long, default_value = "tb")]
+    pub prefix: String,
+}
+
+#[derive(clap::Subcommand)]
+pub enum TestbedCommand {
+    /// Build the scenario's network and leave it up (inspect it with `ip netns`).
+    Up {
+        scenario: PathBuf,
+        #[command(flatten)]
+        common: TestbedCommon,
+    },
+    /// Build the network, run the scenario on it under `shoal run`, print the summary, tear
+    /// the network down.
+    Run {
+        scenario: PathBuf,
+        #[command(flatten)]
+        common: TestbedCommon,
+        /// Length of the run (default: the scenario's load_s).
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Run records, logs and the generated cluster file.
+        #[arg(long, default_value = "shoal-testbed")]
+        dir: PathBuf,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the testbed's namespaces and whatever runs in them (idempotent).
+    Down {
+        #[arg(long, default_value = "tb")]
+        prefix: String,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct ValidateArgs {
+    pub scenario: PathBuf,
+    #[command(flatten)]
+    pub common: TestbedCommon,
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    #[arg(long, default_value = "shoal-testbed")]
+    pub dir: PathBuf,
+}
+
+fn load(path: &Path) -> anyhow::Result<Scenario> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Scenario::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+fn options(common: &TestbedCommon, dir: PathBuf, seconds: Option<f64>) -> anyhow::Result<TestbedOptions> {
+    Ok(TestbedOptions {
+        prefix: common.prefix.clone(),
+        congestion: common.congestion,
+        dir: std::path::absolute(dir)?,
+        shoal: std::env::current_exe().context("locating the shoal executable")?,
+        seconds,
+    })
+}
+
+pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
+    match args.command {
+        TestbedCommand::Up { scenario, common } => {
+            let sc = load(&scenario)?;
+            let plan = Plan::new(&sc, &common.prefix, common.congestion).map_err(anyhow::Error::msg)?;
+            netns::up(&plan)?;
+            println!(
+                "testbed {} up: {} hosts, {} switches, {} links; `shoal testbed down --prefix {}` removes it",
+                sc.name,
+                plan.hosts.len(),
+                plan.switches.len(),
+                plan.links.len(),
+                plan.prefix
+            );
+            for h in &plan.hosts {
+                println!("  {:<12} {:?} {}", h.netns, h.role, h.addr);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        TestbedCommand::Down { prefix } => {
+            let n = netns::down(&prefix)?;
+            println!("removed {n} namespaces");
+            Ok(ExitCode::SUCCESS)
+        }
+        TestbedCommand::Run { scenario, common, seconds, dir, json } => {
+            let sc = load(&scenario)?;
+            let s = shoal_testbed::run::run(&sc, &options(&common, dir, seconds)?)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print!("{}", table(&s));
+            }
+            Ok(if s.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
+        }
+    }
+}
+
+fn table(s: &TestbedSummary) -> String {
+    let total = s.slices_complete + s.slices_incomplete;
+    let pct = if total > 0 { 100.0 * s.slices_complete as f64 / total as f64 } else { 0.0 };
+    let rows = [
+        ("scenario", format!("{} ({} x {}, {}, {})", s.name, s.sources, s.builders, s.policy, s.congestion.name())),
+        ("slices", format!("{} complete ({pct:.2}%), {} incomplete", s.slices_complete, s.slices_incomplete)),
+        (
+            "net delay",
+            format!(
+                "avg {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                s.network_delay_avg_us / 1e3,
+                s.network_delay_p99_us / 1e3,
+                s.network_delay_max_us / 1e3
+            ),
+        ),
+        (
+            "tcp",
+            format!("{} segments, {} retransmitted, {} timeouts", s.tcp_segments, s.tcp_retransmitted, s.tcp_timeouts),
+        ),
+        ("drops", format!("{} at switch ports, {} in host queues", s.queue_drops, s.host_queue_drops)),
+        (
+            "ledger",
+            format!(
+                "produced {}, delivered {}{}",
+                s.ledger.produced,
+                s.ledger.buckets.get("delivered").copied().unwrap_or(0),
+                if s.ledger.balanced { " (balanced)" } else { " (NOT BALANCED)" }
+            ),
+        ),
+        (
+            "cpu",
+            format!(
+                "{:.0}% idle, {:.1}% steal{}",
+                s.cpu_idle_pct,
+                s.cpu_steal_pct,
+                if s.starved { " (STARVED: delays include waiting for a CPU)" } else { "" }
+            ),
+        ),
+        ("verdict", format!("{:?}", s.verdict).to_lowercase()),
+        ("record", s.dir.display().to_string()),
+    ];
+    let mut o = String::from("shoal testbed summary\n");
+    for (k, v) in rows {
+        o.push_str(&format!("  {k:<10} {v}\n"));
+    }
+    o
+}
+
+/// Whether two figures agree within `tolerance` (relative), with an absolute floor for
+/// figures near zero.
+fn agree(sim: f64, bed: f64, tolerance: f64, floor: f64) -> bool {
+    (sim - bed).abs() <= (tolerance * bed.abs()).max(floor)
+}
+
+pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
+    let mut sc = load(&args.scenario)?;
+    let opts = options(&args.common, args.dir, args.seconds)?;
+    if let Some(s) = args.seconds {
+        sc.traffic.load_s = s;
+    }
+    let bed = shoal_testbed::run::run(&sc, &opts)?;
+    // The testbed emulates no propagation delay (no netem on this kernel): the simulator
+    // runs without it too, so the two describe the same network.
+    let mut same = sc.clone();
+    same.topology.board_delay_us = 0.0;
+    same.topology.shore_delay_us = 0.0;
+    same.topology.builder_delay_us = 0.0;
+    if args.common.congestion == Congestion::Cubic {
+        eprintln!("note: the simulator models NewReno; the testbed runs cubic");
+    }
+    let sim = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
+    let sim_verdict = Verdict::of_simulation(&sim);
+    let rows: [(&str, f64, f64, bool); 6] = [
+        (
+            "slices complete (%)",
+            pct(sim.slices_complete, sim.slices_incomplete),
+            pct(bed.slices_complete, bed.slices_incomplete),
+            agree(
+                pct(sim.slices_complete, sim.slices_incomplete),
+                pct(bed.slices_complete, bed.slices_incomplete),
+                0.0,
+                0.5,
+            ),
+        ),
+        (
+            "net delay avg (ms)",
+            sim.network_delay_avg_us / 1e3,
+            bed.network_delay_avg_us / 1e3,
+            agree(sim.network_delay_avg_us, bed.network_delay_avg_us, 0.10, 100.0),
+        ),
+        (
+            "net delay p99 (ms)",
+            sim.network_delay_p99_us / 1e3,
+            bed.network_delay_p99_us / 1e3,
+            agree(sim.network_delay_p99_us, bed.network_delay_p99_us, 0.25, 500.0),
+        ),
+        (
+            "TCP retransmitted (%)",
+            100.0 * sim.tcp_retransmit_fraction,
+            100.0 * bed.tcp_retransmitted as f64 / bed.tcp_segments.max(1) as f64,
+            agree(
+                100.0 * sim.tcp_retransmit_fraction,
+                100.0 * bed.tcp_retransmitted as f64 / bed.tcp_segments.max(1) as f64,
+                0.5,
+                0.1,
+            ),
+        ),
+        (
+            "TCP timeouts",
+            sim.tcp_timeouts as f64,
+            bed.tcp_timeouts as f64,
+            agree(sim.tcp_timeouts as f64, bed.tcp_timeouts as f64, 0.5, 2.0),
+        ),
+        (
+            "switch drops",
+            sim.queue_drops as f64,
+            bed.queue_drops as f64,
+            agree(sim.queue_drops as f64, bed.queue_drops as f64, 0.5, 10.0),
+        ),
+    ];
+    println!(
+        "{} ({} x {}, {}, {}): simulator versus testbed",
+        sc.name,
+        bed.sources,
+        bed.builders,
+        sc.traffic.policy,
+        args.common.congestion.name()
+    );
+    println!("| metric | simulator | testbed | agree |");
+    println!("| --- | ---: | ---: | --- |");
+    for (name, s, b, ok) in rows {
+        println!("| {name} | {s:.3} | {b:.3} | {} |", if ok { "yes" } else { "no" });
+    }
+    let verdicts_agree = sim_verdict == bed.verdict;
+    println!("| verdict | {:?} | {:?} | {} |", sim_verdict, bed.verdict, if verdicts_agree { "yes" } else { "no" });
+    if bed.starved {
+        println!(
+            "warning: the host starved the testbed ({:.0}% idle, {:.1}% steal); do not use this run",
+            bed.cpu_idle_pct, bed.cpu_steal_pct
+        );
+    }
+    Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+fn pct(complete: u64, incomplete: u64) -> f64 {
+    let t = complete + incomplete;
+    if t == 0 { 0.0 } else { 100.0 * complete as f64 / t as f64 }
+}
