@@ -255,6 +255,10 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     }
     let verdicts_agree = sim_verdict == bed.verdict;
     println!("| verdict | {:?} | {:?} | {} |", sim_verdict, bed.verdict, if verdicts_agree { "yes" } else { "no" });
+    println!(
+        "testbed: {:.0}% CPU idle, {:.1}% steal; {} drops in host queues; drops by port: {:?}",
+        bed.cpu_idle_pct, bed.cpu_steal_pct, bed.host_queue_drops, bed.drops_by_port
+    );
     if bed.starved {
         println!(
             "warning: the host starved the testbed ({:.0}% idle, {:.1}% steal); do not use this run",
