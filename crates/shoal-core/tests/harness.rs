@@ -129,7 +129,6 @@ struct Pair {
     setup: Setup,
     sources: Vec<SourceNode>,
     builders: Vec<BuilderNode<()>>,
-    drained: Vec<bool>,
     conns: Vec<Vec<Conn>>,
     events: BTreeMap<(Instant, u64), Ev>,
     seq: u64,
@@ -164,17 +163,7 @@ impl Pair {
             ..Default::default()
         };
         let rng = setup.seed | 1;
-        Pair {
-            drained: vec![false; setup.n_builders as usize],
-            setup,
-            sources,
-            builders,
-            conns,
-            events: BTreeMap::new(),
-            seq: 0,
-            rng,
-            out,
-        }
+        Pair { setup, sources, builders, conns, events: BTreeMap::new(), seq: 0, rng, out }
     }
 
     fn schedule(&mut self, at: Instant, ev: Ev) {
@@ -249,10 +238,6 @@ impl Pair {
         for b in 0..self.builders.len() {
             if self.builders[b].poll_timeout().is_some_and(|t| t <= now) {
                 self.builders[b].handle_timeout(now);
-            }
-            if self.builders[b].all_ended() && !self.drained[b] {
-                self.drained[b] = true;
-                self.builders[b].handle_drain(now);
             }
             while let Some(o) = self.builders[b].poll_slice() {
                 self.out.emitted[b].push((o.slice, o.is_complete()));

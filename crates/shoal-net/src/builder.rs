@@ -197,6 +197,7 @@ pub async fn run_builder(
     }
     readers.cancel();
     let connections = accept_task.await.unwrap_or(0);
+    // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
     forward(&mut node, &out_tx, &live);
     drop(out_tx);

@@ -670,11 +670,7 @@ impl World {
 
     fn frame_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber, kind: TransmitKind) {
         if kind == TransmitKind::EndOfStream {
-            let b = &mut self.builders[builder as usize].node;
-            b.handle_end_of_stream(source);
-            if b.all_ended() {
-                b.handle_drain(now);
-            }
+            self.builders[builder as usize].node.handle_end_of_stream(now, source);
             self.drain_outcomes(builder);
             return;
         }

@@ -90,7 +90,8 @@ pub struct BuilderNodeReport {
 /// [`BuilderNode::handle_timeout`] at [`BuilderNode::poll_timeout`], hand every slice from
 /// [`BuilderNode::poll_slice`] to the filter and report its bytes back with
 /// [`BuilderNode::handle_released`] when the filter is done with it. The run is over for
-/// this builder when [`BuilderNode::all_ended`]; then [`BuilderNode::handle_drain`].
+/// this builder when [`BuilderNode::all_ended`]: the node drains itself when the last
+/// source ends its stream. [`BuilderNode::handle_drain`] is for runs cut short.
 #[derive(Debug)]
 pub struct BuilderNode<T> {
     cfg: BuilderNodeConfig,
@@ -118,7 +119,7 @@ impl<T> BuilderNode<T> {
     /// A whole frame arrived: a data fragment or a source's end-of-stream marker (`None`).
     pub fn handle_frame(&mut self, now: Instant, header: &FrameHeader, data: T) -> Option<ArrivalOutcome> {
         if header.flags.contains(Flags::END_OF_STREAM) {
-            self.handle_end_of_stream(header.source);
+            self.handle_end_of_stream(now, header.source);
             return None;
         }
         Some(self.handle_fragment(now, Arrival::from_header(header), data))
@@ -144,10 +145,11 @@ impl<T> BuilderNode<T> {
         ArrivalOutcome { admission, network_delay, shaping_delay }
     }
 
-    /// A source ended its stream (markers from unknown sources are ignored).
-    pub fn handle_end_of_stream(&mut self, source: SourceId) {
-        if source < self.cfg.assembler.n_sources {
-            self.ended.insert(source);
+    /// A source ended its stream (markers from unknown sources are ignored). When the last
+    /// one does, no fragment can come any more: every active slice is processed.
+    pub fn handle_end_of_stream(&mut self, now: Instant, source: SourceId) {
+        if source < self.cfg.assembler.n_sources && self.ended.insert(source) && self.all_ended() {
+            self.handle_drain(now);
         }
     }
 
@@ -250,12 +252,12 @@ mod tests {
         assert_eq!(b.memory_in_use(), 0);
         assert_eq!(b.handle_fragment(now, arrival(1, 0), 9).admission, Admission::Late);
         b.handle_fragment(now, arrival(1, 1), 9);
-        b.handle_end_of_stream(0);
-        b.handle_end_of_stream(99);
+        b.handle_end_of_stream(now, 0);
+        b.handle_end_of_stream(now, 99);
         assert!(!b.all_ended());
-        b.handle_end_of_stream(1);
+        assert!(b.poll_slice().is_none(), "slice 1 waits for source 1");
+        b.handle_end_of_stream(now, 1);
         assert!(b.all_ended());
-        b.handle_drain(now);
         assert_eq!(b.poll_slice().unwrap().missing, [0]);
         let r = b.report();
         assert_eq!((r.slices_complete, r.slices_incomplete, r.fragments, r.sources_ended), (1, 1, 3, 2));
