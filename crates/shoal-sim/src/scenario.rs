@@ -244,24 +244,33 @@ impl Scenario {
 }
 
 impl Traffic {
+    /// The workload's name: `generator`, or by default `bursts` when `bursts` is set and
+    /// `fixed` otherwise.
+    pub fn generator_name(&self) -> &str {
+        self.generator.as_deref().unwrap_or(if self.bursts { "bursts" } else { "fixed" })
+    }
+
+    /// The burst model's parameters (the runtime's `[source.bursts]`).
+    pub fn burst_config(&self, seed: u64) -> BurstConfig {
+        BurstConfig {
+            fraction: self.burst_fraction,
+            max_s: self.burst_max_s,
+            base_bytes: self.base_fragment_bytes,
+            burst_bytes: self.burst_fragment_bytes,
+            seed,
+        }
+    }
+
     /// The workload named by `generator` (see there), seeded with the scenario's seed, as
     /// shoal-detector builds it for the runtime: the simulator and the runtime run the same
     /// data.
     pub fn workload(&self, n_sources: u32, seed: u64) -> Result<Generator, String> {
         let slice = shoal_core::Duration::from_nanos((self.slice_ms * 1e6) as u64);
-        let kind = self.generator.as_deref().unwrap_or(if self.bursts { "bursts" } else { "fixed" });
-        match kind {
+        match self.generator_name() {
             "fixed" => Ok(Generator::Fixed(FixedWorkload::new(self.fragment_bytes, slice))),
-            "bursts" => {
-                let cfg = BurstConfig {
-                    fraction: self.burst_fraction,
-                    max_s: self.burst_max_s,
-                    base_bytes: self.base_fragment_bytes,
-                    burst_bytes: self.burst_fragment_bytes,
-                    seed,
-                };
-                BurstWorkload::new(&cfg, slice).map(|w| Generator::Bursts(Box::new(w))).map_err(|e| e.to_string())
-            }
+            "bursts" => BurstWorkload::new(&self.burst_config(seed), slice)
+                .map(|w| Generator::Bursts(Box::new(w)))
+                .map_err(|e| e.to_string()),
             "noise" => NoiseGenerator::new(NoiseConfig { seed, ..Default::default() }, slice)
                 .map(|g| Generator::Noise(Box::new(g)))
                 .map_err(|e| e.to_string()),

@@ -100,10 +100,34 @@ pub struct TestbedSummary {
 }
 
 /// The runtime configuration of a scenario on the testbed's addresses.
-pub fn runtime_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Result<Config> {
+pub fn testbed_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Result<Config> {
+    let n_builders = sc.topology.n_builders().map_err(anyhow::Error::msg)?;
+    let builder_addrs = (0..n_builders)
+        .map(|j| {
+            let h = plan.host(HostRole::Builder(j)).expect("the plan has every builder");
+            format!("{}:{BUILDER_PORT}", h.addr)
+        })
+        .collect();
+    runtime_config(sc, builder_addrs, format!("{WRITER_ADDR}:{WRITER_PORT}"), seconds)
+}
+
+/// A scenario as the runtime's configuration: the same sources and builders, policy,
+/// slice length, workload, cutoff, source limits and builder limits, the builders and the
+/// writer at the given addresses, `seconds` of data taking. The filter selects nothing:
+/// what is compared with the simulator is the data network (the simulator has no writer
+/// traffic).
+pub fn runtime_config(
+    sc: &Scenario,
+    builder_addrs: Vec<String>,
+    writer_addr: String,
+    seconds: f64,
+) -> anyhow::Result<Config> {
     let t = &sc.traffic;
     let n_sources = sc.topology.n_sources().map_err(anyhow::Error::msg)?;
     let n_builders = sc.topology.n_builders().map_err(anyhow::Error::msg)?;
+    if builder_addrs.len() != n_builders as usize {
+        bail!("{} builder addresses for {n_builders} builders", builder_addrs.len());
+    }
     let mut cfg = Config::default();
     cfg.run.sources = n_sources;
     cfg.run.builders = n_builders;
@@ -113,24 +137,14 @@ pub fn runtime_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Resul
     }
     cfg.run.slice_ms = t.slice_ms as u64;
     cfg.run.policy = t.policy.clone();
-    cfg.run.builder_addrs = (0..n_builders)
-        .map(|j| {
-            let h = plan.host(HostRole::Builder(j)).expect("the plan has every builder");
-            format!("{}:{BUILDER_PORT}", h.addr)
-        })
-        .collect();
-    cfg.run.writer_addr = format!("{WRITER_ADDR}:{WRITER_PORT}");
+    cfg.run.builder_addrs = builder_addrs;
+    cfg.run.writer_addr = writer_addr;
     if t.transport != "tcp" {
         bail!("traffic.transport = {:?}: the runtime speaks TCP only (UDP is issue 13)", t.transport);
     }
-    let kind = t.generator.as_deref().unwrap_or(if t.bursts { "bursts" } else { "fixed" });
-    cfg.source.generator = kind.parse().map_err(anyhow::Error::msg)?;
+    cfg.source.generator = t.generator_name().parse().map_err(anyhow::Error::msg)?;
     cfg.source.fixed_bytes = t.fragment_bytes;
-    cfg.source.bursts.fraction = t.burst_fraction;
-    cfg.source.bursts.max_s = t.burst_max_s;
-    cfg.source.bursts.base_bytes = t.base_fragment_bytes;
-    cfg.source.bursts.burst_bytes = t.burst_fragment_bytes;
-    cfg.source.bursts.seed = sc.seed;
+    cfg.source.bursts = t.burst_config(sc.seed);
     cfg.source.cutoff = t.cutoff;
     cfg.source.cutoff_head = t.cutoff_head;
     cfg.source.cutoff_tail = t.cutoff_tail;
@@ -138,9 +152,8 @@ pub fn runtime_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Resul
     cfg.source.stall_limit_slices = t.stall_limit_slices;
     cfg.builder.max_active = sc.builder.max_active;
     cfg.builder.wall_timeout_ms = sc.builder.wall_timeout_ms as u64;
-    // The testbed measures the data network, as the simulator models it: the filter
-    // selects nothing, so no event traffic to the writer competes with the fragments
-    // (with `pass`, five builders forwarding everything overflowed the writer's port).
+    // No event traffic to the writer competes with the fragments (on the testbed, five
+    // builders forwarding everything with `pass` overflowed the writer's port).
     cfg.builder.filter.name = "none".into();
     cfg.validate()?;
     Ok(cfg)
@@ -148,7 +161,7 @@ pub fn runtime_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Resul
 
 /// The cluster file of a testbed run: every process in its own namespace.
 pub fn cluster_file(sc: &Scenario, plan: &Plan, opts: &TestbedOptions, seconds: f64) -> anyhow::Result<ClusterFile> {
-    let config = runtime_config(sc, plan, seconds)?;
+    let config = testbed_config(sc, plan, seconds)?;
     let spec = |name: String, role: Role, ids: Vec<u32>, netns: &str| ProcessSpec {
         name,
         role,

@@ -17,10 +17,10 @@ use shoal_core::ledger::{Ledger, SourceTally};
 use shoal_core::node::{BuilderNodeReport, TransmitRecord};
 use shoal_detector::GeneratorKind;
 use shoal_net::clock::WallClock;
-use shoal_net::config::Config;
 use shoal_net::live::Live;
 use shoal_sim::scenario::Scenario;
 use shoal_sim::sim::{RunOptions, run_with};
+use shoal_testbed::run::runtime_config;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -62,7 +62,7 @@ fn digest(
     Run { frames, pieces, builders, ledger }
 }
 
-fn simulated(policy: &str) -> Run {
+fn scenario(policy: &str) -> Scenario {
     let mut sc = Scenario { name: format!("parity-{policy}"), ..Default::default() };
     sc.topology.sources = Some(SOURCES);
     sc.topology.builders = Some(BUILDERS);
@@ -73,34 +73,33 @@ fn simulated(policy: &str) -> Run {
     sc.traffic.relax_s = 5.0;
     sc.builder.max_active = MAX_ACTIVE;
     sc.builder.wall_timeout_ms = 600_000.0;
-    let r = run_with(&sc, RunOptions { log_transmits: true }).expect("scenario runs");
+    sc
+}
+
+fn simulated(policy: &str) -> Run {
+    let r = run_with(&scenario(policy), RunOptions { log_transmits: true }).expect("scenario runs");
     assert_eq!(r.summary.ledger_unaccounted, 0);
     digest(&r.transmits, 0, r.builders, r.summary.ledger)
 }
 
 async fn runtime(policy: &str) -> Run {
     let out = std::env::temp_dir().join(format!("shoal-parity-{}-{}", std::process::id(), policy.replace(':', "_")));
-    let mut cfg = Config::default();
-    cfg.run.sources = SOURCES;
-    cfg.run.builders = BUILDERS;
-    cfg.run.policy = policy.into();
-    cfg.run.seconds = SLICES as f64 * 0.01;
-    cfg.source.generator = GeneratorKind::Fixed;
-    cfg.source.fixed_bytes = FRAGMENT;
-    cfg.builder.max_active = MAX_ACTIVE;
-    cfg.builder.wall_timeout_ms = 600_000;
-    cfg.builder.filter.name = "none".into();
-    cfg.writer.out_dir = out.clone();
-
     let writer_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    cfg.run.writer_addr = writer_listener.local_addr().unwrap().to_string();
     let mut listeners = Vec::new();
-    cfg.run.builder_addrs.clear();
     for _ in 0..BUILDERS {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        cfg.run.builder_addrs.push(l.local_addr().unwrap().to_string());
-        listeners.push(l);
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
     }
+    // The very scenario the simulator runs, as the runtime's configuration.
+    let mut cfg = runtime_config(
+        &scenario(policy),
+        listeners.iter().map(|l| l.local_addr().unwrap().to_string()).collect(),
+        writer_listener.local_addr().unwrap().to_string(),
+        SLICES as f64 * 0.01,
+    )
+    .unwrap();
+    assert_eq!(cfg.source.generator, GeneratorKind::Fixed);
+    assert_eq!(cfg.builder.filter.name, "none");
+    cfg.writer.out_dir = out.clone();
     // The simulator starts with slice 0 (builder 0); so does this run, modulo the builders.
     let clock = WallClock::new();
     let slice_clock = cfg.slice_clock().unwrap();
