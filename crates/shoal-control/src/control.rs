@@ -22,6 +22,7 @@ use shoal_core::controlhost::Mode;
 use shoal_core::ledger::Ledger;
 use shoal_core::runstate::Reply;
 use shoal_dispatcher::client::ChClient;
+use shoal_net::clock::WallClock;
 use shoal_net::demo::LedgerSummary;
 use shoal_net::node::{NodeReport, NodeStats, Role};
 use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_REPORT, RC_STATS};
@@ -209,12 +210,6 @@ enum Wake {
     Closed,
 }
 
-/// UNIX time as the controller's [`shoal_core::Instant`] (the slice clock counts from the
-/// UNIX epoch).
-fn now() -> shoal_core::Instant {
-    shoal_core::Instant::from_nanos(unix_ns(SystemTime::now()))
-}
-
 /// Drives the cluster controller and keeps the books of runs.
 pub struct Controller {
     pub file: ClusterFile,
@@ -224,6 +219,8 @@ pub struct Controller {
     incoming: mpsc::UnboundedReceiver<Incoming>,
     numbers: RunNumbers,
     state_dir: PathBuf,
+    /// The controller's time: UNIX nanoseconds (the slice clock's), never going back.
+    clock: WallClock,
     run: Option<RunMeta>,
     /// End-of-run reports received during the run in progress.
     reports: Vec<NodeReport>,
@@ -249,8 +246,10 @@ impl Controller {
         cfg.builder_drain = Duration::from_millis(file.config.builder.drain_timeout_ms);
         cfg.writer_drain = Duration::from_secs(5);
         let state_dir = c.state_dir.clone();
+        let clock = WallClock::new();
         Ok(Self {
-            control: ClusterControl::new(cfg, now()),
+            control: ClusterControl::new(cfg, clock.now()),
+            clock,
             numbers: RunNumbers::new(&state_dir),
             state_dir,
             file,
@@ -339,7 +338,7 @@ impl Controller {
     }
 
     fn handle(&mut self, input: Incoming) {
-        let t = now();
+        let t = self.clock.now();
         match input {
             Incoming::Reply(reply, text) => {
                 if self.control.handle_reply(t, &reply) {
@@ -363,11 +362,12 @@ impl Controller {
     /// Waits for the next input or the controller's next timeout. Cancel-safe: nothing
     /// is taken or sent before it returns.
     async fn wait(&mut self) -> Wake {
-        let wait =
-            self.control.poll_timeout().map(|t| Duration::from_nanos(t.as_nanos().saturating_sub(now().as_nanos())));
+        let due = self.control.poll_timeout();
+        // (A disabled branch's future is still built: keep its deadline in range.)
+        let deadline = self.clock.deadline(due.unwrap_or(self.clock.now() + Duration::from_secs(3600)));
         tokio::select! {
             input = self.incoming.recv() => input.map_or(Wake::Closed, Wake::Input),
-            _ = tokio::time::sleep(wait.unwrap_or(Duration::from_secs(3600))), if wait.is_some() => Wake::Timeout,
+            _ = tokio::time::sleep_until(deadline), if due.is_some() => Wake::Timeout,
         }
     }
 
@@ -375,7 +375,7 @@ impl Controller {
     async fn apply(&mut self, wake: Wake) -> anyhow::Result<()> {
         match wake {
             Wake::Input(i) => self.handle(i),
-            Wake::Timeout => self.control.handle_timeout(now()),
+            Wake::Timeout => self.control.handle_timeout(self.clock.now()),
             Wake::Closed => anyhow::bail!("run control's listener stopped"),
         }
         self.flush().await
@@ -422,7 +422,7 @@ impl Controller {
     async fn execute_inner(&mut self, command: ClusterCommand) -> anyhow::Result<()> {
         self.finished.clear();
         let numbers = &self.numbers;
-        self.control.handle_command(now(), command, || numbers.take_next().map_err(|e| format!("{e:#}")))?;
+        self.control.handle_command(self.clock.now(), command, || numbers.take_next().map_err(|e| format!("{e:#}")))?;
         self.flush().await?;
         loop {
             if let Some(i) = self.finished.iter().position(|o| o.command == command) {
