@@ -50,6 +50,8 @@ pub enum EmitReason {
     WallClockTimeout,
     /// End of run.
     Drained,
+    /// Pull: the builder gave up the fragments it still missed (re-asks exhausted).
+    Abandoned,
 }
 
 /// What happened to a fragment offered to the assembler.
@@ -105,6 +107,8 @@ struct ActiveSlice<T> {
     dropped: Vec<SourceId>,
     first_arrival: Instant,
     bytes: u64,
+    /// Nothing more is expected (pull: re-asks exhausted): process it when it is oldest.
+    given_up: bool,
 }
 
 impl<T> ActiveSlice<T> {
@@ -190,6 +194,7 @@ impl<T> SliceAssembler<T> {
             dropped: Vec::new(),
             first_arrival: now,
             bytes: 0,
+            given_up: false,
         });
         if entry.has(source) {
             return Admission::Duplicate;
@@ -212,6 +217,24 @@ impl<T> SliceAssembler<T> {
     /// Downstream (the filter) has released `bytes` handed out earlier.
     pub fn handle_released(&mut self, bytes: u64) {
         self.downstream_bytes = self.downstream_bytes.saturating_sub(bytes);
+    }
+
+    /// Pull: nothing more will come for `slice` (the builder gave up the fragments it still
+    /// missed). It is processed as soon as it is the oldest; a slice that received nothing
+    /// is processed too, with every source missing, so every assigned slice has an outcome.
+    pub fn handle_give_up(&mut self, now: Instant, slice: SliceNumber) {
+        if self.last_emitted.is_some_and(|l| slice <= l) {
+            return;
+        }
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice {
+            fragments: BTreeMap::new(),
+            dropped: Vec::new(),
+            first_arrival: now,
+            bytes: 0,
+            given_up: false,
+        });
+        entry.given_up = true;
+        self.emit_ready(now);
     }
 
     /// End of run: processes every active slice in order.
@@ -254,6 +277,8 @@ impl<T> SliceAssembler<T> {
             let Some((&slice, oldest)) = self.active.first_key_value() else { return };
             let reason = if oldest.count() >= self.cfg.n_sources as usize {
                 EmitReason::Complete
+            } else if oldest.given_up {
+                EmitReason::Abandoned
             } else if self.active.len() > self.cfg.max_active {
                 EmitReason::SliceCountTimeout
             } else if now >= oldest.first_arrival + self.cfg.wall_timeout {

@@ -36,6 +36,9 @@ pub enum Bucket {
     SendFailed,
     /// Still queued at the source when its tally was taken (zero after a clean stop).
     Unsent,
+    /// Pull policies: held by the source until its hold time passed, never asked for by a
+    /// builder (the slice was never assigned, or its builder left before asking).
+    NeverRequested,
     /// Sent, never received: `sent - received` per (source, builder).
     LostInTransport,
     /// Sent to a builder that left no tally (it died or never reported): whatever it
@@ -44,7 +47,7 @@ pub enum Bucket {
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 12] = [
+    pub const ALL: [Bucket; 13] = [
         Bucket::Delivered,
         Bucket::CutOff,
         Bucket::Late,
@@ -55,6 +58,7 @@ impl Bucket {
         Bucket::DroppedAtSource,
         Bucket::SendFailed,
         Bucket::Unsent,
+        Bucket::NeverRequested,
         Bucket::LostInTransport,
         Bucket::LostWithBuilder,
     ];
@@ -72,6 +76,7 @@ impl Bucket {
             Bucket::DroppedAtSource => "dropped_at_source",
             Bucket::SendFailed => "send_failed",
             Bucket::Unsent => "unsent",
+            Bucket::NeverRequested => "never_requested",
             Bucket::LostInTransport => "lost_in_transport",
             Bucket::LostWithBuilder => "lost_with_builder",
         }
@@ -88,6 +93,9 @@ pub struct SourceTally {
     pub dropped_at_source: u64,
     pub send_failed: u64,
     pub unsent: u64,
+    /// Pull policies: evicted from the source's buffer without ever being requested.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub never_requested: u64,
 }
 
 impl SourceTally {
@@ -99,11 +107,12 @@ impl SourceTally {
         self.dropped_at_source += other.dropped_at_source;
         self.send_failed += other.send_failed;
         self.unsent += other.unsent;
+        self.never_requested += other.never_requested;
     }
     /// produced minus everything this source can account for itself: should be zero.
     pub fn unaccounted(&self) -> i128 {
         i128::from(self.produced)
-            - i128::from(self.sent.values().sum::<u64>() + self.dropped_at_source + self.send_failed + self.unsent)
+            - i128::from(self.sent.values().sum::<u64>() + self.dropped_at_source + self.send_failed + self.unsent + self.never_requested)
     }
 }
 
@@ -174,6 +183,7 @@ impl Ledger {
             l.add(Bucket::DroppedAtSource, t.dropped_at_source);
             l.add(Bucket::SendFailed, t.send_failed);
             l.add(Bucket::Unsent, t.unsent);
+            l.add(Bucket::NeverRequested, t.never_requested);
             l.tally_errors += t.unaccounted();
             for (b, &sent) in &t.sent {
                 let Some(bt) = builders.get(b) else {

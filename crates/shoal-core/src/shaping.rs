@@ -16,6 +16,11 @@
 //!   and catch up later (the default answer to variable data rates).
 //! - [`TokenBucket`]: a token bucket per destination (like Linux `tc tbf`), sending in
 //!   chunks of at most `burst` bytes.
+//! - [`Pull`] (credit-based pull): the source holds each fragment until the builder its
+//!   slice was assigned to asks for it ([`Shaper::handle_request`]), and evicts fragments
+//!   nobody asked for after [`PullConfig::hold_slices`] ([`Shaper::poll_evicted`]). The
+//!   builder's side is [`crate::node::PullRequester`], the assignment
+//!   [`crate::node::DataFlowManager`]; all three share one [`PullConfig`].
 //!
 //! [`BurstCutoff`] is an optional stage in front of any policy: during a burst it keeps the
 //! first `head` and last `tail` fragments and cuts the rest.
@@ -81,17 +86,68 @@ pub trait Shaper: Send + fmt::Debug {
     fn poll_timeout(&self) -> Option<Instant>;
     /// Fragments accepted but not yet completely handed out by `poll_transmit`.
     fn queued(&self) -> usize;
+    /// A fragment the policy gave up on without sending it (pull: held past its hold time,
+    /// never requested). The node counts it and forgets it.
+    fn poll_evicted(&mut self) -> Option<SliceNumber> {
+        None
+    }
 }
 
 /// The policy of a run, as chosen on the command line or in a configuration file.
 ///
 /// Text form: `direct`, `delayed:K`, `tbf:RATE[:BURST]` where RATE is bytes per second
-/// (suffixes `k`, `M`, `G`; append `bit` for bits, e.g. `tbf:40Mbit`) and BURST bytes.
+/// (suffixes `k`, `M`, `G`; append `bit` for bits, e.g. `tbf:40Mbit`) and BURST bytes,
+/// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N]` (see [`PullConfig`]; DUR such
+/// as `50ms`, `200us`, `1s`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Policy {
     Direct,
     Delayed { k: u32 },
     TokenBucket { rate_bytes_per_s: u64, burst_bytes: u64 },
+    Pull(PullConfig),
+}
+
+/// Credit-based pull: what the data-flow manager, the builders and the sources share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullConfig {
+    /// Slices a builder may hold assigned and not yet processed (its credits).
+    pub credits: u32,
+    /// Most fragment requests one builder keeps outstanding at a time, across its slices
+    /// (the ATLAS "traffic shaping parameter"); 0: no cap (credits x sources).
+    pub request_cap: u32,
+    /// A request still unanswered after this long is asked again.
+    pub reask_timeout: Duration,
+    /// Re-asks per request before the builder gives that fragment up (the slice is then
+    /// processed without it).
+    pub max_reasks: u32,
+    /// A source evicts a fragment nobody asked for once this many newer slices have
+    /// ended (counted as never requested); this bounds a source's memory and how long a
+    /// data-flow manager may be away without losing data.
+    pub hold_slices: u32,
+}
+
+impl PullConfig {
+    /// `credits` slices per builder; no request cap; re-ask after 100 ms, 3 times; hold
+    /// 64 slices.
+    pub fn new(credits: u32) -> Self {
+        Self {
+            credits,
+            request_cap: 0,
+            reask_timeout: Duration::from_millis(100),
+            max_reasks: 3,
+            hold_slices: 64,
+        }
+    }
+}
+
+impl Policy {
+    /// The pull parameters, for a pull policy.
+    pub fn pull(&self) -> Option<PullConfig> {
+        match self {
+            Policy::Pull(p) => Some(*p),
+            _ => None,
+        }
+    }
 }
 
 impl Policy {
@@ -103,6 +159,7 @@ impl Policy {
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 Box::new(TokenBucket::new(ctx, rate_bytes_per_s, burst_bytes))
             }
+            Policy::Pull(p) => Box::new(Pull::new(ctx, p.hold_slices)),
         }
     }
 }
@@ -115,16 +172,52 @@ impl fmt::Display for Policy {
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 write!(f, "tbf:{rate_bytes_per_s}:{burst_bytes}")
             }
+            Policy::Pull(p) => {
+                let d = PullConfig::new(p.credits);
+                write!(f, "pull:{}", p.credits)?;
+                if p.request_cap != d.request_cap {
+                    write!(f, ":cap={}", p.request_cap)?;
+                }
+                if p.reask_timeout != d.reask_timeout {
+                    write!(f, ":timeout={}us", p.reask_timeout.as_micros())?;
+                }
+                if p.max_reasks != d.max_reasks {
+                    write!(f, ":reasks={}", p.max_reasks)?;
+                }
+                if p.hold_slices != d.hold_slices {
+                    write!(f, ":hold={}", p.hold_slices)?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
 /// Why a policy string is not valid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("invalid policy {input:?}: {reason} (expected direct, delayed:K or tbf:RATE[:BURST])")]
+#[error(
+    "invalid policy {input:?}: {reason} (expected direct, delayed:K, tbf:RATE[:BURST] or \
+     pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N])"
+)]
 pub struct PolicyParseError {
     input: String,
     reason: &'static str,
+}
+
+/// Parses `250us`, `50ms`, `1.5s` into a duration.
+fn parse_duration(s: &str) -> Option<Duration> {
+    let (num, scale) = if let Some(n) = s.strip_suffix("us") {
+        (n, 1e3)
+    } else if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e6)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1e9)
+    } else {
+        return None;
+    };
+    let v: f64 = num.parse().ok()?;
+    let ns = v * scale;
+    (ns.is_finite() && ns >= 1.0 && ns < 1e15).then(|| Duration::from_nanos(ns as u64))
 }
 
 /// Parses `12`, `1.5k`, `40M`, `40Mbit`, `1G` into bytes (per second).
@@ -171,6 +264,26 @@ impl FromStr for Policy {
                     return Err(err("trailing text"));
                 }
                 Ok(Policy::TokenBucket { rate_bytes_per_s: rate, burst_bytes: burst })
+            }
+            "pull" => {
+                let credits: u32 =
+                    parts.next().ok_or(err("missing CREDITS"))?.parse().map_err(|_| err("CREDITS is not a number"))?;
+                if credits == 0 {
+                    return Err(err("CREDITS must be at least 1"));
+                }
+                let mut p = PullConfig::new(credits);
+                for part in parts {
+                    let (key, value) = part.split_once('=').ok_or(err("expected key=value after CREDITS"))?;
+                    let number = || value.parse::<u32>().map_err(|_| err("not a number"));
+                    match key {
+                        "cap" => p.request_cap = number()?,
+                        "reasks" => p.max_reasks = number()?,
+                        "hold" => p.hold_slices = number()?.max(1),
+                        "timeout" => p.reask_timeout = parse_duration(value).ok_or(err("bad timeout"))?,
+                        _ => return Err(err("unknown pull parameter (cap, timeout, reasks, hold)")),
+                    }
+                }
+                Ok(Policy::Pull(p))
             }
             _ => Err(err("unknown policy")),
         }
@@ -372,6 +485,97 @@ impl Shaper for TokenBucket {
     }
     fn queued(&self) -> usize {
         self.queued
+    }
+}
+
+/// Credit-based pull, the source's side: fragments wait in the source's buffer until the
+/// builder their slice was assigned to asks for them.
+///
+/// A request for a slice not yet produced (the builder's clock runs ahead of the source's)
+/// waits for the fragment. A fragment nobody asks for is evicted once `hold` newer slices
+/// have ended ([`Shaper::poll_evicted`]): that bounds the buffer, and is where a slice that
+/// was never assigned, or whose builder left, ends. Requests for fragments already handed
+/// out or evicted are the node's to count; the shaper ignores them.
+#[derive(Debug)]
+pub struct Pull {
+    hold: u64,
+    /// Produced, not yet requested.
+    held: BTreeMap<SliceNumber, Outgoing>,
+    /// Requested before they were produced.
+    waiting: BTreeMap<SliceNumber, BuilderId>,
+    ready: VecDeque<Transmit>,
+    evicted: VecDeque<SliceNumber>,
+    /// The newest slice whose end this shaper has seen.
+    latest: Option<SliceNumber>,
+}
+
+impl Pull {
+    pub fn new(_ctx: ShaperContext, hold_slices: u32) -> Self {
+        Self {
+            hold: u64::from(hold_slices.max(1)),
+            held: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            ready: VecDeque::new(),
+            evicted: VecDeque::new(),
+            latest: None,
+        }
+    }
+
+    fn advance(&mut self, slice: SliceNumber) {
+        let latest = self.latest.map_or(slice, |l| l.max(slice));
+        self.latest = Some(latest);
+        let Some(limit) = latest.checked_sub(self.hold) else { return };
+        while let Some(entry) = self.held.first_entry() {
+            if *entry.key() > limit {
+                break;
+            }
+            self.evicted.push_back(entry.remove().slice);
+        }
+        // A request for a slice that never came (the source ended before it) is forgotten
+        // with the same delay.
+        while self.waiting.first_key_value().is_some_and(|(&s, _)| s <= limit) {
+            self.waiting.pop_first();
+        }
+    }
+}
+
+impl Shaper for Pull {
+    fn handle_fragment(&mut self, _now: Instant, frag: Outgoing) {
+        match self.waiting.remove(&frag.slice) {
+            Some(dest) => self.ready.push_back(whole(dest, frag)),
+            None => {
+                self.held.insert(frag.slice, frag);
+            }
+        }
+        self.advance(frag.slice);
+    }
+    fn handle_request(&mut self, _now: Instant, req: PullRequest) {
+        if let Some(frag) = self.held.remove(&req.slice) {
+            self.ready.push_back(whole(req.builder, frag));
+        } else if self.latest.is_none_or(|l| req.slice > l && req.slice <= l + self.hold)
+            && self.waiting.len() < self.hold as usize
+        {
+            // Not produced yet: answer when it is (bounded: at most `hold` slices ahead and
+            // `hold` requests).
+            self.waiting.insert(req.slice, req.builder);
+        }
+    }
+    fn handle_sent(&mut self, _now: Instant, _slice: SliceNumber) {}
+    fn handle_slot_end(&mut self, _now: Instant, slice: SliceNumber) {
+        self.advance(slice);
+    }
+    fn handle_drain(&mut self, _now: Instant) {}
+    fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
+        self.ready.pop_front()
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
+    fn queued(&self) -> usize {
+        self.held.len() + self.ready.len()
+    }
+    fn poll_evicted(&mut self) -> Option<SliceNumber> {
+        self.evicted.pop_front()
     }
 }
 

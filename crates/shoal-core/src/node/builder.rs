@@ -5,6 +5,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use crate::assembly::{Admission, AssemblerConfig, EmitReason, SliceAssembler, SliceOutcome};
 use crate::frame::{Flags, FrameHeader, HEADER_LEN};
 use crate::ledger::BuilderTally;
+use crate::shaping::PullConfig;
+
+use super::pull::{FragmentRequest, PullRequester, PullStats};
 use crate::slice::{SliceClock, SliceNumber};
 use crate::{BuilderId, Duration, Instant, SourceId};
 
@@ -59,6 +62,7 @@ fn incomplete_reason(reason: EmitReason) -> &'static str {
         EmitReason::SliceCountTimeout => "slice_count_timeout",
         EmitReason::WallClockTimeout => "wall_clock_timeout",
         EmitReason::Drained => "end_of_run",
+        EmitReason::Abandoned => "request_timeout",
     }
 }
 
@@ -82,6 +86,9 @@ pub struct BuilderNodeReport {
     /// Arrival of the first and last accepted fragment (driver's time origin, ns).
     pub first_arrival_ns: u64,
     pub last_arrival_ns: u64,
+    /// Pull policies: assignments, requests, re-asks, fragments given up, waits.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub pull: Option<PullStats>,
 }
 
 /// A builder process's decisions. See the [module documentation](super).
@@ -99,6 +106,8 @@ pub struct BuilderNode<T> {
     ended: BTreeSet<SourceId>,
     report: BuilderNodeReport,
     out: VecDeque<SliceOutcome<T>>,
+    /// Pull policies: the requesting side.
+    pull: Option<PullRequester>,
 }
 
 impl<T> BuilderNode<T> {
@@ -109,7 +118,43 @@ impl<T> BuilderNode<T> {
             ended: BTreeSet::new(),
             report: BuilderNodeReport { id: cfg.id, ..Default::default() },
             out: VecDeque::new(),
+            pull: None,
         }
+    }
+
+    /// A builder of a pull run: it builds the slices assigned to it
+    /// ([`BuilderNode::handle_assignment`]) from the fragments it requests
+    /// ([`BuilderNode::poll_request`]). Its slice-count timeout is at least one more than
+    /// its credits (it never holds more slices than that; re-asks time slices out).
+    pub fn with_pull(mut self, pull: PullConfig) -> Self {
+        let mut assembler = self.cfg.assembler;
+        assembler.max_active = assembler.max_active.max(pull.credits as usize + 1);
+        self.cfg.assembler = assembler;
+        self.asm = SliceAssembler::new(assembler);
+        self.pull = Some(PullRequester::new(pull, assembler.n_sources));
+        self
+    }
+
+    /// Pull: the data-flow manager assigned `slice` to this builder.
+    pub fn handle_assignment(&mut self, now: Instant, slice: SliceNumber) {
+        if let Some(p) = self.pull.as_mut() {
+            p.handle_assignment(now, slice);
+        }
+    }
+
+    /// Pull: the next fragment request to send to a source.
+    pub fn poll_request(&mut self) -> Option<FragmentRequest> {
+        self.pull.as_mut()?.poll_request()
+    }
+
+    /// Pull: the next slice whose credit returned, to report to the data-flow manager.
+    pub fn poll_done(&mut self) -> Option<SliceNumber> {
+        self.pull.as_mut()?.poll_done()
+    }
+
+    /// Pull: the requesting side (assigned slices and history, for the manager's hello).
+    pub fn pull(&self) -> Option<&PullRequester> {
+        self.pull.as_ref()
     }
 
     pub fn config(&self) -> &BuilderNodeConfig {
@@ -133,6 +178,9 @@ impl<T> BuilderNode<T> {
             shaping_delay = Some(a.send_time - self.cfg.slice_clock.end_of(a.slice));
         }
         let admission = self.asm.handle_fragment(now, a.source, a.slice, a.wire_bytes, a.cut_off, data);
+        if let Some(p) = self.pull.as_mut() {
+            p.handle_arrival(now, a.source, a.slice);
+        }
         if admission == Admission::Accepted {
             self.report.fragments += 1;
             self.report.bytes += a.wire_bytes;
@@ -141,7 +189,7 @@ impl<T> BuilderNode<T> {
             }
             self.report.last_arrival_ns = now.as_nanos();
         }
-        self.collect();
+        self.collect(now);
         ArrivalOutcome { admission, network_delay, shaping_delay }
     }
 
@@ -160,8 +208,11 @@ impl<T> BuilderNode<T> {
 
     /// Lets the wall-clock guard fire.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if let Some(p) = self.pull.as_mut() {
+            p.handle_timeout(now);
+        }
         self.asm.handle_timeout(now);
-        self.collect();
+        self.collect(now);
     }
 
     /// The filter is done with `bytes` handed out earlier: they leave the memory budget.
@@ -172,7 +223,7 @@ impl<T> BuilderNode<T> {
     /// End of run: every active slice is processed, in order.
     pub fn handle_drain(&mut self, now: Instant) {
         self.asm.handle_drain(now);
-        self.collect();
+        self.collect(now);
     }
 
     /// The next processed slice, for the filter.
@@ -181,7 +232,11 @@ impl<T> BuilderNode<T> {
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.asm.poll_timeout()
+        let asm = self.asm.poll_timeout();
+        match self.pull.as_ref().and_then(|p| p.poll_timeout()) {
+            Some(t) => Some(asm.map_or(t, |a| a.min(t))),
+            None => asm,
+        }
     }
 
     /// Every source has ended its stream.
@@ -202,11 +257,19 @@ impl<T> BuilderNode<T> {
         let mut r = self.report.clone();
         r.tally = self.asm.tally();
         r.sources_ended = self.ended.len() as u32;
+        r.pull = self.pull.as_ref().map(|p| p.stats().clone());
         r
     }
 
-    fn collect(&mut self) {
+    fn collect(&mut self, now: Instant) {
+        // Pull: slices whose missing fragments were given up are processed now.
+        while let Some(slice) = self.pull.as_mut().and_then(|p| p.poll_give_up()) {
+            self.asm.handle_give_up(now, slice);
+        }
         while let Some(o) = self.asm.poll_outcome() {
+            if let Some(p) = self.pull.as_mut() {
+                p.handle_slice_done(now, o.slice);
+            }
             if o.is_complete() {
                 self.report.slices_complete += 1;
             } else {

@@ -11,19 +11,26 @@
 //! - [`BuilderNode`] wraps the [`crate::assembly::SliceAssembler`] with what a builder adds:
 //!   which sources have ended their stream, the hand-off of processed slices to the filter
 //!   and the release of their memory, per-slice outcome counts and the report.
+//! - [`DataFlowManager`] (credit-based pull): assigns each slice to a builder with a free
+//!   credit; [`PullRequester`] is a pull builder's side (requests, re-asks, give-ups), the
+//!   sources' side is the [`crate::shaping::Pull`] shaper inside the source node.
 //! - [`Workload`]: where a source's data come from (fixed-size fragments, the burst model,
 //!   the noise and physics generators, replay), implemented in shoal-detector.
 //!
 //! Shape (quinn-proto): inputs are `handle_*(now, ...)`, outputs are drained with `poll_*`,
 //! and `poll_timeout` says when to call `handle_timeout` next. Inputs that later policies
-//! need (pull requests, datagram loss reports, alerts) come in the same way.
+//! need (datagram loss reports, alerts) come in the same way.
 
 mod builder;
+mod dfm;
+mod pull;
 mod slice_map;
 mod source;
 mod workload;
 
 pub use builder::{Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport};
+pub use dfm::{Assignment, DataFlowManager, DfmConfig, DfmEvent, DfmStats};
+pub use pull::{ASSIGNED_HISTORY, FragmentRequest, PullRequester, PullStats};
 pub use source::{
     CutoffConfig, SourceEvent, SourceNode, SourceNodeConfig, SourceNodeReport, SourceTotals, SourceTransmit,
     TransmitKind, TransmitRecord,

@@ -138,6 +138,12 @@ pub struct SourceNodeReport {
     pub bytes_produced: u64,
     /// Slice ends reached late by more than one slice (the driver was starved of CPU).
     pub late_slice_ends: u64,
+    /// Pull policies: requests received, and those for a fragment no longer held (a
+    /// re-ask for one already handed out, or one evicted) or a source not hosted here.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub requests: u64,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub requests_unanswerable: u64,
     /// With [`SourceNodeConfig::record_transmits`]: every piece handed out, in order.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
     pub transmits: Vec<TransmitRecord>,
@@ -342,6 +348,12 @@ impl SourceNode {
                 h.stall = None;
                 h.shaper.handle_sent(now, slice);
             }
+            // Pull: fragments held past their hold time without a request.
+            while let Some(slice) = h.shaper.poll_evicted() {
+                if h.frames.remove(slice).is_some() {
+                    h.tally.never_requested += 1;
+                }
+            }
         }
         self.check_closed(now);
     }
@@ -381,11 +393,23 @@ impl SourceNode {
         self.paused = paused;
     }
 
-    /// A builder asks `source` for a fragment (credit-based pull policies).
+    /// A builder asks `source` for a fragment (credit-based pull policies). A request for
+    /// a fragment this node no longer holds (already handed out: a re-ask; or evicted) or
+    /// for a source it does not host is counted and otherwise ignored.
     pub fn handle_request(&mut self, now: Instant, source: SourceId, req: PullRequest) {
-        if let Some(i) = self.hosted_index(source) {
-            self.hosted[i].shaper.handle_request(now, req);
+        self.report.requests += 1;
+        let Some(i) = self.hosted_index(source) else {
+            self.report.requests_unanswerable += 1;
+            return;
+        };
+        let h = &mut self.hosted[i];
+        let produced = req.slice < self.next_slice || self.phase != Phase::Producing;
+        let held = h.frames.get_mut(req.slice).is_some_and(|f| f.dest.is_none()) || h.undecided.get_mut(req.slice).is_some();
+        if produced && !held {
+            self.report.requests_unanswerable += 1;
+            return;
         }
+        h.shaper.handle_request(now, req);
     }
 
     /// The next piece to hand to the transport.

@@ -1,0 +1,435 @@
+//! The data-flow manager (credit-based pull): assigns each slice to one builder.
+//!
+//! Slices become ready as they end on the slice clock. Each is assigned round robin to the
+//! next builder that has a free credit ([`PullConfig::credits`] slices assigned and not yet
+//! processed) and whose reported memory is under the limit; a builder without either is
+//! skipped, as flesnet and ALICE do. When no builder can take it, the slice waits (a credit
+//! wait, counted) and assignment resumes as builders report slices done.
+//!
+//! A builder that leaves (its connection closed, or silent for
+//! [`DfmConfig::silence_timeout`] while holding slices) gets no more assignments; its
+//! unprocessed slices are assigned again to the others (counted), whose requests the
+//! sources answer from what they still hold.
+//!
+//! The manager keeps no state a restart could lose: it starts by gathering every
+//! builder's hello (the slices assigned to it and not processed, and its recent
+//! assignments) for [`DfmConfig::gather_timeout`] or until all have spoken. A fresh run
+//! has empty hellos; after a restart the union of the histories says which slices were
+//! already assigned, and every slice that ended within the sources' hold time and that no
+//! builder claims is assigned again. Nothing is lost as long as the manager is back within
+//! the hold time.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::shaping::PullConfig;
+use crate::slice::{SliceClock, SliceNumber};
+use crate::{BuilderId, Duration, Instant};
+
+/// What the manager is told at start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DfmConfig {
+    pub pull: PullConfig,
+    pub slice_clock: SliceClock,
+    /// The run's first slice.
+    pub first_slice: SliceNumber,
+    /// The first slice not to assign (`None`: until [`DataFlowManager::handle_end_slice`]).
+    pub end_slice: Option<SliceNumber>,
+    /// Builders expected (ids `0..builders`).
+    pub builders: u32,
+    /// A builder reporting more bytes in use than this is skipped.
+    pub memory_limit: u64,
+    /// A builder holding slices that says nothing for this long has left.
+    pub silence_timeout: Duration,
+    /// How long to wait for every builder's hello before assigning.
+    pub gather_timeout: Duration,
+}
+
+impl DfmConfig {
+    pub fn new(pull: PullConfig, slice_clock: SliceClock, first_slice: SliceNumber, builders: u32) -> Self {
+        Self {
+            pull,
+            slice_clock,
+            first_slice,
+            end_slice: None,
+            builders,
+            memory_limit: u64::MAX,
+            silence_timeout: Duration::from_secs(2),
+            gather_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Slice `slice` goes to builder `builder`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    pub slice: SliceNumber,
+    pub builder: BuilderId,
+}
+
+/// Something the driver should log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DfmEvent {
+    /// Gathering ended: how many builders spoke, and how many ended slices were found
+    /// assigned before (a restart) or not.
+    Started { builders: u32, claimed: u64, unclaimed: u64 },
+    /// A builder left; its unprocessed slices are assigned again.
+    BuilderLeft { builder: BuilderId, reassigned: u64, silent: bool },
+}
+
+/// What the manager counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct DfmStats {
+    pub assigned: u64,
+    /// Assignments of slices whose builder left before processing them.
+    pub reassigned: u64,
+    /// Slices that found no builder with a free credit (and memory) when ready.
+    pub credit_waits: u64,
+    /// Builders passed over for a full credit count, or for memory.
+    pub skipped_no_credit: u64,
+    pub skipped_memory: u64,
+    pub builders_left: u64,
+    /// Slice end to assignment: sum and maximum, nanoseconds.
+    pub assignment_latency_sum_ns: u64,
+    pub assignment_latency_max_ns: u64,
+}
+
+#[derive(Debug, Default)]
+struct BuilderState {
+    assigned: BTreeSet<SliceNumber>,
+    memory: u64,
+    last_heard: Option<Instant>,
+    alive: bool,
+}
+
+#[derive(Debug)]
+enum Phase {
+    Gathering { until: Instant, claimed: BTreeSet<SliceNumber> },
+    Assigning,
+}
+
+/// The data-flow manager. See the [module documentation](self).
+#[derive(Debug)]
+pub struct DataFlowManager {
+    cfg: DfmConfig,
+    phase: Phase,
+    builders: BTreeMap<BuilderId, BuilderState>,
+    /// The next slice whose end is awaited.
+    next_slice: SliceNumber,
+    /// Ended and not assigned: (slice, when it became ready), oldest first.
+    ready: VecDeque<(SliceNumber, Instant)>,
+    /// The front of `ready` already counted as a credit wait.
+    waiting_counted: Option<SliceNumber>,
+    cursor: BuilderId,
+    out: VecDeque<Assignment>,
+    events: VecDeque<DfmEvent>,
+    stats: DfmStats,
+}
+
+impl DataFlowManager {
+    /// A manager (new, or restarted mid-run) that gathers the builders' hellos first.
+    pub fn new(cfg: DfmConfig, now: Instant) -> Self {
+        Self {
+            phase: Phase::Gathering { until: now + cfg.gather_timeout, claimed: BTreeSet::new() },
+            builders: BTreeMap::new(),
+            next_slice: cfg.first_slice,
+            ready: VecDeque::new(),
+            waiting_counted: None,
+            cursor: 0,
+            out: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: DfmStats::default(),
+            cfg,
+        }
+    }
+
+    pub fn config(&self) -> &DfmConfig {
+        &self.cfg
+    }
+
+    /// A builder (re)connected: the slices assigned to it and not yet processed, and its
+    /// recent assignments (processed or not).
+    pub fn handle_hello(
+        &mut self,
+        now: Instant,
+        builder: BuilderId,
+        open: impl IntoIterator<Item = SliceNumber>,
+        history: impl IntoIterator<Item = SliceNumber>,
+    ) {
+        let b = self.builders.entry(builder).or_default();
+        b.alive = true;
+        b.last_heard = Some(now);
+        b.assigned.extend(open);
+        if let Phase::Gathering { claimed, .. } = &mut self.phase {
+            claimed.extend(b.assigned.iter().copied());
+            claimed.extend(history);
+        }
+        let spoken = self.builders.values().filter(|b| b.alive).count() as u32;
+        if matches!(self.phase, Phase::Gathering { .. }) && spoken >= self.cfg.builders {
+            self.start(now);
+        }
+        self.assign(now);
+    }
+
+    /// `builder` processed `slice`: its credit is free.
+    pub fn handle_done(&mut self, now: Instant, builder: BuilderId, slice: SliceNumber) {
+        if let Some(b) = self.builders.get_mut(&builder) {
+            b.assigned.remove(&slice);
+            b.last_heard = Some(now);
+        }
+        self.assign(now);
+    }
+
+    /// `builder` reports the bytes it holds (assembler and filter queue).
+    pub fn handle_memory(&mut self, now: Instant, builder: BuilderId, bytes: u64) {
+        if let Some(b) = self.builders.get_mut(&builder) {
+            b.memory = bytes;
+            b.last_heard = Some(now);
+        }
+        self.assign(now);
+    }
+
+    /// `builder` is gone (its connection closed, or it was killed).
+    pub fn handle_builder_left(&mut self, now: Instant, builder: BuilderId) {
+        self.remove_builder(builder, false);
+        self.assign(now);
+    }
+
+    /// Run control ends the run: `end` is the first slice not to assign.
+    pub fn handle_end_slice(&mut self, now: Instant, end: SliceNumber) {
+        self.cfg.end_slice = Some(self.cfg.end_slice.map_or(end, |e| e.min(end)));
+        self.ready.retain(|&(s, _)| s < end);
+        self.assign(now);
+    }
+
+    /// Time has passed: ended slices become ready; silent builders leave; gathering ends.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Phase::Gathering { until, .. } = self.phase
+            && now >= until
+        {
+            self.start(now);
+        }
+        if matches!(self.phase, Phase::Gathering { .. }) {
+            return;
+        }
+        let clock = self.cfg.slice_clock;
+        while now >= clock.end_of(self.next_slice) && !self.ended(self.next_slice) {
+            self.ready.push_back((self.next_slice, clock.end_of(self.next_slice)));
+            self.next_slice += 1;
+        }
+        let silent: Vec<BuilderId> = self
+            .builders
+            .iter()
+            .filter(|(_, b)| b.alive && !b.assigned.is_empty())
+            .filter(|(_, b)| b.last_heard.is_some_and(|t| now >= t + self.cfg.silence_timeout))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in silent {
+            self.remove_builder(id, true);
+        }
+        self.assign(now);
+    }
+
+    pub fn poll_assignment(&mut self) -> Option<Assignment> {
+        self.out.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<DfmEvent> {
+        self.events.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if let Phase::Gathering { until, .. } = self.phase {
+            return Some(until);
+        }
+        let mut t = if self.ended(self.next_slice) { Instant::MAX } else { self.cfg.slice_clock.end_of(self.next_slice) };
+        for b in self.builders.values().filter(|b| b.alive && !b.assigned.is_empty()) {
+            if let Some(heard) = b.last_heard {
+                t = t.min(heard + self.cfg.silence_timeout);
+            }
+        }
+        (t != Instant::MAX).then_some(t)
+    }
+
+    /// Every slice up to the end slice is assigned and processed.
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Assigning)
+            && self.ended(self.next_slice)
+            && self.ready.is_empty()
+            && self.builders.values().all(|b| b.assigned.is_empty())
+    }
+
+    /// Slices assigned to `builder` and not yet processed.
+    pub fn assigned_to(&self, builder: BuilderId) -> usize {
+        self.builders.get(&builder).map_or(0, |b| b.assigned.len())
+    }
+
+    /// Slices ended and not yet assigned.
+    pub fn backlog(&self) -> usize {
+        self.ready.len()
+    }
+
+    pub fn stats(&self) -> &DfmStats {
+        &self.stats
+    }
+
+    fn ended(&self, slice: SliceNumber) -> bool {
+        self.cfg.end_slice.is_some_and(|e| slice >= e)
+    }
+
+    /// Gathering is over: every slice that ended within the sources' hold time and that
+    /// no builder claims is ready; the clock takes over from the current slice.
+    fn start(&mut self, now: Instant) {
+        let Phase::Gathering { claimed, .. } = std::mem::replace(&mut self.phase, Phase::Assigning) else { return };
+        let clock = self.cfg.slice_clock;
+        let current = clock.slice_at(now).max(self.cfg.first_slice);
+        let oldest = current.saturating_sub(u64::from(self.cfg.pull.hold_slices)).max(self.cfg.first_slice);
+        let (mut n_claimed, mut n_unclaimed) = (0, 0);
+        for slice in oldest..current {
+            if self.ended(slice) || now < clock.end_of(slice) {
+                break;
+            }
+            if claimed.contains(&slice) {
+                n_claimed += 1;
+            } else {
+                n_unclaimed += 1;
+                self.ready.push_back((slice, clock.end_of(slice)));
+            }
+        }
+        self.next_slice = current;
+        let builders = self.builders.values().filter(|b| b.alive).count() as u32;
+        self.events.push_back(DfmEvent::Started { builders, claimed: n_claimed, unclaimed: n_unclaimed });
+        self.handle_timeout(now);
+    }
+
+    fn remove_builder(&mut self, builder: BuilderId, silent: bool) {
+        let Some(b) = self.builders.get_mut(&builder) else { return };
+        if !b.alive {
+            return;
+        }
+        b.alive = false;
+        let orphans = std::mem::take(&mut b.assigned);
+        self.stats.builders_left += 1;
+        self.stats.reassigned += orphans.len() as u64;
+        self.events.push_back(DfmEvent::BuilderLeft { builder, reassigned: orphans.len() as u64, silent });
+        // Back in front of the queue, oldest first, keeping the queue ordered.
+        let mut merged: Vec<(SliceNumber, Instant)> = self.ready.drain(..).collect();
+        let clock = self.cfg.slice_clock;
+        merged.extend(orphans.into_iter().map(|s| (s, clock.end_of(s))));
+        merged.sort_unstable_by_key(|&(s, _)| s);
+        merged.dedup_by_key(|&mut (s, _)| s);
+        self.ready = merged.into();
+    }
+
+    fn assign(&mut self, now: Instant) {
+        if matches!(self.phase, Phase::Gathering { .. }) {
+            return;
+        }
+        let credits = self.cfg.pull.credits as usize;
+        while let Some(&(slice, ready_at)) = self.ready.front() {
+            let ids: Vec<BuilderId> =
+                self.builders.range(self.cursor..).chain(self.builders.range(..self.cursor)).map(|(&id, _)| id).collect();
+            let mut chosen = None;
+            for id in ids {
+                let b = &self.builders[&id];
+                if !b.alive {
+                    continue;
+                }
+                if b.assigned.len() >= credits {
+                    self.stats.skipped_no_credit += 1;
+                } else if b.memory > self.cfg.memory_limit {
+                    self.stats.skipped_memory += 1;
+                } else {
+                    chosen = Some(id);
+                    break;
+                }
+            }
+            let Some(id) = chosen else {
+                if self.waiting_counted != Some(slice) {
+                    self.waiting_counted = Some(slice);
+                    self.stats.credit_waits += 1;
+                }
+                return;
+            };
+            self.ready.pop_front();
+            self.builders.get_mut(&id).expect("chosen").assigned.insert(slice);
+            self.cursor = id.wrapping_add(1);
+            let latency = now.saturating_duration_since(ready_at).as_nanos() as u64;
+            self.stats.assigned += 1;
+            self.stats.assignment_latency_sum_ns += latency;
+            self.stats.assignment_latency_max_ns = self.stats.assignment_latency_max_ns.max(latency);
+            self.out.push_back(Assignment { slice, builder: id });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn cfg(builders: u32, credits: u32) -> DfmConfig {
+        DfmConfig::new(PullConfig::new(credits), SliceClock::new(Duration::from_millis(10)), 0, builders)
+    }
+
+    fn at(ms: u64) -> Instant {
+        Instant::from_nanos(ms * MS)
+    }
+
+    fn drain(d: &mut DataFlowManager) -> Vec<(SliceNumber, BuilderId)> {
+        std::iter::from_fn(|| d.poll_assignment()).map(|a| (a.slice, a.builder)).collect()
+    }
+
+    #[test]
+    fn round_robin_skips_full_builders_and_waits_for_credits() {
+        let mut d = DataFlowManager::new(cfg(2, 1), at(0));
+        d.handle_hello(at(0), 0, [], []);
+        assert!(drain(&mut d).is_empty(), "still gathering: builder 1 has not spoken");
+        d.handle_hello(at(1), 1, [], []);
+        assert_eq!(d.poll_event(), Some(DfmEvent::Started { builders: 2, claimed: 0, unclaimed: 0 }));
+        d.handle_timeout(at(30));
+        // Slices 0, 1, 2 ended; one credit each: 0 -> b0, 1 -> b1, 2 waits.
+        assert_eq!(drain(&mut d), [(0, 0), (1, 1)]);
+        assert_eq!((d.backlog(), d.stats().credit_waits), (1, 1));
+        d.handle_done(at(31), 1, 1);
+        assert_eq!(drain(&mut d), [(2, 1)], "builder 0 is still full: skipped");
+        d.handle_memory(at(32), 0, 10);
+        d.handle_done(at(32), 0, 0);
+        d.handle_timeout(at(40));
+        assert_eq!(drain(&mut d), [(3, 0)]);
+        assert_eq!(d.stats().assignment_latency_max_ns, 20 * MS, "slice 0 ended at 10 ms, assigned at 30");
+    }
+
+    #[test]
+    fn a_builder_that_leaves_or_falls_silent_loses_its_slices_to_the_others() {
+        let mut d = DataFlowManager::new(cfg(2, 4), at(0));
+        d.handle_hello(at(0), 0, [], []);
+        d.handle_hello(at(0), 1, [], []);
+        d.handle_timeout(at(40));
+        assert_eq!(drain(&mut d), [(0, 0), (1, 1), (2, 0), (3, 1)]);
+        d.handle_builder_left(at(41), 1);
+        assert_eq!(drain(&mut d), [(1, 0), (3, 0)]);
+        assert_eq!(d.stats().reassigned, 2);
+        // Builder 0 now says nothing while holding four slices: it leaves after 2 s.
+        assert_eq!(d.poll_timeout(), Some(at(50)));
+        d.handle_timeout(at(2040));
+        let left: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
+        assert!(left.contains(&DfmEvent::BuilderLeft { builder: 0, reassigned: 4, silent: true }), "{left:?}");
+        assert!(drain(&mut d).is_empty(), "nobody left to assign to");
+    }
+
+    #[test]
+    fn a_restarted_manager_assigns_what_no_builder_claims() {
+        // The old manager assigned 0..=5 and died with 3 in flight to builder 1; slices up
+        // to 9 ended while it was away.
+        let mut d = DataFlowManager::new(cfg(2, 4), at(100));
+        d.handle_hello(at(100), 0, [4], [0, 2, 4]);
+        d.handle_hello(at(100), 1, [5], [1, 5]);
+        assert_eq!(d.poll_event(), Some(DfmEvent::Started { builders: 2, claimed: 5, unclaimed: 5 }));
+        let got = drain(&mut d);
+        let slices: Vec<_> = got.iter().map(|a| a.0).collect();
+        assert_eq!(slices, [3, 6, 7, 8, 9]);
+        assert_eq!(d.assigned_to(0) + d.assigned_to(1), 7);
+    }
+}
