@@ -16,10 +16,10 @@ use shoal_core::assembly::AssemblerConfig;
 use shoal_core::frame::{self, Flags, HEADER_LEN};
 use shoal_core::ledger::Ledger;
 use shoal_core::node::{
-    BuilderNode, BuilderNodeConfig, GeneratedFragment, SourceNode, SourceNodeConfig, SourceTransmit, TransmitKind,
-    Workload,
+    BuilderNode, BuilderNodeConfig, DataFlowManager, DfmConfig, GeneratedFragment, SourceNode, SourceNodeConfig,
+    SourceTransmit, TransmitKind, Workload,
 };
-use shoal_core::shaping::Policy;
+use shoal_core::shaping::{Policy, PullConfig, PullRequest};
 use shoal_core::slice::{SliceClock, SliceNumber, builder_for};
 use shoal_core::{BuilderId, Duration, Instant, SourceId};
 
@@ -65,6 +65,9 @@ struct Setup {
     stall_limit_slices: u32,
     drain_timeout: Duration,
     max_active: usize,
+    /// Pull: probability that a request is lost, and a builder killed at a time (ms).
+    request_loss: f64,
+    kill: Option<(BuilderId, u64)>,
 }
 
 impl Setup {
@@ -96,6 +99,12 @@ struct Conn {
 enum Ev {
     Served { node: usize, builder: usize },
     Arrive { node: usize, builder: usize, bytes: Bytes, lost: bool },
+    /// Pull: a request reaches the source node hosting `source`.
+    Request { builder: BuilderId, source: SourceId, slice: SliceNumber },
+    /// Pull: an assignment reaches a builder; a builder's credit returns to the manager.
+    Assign { builder: BuilderId, slice: SliceNumber },
+    Done { builder: BuilderId, slice: SliceNumber },
+    Kill { builder: BuilderId },
 }
 
 /// What one transmitted piece was.
@@ -123,6 +132,11 @@ struct Outcome {
     queue_limit_exceeded: bool,
     /// A reassembled frame did not decode or carried another frame's bytes.
     bad_frames: Vec<String>,
+    /// Pull: every assignment the manager made, requests per (builder, slice, source),
+    /// and broken limits (credits, cap).
+    assignments: Vec<(SliceNumber, BuilderId, Instant)>,
+    requests: BTreeMap<(BuilderId, SliceNumber, SourceId), u32>,
+    limit_broken: Vec<String>,
 }
 
 struct Pair {
@@ -134,6 +148,8 @@ struct Pair {
     seq: u64,
     rng: u64,
     out: Outcome,
+    dfm: Option<DataFlowManager>,
+    dead: BTreeSet<BuilderId>,
 }
 
 impl Pair {
@@ -153,9 +169,25 @@ impl Pair {
             })
             .collect();
         let assembler = AssemblerConfig { max_active: setup.max_active, ..AssemblerConfig::new(setup.n_sources()) };
+        let pull = setup.policy.pull();
         let builders = (0..setup.n_builders)
-            .map(|id| BuilderNode::new(BuilderNodeConfig { id, assembler, slice_clock: clock }))
+            .map(|id| {
+                let b = BuilderNode::new(BuilderNodeConfig { id, assembler, slice_clock: clock });
+                match pull {
+                    Some(p) => b.with_pull(p),
+                    None => b,
+                }
+            })
             .collect();
+        let dfm = pull.map(|p| {
+            let mut c = DfmConfig::new(p, clock, 0, setup.n_builders);
+            c.end_slice = Some(setup.slices);
+            let mut d = DataFlowManager::new(c, Instant::ZERO);
+            for b in 0..setup.n_builders {
+                d.handle_hello(Instant::ZERO, b, [], []);
+            }
+            d
+        });
         let conns = setup.nodes.iter().map(|_| (0..setup.n_builders).map(|_| Conn::default()).collect()).collect();
         let out = Outcome {
             emitted: vec![Vec::new(); setup.n_builders as usize],
@@ -163,7 +195,17 @@ impl Pair {
             ..Default::default()
         };
         let rng = setup.seed | 1;
-        Pair { setup, sources, builders, conns, events: BTreeMap::new(), seq: 0, rng, out }
+        let kill = setup.kill.filter(|_| pull.is_some());
+        let mut pair =
+            Pair { setup, sources, builders, conns, events: BTreeMap::new(), seq: 0, rng, out, dfm, dead: BTreeSet::new() };
+        if let Some((builder, ms)) = kill {
+            pair.schedule(Instant::from_nanos(ms * 1_000_000), Ev::Kill { builder });
+        }
+        pair
+    }
+
+    fn node_of(&self, source: SourceId) -> usize {
+        self.setup.nodes.iter().position(|ids| ids.contains(&source)).expect("a hosted source")
     }
 
     fn schedule(&mut self, at: Instant, ev: Ev) {
@@ -189,7 +231,13 @@ impl Pair {
             let next = [
                 self.events.keys().next().map(|k| k.0),
                 self.sources.iter().filter_map(|s| s.poll_timeout()).min(),
-                self.builders.iter().filter_map(|b| b.poll_timeout()).min(),
+                self.builders
+                    .iter()
+                    .enumerate()
+                    .filter(|(b, _)| !self.dead.contains(&(*b as BuilderId)))
+                    .filter_map(|(_, b)| b.poll_timeout())
+                    .min(),
+                self.dfm.as_ref().and_then(|d| d.poll_timeout()),
             ]
             .into_iter()
             .flatten()
@@ -200,7 +248,13 @@ impl Pair {
             }
         }
         let tallies = self.sources.iter().flat_map(|s| s.report().tallies).collect();
-        let btallies = self.builders.iter().map(|b| (b.config().id, b.report().tally)).collect();
+        // A killed builder leaves no tally: what was sent to it is lost with it.
+        let btallies = self
+            .builders
+            .iter()
+            .filter(|b| !self.dead.contains(&b.config().id))
+            .map(|b| (b.config().id, b.report().tally))
+            .collect();
         self.out.ledger = Some(Ledger::combine(&tallies, &btallies));
         self.out
     }
@@ -213,6 +267,45 @@ impl Pair {
             match entry.remove() {
                 Ev::Served { node, builder } => self.served(now, node, builder),
                 Ev::Arrive { node, builder, bytes, lost } => self.arrive(now, node, builder, bytes, lost),
+                Ev::Request { builder, source, slice } => {
+                    let n = self.node_of(source);
+                    self.sources[n].handle_request(now, source, PullRequest { builder, slice });
+                }
+                Ev::Assign { builder, slice } => {
+                    if !self.dead.contains(&builder) {
+                        self.builders[builder as usize].handle_assignment(now, slice);
+                    }
+                }
+                Ev::Done { builder, slice } => {
+                    if let Some(d) = self.dfm.as_mut() {
+                        d.handle_done(now, builder, slice);
+                    }
+                }
+                Ev::Kill { builder } => {
+                    self.dead.insert(builder);
+                    // The manager sees the connection close one latency later.
+                    if let Some(d) = self.dfm.as_mut() {
+                        d.handle_builder_left(now + self.setup.latency, builder);
+                    }
+                }
+            }
+        }
+        if let Some(d) = self.dfm.as_mut() {
+            if d.poll_timeout().is_some_and(|t| t <= now) {
+                d.handle_timeout(now);
+            }
+            let mut assigned = Vec::new();
+            while let Some(a) = d.poll_assignment() {
+                assigned.push(a);
+            }
+            for b in 0..self.setup.n_builders {
+                if d.assigned_to(b) > d.config().pull.credits as usize {
+                    self.out.limit_broken.push(format!("manager: builder {b} holds {} slices", d.assigned_to(b)));
+                }
+            }
+            for a in assigned {
+                self.out.assignments.push((a.slice, a.builder, now));
+                self.schedule(now + self.setup.latency, Ev::Assign { builder: a.builder, slice: a.slice });
             }
         }
         for n in 0..self.sources.len() {
@@ -236,6 +329,9 @@ impl Pair {
             }
         }
         for b in 0..self.builders.len() {
+            if self.dead.contains(&(b as BuilderId)) {
+                continue;
+            }
             if self.builders[b].poll_timeout().is_some_and(|t| t <= now) {
                 self.builders[b].handle_timeout(now);
             }
@@ -243,6 +339,30 @@ impl Pair {
                 self.out.emitted[b].push((o.slice, o.is_complete()));
                 self.builders[b].handle_released(o.bytes);
             }
+            self.pull_outputs(now, b);
+        }
+    }
+
+    /// Pull: a builder's requests go to the sources (some lost), its returned credits to
+    /// the manager; its limits are checked.
+    fn pull_outputs(&mut self, now: Instant, b: usize) {
+        let Some(p) = self.builders[b].pull() else { return };
+        let cfg = *p.config();
+        if p.open() > cfg.credits as usize {
+            self.out.limit_broken.push(format!("builder {b}: {} slices open", p.open()));
+        }
+        if cfg.request_cap > 0 && p.outstanding() > u64::from(cfg.request_cap) {
+            self.out.limit_broken.push(format!("builder {b}: {} requests outstanding", p.outstanding()));
+        }
+        let builder = b as BuilderId;
+        while let Some(r) = self.builders[b].poll_request() {
+            *self.out.requests.entry((builder, r.slice, r.source)).or_default() += 1;
+            if !self.chance(self.setup.request_loss) {
+                self.schedule(now + self.setup.latency, Ev::Request { builder, source: r.source, slice: r.slice });
+            }
+        }
+        while let Some(slice) = self.builders[b].poll_done() {
+            self.schedule(now + self.setup.latency, Ev::Done { builder, slice });
         }
     }
 
@@ -281,11 +401,16 @@ impl Pair {
     }
 
     fn arrive(&mut self, now: Instant, node: usize, builder: usize, bytes: Bytes, lost: bool) {
-        if lost {
+        if lost || self.dead.contains(&(builder as BuilderId)) {
             return;
         }
+        self.reassemble(now, node, builder, &bytes);
+        self.pull_outputs(now, builder);
+    }
+
+    fn reassemble(&mut self, now: Instant, node: usize, builder: usize, bytes: &[u8]) {
         let conn = &mut self.conns[node][builder];
-        conn.rx.extend_from_slice(&bytes);
+        conn.rx.extend_from_slice(bytes);
         loop {
             if conn.rx.len() < HEADER_LEN {
                 return;
@@ -371,8 +496,32 @@ fn setup() -> impl Strategy<Value = Setup> {
                 stall_limit_slices: stall,
                 drain_timeout: Duration::from_millis(drain),
                 max_active: act,
+                request_loss: 0.0,
+                kill: None,
             },
         )
+}
+
+/// Pull setups: random credits, cap, re-ask budget and hold; requests lost at random; a
+/// builder killed at a random moment (or not).
+fn pull_setup() -> impl Strategy<Value = Setup> {
+    (
+        setup(),
+        (1u32..6, prop_oneof![Just(0u32), 1u32..8], 0u32..3, 5u64..40, 4u32..80),
+        prop_oneof![Just(0.0), 0.0..0.2],
+        prop_oneof![Just(None), (0u32..3, 0u64..400).prop_map(Some)],
+    )
+        .prop_map(|(mut s, (credits, cap, reasks, timeout_ms, hold), request_loss, kill)| {
+            let mut p = PullConfig::new(credits);
+            p.request_cap = cap;
+            p.max_reasks = reasks;
+            p.reask_timeout = Duration::from_millis(timeout_ms);
+            p.hold_slices = hold;
+            s.policy = Policy::Pull(p);
+            s.request_loss = request_loss;
+            s.kill = kill.map(|(b, ms)| (b % s.n_builders, ms));
+            s
+        })
 }
 
 /// An ideal transport: fast, no loss, ample limits.
@@ -413,6 +562,7 @@ proptest! {
             prop_assert!(emitted.windows(2).all(|w| w[0].0 < w[1].0), "builder {} out of order: {:?}", b, emitted);
             prop_assert!(emitted.iter().all(|(sl, _)| builder_for(*sl, s.n_builders) as usize == b));
         }
+        prop_assert!(o.assignments.is_empty() && o.requests.is_empty());
         for closed in &o.closed_at {
             let t = closed.expect("every source node closes");
             prop_assert!(t <= drain_deadline(&s), "closed at {} after the drain deadline {}", t, drain_deadline(&s));
@@ -486,5 +636,62 @@ proptest! {
         built.sort();
         let handed: BTreeSet<SliceNumber> = o.sent.values().flatten().filter(|x| x.dest != 0 && x.kind == TransmitKind::Data).map(|x| x.slice).collect();
         prop_assert_eq!(built, handed.into_iter().collect::<Vec<_>>());
+    }
+
+    /// Pull, whatever the transport, losses, limits and a builder killed at a random
+    /// moment: the ledger balances; limits hold (credits at the manager and the builder,
+    /// the request cap); each request is asked at most 1 + max_reasks times; without a
+    /// kill each slice is assigned exactly once; a killed builder's slices go to the others.
+    #[test]
+    fn pull_ledger_balances_limits_hold_and_reasks_are_bounded(s in pull_setup()) {
+        let p = s.policy.pull().unwrap();
+        let o = Pair::new(s.clone()).run();
+        let ledger = o.ledger.as_ref().unwrap();
+        prop_assert!(ledger.is_balanced(), "{:?}", ledger);
+        prop_assert_eq!(ledger.produced, s.slices * u64::from(s.n_sources()));
+        prop_assert!(o.bad_frames.is_empty(), "{:?}", o.bad_frames);
+        prop_assert!(o.limit_broken.is_empty(), "{:?}", o.limit_broken);
+        for (key, n) in &o.requests {
+            prop_assert!(*n <= 1 + p.max_reasks, "{:?} asked {} times", key, n);
+        }
+        let mut slices: Vec<SliceNumber> = o.assignments.iter().map(|a| a.0).collect();
+        slices.sort();
+        let once = slices.windows(2).all(|w| w[0] < w[1]);
+        if s.kill.is_none() {
+            prop_assert!(once, "a slice assigned twice: {:?}", o.assignments);
+        }
+        if let Some((dead, ms)) = s.kill {
+            // The manager hears of the death one latency later and assigns it nothing after.
+            let heard = Instant::from_nanos(ms * 1_000_000) + s.latency;
+            let after: Vec<_> = o.assignments.iter().filter(|a| a.1 == dead && a.2 > heard).collect();
+            prop_assert!(after.is_empty(), "assigned to dead builder {} after {}: {:?}", dead, heard, after);
+        }
+        for (b, emitted) in o.emitted.iter().enumerate() {
+            prop_assert!(emitted.windows(2).all(|w| w[0].0 < w[1].0), "builder {} out of order: {:?}", b, emitted);
+        }
+    }
+
+    /// Pull over an ideal transport, nothing lost and nobody killed: every slice is
+    /// assigned once, built once and complete, every fragment delivered.
+    #[test]
+    fn pull_over_an_ideal_transport_builds_every_slice_once(s in pull_setup().prop_map(|mut s| {
+        s.request_loss = 0.0;
+        s.kill = None;
+        if let Policy::Pull(p) = &mut s.policy {
+            // Nothing is evicted before its request can come.
+            p.hold_slices = p.hold_slices.max(64);
+            p.reask_timeout = Duration::from_millis(500);
+        }
+        ideal(s)
+    })) {
+        let o = Pair::new(s.clone()).run();
+        let ledger = o.ledger.unwrap();
+        prop_assert_eq!(ledger.get(shoal_core::ledger::Bucket::Delivered), ledger.produced, "{:?}", ledger);
+        let mut assigned: Vec<SliceNumber> = o.assignments.iter().map(|a| a.0).collect();
+        assigned.sort();
+        prop_assert_eq!(&assigned, &(0..s.slices).collect::<Vec<_>>());
+        let mut all: Vec<(SliceNumber, bool)> = o.emitted.concat();
+        all.sort();
+        prop_assert_eq!(all, (0..s.slices).map(|sl| (sl, true)).collect::<Vec<_>>());
     }
 }
