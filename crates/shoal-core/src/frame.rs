@@ -39,8 +39,17 @@ impl Flags {
     pub const EVENTS: Flags = Flags(1 << 3);
     /// The sender will send no more frames on this connection (clean end of run).
     pub const END_OF_STREAM: Flags = Flags(1 << 4);
+    /// Pull control messages ([`crate::pullmsg`]): a hello (source to builder, builder to
+    /// data-flow manager), a fragment request (builder to source), an assignment (manager
+    /// to builder), a returned credit (builder to manager).
+    pub const HELLO: Flags = Flags(1 << 5);
+    pub const REQUEST: Flags = Flags(1 << 6);
+    pub const ASSIGN: Flags = Flags(1 << 7);
+    pub const CREDIT: Flags = Flags(1 << 8);
     /// Every bit defined by v1; a frame with any other bit set is rejected.
-    pub const ALL: Flags = Flags(0b1_1111);
+    pub const ALL: Flags = Flags(0b1_1111_1111);
+    /// The pull control bits.
+    pub const CONTROL: Flags = Flags(0b1_1110_0000);
     pub const EMPTY: Flags = Flags(0);
 
     pub const fn bits(self) -> u16 {
@@ -52,6 +61,9 @@ impl Flags {
     }
     pub const fn contains(self, other: Flags) -> bool {
         self.0 & other.0 == other.0
+    }
+    pub const fn intersects(self, other: Flags) -> bool {
+        self.0 & other.0 != 0
     }
     pub const fn union(self, other: Flags) -> Flags {
         Flags(self.0 | other.0)

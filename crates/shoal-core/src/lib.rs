@@ -13,12 +13,15 @@
 //! - [`hit`]: the 6-byte hit record and the waveform record carried in frame payloads.
 //! - [`slice`]: slice numbers, the slice clock and the slice-to-builder rule.
 //! - [`shaping`]: traffic-shaping policies behind the [`shaping::Shaper`] trait
-//!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`), plus [`shaping::BurstCutoff`].
+//!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
+//!   [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
 //! - [`node`]: the source and builder node machines that own every decision of a source
-//!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), and the
-//!   [`node::Workload`] interface.
+//!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
+//!   manager ([`node::DataFlowManager`]), and the [`node::Workload`] interface.
+//! - [`pullmsg`]: the pull control messages (hello, request, assignment, credit) as
+//!   frames, with their checked decoder.
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
 //! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
 //!   order, start and end slices, reply deadlines, inactive processes, discovery.
@@ -32,6 +35,7 @@ pub mod frame;
 pub mod hit;
 pub mod ledger;
 pub mod node;
+pub mod pullmsg;
 pub mod runstate;
 pub mod shaping;
 pub mod slice;

@@ -2,7 +2,15 @@
 //! host a [`BuilderNode`], the very machines the runtime drives, fed by the same
 //! workloads, over [`crate::net`] with [`crate::tcp`] or UDP. This driver only moves
 //! bytes and time: every decision (schedule, cutoff, shaping, stall and queue limits,
-//! drain, end of stream, assembly) is the nodes'.
+//! drain, end of stream, assembly; for pull the assignments, requests and re-asks) is the
+//! nodes'.
+//!
+//! Pull runs add a data-flow manager host on the central switch, running shoal-core's
+//! [`DataFlowManager`]. Assignments (manager to builder), credit reports (builder to
+//! manager) and fragment requests (builder to source) are single small packets on the
+//! modelled network, each one 56-byte frame header in a UDP/IP packet: they queue behind
+//! data and acknowledgements and can be dropped at a full port, which the builders'
+//! re-asks recover (the runtime carries them on TCP connections instead).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -12,10 +20,10 @@ use shoal_core::frame::Flags;
 use shoal_core::ledger::Ledger;
 pub use shoal_core::node::TransmitRecord;
 use shoal_core::node::{
-    Arrival, BuilderNode, BuilderNodeConfig, BuilderNodeReport, CutoffConfig, GeneratedFragment, SourceNode,
-    SourceNodeConfig, SourceTransmit, TransmitKind, Workload,
+    Arrival, BuilderNode, BuilderNodeConfig, BuilderNodeReport, CutoffConfig, DataFlowManager, DfmConfig, DfmStats,
+    GeneratedFragment, SourceNode, SourceNodeConfig, SourceTransmit, TransmitKind, Workload,
 };
-use shoal_core::shaping::Policy;
+use shoal_core::shaping::{Policy, PullRequest};
 use shoal_core::slice::{SliceClock, SliceNumber};
 use shoal_core::{Duration, Instant, SourceId};
 use shoal_detector::Generator;
@@ -51,7 +59,24 @@ enum Body {
         dgram_bytes: u32,
         fragment_bytes: u32,
     },
+    /// Pull control messages (one small packet each).
+    Request {
+        builder: u32,
+        source: u32,
+        slice: SliceNumber,
+    },
+    Assign {
+        builder: u32,
+        slice: SliceNumber,
+    },
+    Done {
+        builder: u32,
+        slice: SliceNumber,
+    },
 }
+
+/// A pull control message on the wire: one frame header in a UDP/IP packet.
+const CONTROL_PACKET: u32 = shoal_core::frame::HEADER_LEN as u32 + UDP_HEADER + IP_HEADER;
 
 #[derive(Debug)]
 enum Ev {
@@ -64,6 +89,7 @@ enum Ev {
     Rto(u32),
     DelAck(u32),
     BuilderWake(u32),
+    DfmWake,
 }
 
 /// One fragment's life.
@@ -108,6 +134,12 @@ struct SourceApp {
 struct BuilderApp {
     host: NodeId,
     node: BuilderNode<()>,
+    wake: Option<Instant>,
+}
+
+struct DfmApp {
+    host: NodeId,
+    node: DataFlowManager,
     wake: Option<Instant>,
 }
 
@@ -165,6 +197,14 @@ pub struct SimSummary {
     /// Mean fraction of boards in a burst per slice, and the histogram of boards in burst.
     pub burst_mean_fraction: f64,
     pub burst_histogram: Vec<u64>,
+    /// Pull runs: the manager's counts, and the builders' requests, re-asks, fragments
+    /// given up and waits, summed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dfm: Option<DfmStats>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pull: Option<shoal_core::node::PullStats>,
+    /// Pull runs: control packets sent (requests, assignments, credit reports).
+    pub control_packets: u64,
     pub events: u64,
     pub wall_s: f64,
 }
@@ -208,6 +248,9 @@ struct World {
     udp_frags_sent: u64,
     to_pump: Vec<u32>,
     segs: Vec<Segment>,
+    dfm: Option<DfmApp>,
+    source_of_host: HashMap<NodeId, u32>,
+    control_packets: u64,
 }
 
 /// Timers are scheduled lazily: at most one pending event per timer, unless it moved
@@ -244,6 +287,7 @@ pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     for s in 0..w.sources.len() as u32 {
         w.arm_source(s);
     }
+    w.dfm_outputs(Instant::ZERO);
     while let Some((now, ev)) = w.q.pop(end) {
         w.handle(now, ev);
     }
@@ -294,6 +338,18 @@ impl World {
                 source_hosts.push(h);
             }
         }
+        let pull = policy.pull();
+        // The data-flow manager's host sits on the central switch like a builder.
+        let dfm_host = pull.map(|_| {
+            let h = net.add_host();
+            net.link(
+                h,
+                central,
+                host_q(t.builder_mbps, t.builder_delay_us),
+                switch_q(t.builder_mbps, t.builder_delay_us, 0.0),
+            );
+            h
+        });
         let mut builder_hosts = Vec::new();
         for _ in 0..n_builders {
             let h = net.add_host();
@@ -362,9 +418,25 @@ impl World {
             .enumerate()
             .map(|(id, &host)| {
                 let cfg = BuilderNodeConfig { id: id as u32, assembler: asm_cfg, slice_clock };
-                BuilderApp { host, node: BuilderNode::new(cfg), wake: None }
+                let node = BuilderNode::new(cfg);
+                let node = match pull {
+                    Some(p) => node.with_pull(p),
+                    None => node,
+                };
+                BuilderApp { host, node, wake: None }
             })
             .collect();
+        let dfm = pull.zip(dfm_host).map(|(p, host)| {
+            let mut c = DfmConfig::new(p, slice_clock, 0, n_builders);
+            c.end_slice = Some(n_slices);
+            let mut node = DataFlowManager::new(c, Instant::ZERO);
+            // Every builder says hello at the start (their connections are up).
+            for b in 0..n_builders {
+                node.handle_hello(Instant::ZERO, b, [], []);
+            }
+            DfmApp { host, node, wake: None }
+        });
+        let source_of_host = source_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         Ok(World {
             sc: sc.clone(),
@@ -390,6 +462,9 @@ impl World {
             udp_frags_sent: 0,
             to_pump: Vec::new(),
             segs: Vec::new(),
+            dfm,
+            source_of_host,
+            control_packets: 0,
         })
     }
 
@@ -453,10 +528,56 @@ impl World {
                 let bl = &mut self.builders[b as usize];
                 bl.wake = None;
                 bl.node.handle_timeout(now);
-                self.drain_outcomes(b);
+                self.drain_outcomes(now, b);
+            }
+            Ev::DfmWake => {
+                if let Some(d) = self.dfm.as_mut() {
+                    d.wake = None;
+                    d.node.handle_timeout(now);
+                }
+                self.dfm_outputs(now);
             }
         }
         self.pump(now);
+    }
+
+    /// Sends one pull control packet.
+    fn send_control(&mut self, now: Instant, src: NodeId, dst: NodeId, body: Body) {
+        let pkt = Packet { src, dst, size: wire_size(CONTROL_PACKET), damaged: false, body };
+        let q = &mut self.q;
+        self.net.send(now, src, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)));
+        self.control_packets += 1;
+    }
+
+    /// The manager's assignments go out; its next timer is armed.
+    fn dfm_outputs(&mut self, now: Instant) {
+        let Some(d) = self.dfm.as_mut() else { return };
+        let host = d.host;
+        let mut out = Vec::new();
+        while let Some(a) = d.node.poll_assignment() {
+            out.push(a);
+        }
+        while d.node.poll_event().is_some() {}
+        if let Some(t) = rearm(&mut d.wake, d.node.poll_timeout()) {
+            self.q.schedule(t, Ev::DfmWake);
+        }
+        for a in out {
+            let dst = self.builders[a.builder as usize].host;
+            self.send_control(now, host, dst, Body::Assign { builder: a.builder, slice: a.slice });
+        }
+    }
+
+    /// A pull builder's requests go to the sources, its returned credits to the manager.
+    fn builder_outputs(&mut self, now: Instant, b: u32) {
+        let host = self.builders[b as usize].host;
+        while let Some(r) = self.builders[b as usize].node.poll_request() {
+            let dst = self.sources[r.source as usize].host;
+            self.send_control(now, host, dst, Body::Request { builder: b, source: r.source, slice: r.slice });
+        }
+        let Some(dfm_host) = self.dfm.as_ref().map(|d| d.host) else { return };
+        while let Some(slice) = self.builders[b as usize].node.poll_done() {
+            self.send_control(now, host, dfm_host, Body::Done { builder: b, slice });
+        }
     }
 
     /// Drains every source node that may have something to send.
@@ -665,13 +786,28 @@ impl World {
                     self.frame_arrived(now, source, builder, slice, kind);
                 }
             }
+            Body::Request { builder, source, slice } => {
+                let s = self.source_of_host[&host];
+                self.sources[s as usize].node.handle_request(now, source, PullRequest { builder, slice });
+                self.to_pump.push(s);
+            }
+            Body::Assign { builder, slice } => {
+                self.builders[builder as usize].node.handle_assignment(now, slice);
+                self.drain_outcomes(now, builder);
+            }
+            Body::Done { builder, slice } => {
+                if let Some(d) = self.dfm.as_mut() {
+                    d.node.handle_done(now, builder, slice);
+                }
+                self.dfm_outputs(now);
+            }
         }
     }
 
     fn frame_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber, kind: TransmitKind) {
         if kind == TransmitKind::EndOfStream {
             self.builders[builder as usize].node.handle_end_of_stream(now, source);
-            self.drain_outcomes(builder);
+            self.drain_outcomes(now, builder);
             return;
         }
         let r = self.record(source, slice);
@@ -680,15 +816,18 @@ impl World {
         let arrival =
             Arrival { source, slice, wire_bytes: u64::from(r.bytes), cut_off: r.cut_off, send_time: Instant::ZERO };
         self.builders[builder as usize].node.handle_fragment(now, arrival, ());
-        self.drain_outcomes(builder);
+        self.drain_outcomes(now, builder);
     }
 
-    /// Processed slices go straight through the (instant) filter.
-    fn drain_outcomes(&mut self, builder: u32) {
+    /// Processed slices go straight through the (instant) filter; a pull builder's
+    /// requests and credit reports go out.
+    fn drain_outcomes(&mut self, now: Instant, builder: u32) {
         let b = &mut self.builders[builder as usize];
         while let Some(o) = b.node.poll_slice() {
             b.node.handle_released(o.bytes);
         }
+        self.builder_outputs(now, builder);
+        let b = &mut self.builders[builder as usize];
         if let Some(t) = rearm(&mut b.wake, b.node.poll_timeout()) {
             self.q.schedule(t, Ev::BuilderWake(builder));
         }
@@ -697,7 +836,7 @@ impl World {
     fn finish(mut self, end: Instant, wall_s: f64) -> SimResult {
         for b in 0..self.builders.len() as u32 {
             self.builders[b as usize].node.handle_drain(end);
-            self.drain_outcomes(b);
+            self.drain_outcomes(end, b);
         }
         // Fragments the source nodes still hold at the end count as unsent.
         let mut sources = BTreeMap::new();
@@ -791,6 +930,23 @@ impl World {
             ledger_unaccounted: ledger.unaccounted(),
             burst_mean_fraction: burst_mean,
             burst_histogram: if self.sc.traffic.bursts { burst_hist } else { Vec::new() },
+            dfm: self.dfm.as_ref().map(|d| d.node.stats().clone()),
+            pull: self.dfm.as_ref().map(|_| {
+                let mut total = shoal_core::node::PullStats::default();
+                for r in &reports {
+                    if let Some(p) = &r.pull {
+                        total.assignments += p.assignments;
+                        total.duplicate_assignments += p.duplicate_assignments;
+                        total.requests += p.requests;
+                        total.reasks += p.reasks;
+                        total.given_up += p.given_up;
+                        total.credit_waits += p.credit_waits;
+                        total.cap_waits += p.cap_waits;
+                    }
+                }
+                total
+            }),
+            control_packets: self.control_packets,
             events: self.q.processed(),
             wall_s,
         };
