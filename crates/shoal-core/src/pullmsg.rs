@@ -14,6 +14,11 @@ use crate::{BuilderId, Instant, SourceId};
 /// The `slice` of a credit frame that returns no slice (a heartbeat with memory only).
 pub const NO_SLICE: SliceNumber = u64::MAX;
 
+/// A hello's `slice` field says who greets: a source (on a data connection) or a builder
+/// (to the data-flow manager).
+pub const HELLO_FROM_SOURCE: u64 = 0;
+pub const HELLO_FROM_BUILDER: u64 = 1;
+
 /// Most slices a hello may list (the assigned-slice history plus open slices).
 pub const MAX_HELLO_SLICES: usize = 2 * crate::node::ASSIGNED_HISTORY;
 
@@ -44,6 +49,8 @@ pub enum PullMessageError {
     BadPayload { kind: &'static str, len: usize, expected: &'static str },
     #[error("hello lists {open} open slices but carries {listed}")]
     BadCount { open: u32, listed: usize },
+    #[error("hello of unknown kind {0} (0: from a source, 1: from a builder)")]
+    BadHelloKind(u64),
 }
 
 impl PullMessageError {
@@ -53,6 +60,7 @@ impl PullMessageError {
             PullMessageError::BadFlags(_) => "bad_control_flags",
             PullMessageError::BadPayload { .. } => "bad_control_payload",
             PullMessageError::BadCount { .. } => "bad_hello_count",
+            PullMessageError::BadHelloKind(_) => "bad_hello_kind",
         }
     }
 }
@@ -73,13 +81,15 @@ impl PullMessage {
     /// The whole frame.
     pub fn encode(&self) -> Bytes {
         match self {
-            PullMessage::SourceHello { source } => frame::encode(&header(Flags::HELLO, *source, 0, 0), &[]),
+            PullMessage::SourceHello { source } => {
+                frame::encode(&header(Flags::HELLO, *source, HELLO_FROM_SOURCE, 0), &[])
+            }
             PullMessage::BuilderHello { builder, open, history } => {
                 let mut p = BytesMut::with_capacity(8 * (open.len() + history.len()));
                 for s in open.iter().chain(history) {
                     p.put_u64_le(*s);
                 }
-                frame::encode(&header(Flags::HELLO, *builder, 0, open.len() as u32), &p)
+                frame::encode(&header(Flags::HELLO, *builder, HELLO_FROM_BUILDER, open.len() as u32), &p)
             }
             PullMessage::Request { source, slice } => frame::encode(&header(Flags::REQUEST, *source, *slice, 0), &[]),
             PullMessage::Assign { builder, slice } => frame::encode(&header(Flags::ASSIGN, *builder, *slice, 0), &[]),
@@ -104,8 +114,14 @@ impl PullMessage {
         };
         if only(Flags::HELLO) {
             let len = f.payload.len();
-            if len == 0 && h.hit_count == 0 {
+            if h.slice == HELLO_FROM_SOURCE {
+                if len != 0 || h.hit_count != 0 {
+                    return Err(bad_payload("source hello", "0"));
+                }
                 return Ok(Some(PullMessage::SourceHello { source: h.source }));
+            }
+            if h.slice != HELLO_FROM_BUILDER {
+                return Err(PullMessageError::BadHelloKind(h.slice));
             }
             if !len.is_multiple_of(8) || len / 8 > MAX_HELLO_SLICES {
                 return Err(bad_payload("hello", "a multiple of 8 bytes, at most 2 x 4096 slices"));
@@ -154,6 +170,7 @@ mod tests {
             PullMessage::SourceHello { source: 7 },
             PullMessage::BuilderHello { builder: 2, open: vec![10, 12], history: vec![4, 6, 8, 10, 12] },
             PullMessage::BuilderHello { builder: 2, open: vec![], history: vec![3] },
+            PullMessage::BuilderHello { builder: 0, open: vec![], history: vec![] },
             PullMessage::Request { source: 3, slice: 99 },
             PullMessage::Assign { builder: 1, slice: 1 << 40 },
             PullMessage::Credit { builder: 1, slice: Some(5), memory: 123 },
@@ -177,7 +194,7 @@ mod tests {
         assert_eq!(PullMessage::from_frame(&mixed).unwrap_err().kind(), "bad_control_flags");
         let short = Frame { header: header(Flags::CREDIT, 1, 2, 0), payload: Bytes::from_static(&[1, 2]) };
         assert_eq!(PullMessage::from_frame(&short).unwrap_err().kind(), "bad_control_payload");
-        let count = Frame { header: header(Flags::HELLO, 1, 0, 3), payload: Bytes::from(vec![0u8; 16]) };
+        let count = Frame { header: header(Flags::HELLO, 1, HELLO_FROM_BUILDER, 3), payload: Bytes::from(vec![0u8; 16]) };
         assert_eq!(PullMessage::from_frame(&count).unwrap_err().kind(), "bad_hello_count");
     }
 

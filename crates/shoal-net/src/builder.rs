@@ -7,19 +7,29 @@
 //! it finishes slices; above the budget new fragments are dropped and counted). A
 //! connection that sends garbage is closed with a logged reason and a counted rejection;
 //! the other connections carry on.
+//!
+//! Pull runs: the builder keeps a connection to the data-flow manager (greeting it with the
+//! slices it holds after every connect, reading assignments, returning credits and a
+//! heartbeat with its memory in use), and writes its fragment requests back on the
+//! connection of the source that greeted it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
 use hdrhistogram::Histogram;
-use shoal_core::Instant;
+use bytes::Bytes;
 use shoal_core::assembly::{Admission, SliceOutcome};
+use shoal_core::pullmsg::PullMessage;
+use shoal_core::slice::SliceNumber;
+use shoal_core::{Instant, SourceId};
 use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
 use shoal_core::node::{BuilderNode, BuilderNodeReport};
 use shoal_core::slice::SliceClock;
 use shoal_trigger::{FilterConfig, FragmentData, SliceData, encode_events};
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -60,11 +70,87 @@ pub struct BuilderReport {
     pub filter_busy_s: f64,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
+    /// Pull: requests for a source that had not greeted this builder (asked again later).
+    pub requests_unroutable: u64,
 }
 
 enum Incoming {
     Frame { frame: Frame, arrival: Instant },
     Rejected { reason: &'static str },
+    /// Pull: requests for `source` go back on this connection.
+    Hello { source: SourceId, requests: mpsc::UnboundedSender<Bytes> },
+    /// Pull: connected to the data-flow manager (what to write to it), and its assignments.
+    DfmUp { out: mpsc::UnboundedSender<Bytes> },
+    Assign { slice: SliceNumber },
+}
+
+/// Writes queued control frames to one connection until the queue closes or a write fails.
+pub(crate) async fn write_queued(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>) {
+    while let Some(b) = rx.recv().await {
+        if w.write_all(&b).await.is_err() {
+            return;
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+/// Pull: the connection to the data-flow manager, reconnecting until `cancel`.
+async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
+    let mut delay = StdDuration::from_millis(20);
+    loop {
+        let stream = tokio::select! {
+            r = TcpStream::connect(addr) => r,
+            _ = cancel.cancelled() => return,
+        };
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(builder, %addr, error = %e, "data-flow manager unreachable; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = cancel.cancelled() => return,
+                }
+                delay = (delay * 2).min(StdDuration::from_secs(1));
+                continue;
+            }
+        };
+        delay = StdDuration::from_millis(20);
+        let _ = stream.set_nodelay(true);
+        let (read, write) = stream.into_split();
+        let (out, out_rx) = mpsc::unbounded_channel();
+        tokio::spawn(write_queued(write, out_rx));
+        if tx.send(Incoming::DfmUp { out }).await.is_err() {
+            return;
+        }
+        let mut reader = FrameReader::new(read, addr, shoal_core::frame::DEFAULT_MAX_PAYLOAD, cancel.clone());
+        loop {
+            let frame = match reader.next().await {
+                Ok(f) => f,
+                Err(ReadEnd::Cancelled) => return,
+                Err(_) => break,
+            };
+            match PullMessage::from_frame(&frame) {
+                Ok(Some(PullMessage::Assign { builder: b, slice })) if b == builder => {
+                    if tx.send(Incoming::Assign { slice }).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {
+                    reader.reject("unexpected_frame", "only assignments for this builder are expected");
+                    break;
+                }
+                Err(e) => {
+                    reader.reject(e.kind(), &e.to_string());
+                    break;
+                }
+            }
+        }
+        warn!(builder, %addr, "lost the data-flow manager; reconnecting");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = cancel.cancelled() => return,
+        }
+    }
 }
 
 /// Reads one source connection: validated frames go to the assembler task.
@@ -76,12 +162,27 @@ async fn read_connection(
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
 ) {
-    let mut reader = FrameReader::new(stream, peer, max_payload, cancel);
+    let (read, write) = stream.into_split();
+    // Pull requests for the sources that greet us go back on this connection.
+    let (requests, requests_rx) = mpsc::unbounded_channel();
+    tokio::spawn(write_queued(write, requests_rx));
+    let mut reader = FrameReader::new(read, peer, max_payload, cancel);
     let end = loop {
         let frame = match reader.next().await {
             Ok(f) => f,
             Err(end) => break end,
         };
+        match PullMessage::from_frame(&frame) {
+            Ok(None) => {}
+            Ok(Some(PullMessage::SourceHello { source })) => {
+                if tx.send(Incoming::Hello { source, requests: requests.clone() }).await.is_err() {
+                    break ReadEnd::Clean;
+                }
+                continue;
+            }
+            Ok(Some(_)) => break reader.reject("unexpected_control", "only source hellos are expected on a data port"),
+            Err(e) => break reader.reject(e.kind(), &e.to_string()),
+        }
         let h = &frame.header;
         if h.flags.contains(Flags::EVENTS) {
             break reader.reject("unexpected_events", "an EVENTS frame on a data port");
@@ -116,6 +217,7 @@ pub async fn run_builder(
     let max_payload = cfg.max_payload();
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
+    let dfm_in_tx = in_tx.clone();
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
     let accept_task = tokio::spawn(async move {
@@ -165,22 +267,37 @@ pub async fn run_builder(
         .expect("spawn filter thread");
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
+    let pull = cfg.policy()?.pull();
+    if let Some(p) = pull {
+        node = node.with_pull(p);
+        let addr = cfg.dfm_addr()?;
+        tokio::spawn(dfm_client(addr, id, dfm_in_tx, readers.clone()));
+    } else {
+        drop(dfm_in_tx);
+    }
     let mut measured = Measured { net: new_histogram(), shaping: new_histogram(), hits: 0 };
-    info!(builder = id, n_sources, "builder started");
+    let mut routes = Routes::default();
+    let mut heartbeat = tokio::time::interval(StdDuration::from_millis(500));
+    info!(builder = id, n_sources, pull = pull.is_some(), "builder started");
 
     loop {
         let wake = node.poll_timeout();
         tokio::select! {
             m = in_rx.recv() => match m {
                 Some(m) => {
-                    on_incoming(&mut node, &mut measured, m, &live);
+                    on_incoming(&mut node, &mut measured, &mut routes, m, &live, clock);
                     // Take what else is ready without another trip through select.
                     while let Ok(m) = in_rx.try_recv() {
-                        on_incoming(&mut node, &mut measured, m, &live);
+                        on_incoming(&mut node, &mut measured, &mut routes, m, &live, clock);
                     }
                 }
                 None => break,
             },
+            _ = heartbeat.tick(), if pull.is_some() => {
+                if let Some(out) = &routes.dfm {
+                    let _ = out.send(PullMessage::Credit { builder: id, slice: None, memory: node.memory_in_use() }.encode());
+                }
+            }
             _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {
                 node.handle_timeout(clock.now());
             }
@@ -191,6 +308,7 @@ pub async fn run_builder(
             }
         }
         forward(&mut node, &out_tx, &live);
+        routes.send_pull(&mut node, id);
         if node.all_ended() {
             break;
         }
@@ -232,6 +350,7 @@ pub async fn run_builder(
         events,
         filter_busy_s: busy,
         event_frames_failed: failed_task.await.unwrap_or(0),
+        requests_unroutable: routes.unroutable,
     };
     info!(
         builder = id,
@@ -249,12 +368,63 @@ struct Measured {
     hits: u64,
 }
 
-fn on_incoming(node: &mut BuilderNode<FragmentData>, measured: &mut Measured, m: Incoming, live: &Live) {
+/// Pull: where requests and credits go.
+#[derive(Default)]
+struct Routes {
+    sources: std::collections::HashMap<SourceId, mpsc::UnboundedSender<Bytes>>,
+    dfm: Option<mpsc::UnboundedSender<Bytes>>,
+    unroutable: u64,
+}
+
+impl Routes {
+    /// The node's requests to the sources, its returned credits to the manager.
+    fn send_pull(&mut self, node: &mut BuilderNode<FragmentData>, id: u32) {
+        while let Some(r) = node.poll_request() {
+            let frame = PullMessage::Request { source: r.source, slice: r.slice }.encode();
+            if !self.sources.get(&r.source).is_some_and(|tx| tx.send(frame).is_ok()) {
+                // Not greeted yet (or gone): the re-ask timer tries again.
+                self.unroutable += 1;
+            }
+        }
+        while let Some(slice) = node.poll_done() {
+            if let Some(out) = &self.dfm {
+                let _ = out.send(PullMessage::Credit { builder: id, slice: Some(slice), memory: node.memory_in_use() }.encode());
+            }
+        }
+    }
+}
+
+fn on_incoming(
+    node: &mut BuilderNode<FragmentData>,
+    measured: &mut Measured,
+    routes: &mut Routes,
+    m: Incoming,
+    live: &Live,
+    clock: WallClock,
+) {
     let (frame, arrival) = match m {
         Incoming::Frame { frame, arrival } => (frame, arrival),
         Incoming::Rejected { reason } => {
             node.handle_rejected(reason);
             Live::add(&live.rejected_connections, 1);
+            return;
+        }
+        Incoming::Hello { source, requests } => {
+            routes.sources.insert(source, requests);
+            return;
+        }
+        Incoming::DfmUp { out } => {
+            // The manager (new, or restarted) learns what this builder holds.
+            let (open, history) = match node.pull() {
+                Some(p) => (p.assigned().collect(), p.history().collect()),
+                None => (Vec::new(), Vec::new()),
+            };
+            let _ = out.send(PullMessage::BuilderHello { builder: node.config().id, open, history }.encode());
+            routes.dfm = Some(out);
+            return;
+        }
+        Incoming::Assign { slice } => {
+            node.handle_assignment(clock.now(), slice);
             return;
         }
     };

@@ -43,12 +43,16 @@ pub struct RunConfig {
     pub sources: u32,
     /// Number of builders; slice `s` goes to builder `s mod builders`.
     pub builders: u32,
-    /// Traffic-shaping policy: `direct`, `delayed:K` or `tbf:RATE[:BURST]`.
+    /// Traffic-shaping policy: `direct`, `delayed:K`, `tbf:RATE[:BURST]` or
+    /// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N]` (credit-based pull with a
+    /// data-flow manager at `dfm_addr`).
     pub policy: String,
     /// Data address of each builder, indexed by builder id.
     pub builder_addrs: Vec<String>,
     /// Address where the writer accepts events from builders.
     pub writer_addr: String,
+    /// Pull policies: where the data-flow manager accepts the builders' connections.
+    pub dfm_addr: String,
     /// First slice of the run, so that every source of it agrees (run control and the
     /// embedded demo set it). Unset: the first slice that starts on a whole second after
     /// the process starts, so processes started within the same second agree.
@@ -66,6 +70,7 @@ impl Default for RunConfig {
             policy: "direct".into(),
             builder_addrs: vec!["127.0.0.1:5601".into(), "127.0.0.1:5602".into(), "127.0.0.1:5603".into()],
             writer_addr: "127.0.0.1:5700".into(),
+            dfm_addr: "127.0.0.1:5650".into(),
             start_slice: None,
         }
     }
@@ -303,8 +308,7 @@ impl Config {
         let clock = self.slice_clock()?;
         let mut c = SourceNodeConfig::new(self.hosted_sources(), self.run.builders, self.policy()?, clock);
         c.first_slice = self.run.start_slice;
-        c.slices = (self.run.seconds > 0.0)
-            .then(|| ((self.run.seconds * 1e9) as u64).div_ceil(clock.length().as_nanos() as u64).max(1));
+        c.slices = self.slices()?;
         let s = &self.source;
         c.cutoff = s.cutoff.then_some(CutoffConfig { head: s.cutoff_head, tail: s.cutoff_tail });
         c.queue_limit_bytes = s.queue_limit_mb << 20;
@@ -314,6 +318,18 @@ impl Config {
     }
 
     /// The builder node's settings.
+    pub fn dfm_addr(&self) -> Result<SocketAddr, ConfigError> {
+        let s = &self.run.dfm_addr;
+        s.parse().map_err(|e| ConfigError::Invalid(format!("run.dfm_addr {s:?}: {e}")))
+    }
+
+    /// The run's first slice and slice count (sources produce exactly these).
+    pub fn slices(&self) -> Result<Option<u64>, ConfigError> {
+        let clock = self.slice_clock()?;
+        Ok((self.run.seconds > 0.0)
+            .then(|| ((self.run.seconds * 1e9) as u64).div_ceil(clock.length().as_nanos() as u64).max(1)))
+    }
+
     pub fn builder_node(&self, id: u32) -> Result<BuilderNodeConfig, ConfigError> {
         Ok(BuilderNodeConfig { id, assembler: self.assembler(), slice_clock: self.slice_clock()? })
     }

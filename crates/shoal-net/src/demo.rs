@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use crate::builder::{BuilderReport, new_histogram, run_builder};
 use crate::clock::WallClock;
 use crate::config::Config;
+use crate::dfm::{DfmReport, run_dfm};
 use crate::live::Live;
 use crate::source::run_source_node;
 use crate::writer::{WriterReport, run_writer};
@@ -76,6 +77,9 @@ pub struct RunSummary {
     pub ledger: LedgerSummary,
     pub writer: WriterReport,
     pub builder_reports: Vec<BuilderReport>,
+    /// Pull runs: the data-flow manager's report.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dfm: Option<DfmReport>,
     pub summary_path: PathBuf,
 }
 
@@ -141,6 +145,17 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         let slice_clock = cfg.slice_clock()?;
         cfg.run.start_slice = Some(slice_clock.slice_at(clock.now() + shoal_core::Duration::from_millis(200)) + 1);
     }
+    // Pull: the data-flow manager, on a port of its own.
+    let dfm_listener = match cfg.policy()?.pull() {
+        Some(_) => {
+            let l = TcpListener::bind("127.0.0.1:0").await?;
+            cfg.run.dfm_addr = l.local_addr()?.to_string();
+            Some(l)
+        }
+        None => None,
+    };
+    let dfm_cancel = CancellationToken::new();
+    let dfm = dfm_listener.map(|l| tokio::spawn(run_dfm(cfg.clone(), l, clock, live.clone(), dfm_cancel.clone())));
     let writer_cancel = CancellationToken::new();
     let writer = tokio::spawn(run_writer(cfg.clone(), writer_listener, writer_cancel.clone()));
     let builder_cancel = CancellationToken::new();
@@ -181,6 +196,13 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         builder_reports.push(b.await??);
     }
     guard_task.abort();
+    // The manager is done once every slice is processed; if a builder's last credits never
+    // came back, it stops with the builders.
+    dfm_cancel.cancel();
+    let dfm = match dfm {
+        Some(t) => Some(t.await??),
+        None => None,
+    };
     let wc = writer_cancel.clone();
     let guard_task = tokio::spawn(async move {
         tokio::time::sleep(StdDuration::from_secs(30)).await;
@@ -190,6 +212,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     guard_task.abort();
 
     let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
+    summary.dfm = dfm;
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
     std::fs::write(&path, serde_json::to_vec_pretty(&summary)?)?;
@@ -254,6 +277,7 @@ fn summarize(
         ledger: LedgerSummary::new(&ledger),
         writer,
         builder_reports,
+        dfm: None,
         summary_path: PathBuf::new(),
     }
 }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use shoal_core::frame::{Frame, StreamDecoder};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -19,16 +19,17 @@ pub enum ReadEnd {
 }
 
 /// Yields the frames of one connection. Decoding errors end it as [`ReadEnd::Rejected`]
-/// (a byte stream cannot be resynchronised), logged with the peer and the reason.
-pub struct FrameReader {
-    stream: TcpStream,
+/// (a byte stream cannot be resynchronised), logged with the peer and the reason. Reads a
+/// whole connection or its read half.
+pub struct FrameReader<R = TcpStream> {
+    stream: R,
     peer: SocketAddr,
     dec: StreamDecoder,
     cancel: CancellationToken,
 }
 
-impl FrameReader {
-    pub fn new(stream: TcpStream, peer: SocketAddr, max_payload: u32, cancel: CancellationToken) -> Self {
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(stream: R, peer: SocketAddr, max_payload: u32, cancel: CancellationToken) -> Self {
         Self { stream, peer, dec: StreamDecoder::new(max_payload), cancel }
     }
 

@@ -8,7 +8,9 @@
 //!   [`link::Link`] per builder with reconnect and backoff;
 //! - [`builder::run_builder`]: stream decoding into a `BuilderNode`, the filter thread,
 //!   events to the writer;
-//! - [`writer::run_writer`]: events into Parquet plus a JSON summary.
+//! - [`writer::run_writer`]: events into Parquet plus a JSON summary;
+//! - [`dfm::run_dfm`] (pull policies): the data-flow manager that assigns slices to
+//!   builders.
 //!
 //! Under run control ([`node::run_controlled`], `shoal node --dispatcher ...`) a process
 //! follows `RC_CMD` commands from the dispatcher through its [`rcagent::RcAgent`], starts and
@@ -22,6 +24,7 @@ pub mod builder;
 pub mod clock;
 pub mod config;
 pub mod demo;
+pub mod dfm;
 pub mod framed;
 pub mod link;
 pub mod live;

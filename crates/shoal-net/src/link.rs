@@ -6,6 +6,10 @@
 //! task writes chunks in order and reports, per frame, whether its last byte was handed
 //! to the kernel ([`LinkReport::Sent`]) or the connection failed ([`LinkReport::Failed`]).
 //! The send time in a frame's header is stamped just before its first byte is written.
+//!
+//! For pull runs ([`LinkOptions`]) a link also greets the peer after every connect (one
+//! hello per hosted source, so the builder knows where to send requests) and reads the
+//! peer's requests from the same connection.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,15 +17,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use shoal_core::frame::{HEADER_LEN, set_send_time};
+use shoal_core::frame::{DEFAULT_MAX_PAYLOAD, HEADER_LEN, set_send_time};
+use shoal_core::pullmsg::PullMessage;
 use shoal_core::{SourceId, slice::SliceNumber};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
+use crate::framed::{FrameReader, ReadEnd};
 
 /// A piece of one frame to write: `head` (a part of the header) then `body` (a part of the
 /// payload), either possibly empty. Payloads are never copied into a frame buffer.
@@ -68,6 +75,23 @@ pub struct Link {
     pub task: tokio::task::JoinHandle<()>,
 }
 
+/// What a pull source's link adds: hellos after each connect, and the requests read back.
+#[derive(Clone, Debug, Default)]
+pub struct LinkOptions {
+    /// Sent (one `SourceHello` each) before anything else on every new connection.
+    pub hello: Vec<SourceId>,
+    /// Where requests read from the connection go, with the link's id; `None`: the link
+    /// does not read.
+    pub requests: Option<mpsc::UnboundedSender<(u32, PullRequestFrame)>>,
+}
+
+/// A request read from a link: the peer asks for the fragment of (`source`, `slice`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullRequestFrame {
+    pub source: SourceId,
+    pub slice: SliceNumber,
+}
+
 /// Reconnect policy.
 #[derive(Clone, Copy, Debug)]
 pub struct Backoff {
@@ -86,9 +110,22 @@ impl Link {
         reports: mpsc::UnboundedSender<LinkReport>,
         closing: CancellationToken,
     ) -> Link {
+        Self::spawn_with(id, addr, clock, backoff, reports, closing, LinkOptions::default())
+    }
+
+    /// [`Link::spawn`] with pull's hellos and request reader.
+    pub fn spawn_with(
+        id: u32,
+        addr: SocketAddr,
+        clock: WallClock,
+        backoff: Backoff,
+        reports: mpsc::UnboundedSender<LinkReport>,
+        closing: CancellationToken,
+        options: LinkOptions,
+    ) -> Link {
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicU64::new(0));
-        let task = tokio::spawn(run(id, addr, clock, backoff, rx, queued.clone(), reports, closing));
+        let task = tokio::spawn(run(id, addr, clock, backoff, rx, queued.clone(), reports, closing, options));
         Link { id, tx, queued, task }
     }
 
@@ -114,10 +151,47 @@ impl Link {
     }
 }
 
-async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+/// Connects, greets and starts the request reader; returns the write half.
+async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<OwnedWriteHalf> {
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
-    Ok(s)
+    let (read, mut write) = s.into_split();
+    for &source in &options.hello {
+        write.write_all(&PullMessage::SourceHello { source }.encode()).await?;
+    }
+    if let Some(requests) = options.requests.clone() {
+        tokio::spawn(read_requests(FrameReader::new(read, addr, DEFAULT_MAX_PAYLOAD, CancellationToken::new()), id, requests));
+    }
+    Ok(write)
+}
+
+/// Reads a pull peer's requests until the connection ends; anything else closes it.
+async fn read_requests(
+    mut reader: FrameReader<tokio::net::tcp::OwnedReadHalf>,
+    id: u32,
+    requests: mpsc::UnboundedSender<(u32, PullRequestFrame)>,
+) {
+    loop {
+        let frame = match reader.next().await {
+            Ok(f) => f,
+            Err(ReadEnd::Clean | ReadEnd::Cancelled | ReadEnd::Rejected(_)) => return,
+        };
+        match PullMessage::from_frame(&frame) {
+            Ok(Some(PullMessage::Request { source, slice })) => {
+                if requests.send((id, PullRequestFrame { source, slice })).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {
+                reader.reject("unexpected_frame", "only requests are read on a source link");
+                return;
+            }
+            Err(e) => {
+                reader.reject(e.kind(), &e.to_string());
+                return;
+            }
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -130,13 +204,34 @@ async fn run(
     queued: Arc<AtomicU64>,
     reports: mpsc::UnboundedSender<LinkReport>,
     closing: CancellationToken,
+    options: LinkOptions,
 ) {
-    let mut stream: Option<TcpStream> = None;
+    let mut stream: Option<OwnedWriteHalf> = None;
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
     let mut held: Option<Chunk> = None;
     loop {
+        // A pull source sends nothing until asked, so its link connects (and greets) at
+        // once instead of at the first chunk.
+        if stream.is_none() && held.is_none() && !options.hello.is_empty() && !closing.is_cancelled() {
+            match connect(addr, id, &options).await {
+                Ok(s) => {
+                    debug!(link = id, %addr, "connected");
+                    delay = backoff.min;
+                    stream = Some(s);
+                }
+                Err(e) => {
+                    debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = closing.cancelled() => {}
+                    }
+                    delay = (delay * 2).min(backoff.max);
+                    continue;
+                }
+            }
+        }
         let chunk = match held.take() {
             Some(c) => c,
             None => match rx.recv().await {
@@ -153,7 +248,7 @@ async fn run(
         }
         let s = match &mut stream {
             Some(s) => s,
-            None => match connect(addr).await {
+            None => match connect(addr, id, &options).await {
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;

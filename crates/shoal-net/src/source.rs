@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration as StdDuration;
 
 use shoal_core::node::{SourceEvent, SourceNode, SourceNodeReport, SourceTotals, SourceTransmit};
+use shoal_core::shaping::PullRequest;
 use shoal_core::{Duration, Instant, SourceId};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError};
-use crate::link::{Backoff, Chunk, Link, LinkReport};
+use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 
 /// What a source process reports at the end (the node's report).
@@ -57,12 +58,21 @@ pub async fn run_source(
     };
     let (report_tx, mut reports) = mpsc::unbounded_channel();
     let closing = CancellationToken::new();
+    // Pull: each link greets its builder for every hosted source and reads its requests.
+    let (request_tx, mut requests) = mpsc::unbounded_channel();
+    let options = match node_cfg.policy.pull() {
+        Some(_) => LinkOptions { hello: node_cfg.sources.clone(), requests: Some(request_tx) },
+        None => LinkOptions::default(),
+    };
     let links: Vec<Link> = addrs
         .iter()
         .enumerate()
-        .map(|(b, addr)| Link::spawn(b as u32, *addr, clock, backoff, report_tx.clone(), closing.clone()))
+        .map(|(b, addr)| {
+            Link::spawn_with(b as u32, *addr, clock, backoff, report_tx.clone(), closing.clone(), options.clone())
+        })
         .collect();
     drop(report_tx);
+    drop(options);
 
     let mut node = SourceNode::new(node_cfg, clock.now());
     let mut seen = SourceTotals::default();
@@ -89,6 +99,13 @@ pub async fn run_source(
                 handle_report(&mut node, r, now);
                 while let Ok(r) = reports.try_recv() {
                     handle_report(&mut node, r, now);
+                }
+            },
+            Some((builder, r)) = requests.recv() => {
+                let now = clock.now();
+                node.handle_request(now, r.source, PullRequest { builder, slice: r.slice });
+                while let Ok((builder, r)) = requests.try_recv() {
+                    node.handle_request(now, r.source, PullRequest { builder, slice: r.slice });
                 }
             },
             _ = cancel.cancelled(), if node.is_producing() => node.handle_stop(clock.now()),

@@ -48,3 +48,13 @@ async fn token_bucket_policy() {
 async fn token_bucket_small_chunks() {
     run("tbf:50MB:1000", 3, 2).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_policy() {
+    run("pull:4", 5, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_policy_with_a_request_cap() {
+    run("pull:2:cap=2", 4, 2).await;
+}

@@ -1,0 +1,202 @@
+//! The data-flow manager process (pull policies): shoal-core's
+//! [`DataFlowManager`] on a TCP listener that the builders connect to.
+//!
+//! Each builder connection starts with the builder's hello (the slices it holds); then the
+//! manager writes assignments and reads returned credits and heartbeats. A connection that
+//! closes is a builder that left: it gets no more assignments and its unprocessed slices go
+//! to the others. The manager ends when every slice of the run is assigned and processed
+//! (or at `cancel`). Restarted mid-run, it rebuilds its state from the hellos of the
+//! builders reconnecting to it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration as StdDuration;
+
+use bytes::Bytes;
+use shoal_core::node::{DataFlowManager, DfmConfig, DfmEvent, DfmStats};
+use shoal_core::pullmsg::PullMessage;
+use shoal_core::{BuilderId, Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::builder::write_queued;
+use crate::clock::WallClock;
+use crate::config::{Config, ConfigError};
+use crate::framed::{FrameReader, ReadEnd};
+use crate::live::Live;
+
+/// What the manager reports at the end.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct DfmReport {
+    #[serde(flatten)]
+    pub stats: DfmStats,
+    /// Builder connections accepted, and closed for bad input.
+    pub connections: u64,
+    pub rejected_connections: u64,
+    /// Every slice was assigned and processed (false: cancelled first).
+    pub done: bool,
+}
+
+enum FromBuilder {
+    Message { conn: u64, msg: PullMessage },
+    Closed { conn: u64, rejected: bool },
+}
+
+async fn read_builder(
+    stream: tokio::net::tcp::OwnedReadHalf,
+    peer: SocketAddr,
+    conn: u64,
+    tx: mpsc::UnboundedSender<FromBuilder>,
+    cancel: CancellationToken,
+) {
+    let mut reader = FrameReader::new(stream, peer, shoal_core::frame::DEFAULT_MAX_PAYLOAD, cancel);
+    let rejected = loop {
+        let frame = match reader.next().await {
+            Ok(f) => f,
+            Err(end) => break matches!(end, ReadEnd::Rejected(_)),
+        };
+        match PullMessage::from_frame(&frame) {
+            Ok(Some(msg @ (PullMessage::BuilderHello { .. } | PullMessage::Credit { .. }))) => {
+                if tx.send(FromBuilder::Message { conn, msg }).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {
+                reader.reject("unexpected_frame", "only builder hellos and credits are expected");
+                break true;
+            }
+            Err(e) => {
+                reader.reject(e.kind(), &e.to_string());
+                break true;
+            }
+        }
+    };
+    let _ = tx.send(FromBuilder::Closed { conn, rejected });
+}
+
+/// Runs the manager on a bound listener until every slice of the run is assigned and
+/// processed (the end slice from the configuration's run length, or from run control's
+/// `live.end_slice`), or `cancel`.
+pub async fn run_dfm(
+    cfg: Config,
+    listener: TcpListener,
+    clock: WallClock,
+    live: Arc<Live>,
+    cancel: CancellationToken,
+) -> Result<DfmReport, ConfigError> {
+    let pull = cfg.policy()?.pull().ok_or_else(|| ConfigError::Invalid("run.policy is not a pull policy".into()))?;
+    let slice_clock = cfg.slice_clock()?;
+    let now = clock.now();
+    let first = cfg.run.start_slice.unwrap_or_else(|| slice_clock.first_on_a_second_after(now));
+    let mut dcfg = DfmConfig::new(pull, slice_clock, first, cfg.run.builders);
+    dcfg.end_slice = cfg.slices()?.map(|n| first + n);
+    // Skipped at three quarters of its budget, before its assembler has to drop.
+    dcfg.memory_limit = (cfg.builder.memory_budget_mb << 20) / 4 * 3;
+    dcfg.silence_timeout = Duration::from_secs(2);
+    let mut dfm = DataFlowManager::new(dcfg, now);
+    info!(first_slice = first, end_slice = ?dcfg.end_slice, builders = cfg.run.builders, policy = %cfg.run.policy,
+        "data-flow manager started");
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let readers = CancellationToken::new();
+    let mut writers: HashMap<u64, mpsc::UnboundedSender<Bytes>> = HashMap::new();
+    let mut builder_of: HashMap<u64, BuilderId> = HashMap::new();
+    let mut conn_of: HashMap<BuilderId, u64> = HashMap::new();
+    let mut report = DfmReport::default();
+    let mut next_conn = 0u64;
+
+    loop {
+        let now = clock.now();
+        let end = live.end_slice.load(Ordering::Relaxed);
+        if end != 0 {
+            dfm.handle_end_slice(now, end);
+        }
+        dfm.handle_timeout(now);
+        while let Some(a) = dfm.poll_assignment() {
+            let sent = conn_of
+                .get(&a.builder)
+                .and_then(|c| writers.get(c))
+                .is_some_and(|w| w.send(PullMessage::Assign { builder: a.builder, slice: a.slice }.encode()).is_ok());
+            if !sent {
+                // Its connection is gone: the manager hears of it from the reader next.
+                warn!(builder = a.builder, slice = a.slice, "assignment to a builder without a connection");
+            }
+        }
+        while let Some(e) = dfm.poll_event() {
+            match e {
+                DfmEvent::Started { builders, claimed, unclaimed } => {
+                    info!(builders, claimed, unclaimed, "assigning (slices claimed by builders, slices to assign)")
+                }
+                DfmEvent::BuilderLeft { builder, reassigned, silent } => {
+                    warn!(builder, reassigned, silent, "builder left; its slices go to the others")
+                }
+            }
+        }
+        if dfm.is_done() {
+            report.done = true;
+            break;
+        }
+        let wake = dfm.poll_timeout().unwrap_or(Instant::MAX).min(now + Duration::from_millis(200));
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let conn = next_conn;
+                    next_conn += 1;
+                    report.connections += 1;
+                    let (read, write) = stream.into_split();
+                    let (wtx, wrx) = mpsc::unbounded_channel();
+                    tokio::spawn(write_queued(write, wrx));
+                    writers.insert(conn, wtx);
+                    tokio::spawn(read_builder(read, peer, conn, tx.clone(), readers.clone()));
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(StdDuration::from_millis(50)).await;
+                }
+            },
+            Some(m) = rx.recv() => {
+                let now = clock.now();
+                match m {
+                    FromBuilder::Message { conn, msg: PullMessage::BuilderHello { builder, open, history } } => {
+                        builder_of.insert(conn, builder);
+                        if let Some(old) = conn_of.insert(builder, conn) {
+                            writers.remove(&old);
+                        }
+                        dfm.handle_hello(now, builder, open, history);
+                    }
+                    FromBuilder::Message { conn, msg: PullMessage::Credit { builder, slice, memory } } => {
+                        if builder_of.get(&conn) == Some(&builder) {
+                            dfm.handle_memory(now, builder, memory);
+                            if let Some(slice) = slice {
+                                dfm.handle_done(now, builder, slice);
+                            }
+                        }
+                    }
+                    FromBuilder::Message { .. } => {}
+                    FromBuilder::Closed { conn, rejected } => {
+                        writers.remove(&conn);
+                        report.rejected_connections += u64::from(rejected);
+                        if let Some(b) = builder_of.remove(&conn)
+                            && conn_of.get(&b) == Some(&conn)
+                        {
+                            conn_of.remove(&b);
+                            dfm.handle_builder_left(now, b);
+                        }
+                    }
+                }
+            },
+            _ = tokio::time::sleep_until(clock.deadline(wake)) => {}
+            _ = cancel.cancelled() => break,
+        }
+    }
+    readers.cancel();
+    report.stats = dfm.stats().clone();
+    info!(assigned = report.stats.assigned, reassigned = report.stats.reassigned, credit_waits = report.stats.credit_waits,
+        done = report.done, "data-flow manager finished");
+    Ok(report)
+}

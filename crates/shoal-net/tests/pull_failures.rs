@@ -1,0 +1,121 @@
+//! Pull under failure, on real sockets: the data-flow manager restarted mid-run loses no
+//! slice; a builder killed mid-run gets no more assignments and every fragment stays in a
+//! ledger bucket. Moments are chosen by progress (slices built), never by sleeping.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use common::*;
+use shoal_core::ledger::{Bucket, Ledger};
+use shoal_net::builder::run_builder;
+use shoal_net::config::Config;
+use shoal_net::dfm::run_dfm;
+use shoal_net::source::run_source_node;
+use shoal_net::writer::run_writer;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Waits (bounded by the run itself) until `live` counts at least `n` processed slices.
+async fn built_at_least(live: &shoal_net::live::Live, n: u64) {
+    loop {
+        let built = live.slices_complete.load(Ordering::Relaxed) + live.slices_incomplete.load(Ordering::Relaxed);
+        if built >= n {
+            return;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+fn config(name: &str, policy: &str) -> (Config, std::path::PathBuf) {
+    let out = temp_dir(name);
+    let mut cfg = small_config(4, 2, 2.0, &out);
+    cfg.run.policy = policy.into();
+    (cfg, out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_data_flow_manager_loses_no_slice() {
+    // The sources hold unrequested fragments for 2,000 slices (20 s): longer than any
+    // restart here can take, however busy the machine.
+    let (mut cfg, out) = config("pull-dfm-restart", "pull:4:hold=2000");
+    let (wl, bls) = bind_all(&mut cfg).await;
+    let dl = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dfm_addr = dl.local_addr().unwrap();
+    cfg.run.dfm_addr = dfm_addr.to_string();
+    let clock = clock();
+    cfg.run.start_slice = Some(cfg.slice_clock().unwrap().slice_at(clock.now()) + 30);
+    let live = live();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let first_dfm = CancellationToken::new();
+    let dfm = tokio::spawn(run_dfm(cfg.clone(), dl, clock, live.clone(), first_dfm.clone()));
+    let builders: Vec<_> = bls
+        .into_iter()
+        .enumerate()
+        .map(|(id, l)| tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock, live.clone(), never())))
+        .collect();
+    let ids = cfg.hosted_sources();
+    let sources = tokio::spawn(run_source_node(cfg.clone(), ids, clock, live.clone(), never()));
+
+    // A third of the way in, the manager dies (its socket closes) and comes back.
+    built_at_least(&live, 60).await;
+    dfm.abort();
+    let _ = dfm.await;
+    let dl = TcpListener::bind(dfm_addr).await.expect("the manager's port again");
+    let dfm = tokio::spawn(run_dfm(cfg.clone(), dl, clock, live.clone(), never()));
+
+    let s = sources.await.unwrap().unwrap();
+    let mut btallies = BTreeMap::new();
+    for b in builders {
+        let r = b.await.unwrap().unwrap();
+        btallies.insert(r.node.id, r.node.tally.clone());
+    }
+    let d = dfm.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&s.tallies, &btallies);
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(ledger.get(Bucket::Delivered), ledger.produced, "no slice lost: {ledger:?}");
+    assert!(d.done, "the restarted manager saw every slice processed");
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_builder_gets_no_more_slices_and_everything_is_accounted() {
+    let (mut cfg, out) = config("pull-builder-kill", "pull:4:hold=100");
+    let (wl, bls) = bind_all(&mut cfg).await;
+    let dl = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    cfg.run.dfm_addr = dl.local_addr().unwrap().to_string();
+    let clock = clock();
+    cfg.run.start_slice = Some(cfg.slice_clock().unwrap().slice_at(clock.now()) + 30);
+    let live = live();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let dfm = tokio::spawn(run_dfm(cfg.clone(), dl, clock, live.clone(), never()));
+    let mut builders: Vec<_> = bls
+        .into_iter()
+        .enumerate()
+        .map(|(id, l)| tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock, live.clone(), never())))
+        .collect();
+    let ids = cfg.hosted_sources();
+    let sources = tokio::spawn(run_source_node(cfg.clone(), ids, clock, live.clone(), never()));
+
+    // Builder 1 dies mid-run: its sockets close with it.
+    built_at_least(&live, 60).await;
+    let killed = builders.remove(1);
+    killed.abort();
+    let _ = killed.await;
+
+    let s = sources.await.unwrap().unwrap();
+    let r0 = builders.remove(0).await.unwrap().unwrap();
+    let d = dfm.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&s.tallies, &BTreeMap::from([(0, r0.node.tally.clone())]));
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(d.stats.builders_left, 1);
+    assert!(d.done, "the survivor processed every slice assigned to it");
+    // The survivor built the rest of the run: more than half of it.
+    let slices = cfg.slices().unwrap().unwrap();
+    assert!(r0.node.slices_complete + r0.node.slices_incomplete > slices / 2, "{:?}", r0.node);
+    std::fs::remove_dir_all(&out).unwrap();
+}
