@@ -112,7 +112,13 @@ impl SourceTally {
     /// produced minus everything this source can account for itself: should be zero.
     pub fn unaccounted(&self) -> i128 {
         i128::from(self.produced)
-            - i128::from(self.sent.values().sum::<u64>() + self.dropped_at_source + self.send_failed + self.unsent + self.never_requested)
+            - i128::from(
+                self.sent.values().sum::<u64>()
+                    + self.dropped_at_source
+                    + self.send_failed
+                    + self.unsent
+                    + self.never_requested,
+            )
     }
 }
 

@@ -194,7 +194,8 @@ mod tests {
         assert_eq!(PullMessage::from_frame(&mixed).unwrap_err().kind(), "bad_control_flags");
         let short = Frame { header: header(Flags::CREDIT, 1, 2, 0), payload: Bytes::from_static(&[1, 2]) };
         assert_eq!(PullMessage::from_frame(&short).unwrap_err().kind(), "bad_control_payload");
-        let count = Frame { header: header(Flags::HELLO, 1, HELLO_FROM_BUILDER, 3), payload: Bytes::from(vec![0u8; 16]) };
+        let count =
+            Frame { header: header(Flags::HELLO, 1, HELLO_FROM_BUILDER, 3), payload: Bytes::from(vec![0u8; 16]) };
         assert_eq!(PullMessage::from_frame(&count).unwrap_err().kind(), "bad_hello_count");
     }
 

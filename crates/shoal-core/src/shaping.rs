@@ -130,13 +130,7 @@ impl PullConfig {
     /// `credits` slices per builder; no request cap; re-ask after 100 ms, 3 times; hold
     /// 64 slices.
     pub fn new(credits: u32) -> Self {
-        Self {
-            credits,
-            request_cap: 0,
-            reask_timeout: Duration::from_millis(100),
-            max_reasks: 3,
-            hold_slices: 64,
-        }
+        Self { credits, request_cap: 0, reask_timeout: Duration::from_millis(100), max_reasks: 3, hold_slices: 64 }
     }
 }
 
@@ -217,7 +211,7 @@ fn parse_duration(s: &str) -> Option<Duration> {
     };
     let v: f64 = num.parse().ok()?;
     let ns = v * scale;
-    (ns.is_finite() && ns >= 1.0 && ns < 1e15).then(|| Duration::from_nanos(ns as u64))
+    (1.0..1e15).contains(&ns).then(|| Duration::from_nanos(ns as u64))
 }
 
 /// Parses `12`, `1.5k`, `40M`, `40Mbit`, `1G` into bytes (per second).

@@ -97,14 +97,34 @@ struct Conn {
 }
 
 enum Ev {
-    Served { node: usize, builder: usize },
-    Arrive { node: usize, builder: usize, bytes: Bytes, lost: bool },
+    Served {
+        node: usize,
+        builder: usize,
+    },
+    Arrive {
+        node: usize,
+        builder: usize,
+        bytes: Bytes,
+        lost: bool,
+    },
     /// Pull: a request reaches the source node hosting `source`.
-    Request { builder: BuilderId, source: SourceId, slice: SliceNumber },
+    Request {
+        builder: BuilderId,
+        source: SourceId,
+        slice: SliceNumber,
+    },
     /// Pull: an assignment reaches a builder; a builder's credit returns to the manager.
-    Assign { builder: BuilderId, slice: SliceNumber },
-    Done { builder: BuilderId, slice: SliceNumber },
-    Kill { builder: BuilderId },
+    Assign {
+        builder: BuilderId,
+        slice: SliceNumber,
+    },
+    Done {
+        builder: BuilderId,
+        slice: SliceNumber,
+    },
+    Kill {
+        builder: BuilderId,
+    },
 }
 
 /// What one transmitted piece was.
@@ -182,6 +202,8 @@ impl Pair {
         let dfm = pull.map(|p| {
             let mut c = DfmConfig::new(p, clock, 0, setup.n_builders);
             c.end_slice = Some(setup.slices);
+            // The harness's builders send no heartbeats; a death is told explicitly.
+            c.silence_timeout = Duration::from_secs(3600);
             let mut d = DataFlowManager::new(c, Instant::ZERO);
             for b in 0..setup.n_builders {
                 d.handle_hello(Instant::ZERO, b, [], []);
@@ -196,8 +218,18 @@ impl Pair {
         };
         let rng = setup.seed | 1;
         let kill = setup.kill.filter(|_| pull.is_some());
-        let mut pair =
-            Pair { setup, sources, builders, conns, events: BTreeMap::new(), seq: 0, rng, out, dfm, dead: BTreeSet::new() };
+        let mut pair = Pair {
+            setup,
+            sources,
+            builders,
+            conns,
+            events: BTreeMap::new(),
+            seq: 0,
+            rng,
+            out,
+            dfm,
+            dead: BTreeSet::new(),
+        };
         if let Some((builder, ms)) = kill {
             pair.schedule(Instant::from_nanos(ms * 1_000_000), Ev::Kill { builder });
         }

@@ -17,16 +17,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
-use hdrhistogram::Histogram;
 use bytes::Bytes;
+use hdrhistogram::Histogram;
 use shoal_core::assembly::{Admission, SliceOutcome};
-use shoal_core::pullmsg::PullMessage;
-use shoal_core::slice::SliceNumber;
-use shoal_core::{Instant, SourceId};
 use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
 use shoal_core::node::{BuilderNode, BuilderNodeReport};
+use shoal_core::pullmsg::PullMessage;
 use shoal_core::slice::SliceClock;
+use shoal_core::slice::SliceNumber;
+use shoal_core::{Instant, SourceId};
 use shoal_trigger::{FilterConfig, FragmentData, SliceData, encode_events};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -75,13 +75,25 @@ pub struct BuilderReport {
 }
 
 enum Incoming {
-    Frame { frame: Frame, arrival: Instant },
-    Rejected { reason: &'static str },
+    Frame {
+        frame: Frame,
+        arrival: Instant,
+    },
+    Rejected {
+        reason: &'static str,
+    },
     /// Pull: requests for `source` go back on this connection.
-    Hello { source: SourceId, requests: mpsc::UnboundedSender<Bytes> },
+    Hello {
+        source: SourceId,
+        requests: mpsc::UnboundedSender<Bytes>,
+    },
     /// Pull: connected to the data-flow manager (what to write to it), and its assignments.
-    DfmUp { out: mpsc::UnboundedSender<Bytes> },
-    Assign { slice: SliceNumber },
+    DfmUp {
+        out: mpsc::UnboundedSender<Bytes>,
+    },
+    Assign {
+        slice: SliceNumber,
+    },
 }
 
 /// Writes queued control frames to one connection until the queue closes or a write fails.
@@ -381,14 +393,16 @@ impl Routes {
     fn send_pull(&mut self, node: &mut BuilderNode<FragmentData>, id: u32) {
         while let Some(r) = node.poll_request() {
             let frame = PullMessage::Request { source: r.source, slice: r.slice }.encode();
-            if !self.sources.get(&r.source).is_some_and(|tx| tx.send(frame).is_ok()) {
+            if self.sources.get(&r.source).is_none_or(|tx| tx.send(frame).is_err()) {
                 // Not greeted yet (or gone): the re-ask timer tries again.
                 self.unroutable += 1;
             }
         }
         while let Some(slice) = node.poll_done() {
             if let Some(out) = &self.dfm {
-                let _ = out.send(PullMessage::Credit { builder: id, slice: Some(slice), memory: node.memory_in_use() }.encode());
+                let _ = out.send(
+                    PullMessage::Credit { builder: id, slice: Some(slice), memory: node.memory_in_use() }.encode(),
+                );
             }
         }
     }

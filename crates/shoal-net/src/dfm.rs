@@ -196,7 +196,12 @@ pub async fn run_dfm(
     }
     readers.cancel();
     report.stats = dfm.stats().clone();
-    info!(assigned = report.stats.assigned, reassigned = report.stats.reassigned, credit_waits = report.stats.credit_waits,
-        done = report.done, "data-flow manager finished");
+    info!(
+        assigned = report.stats.assigned,
+        reassigned = report.stats.reassigned,
+        credit_waits = report.stats.credit_waits,
+        done = report.done,
+        "data-flow manager finished"
+    );
     Ok(report)
 }

@@ -160,7 +160,11 @@ async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::R
         write.write_all(&PullMessage::SourceHello { source }.encode()).await?;
     }
     if let Some(requests) = options.requests.clone() {
-        tokio::spawn(read_requests(FrameReader::new(read, addr, DEFAULT_MAX_PAYLOAD, CancellationToken::new()), id, requests));
+        tokio::spawn(read_requests(
+            FrameReader::new(read, addr, DEFAULT_MAX_PAYLOAD, CancellationToken::new()),
+            id,
+            requests,
+        ));
     }
     Ok(write)
 }

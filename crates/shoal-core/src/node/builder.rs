@@ -224,6 +224,9 @@ impl<T> BuilderNode<T> {
     pub fn handle_drain(&mut self, now: Instant) {
         self.asm.handle_drain(now);
         self.collect(now);
+        if let Some(p) = self.pull.as_mut() {
+            p.handle_drain(now);
+        }
     }
 
     /// The next processed slice, for the filter.

@@ -18,6 +18,10 @@
 //! already assigned, and every slice that ended within the sources' hold time and that no
 //! builder claims is assigned again. Nothing is lost as long as the manager is back within
 //! the hold time.
+//!
+//! A slice that waited for a credit longer than the sources' hold time is not assigned at
+//! all (counted as expired): its fragments are gone, and asking for them would only cost
+//! re-asks while newer slices wait.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -89,6 +93,8 @@ pub struct DfmStats {
     pub skipped_no_credit: u64,
     pub skipped_memory: u64,
     pub builders_left: u64,
+    /// Slices not assigned because they waited longer than the sources hold fragments.
+    pub expired: u64,
     /// Slice end to assignment: sum and maximum, nanoseconds.
     pub assignment_latency_sum_ns: u64,
     pub assignment_latency_max_ns: u64,
@@ -242,7 +248,8 @@ impl DataFlowManager {
         if let Phase::Gathering { until, .. } = self.phase {
             return Some(until);
         }
-        let mut t = if self.ended(self.next_slice) { Instant::MAX } else { self.cfg.slice_clock.end_of(self.next_slice) };
+        let mut t =
+            if self.ended(self.next_slice) { Instant::MAX } else { self.cfg.slice_clock.end_of(self.next_slice) };
         for b in self.builders.values().filter(|b| b.alive && !b.assigned.is_empty()) {
             if let Some(heard) = b.last_heard {
                 t = t.min(heard + self.cfg.silence_timeout);
@@ -326,9 +333,22 @@ impl DataFlowManager {
             return;
         }
         let credits = self.cfg.pull.credits as usize;
+        let hold = u64::from(self.cfg.pull.hold_slices);
         while let Some(&(slice, ready_at)) = self.ready.front() {
-            let ids: Vec<BuilderId> =
-                self.builders.range(self.cursor..).chain(self.builders.range(..self.cursor)).map(|(&id, _)| id).collect();
+            // The sources evict a fragment `hold` slices after it ended: a slice that old
+            // would only cost its builder re-asks. It is not assigned (its fragments end as
+            // never requested at the sources).
+            if slice + hold <= self.next_slice {
+                self.ready.pop_front();
+                self.stats.expired += 1;
+                continue;
+            }
+            let ids: Vec<BuilderId> = self
+                .builders
+                .range(self.cursor..)
+                .chain(self.builders.range(..self.cursor))
+                .map(|(&id, _)| id)
+                .collect();
             let mut chosen = None;
             for id in ids {
                 let b = &self.builders[&id];

@@ -166,6 +166,20 @@ impl PullRequester {
         self.issue(now);
     }
 
+    /// Nothing more can arrive (every source ended its stream): every assigned slice, open
+    /// or still waiting for a credit, is over and its credit returns.
+    pub fn handle_drain(&mut self, now: Instant) {
+        let slices: Vec<SliceNumber> = self.assigned().collect();
+        for slice in slices {
+            if self.open.contains_key(&slice) {
+                self.handle_slice_done(now, slice);
+            } else {
+                self.done.push_back(slice);
+            }
+        }
+        self.queued.clear();
+    }
+
     /// The next request to send.
     pub fn poll_request(&mut self) -> Option<FragmentRequest> {
         self.requests.pop_front()

@@ -404,7 +404,8 @@ impl SourceNode {
         };
         let h = &mut self.hosted[i];
         let produced = req.slice < self.next_slice || self.phase != Phase::Producing;
-        let held = h.frames.get_mut(req.slice).is_some_and(|f| f.dest.is_none()) || h.undecided.get_mut(req.slice).is_some();
+        let held =
+            h.frames.get_mut(req.slice).is_some_and(|f| f.dest.is_none()) || h.undecided.get_mut(req.slice).is_some();
         if produced && !held {
             self.report.requests_unanswerable += 1;
             return;

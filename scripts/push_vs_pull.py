@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The studies' push-versus-pull experiment in the simulator (docs/push-vs-pull.md).
+
+Event rate and throughput versus fragment size (1 kB to 64 kB) for 1 source x 1 builder and
+6 sources x 1 builder on 1 Gbit/s links: push (direct), push with a token bucket per source
+at 20, 40 and 50 Mbit/s, and pull (8 credits). Every source offers 20% more than its
+bottleneck (the link share, or its token bucket), so each run measures what the policy
+delivers under overload. Usage: scripts/push_vs_pull.py SHOAL_BINARY OUT_DIR
+Writes OUT_DIR/push-vs-pull.{csv,md,svg}; stdlib only.
+"""
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+
+SIZES = [1000, 2000, 4000, 8000, 16000, 32000, 64000]
+CONFIGS = [(1, 1), (6, 1)]
+POLICIES = ["direct", "tbf:20Mbit", "tbf:40Mbit", "tbf:50Mbit", "pull:8"]
+LINK_BPS = 1e9
+LOAD_S, RELAX_S = 0.5, 0.001
+
+
+def scenario(n, m, policy, size):
+    share = LINK_BPS / n
+    if policy.startswith("tbf:"):
+        share = min(share, float(policy[4:-4]) * 1e6)
+    offered = 1.2 * share / 8  # bytes per second per source
+    slice_ms = size / offered * 1e3
+    name = f"{n}x{m}-{policy.replace(':', '')}-{size}"
+    return name, f"""name = "{name}"
+seed = 1
+[topology]
+sources = {n}
+builders = {m}
+boards_per_sector = {n}
+board_mbps = 1000.0
+board_delay_us = 5.0
+shore_mbps = 10000.0
+shore_delay_us = 5.0
+builder_mbps = 1000.0
+builder_delay_us = 5.0
+[traffic]
+policy = "{policy}"
+transport = "tcp"
+fragment_bytes = {size}
+slice_ms = {slice_ms:.6f}
+load_s = {LOAD_S}
+relax_s = {RELAX_S}
+"""
+
+
+def run(shoal, out, n, m, policy, size):
+    name, text = scenario(n, m, policy, size)
+    path = os.path.join(out, name + ".toml")
+    with open(path, "w") as f:
+        f.write(text)
+    subprocess.run([shoal, "sim", path, "--out", out], check=True, capture_output=True)
+    with open(os.path.join(out, name + ".summary.json")) as f:
+        s = json.load(f)
+    rate = s["slices_complete"] / LOAD_S
+    return {
+        "config": f"{n}x{m}", "policy": policy, "fragment_bytes": size,
+        "event_rate_hz": rate,
+        "throughput_mbps": rate * n * size * 8 / 1e6,
+        "slices_complete": s["slices_complete"], "slices_produced": s["slices"],
+        "tcp_timeouts": s["tcp_timeouts"], "queue_drops": s["queue_drops"],
+        "dropped_at_source": s["ledger"].get("dropped_at_source", 0),
+        "never_requested": s["ledger"].get("never_requested", 0),
+        "reasks": (s.get("pull") or {}).get("reasks", 0),
+        "unaccounted": s["ledger_unaccounted"],
+    }
+
+
+def svg(rows, path):
+    w, h, pad = 900, 420, 60
+    panels = [c for c in (f"{n}x{m}" for n, m in CONFIGS)]
+    colors = dict(zip(POLICIES, ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728"]))
+    import math
+    xs = [math.log2(s) for s in SIZES]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">']
+    pw = (w - pad * 2) / len(panels)
+    for k, cfg in enumerate(panels):
+        x0 = pad + k * pw
+        out.append(f'<text x="{x0 + pw / 2 - 60}" y="20">{cfg}: throughput (Mbit/s)</text>')
+        out.append(f'<rect x="{x0}" y="30" width="{pw - 20}" height="{h - 90}" fill="none" stroke="#999"/>')
+        for tick in (0, 250, 500, 750, 1000):
+            y = 30 + (h - 90) * (1 - tick / 1000)
+            out.append(f'<text x="{x0 - 30}" y="{y + 4}">{tick}</text>')
+        for i, s in enumerate(SIZES):
+            x = x0 + (pw - 20) * (xs[i] - xs[0]) / (xs[-1] - xs[0])
+            out.append(f'<text x="{x - 10}" y="{h - 45}">{s // 1000}k</text>')
+        for j, pol in enumerate(POLICIES):
+            pts = []
+            for r in rows:
+                if r["config"] == cfg and r["policy"] == pol:
+                    x = x0 + (pw - 20) * (math.log2(r["fragment_bytes"]) - xs[0]) / (xs[-1] - xs[0])
+                    y = 30 + (h - 90) * (1 - min(r["throughput_mbps"], 1000) / 1000)
+                    pts.append(f"{x:.1f},{y:.1f}")
+            out.append(f'<polyline fill="none" stroke="{colors[pol]}" stroke-width="2" points="{" ".join(pts)}"/>')
+            if k == 0:
+                out.append(f'<text x="{pad + 10 + j * 150}" y="{h - 15}" fill="{colors[pol]}">{pol}</text>')
+    out.append(f'<text x="{w / 2 - 40}" y="{h - 30}">fragment size</text></svg>')
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def main():
+    shoal, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    jobs = [(n, m, p, s) for (n, m) in CONFIGS for p in POLICIES for s in SIZES]
+    with cf.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
+        rows = list(ex.map(lambda j: run(shoal, out, *j), jobs))
+    keys = list(rows[0].keys())
+    with open(os.path.join(out, "push-vs-pull.csv"), "w") as f:
+        f.write(",".join(keys) + "\n")
+        for r in rows:
+            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    with open(os.path.join(out, "push-vs-pull.md"), "w") as f:
+        f.write("| config | policy | fragment B | event rate (Hz) | throughput (Mbit/s) | complete / produced | TCP timeouts | switch drops | dropped at source | never requested | re-asks |\n")
+        f.write("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+        for r in rows:
+            f.write(f"| {r['config']} | {r['policy']} | {r['fragment_bytes']} | {r['event_rate_hz']:.0f} | "
+                    f"{r['throughput_mbps']:.0f} | {r['slices_complete']} / {r['slices_produced']} | {r['tcp_timeouts']} | "
+                    f"{r['queue_drops']} | {r['dropped_at_source']} | {r['never_requested']} | {r['reasks']} |\n")
+    svg(rows, os.path.join(out, "push-vs-pull.svg"))
+    bad = [r for r in rows if r["unaccounted"] != 0]
+    print(f"{len(rows)} runs; ledgers unbalanced: {len(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
