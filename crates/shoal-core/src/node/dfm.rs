@@ -258,12 +258,14 @@ impl DataFlowManager {
         (t != Instant::MAX).then_some(t)
     }
 
-    /// Every slice up to the end slice is assigned and processed.
+    /// Every slice up to the end slice is assigned and processed, or no builder is left to
+    /// take what remains (what it held is then never requested, in the sources' ledger).
     pub fn is_done(&self) -> bool {
+        let alive = self.builders.values().any(|b| b.alive);
         matches!(self.phase, Phase::Assigning)
             && self.ended(self.next_slice)
-            && self.ready.is_empty()
-            && self.builders.values().all(|b| b.assigned.is_empty())
+            && (self.ready.is_empty() || !alive)
+            && self.builders.values().filter(|b| b.alive).all(|b| b.assigned.is_empty())
     }
 
     /// Slices assigned to `builder` and not yet processed.
