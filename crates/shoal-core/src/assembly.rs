@@ -112,6 +112,9 @@ struct ActiveSlice<T> {
 }
 
 impl<T> ActiveSlice<T> {
+    fn new(first_arrival: Instant) -> Self {
+        Self { fragments: BTreeMap::new(), dropped: Vec::new(), first_arrival, bytes: 0, given_up: false }
+    }
     fn has(&self, source: SourceId) -> bool {
         self.fragments.contains_key(&source) || self.dropped.contains(&source)
     }
@@ -189,13 +192,7 @@ impl<T> SliceAssembler<T> {
             return Admission::Late;
         }
         let over_budget = self.held_bytes + self.downstream_bytes + bytes > self.cfg.memory_budget;
-        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice {
-            fragments: BTreeMap::new(),
-            dropped: Vec::new(),
-            first_arrival: now,
-            bytes: 0,
-            given_up: false,
-        });
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now));
         if entry.has(source) {
             return Admission::Duplicate;
         }
@@ -226,13 +223,7 @@ impl<T> SliceAssembler<T> {
         if self.last_emitted.is_some_and(|l| slice <= l) {
             return;
         }
-        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice {
-            fragments: BTreeMap::new(),
-            dropped: Vec::new(),
-            first_arrival: now,
-            bytes: 0,
-            given_up: false,
-        });
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now));
         entry.given_up = true;
         self.emit_ready(now);
     }

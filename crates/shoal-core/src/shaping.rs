@@ -153,7 +153,7 @@ impl Policy {
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 Box::new(TokenBucket::new(ctx, rate_bytes_per_s, burst_bytes))
             }
-            Policy::Pull(p) => Box::new(Pull::new(ctx, p.hold_slices)),
+            Policy::Pull(p) => Box::new(Pull::new(p.hold_slices)),
         }
     }
 }
@@ -504,7 +504,7 @@ pub struct Pull {
 }
 
 impl Pull {
-    pub fn new(_ctx: ShaperContext, hold_slices: u32) -> Self {
+    pub fn new(hold_slices: u32) -> Self {
         Self {
             hold: u64::from(hold_slices.max(1)),
             held: BTreeMap::new(),

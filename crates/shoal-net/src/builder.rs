@@ -231,6 +231,10 @@ pub async fn run_builder(
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
     let dfm_in_tx = in_tx.clone();
     let readers = CancellationToken::new();
+    // The tasks spawned for this process (accept loop, connection readers, the manager's
+    // client) end with it, also when it is aborted: a killed process leaves no listener or
+    // connection open behind it.
+    let _end_tasks = readers.clone().drop_guard();
     let accept_cancel = readers.clone();
     let accept_task = tokio::spawn(async move {
         let mut accepted = 0u64;

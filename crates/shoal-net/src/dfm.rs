@@ -103,6 +103,10 @@ pub async fn run_dfm(
 
     let (tx, mut rx) = mpsc::unbounded_channel();
     let readers = CancellationToken::new();
+    // The tasks spawned for this process (accept loop, connection readers, the manager's
+    // client) end with it, also when it is aborted: a killed process leaves no listener or
+    // connection open behind it.
+    let _end_tasks = readers.clone().drop_guard();
     let mut writers: HashMap<u64, mpsc::UnboundedSender<Bytes>> = HashMap::new();
     let mut builder_of: HashMap<u64, BuilderId> = HashMap::new();
     let mut conn_of: HashMap<BuilderId, u64> = HashMap::new();

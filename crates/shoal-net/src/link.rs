@@ -151,6 +151,15 @@ impl Link {
     }
 }
 
+/// Waits `delay` (or until `closing`), then doubles it up to `max`.
+async fn back_off(delay: &mut Duration, max: Duration, closing: &CancellationToken) {
+    tokio::select! {
+        _ = tokio::time::sleep(*delay) => {}
+        _ = closing.cancelled() => {}
+    }
+    *delay = (*delay * 2).min(max);
+}
+
 /// Connects, greets and starts the request reader; returns the write half.
 async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<OwnedWriteHalf> {
     let s = TcpStream::connect(addr).await?;
@@ -227,11 +236,7 @@ async fn run(
                 }
                 Err(e) => {
                     debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = closing.cancelled() => {}
-                    }
-                    delay = (delay * 2).min(backoff.max);
+                    back_off(&mut delay, backoff.max, &closing).await;
                     continue;
                 }
             }
@@ -269,11 +274,7 @@ async fn run(
                     }
                     debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
                     held = Some(chunk);
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = closing.cancelled() => {}
-                    }
-                    delay = (delay * 2).min(backoff.max);
+                    back_off(&mut delay, backoff.max, &closing).await;
                     continue;
                 }
             },

@@ -933,16 +933,8 @@ impl World {
             dfm: self.dfm.as_ref().map(|d| d.node.stats().clone()),
             pull: self.dfm.as_ref().map(|_| {
                 let mut total = shoal_core::node::PullStats::default();
-                for r in &reports {
-                    if let Some(p) = &r.pull {
-                        total.assignments += p.assignments;
-                        total.duplicate_assignments += p.duplicate_assignments;
-                        total.requests += p.requests;
-                        total.reasks += p.reasks;
-                        total.given_up += p.given_up;
-                        total.credit_waits += p.credit_waits;
-                        total.cap_waits += p.cap_waits;
-                    }
+                for p in reports.iter().filter_map(|r| r.pull.as_ref()) {
+                    total.merge(p);
                 }
                 total
             }),

@@ -168,7 +168,7 @@ fn every_shipped_scenario_runs() {
         assert_eq!(r.summary.ledger_unaccounted, 0, "{}", path.display());
         n += 1;
     }
-    assert_eq!(n, 28);
+    assert_eq!(n, 35);
 }
 
 /// Inside the simulator, a token-bucket source never hands more than rate x t + burst

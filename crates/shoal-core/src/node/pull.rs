@@ -45,6 +45,19 @@ pub struct PullStats {
     pub cap_waits: u64,
 }
 
+impl PullStats {
+    /// Adds another builder's counts (a run's totals).
+    pub fn merge(&mut self, other: &PullStats) {
+        self.assignments += other.assignments;
+        self.duplicate_assignments += other.duplicate_assignments;
+        self.requests += other.requests;
+        self.reasks += other.reasks;
+        self.given_up += other.given_up;
+        self.credit_waits += other.credit_waits;
+        self.cap_waits += other.cap_waits;
+    }
+}
+
 #[derive(Debug)]
 struct OpenSlice {
     /// Sources not asked yet: `next_source..n_sources`.
