@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def on_free_ports(text: str) -> str:
+    """A shipped cluster file with every fixed local port (`127.0.0.1:NNNN`) moved to a free
+    one, the same port for the same number, so tests never collide with anything listening."""
+    ports: dict[str, int] = {}
+
+    def move(m: re.Match) -> str:
+        if m.group(1) == "0":
+            return m.group(0)
+        return f"127.0.0.1:{ports.setdefault(m.group(1), free_port())}"
+
+    return re.sub(r"127\.0\.0\.1:(\d+)", move, text)
 
 
 def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path) -> str:

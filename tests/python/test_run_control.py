@@ -8,19 +8,25 @@ import signal
 import subprocess
 import urllib.request
 
+import pytest
 from conftest import ROOT
-from shoal_cluster import Cluster
+from shoal_cluster import Cluster, on_free_ports
 
 
-def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path):
+@pytest.mark.parametrize("example", ["sector.toml", "sector-pull.toml"])
+def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
     """examples/sector.toml: 5 sources, 3 builders, a writer and a dispatcher as separate
     processes; two invocations give runs 1 and 2 (numbers are never reused).
+    examples/sector-pull.toml: the same with credit-based pull and a data-flow manager
+    process, which reports its assignments.
 
     The builders' slice timeouts are set out of reach: on a busy machine the START can reach
     one source hundreds of milliseconds after another, and with the shipped window (5
     slices of 10 ms) their first slices would be closed incomplete. The test checks that
-    every fragment is delivered, not how fast the machine is."""
-    text = (ROOT / "examples" / "sector.toml").read_text()
+    every fragment is delivered, not how fast the machine is. The shipped ports are moved
+    to free ones."""
+    pull = example == "sector-pull.toml"
+    text = on_free_ports((ROOT / "examples" / example).read_text())
     assert "[config.builder]\n" in text
     text = text.replace("[config.builder]\n", "[config.builder]\nmax_active = 100000\nwall_timeout_ms = 600000\n")
     (tmp_path / "sector.toml").write_text(text)
@@ -39,7 +45,7 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path):
         record = json.loads((tmp_path / "shoal-runs" / "runs" / f"run{expected_run:06}.json").read_text())
         assert record["run"] == expected_run
         roles = sorted(p["role"] for p in record["processes"])
-        assert roles == ["builder"] * 3 + ["source"] * 5 + ["writer"]
+        assert roles == ["builder"] * 3 + ["dfm"] * pull + ["source"] * 5 + ["writer"]
         assert all(p["active"] and p["final_state"] == "READY" for p in record["processes"]), record["processes"]
         ledger = record["ledger"]
         assert ledger["balanced"], ledger
@@ -48,9 +54,17 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path):
         assert record["missing_reports"] == []
         assert "[config.run]" in record["configuration"] or "[run]" in record["configuration"]
         assert (tmp_path / "shoal-runs" / "data" / f"run{expected_run:06}.events.parquet").exists()
+        if pull:
+            (manager,) = [r for r in record["reports"] if r["role"] == "dfm"]
+            assert manager["error"] is None, manager
+            stats = manager["detail"]
+            # Every slice of the run was assigned once, none twice, none expired.
+            assert stats["done"] and stats["assigned"] == record["slices_complete"], stats
+            assert stats["reassigned"] == 0 and stats["expired"] == 0, stats
         # Every process was launched with its own log.
         logs = sorted(p.name for p in (tmp_path / "shoal-runs" / "logs").iterdir())
         assert "dispatcher.log" in logs and "builder2.log" in logs and "source4.log" in logs
+        assert ("dfm.log" in logs) == pull
     assert (tmp_path / "shoal-runs" / "last_run").read_text().strip() == "2"
 
 

@@ -123,6 +123,7 @@ impl ClusterFile {
         let mut builders = vec![0u32; run.builders as usize];
         let mut sources = vec![0u32; run.sources as usize];
         let mut writers = 0;
+        let mut managers = 0;
         for p in &self.processes {
             if !names.insert(p.name.as_str()) {
                 bail!("process name {:?} is used twice", p.name);
@@ -132,6 +133,12 @@ impl ClusterFile {
             }
             match p.role {
                 Role::Writer => writers += 1,
+                Role::Dfm => {
+                    if !p.ids.is_empty() {
+                        bail!("the data-flow manager {:?} takes no ids", p.name);
+                    }
+                    managers += 1;
+                }
                 Role::Builder => match p.ids.as_slice() {
                     [id] if *id < run.builders => builders[*id as usize] += 1,
                     _ => bail!("builder {:?} needs ids = [one id below run.builders = {}]", p.name, run.builders),
@@ -151,6 +158,12 @@ impl ClusterFile {
         }
         if writers != 1 {
             bail!("exactly one writer process is needed, found {writers}");
+        }
+        let pull = self.config.policy()?.pull().is_some();
+        match (pull, managers) {
+            (true, 1) | (false, 0) => {}
+            (true, n) => bail!("a pull policy needs exactly one process with role = \"dfm\", found {n}"),
+            (false, _) => bail!("role = \"dfm\" is only for pull policies (config.run.policy = {:?})", run.policy),
         }
         if let Some(b) = builders.iter().position(|&n| n != 1) {
             bail!("builder {b} must be played by exactly one process (found {})", builders[b]);
@@ -181,6 +194,9 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
         let f = ClusterFile::load(&dir.join("sector.toml")).unwrap();
         assert_eq!(f.processes.len(), 9, "sector.toml: 5 sources, 3 builders, a writer");
+        let f = ClusterFile::load(&dir.join("sector-pull.toml")).unwrap();
+        assert_eq!(f.processes.len(), 10, "sector-pull.toml: 5 sources, 3 builders, a manager, a writer");
+        assert!(f.config.policy().unwrap().pull().is_some());
     }
 
     #[test]
@@ -216,5 +232,14 @@ builders = 1
         );
         assert!(err(&base.replace("name = \"b0\"", "name = \"w\"")).contains("twice"));
         assert!(err(&base.replace("role = \"writer\"", "role = \"builder\"\nids = [0]")).contains("writer"));
+        // A data-flow manager exactly when the policy is pull.
+        let manager = "[[process]]\nname = \"m\"\nrole = \"dfm\"\n";
+        let with_manager = base.replace("[config.run]\n", &format!("{manager}[config.run]\n"));
+        assert!(err(&with_manager).contains("only for pull"));
+        let pull = with_manager.replace("builders = 1", "builders = 1\npolicy = \"pull:4\"");
+        let f: ClusterFile = toml::from_str(&pull).unwrap();
+        f.validate().unwrap();
+        assert!(err(&base.replace("builders = 1", "builders = 1\npolicy = \"pull:4\"")).contains("dfm"));
+        assert!(err(&pull.replace("role = \"dfm\"", "role = \"dfm\"\nids = [0]")).contains("no ids"));
     }
 }

@@ -232,8 +232,9 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     let mut specs: Vec<&ProcessSpec> = file.processes.iter().collect();
     specs.sort_by_key(|p| match p.role {
         Role::Writer => 0,
-        Role::Builder => 1,
-        Role::Source => 2,
+        Role::Dfm => 1,
+        Role::Builder => 2,
+        Role::Source => 3,
     });
     for spec in specs {
         if let Some(child) = launch(spec, &file, &binary, &logs)? {

@@ -481,8 +481,9 @@ impl ClusterControl {
                 let start_slice = self.cfg.slice_clock.slice_at(now + lead) + 1;
                 self.run = Some(ActiveRun { run, start_slice });
                 self.events.push_back(ClusterEvent::RunStarted { run, start_slice });
-                // Downstream first, so the receivers listen before data arrives.
-                for role in [Role::Writer, Role::Builder, Role::Source] {
+                // Downstream first, so the receivers listen before data arrives (the
+                // data-flow manager of a pull run before the builders that connect to it).
+                for role in [Role::Writer, Role::Dfm, Role::Builder, Role::Source] {
                     steps.push_back(send(Some(role), Command::Start { run, start_slice: Some(start_slice) }, t, false));
                 }
             }
@@ -499,7 +500,7 @@ impl ClusterControl {
                 // Upstream first, the reverse of START; to every process of the cluster,
                 // also the inactive ones (one that is alive but was not heard from must not
                 // keep running a data path without control).
-                for role in [Role::Source, Role::Builder, Role::Writer] {
+                for role in [Role::Source, Role::Builder, Role::Dfm, Role::Writer] {
                     steps.push_back(send(Some(role), Command::Off, t, true));
                 }
             }
@@ -518,8 +519,10 @@ impl ClusterControl {
         Ok(())
     }
 
-    /// STOP in data-flow order: sources drain up to the common end slice, builders finish
-    /// behind them, the writer closes its file last.
+    /// STOP in data-flow order: sources drain up to the common end slice, the data-flow
+    /// manager of a pull run ends once every slice before it is assigned and processed
+    /// (the builders still run), builders finish behind them, the writer closes its file
+    /// last.
     fn stop_steps(&self, now: Instant, steps: &mut VecDeque<Step>) {
         let t = self.cfg.reply_timeout;
         // A little ahead, so that the STOP reaches every source before its end slice.
@@ -527,6 +530,7 @@ impl ClusterControl {
         let end_slice = self.cfg.slice_clock.slice_at(now + lead) + 1;
         for (role, drain, end) in [
             (Role::Source, self.cfg.source_drain, Some(end_slice)),
+            (Role::Dfm, self.cfg.builder_drain, Some(end_slice)),
             (Role::Builder, self.cfg.builder_drain, None),
             (Role::Writer, self.cfg.writer_drain, None),
         ] {

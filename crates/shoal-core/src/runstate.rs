@@ -31,16 +31,19 @@ pub enum Role {
     Source,
     Builder,
     Writer,
+    /// The data-flow manager of a pull run (assigns slices to builders).
+    Dfm,
 }
 
 impl Role {
-    pub const ALL: [Role; 3] = [Role::Source, Role::Builder, Role::Writer];
+    pub const ALL: [Role; 4] = [Role::Source, Role::Builder, Role::Writer, Role::Dfm];
 
     pub fn name(self) -> &'static str {
         match self {
             Role::Source => "source",
             Role::Builder => "builder",
             Role::Writer => "writer",
+            Role::Dfm => "dfm",
         }
     }
 }
@@ -57,7 +60,7 @@ impl core::str::FromStr for Role {
         Role::ALL
             .into_iter()
             .find(|r| r.name() == s)
-            .ok_or_else(|| format!("unknown role {s:?} (source, builder or writer)"))
+            .ok_or_else(|| format!("unknown role {s:?} (source, builder, writer or dfm)"))
     }
 }
 

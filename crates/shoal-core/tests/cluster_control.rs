@@ -294,6 +294,35 @@ fn a_run_goes_downstream_first_on_start_and_upstream_first_on_stop() {
 }
 
 #[test]
+fn a_pull_run_starts_the_manager_before_the_builders_and_stops_it_after_the_sources() {
+    let mut procs = sector(&[]);
+    procs.push(("m", Role::Dfm, Behaviour::Answers { delay: ms(3) }));
+    let mut h = Harness::new(&procs, |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+        assert!(h.done(c)[0].is_ok(), "{c}");
+    }
+    let start = |n: &str| h.first_received(n, "START").unwrap();
+    assert!(start("w") < start("m") && start("m") < start("b0") && start("b0") < start("s0"));
+    h.after(Duration::from_secs(4));
+    h.command(ClusterCommand::Stop).unwrap();
+    let stop = |n: &str| h.first_received(n, "STOP").unwrap();
+    assert!(stop("s0") < stop("m") && stop("m") < stop("b0") && stop("b0") < stop("w"));
+    let end_slice = |n: &str| {
+        h.procs[n].received.iter().find_map(|(_, c)| match c {
+            Command::Stop { end_slice } => Some(*end_slice),
+            _ => None,
+        })
+    };
+    // The manager assigns up to the sources' end slice, then waits for the builders.
+    assert!(end_slice("m").flatten().is_some());
+    assert_eq!(end_slice("m"), end_slice("s0"));
+    h.command(ClusterCommand::Off).unwrap();
+    let off = |n: &str| h.first_received(n, "OFF").unwrap();
+    assert!(off("s0") < off("b0") && off("b0") < off("m") && off("m") < off("w"));
+}
+
+#[test]
 fn start_is_refused_with_processes_missing_and_no_run_number_is_taken() {
     let mut h = Harness::new(&sector(&[("s1", Behaviour::Silent)]), |_| {});
     h.command(ClusterCommand::Init).unwrap();

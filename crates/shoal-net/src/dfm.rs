@@ -135,6 +135,11 @@ pub async fn run_dfm(
                 DfmEvent::Started { builders, claimed, unclaimed } => {
                     info!(builders, claimed, unclaimed, "assigning (slices claimed by builders, slices to assign)")
                 }
+                // At the end of a run builders close their connection once their sources
+                // have ended: nothing to hand on, no cause for alarm.
+                DfmEvent::BuilderLeft { builder, reassigned: 0, silent: false } if end != 0 => {
+                    info!(builder, "builder finished")
+                }
                 DfmEvent::BuilderLeft { builder, reassigned, silent } => {
                     warn!(builder, reassigned, silent, "builder left; its slices go to the others")
                 }

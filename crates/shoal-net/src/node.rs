@@ -1,11 +1,14 @@
-//! A run-controlled process: one role (source, builder or writer) driven by run-control
-//! commands from the dispatcher instead of a fixed configuration file.
+//! A run-controlled process: one role (source, builder, writer or the data-flow manager of
+//! a pull run) driven by run-control commands from the dispatcher instead of a fixed
+//! configuration file.
 //!
 //! The process starts IDLE with no configuration. `CONFIGURE <toml>` hands it the run's
 //! configuration (checked before the state changes: a configuration it cannot use is
 //! refused and the state stays); `START <run> <first slice>` starts its data path with that
 //! run number; `STOP` ends the data path the way the role needs (a source stops producing
-//! and drains; a builder waits for its sources' end of stream; the writer for the builders'),
+//! and drains; the data-flow manager waits until every slice before the end slice is
+//! assigned and processed; a builder waits for its sources' end of stream; the writer for
+//! the builders'),
 //! publishes the end-of-run [`NodeReport`] on `RC_END`, then answers `READY`. `PAUSE`
 //! makes sources send empty fragments on the same schedule (builders see every slice, with
 //! no hits). `OFF` stops a running data path first, then exits.
@@ -227,6 +230,12 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
             }
         }
         Role::Writer => {}
+        Role::Dfm => {
+            if cfg.policy()?.pull().is_none() {
+                anyhow::bail!("the dfm role needs a pull policy (run.policy = {:?})", cfg.run.policy);
+            }
+            cfg.dfm_addr()?;
+        }
     }
     cfg.validate()?;
     Ok(cfg)
@@ -301,6 +310,22 @@ async fn start_data(
                 }
             })
         }
+        Role::Dfm => {
+            let addr = cfg.dfm_addr()?;
+            let listener =
+                TcpListener::bind(addr).await.with_context(|| format!("binding the data-flow manager port {addr}"))?;
+            let c = cancel.clone();
+            tokio::spawn(async move {
+                match crate::dfm::run_dfm(cfg, listener, clock, live, c).await {
+                    Ok(r) => NodeReport {
+                        error: (!r.done).then(|| "stopped before every slice was assigned and processed".into()),
+                        detail: serde_json::to_value(&r).unwrap_or_default(),
+                        ..base
+                    },
+                    Err(e) => NodeReport { error: Some(e.to_string()), ..base },
+                }
+            })
+        }
     };
     info!(name = %name, run, ?start_slice, "data taking started");
     Ok(RunningData { run, task, cancel })
@@ -325,6 +350,15 @@ async fn stop_data(
             wait + StdDuration::from_millis(c.source.drain_timeout_ms + 2_000)
         }
         (Role::Source, _, _) => StdDuration::ZERO,
+        // The manager ends once every slice before the end slice is assigned and processed;
+        // the builders still run, so that is their drain time after the end slice.
+        (Role::Dfm, Some(c), Some(end)) => {
+            live.end_slice.store(end, Ordering::Relaxed);
+            let until_end = c.slice_clock().map(|sc| sc.end_of(end.saturating_sub(1))).unwrap_or(clock.now());
+            let wait = until_end.saturating_duration_since(clock.now());
+            wait + StdDuration::from_millis(c.builder.drain_timeout_ms + 2_000)
+        }
+        (Role::Dfm, _, _) => StdDuration::ZERO,
         (Role::Builder, Some(c), _) => StdDuration::from_millis(c.builder.drain_timeout_ms),
         (Role::Writer, Some(_), _) | (_, None, _) => StdDuration::from_secs(5),
     };

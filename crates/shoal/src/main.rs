@@ -1,7 +1,7 @@
 //! `shoal`: the one binary of the shoal event builder.
 //!
 //! - `shoal demo`: the whole chain in one process with no configuration needed.
-//! - `shoal node --role source|builder|writer --config FILE`: one role per process, or
+//! - `shoal node --role source|builder|writer|dfm --config FILE`: one role per process, or
 //!   `--dispatcher ADDR --name NAME`: the same role under run control.
 //! - `shoal run CLUSTER.toml`: run control: launches a cluster's processes and drives runs
 //!   (web UI and HTTP API).
@@ -158,7 +158,7 @@ struct DispatcherArgs {
 
 #[derive(Parser)]
 struct NodeArgs {
-    /// source, builder or writer.
+    /// source, builder, writer or dfm (the data-flow manager of a pull run).
     #[arg(long)]
     role: Role,
     /// TOML configuration (see examples/shoal.toml); defaults apply to what it omits.
@@ -427,6 +427,7 @@ fn apply_ids(cfg: &mut Config, role: Role, ids: &[u32]) -> anyhow::Result<()> {
         (Role::Builder, [id]) => cfg.builder.id = *id,
         (Role::Builder, _) => anyhow::bail!("a builder process has one id: --ids {ids:?}"),
         (Role::Writer, _) => anyhow::bail!("the writer takes no --ids"),
+        (Role::Dfm, _) => anyhow::bail!("the data-flow manager takes no --ids"),
     }
     Ok(())
 }
@@ -477,6 +478,14 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                 tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding writer port {addr}"))?;
             let r = shoal_net::writer::run_writer(cfg.clone(), listener, cancel).await?;
             (format!("run{run:06}.writer.json"), serde_json::to_string_pretty(&r)?)
+        }
+        Role::Dfm => {
+            let addr = cfg.dfm_addr()?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the data-flow manager port {addr}"))?;
+            let r = shoal_net::dfm::run_dfm(cfg.clone(), listener, clock, live, cancel).await?;
+            (format!("run{run:06}.dfm.json"), serde_json::to_string_pretty(&r)?)
         }
     };
     let path = cfg.writer.out_dir.join(name);
