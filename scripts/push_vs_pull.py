@@ -3,9 +3,9 @@
 
 Event rate and throughput versus fragment size (1 kB to 64 kB) for 1 source x 1 builder and
 6 sources x 1 builder on 1 Gbit/s links: push (direct), push with a token bucket per source
-at 20, 40 and 50 Mbit/s, and pull (8 credits). Every source offers 20% more than its
-bottleneck (the link share, or its token bucket), so each run measures what the policy
-delivers under overload. Usage: scripts/push_vs_pull.py SHOAL_BINARY OUT_DIR
+at 20, 40 and 50 Mbit/s, and pull (8 credits) answered at once or through the same token
+buckets. Every source offers 20% more than its bottleneck (the link share, or its token
+bucket), so each run measures what the policy delivers under overload. Usage: scripts/push_vs_pull.py SHOAL_BINARY OUT_DIR
 Writes OUT_DIR/push-vs-pull.{csv,md,svg}; stdlib only.
 """
 import concurrent.futures as cf
@@ -16,18 +16,30 @@ import sys
 
 SIZES = [1000, 2000, 4000, 8000, 16000, 32000, 64000]
 CONFIGS = [(1, 1), (6, 1)]
-POLICIES = ["direct", "tbf:20Mbit", "tbf:40Mbit", "tbf:50Mbit", "pull:8"]
+RATES = [None, "20Mbit", "40Mbit", "50Mbit"]
+POLICIES = ["direct" if r is None else f"tbf:{r}" for r in RATES] + [
+    "pull:8" if r is None else f"pull:8:rate={r}" for r in RATES
+]
 LINK_BPS = 1e9
 LOAD_S, RELAX_S = 0.5, 0.001
 
 
+def token_rate(policy):
+    """The policy's token-bucket rate in Mbit/s (`tbf:20Mbit`, `pull:8:rate=20Mbit`), or None."""
+    parts = policy.split(":")
+    if parts[0] == "tbf":
+        return float(parts[1].removesuffix("Mbit"))
+    rates = [float(p[5:].removesuffix("Mbit")) for p in parts if p.startswith("rate=")]
+    return rates[0] if rates else None
+
+
 def scenario(n, m, policy, size):
     share = LINK_BPS / n
-    if policy.startswith("tbf:"):
-        share = min(share, float(policy[4:-4]) * 1e6)
+    if token_rate(policy) is not None:
+        share = min(share, token_rate(policy) * 1e6)
     offered = 1.2 * share / 8  # bytes per second per source
     slice_ms = size / offered * 1e3
-    name = f"{n}x{m}-{policy.replace(':', '')}-{size}"
+    name = f"{n}x{m}-{policy.replace(':', '').replace('=', '')}-{size}"
     return name, f"""name = "{name}"
 seed = 1
 [topology]
@@ -67,15 +79,19 @@ def run(shoal, out, n, m, policy, size):
         "tcp_timeouts": s["tcp_timeouts"], "queue_drops": s["queue_drops"],
         "dropped_at_source": s["ledger"].get("dropped_at_source", 0),
         "never_requested": s["ledger"].get("never_requested", 0),
+        "unsent": s["ledger"].get("unsent", 0),
         "reasks": (s.get("pull") or {}).get("reasks", 0),
         "unaccounted": s["ledger_unaccounted"],
     }
 
 
 def svg(rows, path):
-    w, h, pad = 900, 420, 60
+    w, h, pad = 900, 450, 60
     panels = [c for c in (f"{n}x{m}" for n, m in CONFIGS)]
-    colors = dict(zip(POLICIES, ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728"]))
+    # Colour by token rate (none, 20, 40, 50 Mbit/s); push solid, pull dashed.
+    palette = dict(zip([None, 20.0, 40.0, 50.0], ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]))
+    colors = {p: palette[token_rate(p)] for p in POLICIES}
+    dashes = {p: ' stroke-dasharray="6,3"' if p.startswith("pull") else "" for p in POLICIES}
     import math
     xs = [math.log2(s) for s in SIZES]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">']
@@ -97,9 +113,11 @@ def svg(rows, path):
                     x = x0 + (pw - 20) * (math.log2(r["fragment_bytes"]) - xs[0]) / (xs[-1] - xs[0])
                     y = 30 + (h - 90) * (1 - min(r["throughput_mbps"], 1000) / 1000)
                     pts.append(f"{x:.1f},{y:.1f}")
-            out.append(f'<polyline fill="none" stroke="{colors[pol]}" stroke-width="2" points="{" ".join(pts)}"/>')
+            out.append(f'<polyline fill="none" stroke="{colors[pol]}" stroke-width="2"{dashes[pol]} points="{" ".join(pts)}"/>')
             if k == 0:
-                out.append(f'<text x="{pad + 10 + j * 150}" y="{h - 15}" fill="{colors[pol]}">{pol}</text>')
+                x, y = pad + 10 + (j % 4) * 190, h - 14 + (j // 4) * 12
+                out.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 20}" y2="{y - 4}" stroke="{colors[pol]}" stroke-width="2"{dashes[pol]}/>')
+                out.append(f'<text x="{x + 24}" y="{y}" fill="{colors[pol]}">{pol}</text>')
     out.append(f'<text x="{w / 2 - 40}" y="{h - 30}">fragment size</text></svg>')
     with open(path, "w") as f:
         f.write("\n".join(out))
@@ -117,12 +135,12 @@ def main():
         for r in rows:
             f.write(",".join(str(r[k]) for k in keys) + "\n")
     with open(os.path.join(out, "push-vs-pull.md"), "w") as f:
-        f.write("| config | policy | fragment B | event rate (Hz) | throughput (Mbit/s) | complete / produced | TCP timeouts | switch drops | dropped at source | never requested | re-asks |\n")
-        f.write("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+        f.write("| config | policy | fragment B | event rate (Hz) | throughput (Mbit/s) | complete / produced | TCP timeouts | switch drops | dropped at source | never requested | unsent at end | re-asks |\n")
+        f.write("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
         for r in rows:
             f.write(f"| {r['config']} | {r['policy']} | {r['fragment_bytes']} | {r['event_rate_hz']:.0f} | "
                     f"{r['throughput_mbps']:.0f} | {r['slices_complete']} / {r['slices_produced']} | {r['tcp_timeouts']} | "
-                    f"{r['queue_drops']} | {r['dropped_at_source']} | {r['never_requested']} | {r['reasks']} |\n")
+                    f"{r['queue_drops']} | {r['dropped_at_source']} | {r['never_requested']} | {r['unsent']} | {r['reasks']} |\n")
     svg(rows, os.path.join(out, "push-vs-pull.svg"))
     bad = [r for r in rows if r["unaccounted"] != 0]
     print(f"{len(rows)} runs; ledgers unbalanced: {len(bad)}")

@@ -20,7 +20,8 @@
 //!   slice was assigned to asks for it ([`Shaper::handle_request`]), and evicts fragments
 //!   nobody asked for after [`PullConfig::hold_slices`] ([`Shaper::poll_evicted`]). The
 //!   builder's side is [`crate::node::PullRequester`], the assignment
-//!   [`crate::node::DataFlowManager`]; all three share one [`PullConfig`].
+//!   [`crate::node::DataFlowManager`]; all three share one [`PullConfig`]. With a rate, the
+//!   answers leave through the same token buckets as [`TokenBucket`]'s.
 //!
 //! [`BurstCutoff`] is an optional stage in front of any policy: during a burst it keeps the
 //! first `head` and last `tail` fragments and cuts the rest.
@@ -97,8 +98,9 @@ pub trait Shaper: Send + fmt::Debug {
 ///
 /// Text form: `direct`, `delayed:K`, `tbf:RATE[:BURST]` where RATE is bytes per second
 /// (suffixes `k`, `M`, `G`; append `bit` for bits, e.g. `tbf:40Mbit`) and BURST bytes,
-/// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N]` (see [`PullConfig`]; DUR such
-/// as `50ms`, `200us`, `1s`).
+/// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N][:rate=RATE[:burst=BURST]]` (see
+/// [`PullConfig`]; DUR such as `50ms`, `200us`, `1s`; `rate`: sources answer requests
+/// through a token bucket per builder, as `tbf`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Policy {
     Direct,
@@ -124,13 +126,30 @@ pub struct PullConfig {
     /// ended (counted as never requested); this bounds a source's memory and how long a
     /// data-flow manager may be away without losing data.
     pub hold_slices: u32,
+    /// A source answers requests through a token bucket per builder at this rate (pull
+    /// combined with traffic shaping, as in the ATLAS studies); `None`: at once.
+    pub answer_rate: Option<TokenRate>,
+}
+
+/// A token bucket's rate and depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenRate {
+    pub bytes_per_s: u64,
+    pub burst_bytes: u64,
 }
 
 impl PullConfig {
     /// `credits` slices per builder; no request cap; re-ask after 100 ms, 3 times; hold
-    /// 64 slices.
+    /// 64 slices; answers unpaced.
     pub fn new(credits: u32) -> Self {
-        Self { credits, request_cap: 0, reask_timeout: Duration::from_millis(100), max_reasks: 3, hold_slices: 64 }
+        Self {
+            credits,
+            request_cap: 0,
+            reask_timeout: Duration::from_millis(100),
+            max_reasks: 3,
+            hold_slices: 64,
+            answer_rate: None,
+        }
     }
 }
 
@@ -153,7 +172,7 @@ impl Policy {
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 Box::new(TokenBucket::new(ctx, rate_bytes_per_s, burst_bytes))
             }
-            Policy::Pull(p) => Box::new(Pull::new(p.hold_slices)),
+            Policy::Pull(p) => Box::new(Pull::new(p.hold_slices, p.answer_rate)),
         }
     }
 }
@@ -181,6 +200,9 @@ impl fmt::Display for Policy {
                 if p.hold_slices != d.hold_slices {
                     write!(f, ":hold={}", p.hold_slices)?;
                 }
+                if let Some(r) = p.answer_rate {
+                    write!(f, ":rate={}:burst={}", r.bytes_per_s, r.burst_bytes)?;
+                }
                 Ok(())
             }
         }
@@ -191,7 +213,7 @@ impl fmt::Display for Policy {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "invalid policy {input:?}: {reason} (expected direct, delayed:K, tbf:RATE[:BURST] or \
-     pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N])"
+     pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N][:rate=RATE[:burst=BURST]])"
 )]
 pub struct PolicyParseError {
     input: String,
@@ -266,6 +288,7 @@ impl FromStr for Policy {
                     return Err(err("CREDITS must be at least 1"));
                 }
                 let mut p = PullConfig::new(credits);
+                let (mut rate, mut burst) = (None, None);
                 for part in parts {
                     let (key, value) = part.split_once('=').ok_or(err("expected key=value after CREDITS"))?;
                     let number = || value.parse::<u32>().map_err(|_| err("not a number"));
@@ -274,9 +297,18 @@ impl FromStr for Policy {
                         "reasks" => p.max_reasks = number()?,
                         "hold" => p.hold_slices = number()?.max(1),
                         "timeout" => p.reask_timeout = parse_duration(value).ok_or(err("bad timeout"))?,
-                        _ => return Err(err("unknown pull parameter (cap, timeout, reasks, hold)")),
+                        "rate" => rate = Some(parse_quantity(value).ok_or(err("bad rate"))?),
+                        "burst" => burst = Some(parse_quantity(value).ok_or(err("bad burst"))?),
+                        _ => return Err(err("unknown pull parameter (cap, timeout, reasks, hold, rate, burst)")),
                     }
                 }
+                p.answer_rate = match (rate, burst) {
+                    (Some(r), b) => {
+                        Some(TokenRate { bytes_per_s: r, burst_bytes: b.unwrap_or_else(|| default_burst(r)) })
+                    }
+                    (None, Some(_)) => return Err(err("burst without rate")),
+                    (None, None) => None,
+                };
                 Ok(Policy::Pull(p))
             }
             _ => Err(err("unknown policy")),
@@ -393,6 +425,37 @@ impl Shaper for Delayed {
 #[derive(Debug)]
 pub struct TokenBucket {
     ctx: ShaperContext,
+    pacer: Pacer,
+}
+
+impl TokenBucket {
+    /// Panics if `rate` or `burst` is zero (validated by [`Policy`]'s parser).
+    pub fn new(ctx: ShaperContext, rate_bytes_per_s: u64, burst_bytes: u64) -> Self {
+        Self { ctx, pacer: Pacer::new(TokenRate { bytes_per_s: rate_bytes_per_s, burst_bytes }) }
+    }
+}
+
+impl Shaper for TokenBucket {
+    fn handle_fragment(&mut self, now: Instant, frag: Outgoing) {
+        self.pacer.push(now, builder_for(frag.slice, self.ctx.n_builders), frag);
+    }
+    fn handle_sent(&mut self, _now: Instant, _slice: SliceNumber) {}
+    fn handle_drain(&mut self, _now: Instant) {}
+    fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        self.pacer.poll_transmit(now)
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.pacer.poll_timeout()
+    }
+    fn queued(&self) -> usize {
+        self.pacer.queued()
+    }
+}
+
+/// The token buckets of one source, one per destination: the pacing of [`TokenBucket`],
+/// and of a [`Pull`] source's answers when its policy has a rate.
+#[derive(Debug)]
+struct Pacer {
     rate: u64,
     burst: u64,
     dests: BTreeMap<BuilderId, Bucket>,
@@ -410,11 +473,18 @@ struct Bucket {
 
 const NANOS: u128 = 1_000_000_000;
 
-impl TokenBucket {
-    /// Panics if `rate` or `burst` is zero (validated by [`Policy`]'s parser).
-    pub fn new(ctx: ShaperContext, rate_bytes_per_s: u64, burst_bytes: u64) -> Self {
-        assert!(rate_bytes_per_s > 0 && burst_bytes > 0, "token bucket needs rate and burst");
-        Self { ctx, rate: rate_bytes_per_s, burst: burst_bytes, dests: BTreeMap::new(), next_dest: 0, queued: 0 }
+impl Pacer {
+    /// Panics if the rate or burst is zero (validated by [`Policy`]'s parser).
+    fn new(rate: TokenRate) -> Self {
+        assert!(rate.bytes_per_s > 0 && rate.burst_bytes > 0, "token bucket needs rate and burst");
+        Self { rate: rate.bytes_per_s, burst: rate.burst_bytes, dests: BTreeMap::new(), next_dest: 0, queued: 0 }
+    }
+
+    fn push(&mut self, now: Instant, dest: BuilderId, frag: Outgoing) {
+        let full = u128::from(self.burst) * NANOS;
+        let b = self.dests.entry(dest).or_insert(Bucket { tokens: full, updated: now, queue: VecDeque::new() });
+        b.queue.push_back((frag, 0));
+        self.queued += 1;
     }
 
     fn refill(&self, b: &mut Bucket, now: Instant) {
@@ -428,18 +498,7 @@ impl TokenBucket {
     fn chunk_len(&self, b: &Bucket) -> Option<u64> {
         b.queue.front().map(|(f, off)| (f.len - off).min(self.burst))
     }
-}
 
-impl Shaper for TokenBucket {
-    fn handle_fragment(&mut self, now: Instant, frag: Outgoing) {
-        let dest = builder_for(frag.slice, self.ctx.n_builders);
-        let full = u128::from(self.burst) * NANOS;
-        let b = self.dests.entry(dest).or_insert(Bucket { tokens: full, updated: now, queue: VecDeque::new() });
-        b.queue.push_back((frag, 0));
-        self.queued += 1;
-    }
-    fn handle_sent(&mut self, _now: Instant, _slice: SliceNumber) {}
-    fn handle_drain(&mut self, _now: Instant) {}
     fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
         // Round-robin over destinations, starting after the last one served.
         let order: Vec<BuilderId> =
@@ -466,6 +525,7 @@ impl Shaper for TokenBucket {
         }
         None
     }
+
     fn poll_timeout(&self) -> Option<Instant> {
         self.dests
             .values()
@@ -477,6 +537,7 @@ impl Shaper for TokenBucket {
             })
             .min()
     }
+
     fn queued(&self) -> usize {
         self.queued
     }
@@ -498,20 +559,32 @@ pub struct Pull {
     /// Requested before they were produced.
     waiting: BTreeMap<SliceNumber, BuilderId>,
     ready: VecDeque<Transmit>,
+    /// With [`PullConfig::answer_rate`]: answers leave through token buckets instead.
+    pacer: Option<Pacer>,
     evicted: VecDeque<SliceNumber>,
     /// The newest slice whose end this shaper has seen.
     latest: Option<SliceNumber>,
 }
 
 impl Pull {
-    pub fn new(hold_slices: u32) -> Self {
+    /// Holds fragments `hold_slices` slices; answers at once (`answer_rate` `None`) or
+    /// through a token bucket per builder.
+    pub fn new(hold_slices: u32, answer_rate: Option<TokenRate>) -> Self {
         Self {
             hold: u64::from(hold_slices.max(1)),
             held: BTreeMap::new(),
             waiting: BTreeMap::new(),
             ready: VecDeque::new(),
+            pacer: answer_rate.map(Pacer::new),
             evicted: VecDeque::new(),
             latest: None,
+        }
+    }
+
+    fn answer(&mut self, now: Instant, dest: BuilderId, frag: Outgoing) {
+        match &mut self.pacer {
+            Some(p) => p.push(now, dest, frag),
+            None => self.ready.push_back(whole(dest, frag)),
         }
     }
 
@@ -534,18 +607,18 @@ impl Pull {
 }
 
 impl Shaper for Pull {
-    fn handle_fragment(&mut self, _now: Instant, frag: Outgoing) {
+    fn handle_fragment(&mut self, now: Instant, frag: Outgoing) {
         match self.waiting.remove(&frag.slice) {
-            Some(dest) => self.ready.push_back(whole(dest, frag)),
+            Some(dest) => self.answer(now, dest, frag),
             None => {
                 self.held.insert(frag.slice, frag);
             }
         }
         self.advance(frag.slice);
     }
-    fn handle_request(&mut self, _now: Instant, req: PullRequest) {
+    fn handle_request(&mut self, now: Instant, req: PullRequest) {
         if let Some(frag) = self.held.remove(&req.slice) {
-            self.ready.push_back(whole(req.builder, frag));
+            self.answer(now, req.builder, frag);
         } else if self.latest.is_none_or(|l| req.slice > l && req.slice <= l + self.hold)
             && self.waiting.len() < self.hold as usize
         {
@@ -559,14 +632,17 @@ impl Shaper for Pull {
         self.advance(slice);
     }
     fn handle_drain(&mut self, _now: Instant) {}
-    fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
-        self.ready.pop_front()
+    fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        match &mut self.pacer {
+            Some(p) => p.poll_transmit(now),
+            None => self.ready.pop_front(),
+        }
     }
     fn poll_timeout(&self) -> Option<Instant> {
-        None
+        self.pacer.as_ref().and_then(Pacer::poll_timeout)
     }
     fn queued(&self) -> usize {
-        self.held.len() + self.ready.len()
+        self.held.len() + self.ready.len() + self.pacer.as_ref().map_or(0, Pacer::queued)
     }
     fn poll_evicted(&mut self) -> Option<SliceNumber> {
         self.evicted.pop_front()
@@ -665,6 +741,59 @@ mod tests {
         }
         let p = Policy::TokenBucket { rate_bytes_per_s: 7, burst_bytes: 9000 };
         assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
+    }
+
+    #[test]
+    fn parse_pull_policies() {
+        let Ok(Policy::Pull(p)) = "pull:8".parse::<Policy>() else { panic!("pull:8") };
+        assert_eq!(p, PullConfig::new(8));
+        let Ok(Policy::Pull(p)) = "pull:4:cap=16:timeout=50ms:reasks=2:hold=32:rate=40Mbit".parse::<Policy>() else {
+            panic!("pull with every parameter")
+        };
+        assert_eq!((p.credits, p.request_cap, p.max_reasks, p.hold_slices), (4, 16, 2, 32));
+        assert_eq!(p.reask_timeout, Duration::from_millis(50));
+        assert_eq!(p.answer_rate, Some(TokenRate { bytes_per_s: 5_000_000, burst_bytes: 9000 }));
+        let Ok(Policy::Pull(p)) = "pull:2:rate=1MB:burst=64k".parse::<Policy>() else { panic!("rate and burst") };
+        assert_eq!(p.answer_rate, Some(TokenRate { bytes_per_s: 1_000_000, burst_bytes: 64_000 }));
+        for text in ["pull:8", "pull:4:cap=16:timeout=50ms:reasks=2:hold=32:rate=40Mbit", "pull:2:rate=1MB:burst=64k"] {
+            let p: Policy = text.parse().unwrap();
+            assert_eq!(p.to_string().parse::<Policy>(), Ok(p), "{text} -> {p}");
+        }
+        for bad in ["pull", "pull:0", "pull:x", "pull:8:cap", "pull:8:speed=3", "pull:8:burst=9k", "pull:8:rate=0"] {
+            assert!(bad.parse::<Policy>().is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn paced_pull_answers_through_a_token_bucket_per_builder() {
+        // 1000 B/s, burst 100: two 150-byte answers to builder 0 and one to builder 1.
+        let mut s = Pull::new(64, Some(TokenRate { bytes_per_s: 1000, burst_bytes: 100 }));
+        let t0 = Instant::ZERO;
+        for slice in 0..3 {
+            s.handle_fragment(t0, Outgoing { slice, len: 150 });
+        }
+        assert_eq!(s.poll_transmit(t0), None, "nothing is sent before it is requested");
+        s.handle_request(t0, PullRequest { builder: 0, slice: 0 });
+        s.handle_request(t0, PullRequest { builder: 1, slice: 1 });
+        s.handle_request(t0, PullRequest { builder: 0, slice: 2 });
+        // Each builder's bucket starts full: one 100-byte chunk each at once.
+        let first: Vec<_> = std::iter::from_fn(|| s.poll_transmit(t0)).map(|t| (t.dest, t.slice, t.len)).collect();
+        assert_eq!(first, [(0, 0, 100), (1, 1, 100)]);
+        assert_eq!(s.queued(), 3);
+        // The rest of slice 0 and 1 after 50 ms, slice 2 in two more chunks behind them.
+        let mut sent = first.iter().map(|&(_, _, len)| len).sum::<u64>();
+        let mut now = t0;
+        while let Some(wake) = s.poll_timeout() {
+            assert!(wake > now);
+            now = wake;
+            while let Some(t) = s.poll_transmit(now) {
+                sent += t.len;
+            }
+        }
+        assert_eq!(sent, 450);
+        assert_eq!(s.queued(), 0);
+        // Builder 0 received 300 bytes: 100 of burst, 200 at 1000 B/s.
+        assert_eq!(now, Instant::from_nanos(200_000_000));
     }
 
     #[test]

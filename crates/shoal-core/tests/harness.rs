@@ -19,7 +19,7 @@ use shoal_core::node::{
     BuilderNode, BuilderNodeConfig, DataFlowManager, DfmConfig, GeneratedFragment, SourceNode, SourceNodeConfig,
     SourceTransmit, TransmitKind, Workload,
 };
-use shoal_core::shaping::{Policy, PullConfig, PullRequest};
+use shoal_core::shaping::{Policy, PullConfig, PullRequest, TokenRate};
 use shoal_core::slice::{SliceClock, SliceNumber, builder_for};
 use shoal_core::{BuilderId, Duration, Instant, SourceId};
 
@@ -534,21 +534,23 @@ fn setup() -> impl Strategy<Value = Setup> {
         )
 }
 
-/// Pull setups: random credits, cap, re-ask budget and hold; requests lost at random; a
-/// builder killed at a random moment (or not).
+/// Pull setups: random credits, cap, re-ask budget and hold; answers paced by a token
+/// bucket or not; requests lost at random; a builder killed at a random moment (or not).
 fn pull_setup() -> impl Strategy<Value = Setup> {
     (
         setup(),
         (1u32..6, prop_oneof![Just(0u32), 1u32..8], 0u32..3, 5u64..40, 4u32..80),
+        prop_oneof![Just(None), (10_000u64..50_000_000, 100u64..20_000).prop_map(Some)],
         prop_oneof![Just(0.0), 0.0..0.2],
         prop_oneof![Just(None), (0u32..3, 0u64..400).prop_map(Some)],
     )
-        .prop_map(|(mut s, (credits, cap, reasks, timeout_ms, hold), request_loss, kill)| {
+        .prop_map(|(mut s, (credits, cap, reasks, timeout_ms, hold), rate, request_loss, kill)| {
             let mut p = PullConfig::new(credits);
             p.request_cap = cap;
             p.max_reasks = reasks;
             p.reask_timeout = Duration::from_millis(timeout_ms);
             p.hold_slices = hold;
+            p.answer_rate = rate.map(|(bytes_per_s, burst_bytes)| TokenRate { bytes_per_s, burst_bytes });
             s.policy = Policy::Pull(p);
             s.request_loss = request_loss;
             s.kill = kill.map(|(b, ms)| (b % s.n_builders, ms));
@@ -713,6 +715,10 @@ proptest! {
             // Nothing is evicted before its request can come.
             p.hold_slices = p.hold_slices.max(64);
             p.reask_timeout = Duration::from_millis(500);
+            // Paced answers still use the buckets (fragments cut into bursts), at an ample rate.
+            if let Some(r) = &mut p.answer_rate {
+                r.bytes_per_s = r.bytes_per_s.max(1_000_000_000);
+            }
         }
         ideal(s)
     })) {

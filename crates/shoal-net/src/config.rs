@@ -44,8 +44,8 @@ pub struct RunConfig {
     /// Number of builders; slice `s` goes to builder `s mod builders`.
     pub builders: u32,
     /// Traffic-shaping policy: `direct`, `delayed:K`, `tbf:RATE[:BURST]` or
-    /// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N]` (credit-based pull with a
-    /// data-flow manager at `dfm_addr`).
+    /// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N][:rate=RATE[:burst=BURST]]`
+    /// (credit-based pull with a data-flow manager at `dfm_addr`).
     pub policy: String,
     /// Data address of each builder, indexed by builder id.
     pub builder_addrs: Vec<String>,

@@ -16,7 +16,7 @@ async fn run(policy: &str, sources: u32, builders: u32) {
     assert_eq!(s.ledger.produced, u64::from(sources) * s.slices_produced);
     assert_eq!(s.ledger.unaccounted, 0);
     // Every produced slice was processed exactly once by its builder.
-    assert_eq!(s.slices_complete + s.slices_incomplete, s.slices_produced);
+    assert_eq!(s.slices_complete + s.slices_incomplete, s.slices_produced, "{:?} {:?}", s.ledger, s.dfm);
     assert_eq!(s.writer.slices, s.slices_produced);
     assert_eq!(s.writer.builders_ended, builders as usize);
     let file = std::fs::File::open(&s.writer.file.path).unwrap();
@@ -57,4 +57,14 @@ async fn pull_policy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_policy_with_a_request_cap() {
     run("pull:2:cap=2", 4, 2).await;
+}
+
+/// Pull and traffic shaping together: the sources answer requests through a token bucket
+/// per builder. The bucket is the default one millisecond deep: a much shallower one (say
+/// 1000 bytes at 20 MB/s) sends one burst per timer wake-up, and on a busy machine, with
+/// wake-ups tens of milliseconds apart, falls behind the builders' requests, which then
+/// give fragments up (the `tbf` caveat of Linux with a bucket below rate / HZ).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_policy_answered_through_token_buckets() {
+    run("pull:4:rate=20MB", 4, 2).await;
 }

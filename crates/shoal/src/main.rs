@@ -193,7 +193,7 @@ struct DemoArgs {
     /// Number of builders.
     #[arg(long)]
     builders: Option<u32>,
-    /// Traffic shaping: direct, delayed:K, tbf:RATE[:BURST] (e.g. tbf:40Mbit) or pull:CREDITS[:cap=N] (credit-based pull).
+    /// Traffic shaping: direct, delayed:K, tbf:RATE[:BURST] (e.g. tbf:40Mbit) or pull:CREDITS[:cap=N][:rate=RATE] (credit-based pull, answers optionally paced).
     #[arg(long)]
     policy: Option<String>,
     /// Output directory for events and summaries.
