@@ -7,6 +7,15 @@ at 20, 40 and 50 Mbit/s, and pull (8 credits) answered at once or through the sa
 buckets. Every source offers 20% more than its bottleneck (the link share, or its token
 bucket), so each run measures what the policy delivers under overload. Usage: scripts/push_vs_pull.py SHOAL_BINARY OUT_DIR
 Writes OUT_DIR/push-vs-pull.{csv,md,svg}; stdlib only.
+
+With --testbed (root; docs/testbed.md) the same experiment, scaled to what the runtime and
+this machine can do, runs on the emulated network and in the simulator with the same
+scenario files: 20 ms slices (the runtime takes whole milliseconds, so the slice cannot
+shrink to microseconds as above), 4 s runs, fragments 1, 4, 16 and 64 kB. The links are
+scaled instead of the slices: every link carries 1/1.2 of what the sources offer (direct
+and unpaced pull), or the token bucket is 1/1.2 of a source's offer and every link is
+25 times the bucket (the study's 40 Mbit/s on 1 Gbit/s; at most 200 Mbit/s, the most this
+machine's veths carry reliably). Writes OUT_DIR/push-vs-pull-testbed.{csv,md}.
 """
 import concurrent.futures as cf
 import json
@@ -123,7 +132,117 @@ def svg(rows, path):
         f.write("\n".join(out))
 
 
+TB_SIZES = [1000, 4000, 16000, 64000]
+# Scaled, the token-bucket variants differ only in the link rate (1000/R times the bucket,
+# capped): one of them is run.
+TB_POLICIES = ["direct", "tbf:40Mbit", "pull:8", "pull:8:rate=40Mbit"]
+TB_SLICE_MS, TB_LOAD_S, TB_MAX_LINK_MBPS = 20, 4.0, 200.0
+
+
+def testbed_scenario(n, m, policy, size):
+    """The scaled scenario of one testbed run: (name, text, link Mbit/s, token Mbit/s)."""
+    offered = size * 8 / (TB_SLICE_MS / 1e3) / 1e6  # Mbit/s per source
+    study_rate = token_rate(policy)
+    if study_rate is None:
+        link, token = n * offered / 1.2, None
+    else:
+        token = offered / 1.2
+        link = min(token * 1000 / study_rate, TB_MAX_LINK_MBPS)
+    shaped = policy.replace(f"{study_rate:g}Mbit", f"{token:.4f}Mbit") if token else policy
+    name = f"tb-{n}x{m}-{policy.replace(':', '').replace('=', '')}-{size}"
+    return name, f"""name = "{name}"
+seed = 1
+[topology]
+sources = {n}
+builders = {m}
+boards_per_sector = {n}
+board_mbps = {link:.4f}
+board_delay_us = 5.0
+shore_mbps = {max(link * n, 1.0):.4f}
+shore_delay_us = 5.0
+builder_mbps = {link:.4f}
+builder_delay_us = 5.0
+[traffic]
+policy = "{shaped}"
+transport = "tcp"
+fragment_bytes = {size}
+slice_ms = {TB_SLICE_MS}
+load_s = {TB_LOAD_S}
+relax_s = 0.5
+""", link, token
+
+
+def testbed_run(shoal, out, n, m, policy, size, prefix):
+    name, text, link, token = testbed_scenario(n, m, policy, size)
+    path = os.path.join(out, name + ".toml")
+    with open(path, "w") as f:
+        f.write(text)
+    rows = []
+    subprocess.run([shoal, "sim", path, "--out", out], check=True, capture_output=True)
+    with open(os.path.join(out, name + ".summary.json")) as f:
+        s = json.load(f)
+    rows.append(("sim", s["slices_complete"], s["slices"], s["tcp_timeouts"], s["queue_drops"], s["ledger"],
+                 (s.get("pull") or {}).get("reasks", 0), s["ledger_unaccounted"]))
+    tb_dir = os.path.join(out, name + ".testbed")
+    r = subprocess.run([shoal, "testbed", "run", "--prefix", prefix, "--json", "--dir", tb_dir, path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{name}: shoal testbed run failed: {r.stderr[-2000:]}")
+    t = json.loads(r.stdout)
+    reasks = 0
+    runs = os.path.join(tb_dir, "state", "runs")
+    for rec in os.listdir(runs):
+        with open(os.path.join(runs, rec)) as f:
+            for rep in json.load(f)["reports"]:
+                reasks += ((rep.get("detail") or {}).get("pull") or {}).get("reasks", 0)
+    b = t["ledger"]["buckets"]
+    rows.append(("testbed", t["slices_complete"], t["ledger"]["produced"] // n, t["tcp_timeouts"],
+                 t["queue_drops"] + t["host_queue_drops"], b, reasks, t["ledger"]["unaccounted"]))
+    result = []
+    for where, complete, produced, timeouts, drops, ledger, reasks, unaccounted in rows:
+        seconds = TB_LOAD_S
+        result.append({
+            "where": where, "config": f"{n}x{m}", "policy": policy, "fragment_bytes": size,
+            "link_mbps": round(link, 3), "token_mbps": round(token, 4) if token else "",
+            "event_rate_hz": complete / seconds, "throughput_mbps": complete / seconds * n * size * 8 / 1e6,
+            "slices_complete": complete, "slices_produced": produced, "tcp_timeouts": timeouts,
+            "queue_drops": drops, "dropped_at_source": ledger.get("dropped_at_source", 0),
+            "never_requested": ledger.get("never_requested", 0), "unsent": ledger.get("unsent", 0),
+            "reasks": reasks, "unaccounted": unaccounted,
+        })
+    return result
+
+
+def testbed_main(shoal, out):
+    jobs = [(n, m, p, s) for (n, m) in CONFIGS for p in TB_POLICIES for s in TB_SIZES]
+    rows = []
+    for i, job in enumerate(jobs):
+        rows += testbed_run(shoal, out, *job, prefix="pvp")
+        print(f"{i + 1}/{len(jobs)} {job}", file=sys.stderr, flush=True)
+    keys = list(rows[0].keys())
+    with open(os.path.join(out, "push-vs-pull-testbed.csv"), "w") as f:
+        f.write(",".join(keys) + "\n")
+        for r in rows:
+            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    with open(os.path.join(out, "push-vs-pull-testbed.md"), "w") as f:
+        f.write("| config | policy | fragment B | link Mbit/s | token Mbit/s | where | event rate (Hz) | throughput (Mbit/s) "
+                "| complete / produced | TCP timeouts | drops | never requested | unsent at end | re-asks |\n")
+        f.write("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+        for r in rows:
+            f.write(f"| {r['config']} | {r['policy']} | {r['fragment_bytes']} | {r['link_mbps']} | {r['token_mbps']} | "
+                    f"{r['where']} | {r['event_rate_hz']:.1f} | {r['throughput_mbps']:.2f} | "
+                    f"{r['slices_complete']} / {r['slices_produced']} | {r['tcp_timeouts']} | {r['queue_drops']} | "
+                    f"{r['never_requested']} | {r['unsent']} | {r['reasks']} |\n")
+    bad = [r for r in rows if r["unaccounted"] != 0]
+    print(f"{len(rows)} rows; ledgers unbalanced: {len(bad)}")
+    return 1 if bad else 0
+
+
 def main():
+    if "--testbed" in sys.argv:
+        args = [a for a in sys.argv[1:] if a != "--testbed"]
+        os.makedirs(args[1], exist_ok=True)
+        return testbed_main(args[0], args[1])
     shoal, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     jobs = [(n, m, p, s) for (n, m) in CONFIGS for p in POLICIES for s in SIZES]

@@ -136,9 +136,10 @@ pub async fn run_dfm(
                     info!(builders, claimed, unclaimed, "assigning (slices claimed by builders, slices to assign)")
                 }
                 // At the end of a run builders close their connection once their sources
-                // have ended: nothing to hand on, no cause for alarm.
-                DfmEvent::BuilderLeft { builder, reassigned: 0, silent: false } if end != 0 => {
-                    info!(builder, "builder finished")
+                // have ended, possibly before run control has told the manager the end
+                // slice: with nothing to hand on, no cause for alarm.
+                DfmEvent::BuilderLeft { builder, reassigned: 0, silent: false } => {
+                    info!(builder, "builder disconnected with no slice outstanding")
                 }
                 DfmEvent::BuilderLeft { builder, reassigned, silent } => {
                     warn!(builder, reassigned, silent, "builder left; its slices go to the others")

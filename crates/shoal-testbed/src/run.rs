@@ -18,6 +18,7 @@ use crate::plan::{CONTROL_ADDR, Congestion, HostRole, Plan, WRITER_ADDR};
 const BUILDER_PORT: u16 = 5601;
 const WRITER_PORT: u16 = 5700;
 const DISPATCHER_PORT: u16 = 5553;
+const DFM_PORT: u16 = 5650;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -108,7 +109,10 @@ pub fn testbed_config(sc: &Scenario, plan: &Plan, seconds: f64) -> anyhow::Resul
             format!("{}:{BUILDER_PORT}", h.addr)
         })
         .collect();
-    runtime_config(sc, builder_addrs, format!("{WRITER_ADDR}:{WRITER_PORT}"), seconds)
+    let mut cfg = runtime_config(sc, builder_addrs, format!("{WRITER_ADDR}:{WRITER_PORT}"), seconds)?;
+    // A pull run's data-flow manager lives on the control host.
+    cfg.run.dfm_addr = format!("{CONTROL_ADDR}:{DFM_PORT}");
+    Ok(cfg)
 }
 
 /// A scenario as the runtime's configuration: the same sources and builders, policy,
@@ -176,7 +180,11 @@ pub fn cluster_file(sc: &Scenario, plan: &Plan, opts: &TestbedOptions, seconds: 
             HostRole::Source(i) => processes.push(spec(format!("source{i}"), Role::Source, vec![i], &h.netns)),
             HostRole::Builder(j) => processes.push(spec(format!("builder{j}"), Role::Builder, vec![j], &h.netns)),
             HostRole::Writer => processes.push(spec("writer".into(), Role::Writer, vec![], &h.netns)),
-            HostRole::Control => {}
+            HostRole::Control => {
+                if config.policy()?.pull().is_some() {
+                    processes.push(spec("dfm".into(), Role::Dfm, vec![], &h.netns));
+                }
+            }
         }
     }
     let mut config = config;
