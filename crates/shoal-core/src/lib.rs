@@ -26,10 +26,14 @@
 //! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
 //!   order, start and end slices, reply deadlines, inactive processes, discovery.
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
+//! - [`datagram`]: the UDP transport's datagrams and its selective retransmission
+//!   ([`datagram::DatagramSender`], [`datagram::DatagramReceiver`],
+//!   [`datagram::BuilderEndpoint`]).
 
 pub mod assembly;
 pub mod cluster;
 pub mod controlhost;
+pub mod datagram;
 pub mod event;
 pub mod frame;
 pub mod hit;

@@ -1,0 +1,460 @@
+//! The builder's side: per-source reassembly, gap detection and NACKs, and the endpoint that
+//! demultiplexes one socket's datagrams.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use bytes::Bytes;
+
+use super::UdpConfig;
+use super::wire::{Datagram, DatagramError, DatagramHeader, Kind, MAX_NACK_SEQS};
+use crate::slice::SliceNumber;
+use crate::{BuilderId, Instant, SourceId};
+
+/// What one stream's receiver saw.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ReceiverStats {
+    pub datagrams: u64,
+    pub bytes: u64,
+    /// A datagram already received (or for a frame already complete): ignored.
+    pub duplicates: u64,
+    /// Arrived after a later sequence number (reordered or retransmitted).
+    pub out_of_order: u64,
+    pub nacks_sent: u64,
+    /// Sequence numbers asked for again (each NACK lists several).
+    pub seqs_nacked: u64,
+    /// Datagrams that arrived after they were NACKed (recovered).
+    pub recovered_datagrams: u64,
+    /// Datagrams known to be missing (from gaps or the end's sequence number) and given up.
+    pub lost_datagrams: u64,
+    /// Frames reassembled complete.
+    pub frames: u64,
+    /// Of those, frames that needed at least one retransmitted datagram.
+    pub frames_recovered: u64,
+    /// Frames partly received and given up (reassembly timeout or memory bound).
+    pub fragments_damaged: u64,
+    /// Data that contradicts what was received before for the same frame (another
+    /// length): refused.
+    pub inconsistent: u64,
+}
+
+/// A frame reassembled from datagrams.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceivedFragment {
+    pub source: SourceId,
+    pub slice: SliceNumber,
+    /// The frame's bytes, as a TCP stream would carry them (decode with
+    /// [`crate::frame::decode`], which checks its own CRCs).
+    pub frame: Bytes,
+    /// At least one of its datagrams was a retransmission.
+    pub recovered: bool,
+}
+
+#[derive(Debug)]
+struct Missing {
+    nacks: u32,
+    next_nack: Instant,
+}
+
+#[derive(Debug)]
+struct Partial {
+    frame_len: u32,
+    data: Vec<u8>,
+    /// Offsets received (each datagram starts at a distinct offset).
+    pieces: BTreeSet<u32>,
+    got: u64,
+    since: Instant,
+    recovered: bool,
+}
+
+/// One (source, builder) stream, builder side.
+#[derive(Debug)]
+pub struct DatagramReceiver {
+    cfg: UdpConfig,
+    run: u32,
+    source: SourceId,
+    builder: BuilderId,
+    /// Every sequence number below this was received, is missing, or was given up.
+    next_seq: u64,
+    missing: BTreeMap<u64, Missing>,
+    partial: BTreeMap<SliceNumber, Partial>,
+    partial_bytes: u64,
+    /// Slices completed or given up recently: later copies of their datagrams are
+    /// duplicates (a frame is delivered or counted damaged once).
+    finished: BTreeSet<SliceNumber>,
+    out: VecDeque<ReceivedFragment>,
+    transmit: VecDeque<Bytes>,
+    /// The sender's final sequence number, once its `End` arrived.
+    end: Option<u64>,
+    end_acked: bool,
+    stats: ReceiverStats,
+}
+
+/// Finished slices remembered per stream to recognise late duplicates.
+const FINISHED_MEMORY: usize = 4096;
+
+impl DatagramReceiver {
+    pub fn new(cfg: UdpConfig, run: u32, source: SourceId, builder: BuilderId) -> Self {
+        Self {
+            cfg,
+            run,
+            source,
+            builder,
+            next_seq: 0,
+            missing: BTreeMap::new(),
+            partial: BTreeMap::new(),
+            partial_bytes: 0,
+            finished: BTreeSet::new(),
+            out: VecDeque::new(),
+            transmit: VecDeque::new(),
+            end: None,
+            end_acked: false,
+            stats: ReceiverStats::default(),
+        }
+    }
+
+    /// A decoded datagram of this stream (the endpoint checked run, source and builder).
+    pub fn handle_datagram(&mut self, now: Instant, d: &Datagram) {
+        let h = &d.header;
+        match h.kind {
+            Kind::Data => {
+                self.stats.datagrams += 1;
+                self.stats.bytes += d.payload.len() as u64;
+                if !self.handle_seq(now, h.seq) {
+                    self.stats.duplicates += 1;
+                    return;
+                }
+                self.handle_piece(now, h, &d.payload);
+            }
+            Kind::Sync => self.handle_next_seq(now, h.seq),
+            Kind::End => {
+                self.handle_next_seq(now, h.seq);
+                self.end = Some(h.seq);
+                // Every End is answered once nothing is missing: the sender repeats it until
+                // an acknowledgement gets through.
+                self.end_acked = false;
+                self.maybe_ack_end();
+            }
+            Kind::Nack | Kind::EndAck => {}
+        }
+    }
+
+    /// Records `seq` as received; false if it was already (a duplicate).
+    fn handle_seq(&mut self, now: Instant, seq: u64) -> bool {
+        if seq >= self.next_seq {
+            if seq > self.next_seq {
+                self.mark_missing(now, self.next_seq, seq);
+            }
+            self.next_seq = seq + 1;
+            return true;
+        }
+        self.stats.out_of_order += 1;
+        if self.missing.remove(&seq).is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// The sender says every sequence number below `next` was sent.
+    fn handle_next_seq(&mut self, now: Instant, next: u64) {
+        if next > self.next_seq {
+            self.mark_missing(now, self.next_seq, next);
+            self.next_seq = next;
+        }
+    }
+
+    fn mark_missing(&mut self, now: Instant, from: u64, to: u64) {
+        let first_nack = now + self.cfg.nack_delay;
+        // Bounded: a forged sequence number far ahead must not make the builder allocate.
+        let room = (self.cfg.max_missing as usize).saturating_sub(self.missing.len()) as u64;
+        let marked = (to - from).min(room);
+        for seq in to - marked..to {
+            self.missing.insert(seq, Missing { nacks: 0, next_nack: first_nack });
+        }
+        self.stats.lost_datagrams += (to - from) - marked;
+    }
+
+    fn handle_piece(&mut self, now: Instant, h: &DatagramHeader, payload: &[u8]) {
+        if self.finished.contains(&h.slice) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        // The sender cuts a frame into pieces of exactly `max_payload` bytes (the last one
+        // shorter): distinct offsets then never overlap, so a frame whose pieces add up to
+        // its length is covered, byte for byte.
+        let piece = u32::from(self.cfg.max_payload.max(1));
+        let expected_len = piece.min(h.frame_len.saturating_sub(h.offset));
+        let frame_len = u64::from(h.frame_len);
+        if !h.offset.is_multiple_of(piece)
+            || payload.len() != expected_len as usize
+            || frame_len > self.cfg.reassembly_bytes
+        {
+            self.stats.inconsistent += 1;
+            return;
+        }
+        if !self.partial.contains_key(&h.slice) {
+            // Memory bound: the oldest partial frames are given up.
+            while self.partial_bytes + frame_len > self.cfg.reassembly_bytes {
+                let Some(slice) = self.partial.keys().next().copied() else { break };
+                self.give_up(slice);
+            }
+            self.partial_bytes += frame_len;
+            self.partial.insert(
+                h.slice,
+                Partial {
+                    frame_len: h.frame_len,
+                    data: vec![0; h.frame_len as usize],
+                    pieces: BTreeSet::new(),
+                    got: 0,
+                    since: now,
+                    recovered: false,
+                },
+            );
+        }
+        let p = self.partial.get_mut(&h.slice).expect("inserted");
+        if p.frame_len != h.frame_len {
+            self.stats.inconsistent += 1;
+            return;
+        }
+        if !p.pieces.insert(h.offset) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        let start = h.offset as usize;
+        p.data[start..start + payload.len()].copy_from_slice(payload);
+        p.got += payload.len() as u64;
+        p.recovered |= h.retransmit;
+        if h.retransmit {
+            self.stats.recovered_datagrams += 1;
+        }
+        if p.got == u64::from(p.frame_len) {
+            let p = self.partial.remove(&h.slice).expect("present");
+            self.partial_bytes -= u64::from(p.frame_len);
+            self.finish(h.slice);
+            self.stats.frames += 1;
+            self.stats.frames_recovered += u64::from(p.recovered);
+            self.out.push_back(ReceivedFragment {
+                source: self.source,
+                slice: h.slice,
+                frame: Bytes::from(p.data),
+                recovered: p.recovered,
+            });
+        }
+    }
+
+    fn finish(&mut self, slice: SliceNumber) {
+        self.finished.insert(slice);
+        if self.finished.len() > FINISHED_MEMORY {
+            self.finished.pop_first();
+        }
+    }
+
+    /// A partial frame that cannot be completed (counted damaged).
+    fn give_up(&mut self, slice: SliceNumber) {
+        if let Some(p) = self.partial.remove(&slice) {
+            self.partial_bytes -= u64::from(p.frame_len);
+            self.stats.fragments_damaged += 1;
+            self.finish(slice);
+        }
+    }
+
+    fn maybe_ack_end(&mut self) {
+        if self.end.is_some() && !self.end_acked && self.missing.is_empty() {
+            self.end_acked = true;
+            self.transmit.push_back(Datagram::encode(
+                &DatagramHeader::new(Kind::EndAck, self.run, self.source, self.builder),
+                &[],
+            ));
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        // NACK what is due, give up what was asked for too often.
+        let mut due = Vec::new();
+        let mut given_up = Vec::new();
+        for (&seq, m) in &mut self.missing {
+            if m.next_nack > now {
+                continue;
+            }
+            if m.nacks >= self.cfg.max_nacks {
+                given_up.push(seq);
+                continue;
+            }
+            m.nacks += 1;
+            m.next_nack = now + self.cfg.nack_interval;
+            due.push(seq);
+        }
+        for seq in given_up {
+            self.missing.remove(&seq);
+            self.stats.lost_datagrams += 1;
+        }
+        for seqs in due.chunks(MAX_NACK_SEQS) {
+            self.stats.nacks_sent += 1;
+            self.stats.seqs_nacked += seqs.len() as u64;
+            self.transmit.push_back(Datagram::nack(self.run, self.source, self.builder, seqs));
+        }
+        // Frames that cannot complete any more.
+        let expired: Vec<SliceNumber> = self
+            .partial
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.since) >= self.cfg.reassembly_timeout)
+            .map(|(s, _)| *s)
+            .collect();
+        for slice in expired {
+            self.give_up(slice);
+        }
+        self.maybe_ack_end();
+    }
+
+    /// The next reassembled frame.
+    pub fn poll_fragment(&mut self) -> Option<ReceivedFragment> {
+        self.out.pop_front()
+    }
+
+    /// The next datagram to send back to the source (NACK, end acknowledgement).
+    pub fn poll_transmit(&mut self) -> Option<Bytes> {
+        self.transmit.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let nack = self.missing.values().map(|m| m.next_nack).min();
+        let partial = self.partial.values().map(|p| p.since + self.cfg.reassembly_timeout).min();
+        [nack, partial].into_iter().flatten().min()
+    }
+
+    /// The source ended its stream and nothing is missing or half assembled any more.
+    pub fn is_ended(&self) -> bool {
+        self.end.is_some() && self.missing.is_empty() && self.partial.is_empty()
+    }
+
+    pub fn stats(&self) -> &ReceiverStats {
+        &self.stats
+    }
+}
+
+/// What a builder's endpoint refused, by reason.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct EndpointStats {
+    pub datagrams: u64,
+    /// Not a datagram at all, by [`DatagramError::kind`].
+    pub refused: BTreeMap<String, u64>,
+    /// Well-formed, but for another run.
+    pub other_run: u64,
+    /// Well-formed, but addressed to another builder.
+    pub other_builder: u64,
+    /// From a source id outside the run.
+    pub unknown_source: u64,
+    /// A kind a builder never receives (NACK, end acknowledgement).
+    pub wrong_direction: u64,
+}
+
+/// One builder's datagram socket: checks every datagram and hands it to its source's
+/// receiver.
+#[derive(Debug)]
+pub struct BuilderEndpoint {
+    cfg: UdpConfig,
+    run: u32,
+    builder: BuilderId,
+    n_sources: u32,
+    streams: BTreeMap<SourceId, DatagramReceiver>,
+    stats: EndpointStats,
+}
+
+impl BuilderEndpoint {
+    pub fn new(cfg: UdpConfig, run: u32, builder: BuilderId, n_sources: u32) -> Self {
+        Self { cfg, run, builder, n_sources, streams: BTreeMap::new(), stats: EndpointStats::default() }
+    }
+
+    /// Untrusted bytes from the socket. Returns the source they came from when accepted
+    /// (the driver remembers its address for NACKs), or why they were refused (counted).
+    pub fn handle_bytes(&mut self, now: Instant, bytes: &Bytes) -> Result<SourceId, &'static str> {
+        self.stats.datagrams += 1;
+        let d = match Datagram::decode(bytes) {
+            Ok(d) => d,
+            Err(e) => return Err(self.refuse(&e)),
+        };
+        let h = &d.header;
+        let reason = if h.run != self.run {
+            self.stats.other_run += 1;
+            "other_run"
+        } else if h.builder != self.builder {
+            self.stats.other_builder += 1;
+            "other_builder"
+        } else if h.source >= self.n_sources {
+            self.stats.unknown_source += 1;
+            "unknown_source"
+        } else if matches!(h.kind, Kind::Nack | Kind::EndAck) {
+            self.stats.wrong_direction += 1;
+            "wrong_direction"
+        } else {
+            let (cfg, run, builder) = (self.cfg, self.run, self.builder);
+            let source = h.source;
+            self.streams
+                .entry(source)
+                .or_insert_with(|| DatagramReceiver::new(cfg, run, source, builder))
+                .handle_datagram(now, &d);
+            return Ok(source);
+        };
+        Err(reason)
+    }
+
+    fn refuse(&mut self, e: &DatagramError) -> &'static str {
+        *self.stats.refused.entry(e.kind().to_string()).or_default() += 1;
+        e.kind()
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for r in self.streams.values_mut() {
+            r.handle_timeout(now);
+        }
+    }
+
+    /// The next reassembled frame, from any source.
+    pub fn poll_fragment(&mut self) -> Option<ReceivedFragment> {
+        self.streams.values_mut().find_map(DatagramReceiver::poll_fragment)
+    }
+
+    /// The next datagram to send back, with the source it goes to.
+    pub fn poll_transmit(&mut self) -> Option<(SourceId, Bytes)> {
+        self.streams.iter_mut().find_map(|(s, r)| r.poll_transmit().map(|d| (*s, d)))
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.streams.values().filter_map(DatagramReceiver::poll_timeout).min()
+    }
+
+    /// Every source in `sources` ended its stream and nothing is missing.
+    pub fn all_ended(&self, sources: impl IntoIterator<Item = SourceId>) -> bool {
+        sources.into_iter().all(|s| self.streams.get(&s).is_some_and(DatagramReceiver::is_ended))
+    }
+
+    pub fn stream(&self, source: SourceId) -> Option<&DatagramReceiver> {
+        self.streams.get(&source)
+    }
+
+    pub fn stats(&self) -> &EndpointStats {
+        &self.stats
+    }
+
+    /// The receivers' statistics summed over every source.
+    pub fn receiver_totals(&self) -> ReceiverStats {
+        let mut t = ReceiverStats::default();
+        for r in self.streams.values() {
+            let s = r.stats();
+            t.datagrams += s.datagrams;
+            t.bytes += s.bytes;
+            t.duplicates += s.duplicates;
+            t.out_of_order += s.out_of_order;
+            t.nacks_sent += s.nacks_sent;
+            t.seqs_nacked += s.seqs_nacked;
+            t.recovered_datagrams += s.recovered_datagrams;
+            t.lost_datagrams += s.lost_datagrams;
+            t.frames += s.frames;
+            t.frames_recovered += s.frames_recovered;
+            t.fragments_damaged += s.fragments_damaged;
+            t.inconsistent += s.inconsistent;
+        }
+        t
+    }
+}

@@ -1,0 +1,230 @@
+//! The source's side of one datagram stream: cutting frames into datagrams, the retransmit
+//! buffer, tail probes and the end of the stream.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use super::UdpConfig;
+use super::wire::{Datagram, DatagramHeader, Kind};
+use crate::slice::SliceNumber;
+use crate::{BuilderId, Instant, SourceId};
+
+/// What one stream's sender did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct SenderStats {
+    pub frames: u64,
+    pub datagrams: u64,
+    pub bytes: u64,
+    pub nacks: u64,
+    /// Datagrams sent again in answer to a NACK.
+    pub retransmitted: u64,
+    /// NACKed datagrams no longer in the retransmit buffer (too old, or pushed out by the
+    /// byte limit): the builder will declare them lost.
+    pub unanswerable: u64,
+    pub probes: u64,
+    pub ends: u64,
+    /// Datagrams from the builder that do not belong to this stream or are not a NACK or
+    /// end acknowledgement.
+    pub refused: u64,
+}
+
+#[derive(Debug)]
+struct Kept {
+    at: Instant,
+    header: DatagramHeader,
+    payload: Bytes,
+}
+
+impl Kept {
+    fn wire_len(&self) -> u64 {
+        (super::DATAGRAM_HEADER_LEN + self.payload.len()) as u64
+    }
+}
+
+/// One (source, builder) stream, source side.
+#[derive(Debug)]
+pub struct DatagramSender {
+    cfg: UdpConfig,
+    run: u32,
+    source: SourceId,
+    builder: BuilderId,
+    next_seq: u64,
+    /// Sent datagrams by sequence number, oldest first, for retransmission.
+    kept: VecDeque<Kept>,
+    kept_bytes: u64,
+    out: VecDeque<Bytes>,
+    /// When to send a `SYNC` if nothing else is sent before (one per idle period).
+    probe_at: Option<Instant>,
+    end: Option<EndState>,
+    stats: SenderStats,
+}
+
+#[derive(Debug)]
+struct EndState {
+    next_at: Instant,
+    sent: u32,
+    acked: bool,
+}
+
+impl DatagramSender {
+    pub fn new(cfg: UdpConfig, run: u32, source: SourceId, builder: BuilderId) -> Self {
+        Self {
+            cfg,
+            run,
+            source,
+            builder,
+            next_seq: 0,
+            kept: VecDeque::new(),
+            kept_bytes: 0,
+            out: VecDeque::new(),
+            probe_at: None,
+            end: None,
+            stats: SenderStats::default(),
+        }
+    }
+
+    fn header(&self, kind: Kind) -> DatagramHeader {
+        DatagramHeader::new(kind, self.run, self.source, self.builder)
+    }
+
+    /// Cuts the frame of `slice` into datagrams, queues them and keeps them for
+    /// retransmission. Frames of 4 GiB and more cannot be sent (the caller's payload limit
+    /// is far below).
+    pub fn handle_frame(&mut self, now: Instant, slice: SliceNumber, frame: &[u8]) {
+        let Ok(frame_len) = u32::try_from(frame.len()) else { return };
+        self.stats.frames += 1;
+        let piece = usize::from(self.cfg.max_payload.max(1));
+        for (i, chunk) in frame.chunks(piece).enumerate() {
+            let h = DatagramHeader {
+                seq: self.next_seq,
+                slice,
+                frame_len,
+                offset: (i * piece) as u32,
+                ..self.header(Kind::Data)
+            };
+            let d = Datagram::encode(&h, chunk);
+            self.next_seq += 1;
+            self.stats.datagrams += 1;
+            self.stats.bytes += d.len() as u64;
+            let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
+            self.kept_bytes += kept.wire_len();
+            self.kept.push_back(kept);
+            self.out.push_back(d);
+        }
+        self.forget_old(now);
+        self.probe_at = Some(now + self.cfg.probe_delay);
+    }
+
+    /// No more frames: the end of the stream is sent (and repeated until acknowledged).
+    pub fn handle_end(&mut self, now: Instant) {
+        if self.end.is_none() {
+            self.end = Some(EndState { next_at: now, sent: 0, acked: false });
+            self.probe_at = None;
+        }
+    }
+
+    /// A datagram from the builder (already decoded): a NACK or an end acknowledgement.
+    pub fn handle_datagram(&mut self, now: Instant, d: &Datagram) {
+        let h = &d.header;
+        if h.run != self.run || h.source != self.source || h.builder != self.builder {
+            self.stats.refused += 1;
+            return;
+        }
+        match h.kind {
+            Kind::Nack => {
+                self.stats.nacks += 1;
+                self.forget_old(now);
+                for seq in d.nacked() {
+                    match self.find(seq) {
+                        Some(datagram) => {
+                            self.stats.retransmitted += 1;
+                            self.out.push_back(datagram);
+                        }
+                        None if seq < self.next_seq => self.stats.unanswerable += 1,
+                        // Never sent: a forged or corrupted request.
+                        None => self.stats.refused += 1,
+                    }
+                }
+            }
+            Kind::EndAck => {
+                if let Some(e) = &mut self.end {
+                    e.acked = true;
+                }
+            }
+            Kind::Data | Kind::Sync | Kind::End => self.stats.refused += 1,
+        }
+    }
+
+    /// The kept datagram `seq`, marked as a retransmission.
+    fn find(&self, seq: u64) -> Option<Bytes> {
+        // Kept datagrams have consecutive sequence numbers.
+        let first = self.kept.front()?.header.seq;
+        let k = self.kept.get(usize::try_from(seq.checked_sub(first)?).ok()?)?;
+        debug_assert_eq!(k.header.seq, seq);
+        Some(Datagram::encode(&DatagramHeader { retransmit: true, ..k.header }, &k.payload))
+    }
+
+    fn forget_old(&mut self, now: Instant) {
+        while let Some(k) = self.kept.front() {
+            let too_old = now.saturating_duration_since(k.at) > self.cfg.retransmit_age;
+            if !too_old && self.kept_bytes <= self.cfg.retransmit_bytes {
+                break;
+            }
+            self.kept_bytes -= k.wire_len();
+            self.kept.pop_front();
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.forget_old(now);
+        if self.probe_at.is_some_and(|t| t <= now) {
+            self.probe_at = None;
+            self.stats.probes += 1;
+            let h = DatagramHeader { seq: self.next_seq, ..self.header(Kind::Sync) };
+            self.out.push_back(Datagram::encode(&h, &[]));
+        }
+        let (interval, max_ends) = (self.cfg.end_interval, self.cfg.max_ends);
+        let end_header = DatagramHeader { seq: self.next_seq, ..self.header(Kind::End) };
+        if let Some(e) = &mut self.end
+            && !e.acked
+            && e.sent < max_ends
+            && e.next_at <= now
+        {
+            e.sent += 1;
+            e.next_at = now + interval;
+            self.stats.ends += 1;
+            self.out.push_back(Datagram::encode(&end_header, &[]));
+        }
+    }
+
+    /// The next datagram to send.
+    pub fn poll_transmit(&mut self) -> Option<Bytes> {
+        self.out.pop_front()
+    }
+
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let end = self.end.as_ref().filter(|e| !e.acked && e.sent < self.cfg.max_ends).map(|e| e.next_at);
+        [self.probe_at, end].into_iter().flatten().min()
+    }
+
+    /// The end was acknowledged, or repeated as often as allowed.
+    pub fn is_finished(&self) -> bool {
+        self.out.is_empty() && self.end.as_ref().is_some_and(|e| e.acked || e.sent >= self.cfg.max_ends)
+    }
+
+    /// The end was acknowledged by the builder.
+    pub fn end_acknowledged(&self) -> bool {
+        self.end.as_ref().is_some_and(|e| e.acked)
+    }
+
+    pub fn stats(&self) -> &SenderStats {
+        &self.stats
+    }
+
+    /// Bytes held for retransmission.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_bytes
+    }
+}
