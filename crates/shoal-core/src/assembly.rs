@@ -71,6 +71,8 @@ pub struct Fragment<T> {
     pub bytes: u64,
     /// The fragment is a burst-cutoff marker (no data).
     pub cut_off: bool,
+    /// It arrived only thanks to a retransmission (counted `recovered`, not `delivered`).
+    pub recovered: bool,
     pub data: T,
 }
 
@@ -163,8 +165,24 @@ impl<T> SliceAssembler<T> {
         cut_off: bool,
         data: T,
     ) -> Admission {
+        self.handle_fragment_recovered(now, source, slice, bytes, cut_off, false, data)
+    }
+
+    /// [`SliceAssembler::handle_fragment`] for a fragment that may have needed a
+    /// retransmission (`recovered`: counted apart when its slice is processed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_fragment_recovered(
+        &mut self,
+        now: Instant,
+        source: SourceId,
+        slice: SliceNumber,
+        bytes: u64,
+        cut_off: bool,
+        recovered: bool,
+        data: T,
+    ) -> Admission {
         *self.tally.received.entry(source).or_default() += 1;
-        let admission = self.admit(now, source, slice, bytes, cut_off, data);
+        let admission = self.admit(now, source, slice, bytes, cut_off, recovered, data);
         match admission {
             Admission::Accepted => {}
             Admission::Late => self.tally.late += 1,
@@ -176,6 +194,7 @@ impl<T> SliceAssembler<T> {
         admission
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn admit(
         &mut self,
         now: Instant,
@@ -183,6 +202,7 @@ impl<T> SliceAssembler<T> {
         slice: SliceNumber,
         bytes: u64,
         cut_off: bool,
+        recovered: bool,
         data: T,
     ) -> Admission {
         if source >= self.cfg.n_sources {
@@ -201,7 +221,7 @@ impl<T> SliceAssembler<T> {
             return Admission::DroppedOverload;
         }
         entry.bytes += bytes;
-        entry.fragments.insert(source, Fragment { source, bytes, cut_off, data });
+        entry.fragments.insert(source, Fragment { source, bytes, cut_off, recovered, data });
         self.held_bytes += bytes;
         Admission::Accepted
     }
@@ -287,6 +307,8 @@ impl<T> SliceAssembler<T> {
         for f in s.fragments.values() {
             if f.cut_off {
                 self.tally.cut_off += 1;
+            } else if f.recovered {
+                self.tally.recovered += 1;
             } else {
                 self.tally.delivered += 1;
             }

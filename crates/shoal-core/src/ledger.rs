@@ -18,6 +18,9 @@ use crate::{BuilderId, SourceId};
 pub enum Bucket {
     /// Part of a slice the builder processed (complete or incomplete).
     Delivered,
+    /// Delivered like [`Bucket::Delivered`], but only thanks to a retransmission the
+    /// builder asked for (datagram transport: some of its datagrams were lost first).
+    Recovered,
     /// Replaced by an empty marker by the burst rate cutoff (the marker was delivered).
     CutOff,
     /// Arrived after its slice had been processed; discarded.
@@ -39,7 +42,10 @@ pub enum Bucket {
     /// Pull policies: held by the source until its hold time passed, never asked for by a
     /// builder (the slice was never assigned, or its builder left before asking).
     NeverRequested,
-    /// Sent, never received: `sent - received` per (source, builder).
+    /// Datagram transport: partly received, never completed (the missing datagrams were
+    /// not recovered within the budget); counted by the builder.
+    Damaged,
+    /// Sent, never received: `sent - received - damaged` per (source, builder).
     LostInTransport,
     /// Sent to a builder that left no tally (it died or never reported): whatever it
     /// held or would have built is gone with it.
@@ -47,8 +53,9 @@ pub enum Bucket {
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 13] = [
+    pub const ALL: [Bucket; 15] = [
         Bucket::Delivered,
+        Bucket::Recovered,
         Bucket::CutOff,
         Bucket::Late,
         Bucket::Duplicate,
@@ -59,6 +66,7 @@ impl Bucket {
         Bucket::SendFailed,
         Bucket::Unsent,
         Bucket::NeverRequested,
+        Bucket::Damaged,
         Bucket::LostInTransport,
         Bucket::LostWithBuilder,
     ];
@@ -67,6 +75,7 @@ impl Bucket {
     pub fn name(self) -> &'static str {
         match self {
             Bucket::Delivered => "delivered",
+            Bucket::Recovered => "recovered",
             Bucket::CutOff => "cut_off",
             Bucket::Late => "late",
             Bucket::Duplicate => "duplicate",
@@ -77,6 +86,7 @@ impl Bucket {
             Bucket::SendFailed => "send_failed",
             Bucket::Unsent => "unsent",
             Bucket::NeverRequested => "never_requested",
+            Bucket::Damaged => "damaged",
             Bucket::LostInTransport => "lost_in_transport",
             Bucket::LostWithBuilder => "lost_with_builder",
         }
@@ -129,6 +139,13 @@ pub struct BuilderTally {
     /// Frames received intact, per source.
     pub received: BTreeMap<SourceId, u64>,
     pub delivered: u64,
+    /// Delivered after a retransmission (datagram transport); not in `delivered`.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub recovered: u64,
+    /// Datagram transport: frames partly received and given up, per source. Not in
+    /// `received` (they never arrived whole).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub damaged: BTreeMap<SourceId, u64>,
     pub cut_off: u64,
     pub late: u64,
     pub duplicate: u64,
@@ -143,6 +160,10 @@ impl BuilderTally {
             *self.received.entry(*s).or_default() += n;
         }
         self.delivered += other.delivered;
+        self.recovered += other.recovered;
+        for (s, n) in &other.damaged {
+            *self.damaged.entry(*s).or_default() += n;
+        }
         self.cut_off += other.cut_off;
         self.late += other.late;
         self.duplicate += other.duplicate;
@@ -152,6 +173,7 @@ impl BuilderTally {
     }
     fn classified(&self) -> u64 {
         self.delivered
+            + self.recovered
             + self.cut_off
             + self.late
             + self.duplicate
@@ -197,12 +219,15 @@ impl Ledger {
                     continue;
                 };
                 let received = bt.received.get(src).copied().unwrap_or(0);
-                l.add(Bucket::LostInTransport, sent.saturating_sub(received));
-                l.excess_received += received.saturating_sub(sent);
+                let damaged = bt.damaged.get(src).copied().unwrap_or(0);
+                l.add(Bucket::Damaged, damaged);
+                l.add(Bucket::LostInTransport, sent.saturating_sub(received + damaged));
+                l.excess_received += (received + damaged).saturating_sub(sent);
             }
         }
         for (b, t) in builders {
             l.add(Bucket::Delivered, t.delivered);
+            l.add(Bucket::Recovered, t.recovered);
             l.add(Bucket::CutOff, t.cut_off);
             l.add(Bucket::Late, t.late);
             l.add(Bucket::Duplicate, t.duplicate);
@@ -249,9 +274,10 @@ impl Ledger {
         self.unaccounted() == 0 && self.excess_received == 0 && self.tally_errors == 0
     }
 
-    /// Fragments that did not reach a processed slice (everything but delivered/cut-off).
+    /// Fragments that did not reach a processed slice (everything but delivered,
+    /// recovered and cut-off).
     pub fn lost(&self) -> u64 {
-        self.accounted() - self.get(Bucket::Delivered) - self.get(Bucket::CutOff)
+        self.accounted() - self.get(Bucket::Delivered) - self.get(Bucket::Recovered) - self.get(Bucket::CutOff)
     }
 }
 
@@ -279,6 +305,26 @@ mod tests {
         assert_eq!(l.unaccounted(), 0);
         assert!(l.is_balanced());
         assert_eq!(l.lost(), 3);
+    }
+
+    #[test]
+    fn datagram_losses_split_into_recovered_damaged_and_lost() {
+        // 10 sent over UDP: 6 arrived at once, 2 after a NACK, 1 partly (damaged), 1 not
+        // at all (lost in transport).
+        let mut s0 = SourceTally { produced: 10, ..Default::default() };
+        s0.sent.insert(0, 10);
+        let mut b0 = BuilderTally::default();
+        b0.received.insert(0, 8);
+        b0.delivered = 6;
+        b0.recovered = 2;
+        b0.damaged.insert(0, 1);
+        let l = Ledger::combine(&BTreeMap::from([(0, s0)]), &BTreeMap::from([(0, b0)]));
+        assert_eq!(
+            [Bucket::Delivered, Bucket::Recovered, Bucket::Damaged, Bucket::LostInTransport].map(|b| l.get(b)),
+            [6, 2, 1, 1]
+        );
+        assert!(l.is_balanced());
+        assert_eq!(l.lost(), 2);
     }
 
     #[test]

@@ -813,8 +813,14 @@ impl World {
         let r = self.record(source, slice);
         r.arrived_ns = now.as_nanos();
         // Delays are measured from the records; the send time stays unknown to the node.
-        let arrival =
-            Arrival { source, slice, wire_bytes: u64::from(r.bytes), cut_off: r.cut_off, send_time: Instant::ZERO };
+        let arrival = Arrival {
+            source,
+            slice,
+            wire_bytes: u64::from(r.bytes),
+            cut_off: r.cut_off,
+            send_time: Instant::ZERO,
+            recovered: false,
+        };
         self.builders[builder as usize].node.handle_fragment(now, arrival, ());
         self.drain_outcomes(now, builder);
     }

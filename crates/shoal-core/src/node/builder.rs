@@ -30,6 +30,8 @@ pub struct Arrival {
     pub cut_off: bool,
     /// When the source handed the frame to the transport (`Instant::ZERO`: unknown).
     pub send_time: Instant,
+    /// It arrived only thanks to a retransmission (datagram transport).
+    pub recovered: bool,
 }
 
 impl Arrival {
@@ -40,6 +42,7 @@ impl Arrival {
             wire_bytes: HEADER_LEN as u64 + u64::from(h.payload_len),
             cut_off: h.flags.contains(Flags::CUT_OFF),
             send_time: h.send_time,
+            recovered: false,
         }
     }
 }
@@ -108,6 +111,8 @@ pub struct BuilderNode<T> {
     out: VecDeque<SliceOutcome<T>>,
     /// Pull policies: the requesting side.
     pull: Option<PullRequester>,
+    /// Datagram transport: frames given up in reassembly, per source.
+    damaged: BTreeMap<SourceId, u64>,
 }
 
 impl<T> BuilderNode<T> {
@@ -119,6 +124,7 @@ impl<T> BuilderNode<T> {
             report: BuilderNodeReport { id: cfg.id, ..Default::default() },
             out: VecDeque::new(),
             pull: None,
+            damaged: BTreeMap::new(),
         }
     }
 
@@ -177,7 +183,8 @@ impl<T> BuilderNode<T> {
             network_delay = Some(now - a.send_time);
             shaping_delay = Some(a.send_time - self.cfg.slice_clock.end_of(a.slice));
         }
-        let admission = self.asm.handle_fragment(now, a.source, a.slice, a.wire_bytes, a.cut_off, data);
+        let admission =
+            self.asm.handle_fragment_recovered(now, a.source, a.slice, a.wire_bytes, a.cut_off, a.recovered, data);
         if let Some(p) = self.pull.as_mut() {
             p.handle_arrival(now, a.source, a.slice);
         }
@@ -198,6 +205,14 @@ impl<T> BuilderNode<T> {
     pub fn handle_end_of_stream(&mut self, now: Instant, source: SourceId) {
         if source < self.cfg.assembler.n_sources && self.ended.insert(source) && self.all_ended() {
             self.handle_drain(now);
+        }
+    }
+
+    /// Datagram transport: `n` frames of `source` were partly received and given up
+    /// (counted `damaged` in the ledger).
+    pub fn handle_damaged(&mut self, source: SourceId, n: u64) {
+        if n > 0 {
+            *self.damaged.entry(source).or_default() += n;
         }
     }
 
@@ -259,6 +274,7 @@ impl<T> BuilderNode<T> {
     pub fn report(&self) -> BuilderNodeReport {
         let mut r = self.report.clone();
         r.tally = self.asm.tally();
+        r.tally.damaged = self.damaged.clone();
         r.sources_ended = self.ended.len() as u32;
         r.pull = self.pull.as_ref().map(|p| p.stats().clone());
         r
@@ -298,7 +314,30 @@ mod tests {
     }
 
     fn arrival(source: SourceId, slice: SliceNumber) -> Arrival {
-        Arrival { source, slice, wire_bytes: 100, cut_off: false, send_time: Instant::from_nanos(12_000_000) }
+        Arrival {
+            source,
+            slice,
+            wire_bytes: 100,
+            cut_off: false,
+            send_time: Instant::from_nanos(12_000_000),
+            recovered: false,
+        }
+    }
+
+    #[test]
+    fn recovered_and_damaged_fragments_are_counted_apart() {
+        let mut b = node(2);
+        let now = Instant::from_nanos(13_000_000);
+        b.handle_fragment(now, arrival(0, 0), 1);
+        b.handle_fragment(now, Arrival { recovered: true, ..arrival(1, 0) }, 2);
+        assert!(b.poll_slice().unwrap().is_complete());
+        // A recovered fragment that comes too late is late, not recovered.
+        assert_eq!(b.handle_fragment(now, Arrival { recovered: true, ..arrival(1, 0) }, 3).admission, Admission::Late);
+        b.handle_damaged(1, 2);
+        let t = b.report().tally;
+        assert_eq!((t.delivered, t.recovered, t.late), (1, 1, 1));
+        assert_eq!(t.damaged.get(&1), Some(&2));
+        assert_eq!(t.unaccounted(), 0);
     }
 
     #[test]
