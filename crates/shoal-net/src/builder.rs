@@ -22,7 +22,7 @@ use hdrhistogram::Histogram;
 use shoal_core::assembly::{Admission, SliceOutcome};
 use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
-use shoal_core::node::{BuilderNode, BuilderNodeReport};
+use shoal_core::node::{Arrival, BuilderNode, BuilderNodeReport};
 use shoal_core::pullmsg::PullMessage;
 use shoal_core::slice::SliceClock;
 use shoal_core::slice::SliceNumber;
@@ -36,11 +36,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::clock::WallClock;
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Transport};
 use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
 use crate::link::{Backoff, Chunk, Link, LinkReport};
 use crate::live::Live;
+use crate::udp::{Received, UdpReceiveReport};
 
 /// Delay histograms are kept in microseconds, up to one hour.
 pub fn new_histogram() -> Histogram<u64> {
@@ -72,6 +73,9 @@ pub struct BuilderReport {
     pub event_frames_failed: u64,
     /// Pull: requests for a source that had not greeted this builder (asked again later).
     pub requests_unroutable: u64,
+    /// Datagram transport: what the endpoint received, refused, asked again and lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub udp: Option<UdpReceiveReport>,
 }
 
 enum Incoming {
@@ -229,6 +233,34 @@ pub async fn run_builder(
     let max_payload = cfg.max_payload();
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
+    // Ends the datagram task with this function, also when it is aborted.
+    let cancel_udp = CancellationToken::new();
+    let _end_udp = cancel_udp.clone().drop_guard();
+    // Datagram transport: the same address and port as TCP, its own receive task.
+    let (udp_tx, mut udp_rx) = mpsc::channel::<Received>(4096);
+    let udp_task = match cfg.transport()? {
+        Transport::Udp => {
+            let addr = listener.local_addr().map_err(|e| ConfigError::Invalid(format!("builder address: {e}")))?;
+            let sock = crate::udp::socket(addr, (cfg.udp.socket_buffer_mb << 20) as usize)
+                .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
+            let run = cfg.run.run_number as u32;
+            Some(tokio::spawn(crate::udp::receive(
+                sock,
+                cfg.udp_config(),
+                run,
+                id,
+                cfg.run.sources,
+                cfg.max_payload(),
+                clock,
+                udp_tx,
+                cancel_udp.clone(),
+            )))
+        }
+        Transport::Tcp => {
+            drop(udp_tx);
+            None
+        }
+    };
     let dfm_in_tx = in_tx.clone();
     let readers = CancellationToken::new();
     // The tasks spawned for this process (accept loop, connection readers, the manager's
@@ -318,6 +350,12 @@ pub async fn run_builder(
                 node.handle_timeout(clock.now());
             }
             Some(bytes) = released_rx.recv() => node.handle_released(bytes),
+            Some(r) = udp_rx.recv() => {
+                on_received(&mut node, &mut measured, r, &live, clock);
+                while let Ok(r) = udp_rx.try_recv() {
+                    on_received(&mut node, &mut measured, r, &live, clock);
+                }
+            }
             _ = cancel.cancelled() => {
                 warn!(builder = id, ended = node.sources_ended(), n_sources, "stopping before every source ended its stream");
                 break;
@@ -330,6 +368,11 @@ pub async fn run_builder(
         }
     }
     readers.cancel();
+    cancel_udp.cancel();
+    let udp = match udp_task {
+        Some(t) => t.await.ok(),
+        None => None,
+    };
     let connections = accept_task.await.unwrap_or(0);
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
@@ -367,6 +410,7 @@ pub async fn run_builder(
         filter_busy_s: busy,
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
+        udp,
     };
     info!(
         builder = id,
@@ -446,9 +490,40 @@ fn on_incoming(
             return;
         }
     };
+    on_frame(node, measured, frame, arrival, false, live);
+}
+
+/// What the datagram endpoint hands over: whole frames, damage, ends of stream.
+fn on_received(
+    node: &mut BuilderNode<FragmentData>,
+    measured: &mut Measured,
+    r: Received,
+    live: &Live,
+    clock: WallClock,
+) {
+    match r {
+        Received::Frame { frame, recovered } => on_frame(node, measured, frame, clock.now(), recovered, live),
+        Received::Damaged { source, n } => node.handle_damaged(source, n),
+        Received::Ended { source } => node.handle_end_of_stream(clock.now(), source),
+    }
+}
+
+fn on_frame(
+    node: &mut BuilderNode<FragmentData>,
+    measured: &mut Measured,
+    frame: Frame,
+    arrival: Instant,
+    recovered: bool,
+    live: &Live,
+) {
     let h = frame.header;
     let data = FragmentData { source: h.source, hit_count: h.hit_count, payload: frame.payload };
-    let Some(o) = node.handle_frame(arrival, &h, data) else { return };
+    let o = if h.flags.contains(Flags::END_OF_STREAM) {
+        node.handle_end_of_stream(arrival, h.source);
+        return;
+    } else {
+        node.handle_fragment(arrival, Arrival { recovered, ..Arrival::from_header(&h) }, data)
+    };
     if let Some(d) = o.network_delay {
         let us = (d.as_micros() as u64).max(1);
         let _ = measured.net.record(us);

@@ -27,6 +27,55 @@ pub struct Config {
     pub source: SourceConfig,
     pub builder: BuilderConfig,
     pub writer: WriterConfig,
+    pub udp: UdpSettings,
+}
+
+/// The data path's transport (`run.transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Tcp,
+    /// Datagrams with selective retransmission (`shoal_core::datagram`), settings in `[udp]`.
+    Udp,
+}
+
+/// The datagram transport's budgets (`run.transport = "udp"`); see
+/// `shoal_core::datagram::UdpConfig` for what each does and why the defaults are what they
+/// are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UdpSettings {
+    /// Largest datagram payload in bytes (1420: no IP fragmentation on a 1500-byte MTU).
+    pub max_payload: u16,
+    /// Retransmit buffer per (source, builder) stream: at most this many MiB ...
+    pub retransmit_mb: u64,
+    /// ... and datagrams at most this old.
+    pub retransmit_age_ms: u64,
+    /// A gap is asked for this long after it is seen, then every `nack_interval_us`, at most
+    /// `max_nacks` times.
+    pub nack_delay_us: u64,
+    pub nack_interval_us: u64,
+    pub max_nacks: u32,
+    /// A partly received frame is given up (counted damaged) after this long.
+    pub reassembly_timeout_ms: u64,
+    /// Socket send and receive buffers asked of the kernel, MiB (a warning says when it
+    /// grants less: raise `net.core.rmem_max` / `wmem_max`).
+    pub socket_buffer_mb: u64,
+}
+
+impl Default for UdpSettings {
+    fn default() -> Self {
+        let d = shoal_core::datagram::UdpConfig::default();
+        Self {
+            max_payload: d.max_payload,
+            retransmit_mb: d.retransmit_bytes >> 20,
+            retransmit_age_ms: d.retransmit_age.as_millis() as u64,
+            nack_delay_us: d.nack_delay.as_micros() as u64,
+            nack_interval_us: d.nack_interval.as_micros() as u64,
+            max_nacks: d.max_nacks,
+            reassembly_timeout_ms: d.reassembly_timeout.as_millis() as u64,
+            socket_buffer_mb: 16,
+        }
+    }
 }
 
 /// What every process of a run must agree on.
@@ -53,6 +102,9 @@ pub struct RunConfig {
     pub writer_addr: String,
     /// Pull policies: where the data-flow manager accepts the builders' connections.
     pub dfm_addr: String,
+    /// `tcp` (default) or `udp` (datagrams with selective retransmission, `[udp]`; a
+    /// builder receives them on the same address and port as TCP).
+    pub transport: String,
     /// First slice of the run, so that every source of it agrees (run control and the
     /// embedded demo set it). Unset: the first slice that starts on a whole second after
     /// the process starts, so processes started within the same second agree.
@@ -71,6 +123,7 @@ impl Default for RunConfig {
             builder_addrs: vec!["127.0.0.1:5601".into(), "127.0.0.1:5602".into(), "127.0.0.1:5603".into()],
             writer_addr: "127.0.0.1:5700".into(),
             dfm_addr: "127.0.0.1:5650".into(),
+            transport: "tcp".into(),
             start_slice: None,
         }
     }
@@ -227,6 +280,16 @@ impl Config {
     /// Checks everything a node would otherwise trip over later.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy()?;
+        if self.transport()? == Transport::Udp {
+            if self.policy()?.pull().is_some() {
+                return invalid(
+                    "run.transport = \"udp\" does not carry pull policies yet (their requests are TCP frames)",
+                );
+            }
+            if self.udp.max_payload < 64 {
+                return invalid("udp.max_payload must be at least 64 bytes");
+            }
+        }
         self.slice_clock()?;
         let r = &self.run;
         if r.sources == 0 || r.builders == 0 {
@@ -386,6 +449,30 @@ impl Config {
         }
     }
 
+    /// The data path's transport.
+    pub fn transport(&self) -> Result<Transport, ConfigError> {
+        match self.run.transport.as_str() {
+            "tcp" => Ok(Transport::Tcp),
+            "udp" => Ok(Transport::Udp),
+            other => invalid(format!("run.transport {other:?}: tcp or udp")),
+        }
+    }
+
+    /// The datagram transport's budgets.
+    pub fn udp_config(&self) -> shoal_core::datagram::UdpConfig {
+        let u = &self.udp;
+        shoal_core::datagram::UdpConfig {
+            max_payload: u.max_payload,
+            retransmit_bytes: u.retransmit_mb << 20,
+            retransmit_age: Duration::from_millis(u.retransmit_age_ms),
+            nack_delay: Duration::from_micros(u.nack_delay_us),
+            nack_interval: Duration::from_micros(u.nack_interval_us),
+            max_nacks: u.max_nacks,
+            reassembly_timeout: Duration::from_millis(u.reassembly_timeout_ms),
+            ..shoal_core::datagram::UdpConfig::default()
+        }
+    }
+
     pub fn max_payload(&self) -> u32 {
         self.builder.max_payload_mb.saturating_mul(1 << 20)
     }
@@ -419,5 +506,7 @@ mod tests {
         assert!(bad("[builder.filter]\nname = \"nope\"").contains("nope"));
         assert!(bad("[source]\ngenerator = \"noise\"\n[source.noise]\nrate_hz = -1.0").contains("rate"));
         assert!(bad("[source.physics]\nsingles_hz = -1.0").contains("source.physics"));
+        assert!(bad("[run]\ntransport = \"sctp\"").contains("run.transport"));
+        assert!(bad("[run]\ntransport = \"udp\"\npolicy = \"pull:4\"").contains("pull"));
     }
 }

@@ -31,4 +31,5 @@ pub mod live;
 pub mod node;
 pub mod rcagent;
 pub mod source;
+pub mod udp;
 pub mod writer;

@@ -19,9 +19,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::clock::WallClock;
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Transport};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
+use crate::udp::{UdpLink, UdpLinkStats};
 
 /// What a source process reports at the end (the node's report).
 pub type SourceReport = SourceNodeReport;
@@ -64,11 +65,29 @@ pub async fn run_source(
         Some(_) => LinkOptions { hello: node_cfg.sources.clone(), requests: Some(request_tx) },
         None => LinkOptions::default(),
     };
-    let links: Vec<Link> = addrs
+    let transport = cfg.transport()?;
+    let links: Vec<DataLink> = addrs
         .iter()
         .enumerate()
-        .map(|(b, addr)| {
-            Link::spawn_with(b as u32, *addr, clock, backoff, report_tx.clone(), closing.clone(), options.clone())
+        .map(|(b, addr)| match transport {
+            Transport::Tcp => DataLink::Tcp(Link::spawn_with(
+                b as u32,
+                *addr,
+                clock,
+                backoff,
+                report_tx.clone(),
+                closing.clone(),
+                options.clone(),
+            )),
+            Transport::Udp => DataLink::Udp(UdpLink::spawn(
+                b as u32,
+                *addr,
+                clock,
+                cfg.udp_config(),
+                cfg.run.run_number as u32,
+                (cfg.udp.socket_buffer_mb << 20) as usize,
+                report_tx.clone(),
+            )),
         })
         .collect();
     drop(report_tx);
@@ -115,7 +134,8 @@ pub async fn run_source(
     // and keep collecting reports until every link task has finished (bounded: a link to an
     // unreachable peer gives up once `closing` is set).
     closing.cancel();
-    let tasks: Vec<_> = links.into_iter().map(Link::close).collect();
+    let udp_stats: Vec<_> = links.iter().filter_map(DataLink::udp_stats).collect();
+    let tasks: Vec<_> = links.into_iter().map(DataLink::close).collect();
     let collect = async {
         while let Some(r) = reports.recv().await {
             handle_report(&mut node, r, clock.now());
@@ -128,10 +148,53 @@ pub async fn run_source(
         }
     }
     sync_live(&node, &live, &mut seen);
+    for s in udp_stats {
+        let s = s.lock().map(|s| s.clone()).unwrap_or_default();
+        info!(
+            builder = s.builder,
+            frames = s.frames,
+            datagrams = s.datagrams,
+            nacks = s.nacks,
+            retransmitted = s.retransmitted,
+            unanswerable = s.unanswerable,
+            send_errors = s.send_errors,
+            ends_unacknowledged = s.ends_unacknowledged,
+            "UDP link finished"
+        );
+    }
     Ok(node.report())
 }
 
-fn pump(node: &mut SourceNode, links: &[Link], now: Instant, live: &Live, seen: &mut SourceTotals) {
+/// A source's link to one builder, on the run's transport.
+enum DataLink {
+    Tcp(Link),
+    Udp(UdpLink),
+}
+
+impl DataLink {
+    fn send(&self, chunk: Chunk) {
+        match self {
+            DataLink::Tcp(l) => l.send(chunk),
+            DataLink::Udp(l) => l.send(chunk),
+        }
+    }
+
+    fn close(self) -> tokio::task::JoinHandle<()> {
+        match self {
+            DataLink::Tcp(l) => l.close(),
+            DataLink::Udp(l) => l.close(),
+        }
+    }
+
+    fn udp_stats(&self) -> Option<std::sync::Arc<std::sync::Mutex<UdpLinkStats>>> {
+        match self {
+            DataLink::Tcp(_) => None,
+            DataLink::Udp(l) => Some(l.stats.clone()),
+        }
+    }
+}
+
+fn pump(node: &mut SourceNode, links: &[DataLink], now: Instant, live: &Live, seen: &mut SourceTotals) {
     while let Some(t) = node.poll_transmit(now) {
         links[t.dest as usize].send(chunk(t));
     }

@@ -89,3 +89,67 @@ async fn truncated_frame_at_eof_is_counted() {
     assert_builder_carried_on(&b, &ledger);
     assert_eq!(b.node.rejected_connections.get("truncated"), Some(&1));
 }
+
+/// Datagram transport: garbage, truncated, corrupted, other-run, other-builder and
+/// unknown-source datagrams on a builder's UDP port all through the run are counted by
+/// reason and ignored; every fragment of the real sources is still delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_datagrams_are_counted_and_ignored() {
+    use shoal_core::datagram::{Datagram, DatagramHeader, Kind};
+    let out = temp_dir("udp-intruder");
+    let mut cfg = small_config(2, 1, 1.0, &out);
+    cfg.run.transport = "udp".into();
+    let (wl, mut bls) = bind_all(&mut cfg).await;
+    let addr = bls[0].local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live(), never()));
+    let run = cfg.run.run_number as u32;
+    let data = |run: u32, source: u32, builder: u32| {
+        let h =
+            DatagramHeader { seq: 1, slice: 7, frame_len: 10, ..DatagramHeader::new(Kind::Data, run, source, builder) };
+        Datagram::encode(&h, &[1u8; 10])
+    };
+    let mut corrupted = data(run, 0, 0).to_vec();
+    corrupted[60] ^= 0xFF;
+    let bad: Vec<Vec<u8>> = vec![
+        b"not a datagram".to_vec(),
+        vec![0u8; 200],
+        data(run, 0, 0)[..30].to_vec(),
+        corrupted,
+        data(run + 1, 0, 0).to_vec(),
+        data(run, 0, 5).to_vec(),
+        data(run, 9, 0).to_vec(),
+    ];
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stop_intruder = stop.clone();
+    let intruder = tokio::spawn(async move {
+        let s = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let mut rounds = 0u64;
+        // Until the sources are done (bounded: at most 100,000 rounds).
+        while !stop_intruder.is_cancelled() && rounds < 100_000 {
+            for b in &bad {
+                let _ = s.send_to(b, addr).await;
+            }
+            rounds += 1;
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(5)) => {}
+                _ = stop_intruder.cancelled() => {}
+            }
+        }
+    });
+    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
+    stop.cancel();
+    intruder.await.unwrap();
+    let b = builder.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
+    std::fs::remove_dir_all(&out).unwrap();
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(ledger.lost(), 0, "no fragment of the real sources may be lost: {ledger:?}");
+    let udp = b.udp.expect("a UDP report");
+    let e = &udp.endpoint;
+    for reason in ["truncated", "bad_magic", "bad_crc"] {
+        assert!(e.refused.get(reason).copied().unwrap_or(0) > 0, "{reason}: {e:?}");
+    }
+    assert!(e.other_run > 0 && e.other_builder > 0 && e.unknown_source > 0, "{e:?}");
+}

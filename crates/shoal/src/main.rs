@@ -196,6 +196,9 @@ struct DemoArgs {
     /// Traffic shaping: direct, delayed:K, tbf:RATE[:BURST] (e.g. tbf:40Mbit) or pull:CREDITS[:cap=N][:rate=RATE] (credit-based pull, answers optionally paced).
     #[arg(long)]
     policy: Option<String>,
+    /// Data transport: tcp, or udp (datagrams with selective retransmission, `[udp]`).
+    #[arg(long)]
+    transport: Option<String>,
     /// Output directory for events and summaries.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -308,6 +311,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(v) = args.policy {
         cfg.run.policy = v;
+    }
+    if let Some(v) = args.transport {
+        cfg.run.transport = v;
     }
     if let Some(v) = args.out {
         cfg.writer.out_dir = v;

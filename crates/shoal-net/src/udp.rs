@@ -1,0 +1,337 @@
+//! The datagram transport on UDP sockets (`run.transport = "udp"`): shoal-core's
+//! [`DatagramSender`] behind a source's [`UdpLink`] (one per builder, the same owner API as
+//! a TCP [`crate::link::Link`]) and its [`BuilderEndpoint`] behind a builder's
+//! [`receive`] task. Every decision (cutting, sequence numbers, NACKs, retransmissions,
+//! what is lost or damaged) is the core's; this module moves datagrams and time.
+//!
+//! A builder receives datagrams on the same address and port as TCP. A source's end of
+//! stream (its end-of-stream frame) becomes the stream's `END`, repeated until the builder
+//! acknowledges it; the builder tells its node a source ended once that source's stream
+//! has ended with nothing missing.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use shoal_core::SourceId;
+use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, EndpointStats, ReceiverStats, UdpConfig};
+use shoal_core::frame::{self, Flags, HEADER_LEN, set_send_time};
+use tokio::net::UdpSocket;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::clock::WallClock;
+use crate::link::{Chunk, LinkReport};
+
+/// Largest datagram the sockets read (a UDP datagram's maximum).
+const RECV_BUF: usize = 65_536;
+
+/// A UDP socket for `peer`'s address family with send and receive buffers of
+/// `buffer_bytes`, warning when the kernel grants less (raise `net.core.rmem_max` and
+/// `net.core.wmem_max`).
+pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))?;
+    for (what, set, get) in [
+        (
+            "receive",
+            Socket::set_recv_buffer_size as fn(&Socket, usize) -> std::io::Result<()>,
+            Socket::recv_buffer_size as fn(&Socket) -> std::io::Result<usize>,
+        ),
+        ("send", Socket::set_send_buffer_size, Socket::send_buffer_size),
+    ] {
+        let _ = set(&s, buffer_bytes);
+        // Linux reports twice what it grants (bookkeeping overhead included).
+        let granted = get(&s).unwrap_or(0) / 2;
+        if granted < buffer_bytes {
+            warn!(
+                what,
+                asked = buffer_bytes,
+                granted,
+                "the kernel granted a smaller UDP socket buffer; raise net.core.rmem_max / wmem_max"
+            );
+        }
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&bind.into())?;
+    UdpSocket::from_std(s.into())
+}
+
+/// What a source's UDP link did (summed over the sources it carries).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct UdpLinkStats {
+    pub builder: u32,
+    pub frames: u64,
+    pub datagrams: u64,
+    pub nacks: u64,
+    pub retransmitted: u64,
+    pub unanswerable: u64,
+    /// Ends not acknowledged by the builder (it may have missed the stream's tail).
+    pub ends_unacknowledged: u64,
+    /// Datagrams the socket refused to send (counted lost; NACKs recover them).
+    pub send_errors: u64,
+    /// Datagrams from the builder's address that were not a NACK or an acknowledgement of
+    /// one of this link's streams.
+    pub refused: u64,
+}
+
+/// A source's datagram link to one builder.
+#[derive(Debug)]
+pub struct UdpLink {
+    tx: mpsc::UnboundedSender<Chunk>,
+    pub stats: Arc<Mutex<UdpLinkStats>>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl UdpLink {
+    #[allow(clippy::too_many_arguments)]
+    pub fn spawn(
+        builder: u32,
+        addr: SocketAddr,
+        clock: WallClock,
+        cfg: UdpConfig,
+        run: u32,
+        buffer_bytes: usize,
+        reports: mpsc::UnboundedSender<LinkReport>,
+    ) -> UdpLink {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(Mutex::new(UdpLinkStats { builder, ..Default::default() }));
+        let task = tokio::spawn(run_link(builder, addr, clock, cfg, run, buffer_bytes, rx, reports, stats.clone()));
+        UdpLink { tx, stats, task }
+    }
+
+    /// Enqueues a chunk (never waits).
+    pub fn send(&self, chunk: Chunk) {
+        let _ = self.tx.send(chunk);
+    }
+
+    /// No more chunks: the task sends what is queued, waits for the builder to acknowledge
+    /// every stream's end (bounded by `max_ends` repeats), and ends.
+    pub fn close(self) -> tokio::task::JoinHandle<()> {
+        drop(self.tx);
+        self.task
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_link(
+    builder: u32,
+    addr: SocketAddr,
+    clock: WallClock,
+    cfg: UdpConfig,
+    run: u32,
+    buffer_bytes: usize,
+    mut rx: mpsc::UnboundedReceiver<Chunk>,
+    reports: mpsc::UnboundedSender<LinkReport>,
+    shared: Arc<Mutex<UdpLinkStats>>,
+) {
+    let unspecified: SocketAddr =
+        if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    let sock = match socket(unspecified, buffer_bytes) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(builder, %addr, error = %e, "cannot open a UDP socket; every frame fails");
+            while let Some(c) = rx.recv().await {
+                if c.last {
+                    let _ = reports.send(LinkReport::Failed { link: builder, source: c.source, slice: c.slice });
+                }
+            }
+            return;
+        }
+    };
+    let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
+    let mut frame = BytesMut::new();
+    let mut buf = vec![0u8; RECV_BUF];
+    let mut stats = UdpLinkStats { builder, ..Default::default() };
+    let mut open = true;
+    loop {
+        let now = clock.now();
+        for s in senders.values_mut() {
+            if s.poll_timeout().is_some_and(|t| t <= now) {
+                s.handle_timeout(now);
+            }
+            while let Some(d) = s.poll_transmit() {
+                if let Err(e) = sock.send_to(&d, addr).await {
+                    stats.send_errors += 1;
+                    debug!(builder, error = %e, "datagram not sent");
+                }
+            }
+        }
+        if !open && senders.values().all(DatagramSender::is_finished) {
+            break;
+        }
+        let wake = senders.values().filter_map(DatagramSender::poll_timeout).min();
+        tokio::select! {
+            c = rx.recv(), if open => match c {
+                Some(c) => {
+                    if c.first {
+                        frame.clear();
+                    }
+                    let start = frame.len();
+                    frame.extend_from_slice(&c.head);
+                    frame.extend_from_slice(&c.body);
+                    if c.first && frame.len() >= start + HEADER_LEN {
+                        set_send_time(&mut frame[start..start + HEADER_LEN], clock.now());
+                    }
+                    if c.last {
+                        let now = clock.now();
+                        let sender = senders
+                            .entry(c.source)
+                            .or_insert_with(|| DatagramSender::new(cfg, run, c.source, builder));
+                        let end = frame::decode_header(&frame, u32::MAX).is_ok_and(|h| h.flags.contains(Flags::END_OF_STREAM));
+                        if end {
+                            sender.handle_end(now);
+                        } else {
+                            sender.handle_frame(now, c.slice, &frame);
+                        }
+                        frame.clear();
+                        let _ = reports.send(LinkReport::Sent { link: builder, source: c.source, slice: c.slice });
+                    }
+                }
+                None => open = false,
+            },
+            r = sock.recv_from(&mut buf) => if let Ok((n, from)) = r {
+                let now = clock.now();
+                match Datagram::decode(&Bytes::copy_from_slice(&buf[..n])) {
+                    Ok(d) if from == addr => match senders.get_mut(&d.header.source) {
+                        Some(s) => s.handle_datagram(now, &d),
+                        None => stats.refused += 1,
+                    },
+                    _ => stats.refused += 1,
+                }
+            },
+            _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {}
+        }
+        publish(&senders, &mut stats, &shared);
+    }
+    publish(&senders, &mut stats, &shared);
+}
+
+fn publish(senders: &BTreeMap<SourceId, DatagramSender>, stats: &mut UdpLinkStats, shared: &Mutex<UdpLinkStats>) {
+    let (mut frames, mut datagrams, mut nacks, mut retransmitted, mut unanswerable, mut unacked) = (0, 0, 0, 0, 0, 0);
+    for s in senders.values() {
+        let st = s.stats();
+        frames += st.frames;
+        datagrams += st.datagrams;
+        nacks += st.nacks;
+        retransmitted += st.retransmitted;
+        unanswerable += st.unanswerable;
+        unacked += u64::from(s.is_finished() && !s.end_acknowledged());
+    }
+    stats.frames = frames;
+    stats.datagrams = datagrams;
+    stats.nacks = nacks;
+    stats.retransmitted = retransmitted;
+    stats.unanswerable = unanswerable;
+    stats.ends_unacknowledged = unacked;
+    if let Ok(mut s) = shared.lock() {
+        *s = stats.clone();
+    }
+}
+
+/// What a builder's datagram endpoint saw.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct UdpReceiveReport {
+    pub endpoint: EndpointStats,
+    pub streams: ReceiverStats,
+    /// Reassembled frames whose own decoding failed (forged pieces): counted damaged.
+    pub frames_undecodable: u64,
+    pub send_errors: u64,
+}
+
+/// What the receive task hands the builder's loop.
+pub enum Received {
+    Frame {
+        frame: frame::Frame,
+        recovered: bool,
+    },
+    /// `n` more frames of `source` were given up.
+    Damaged {
+        source: SourceId,
+        n: u64,
+    },
+    /// `source`'s stream ended with nothing missing.
+    Ended {
+        source: SourceId,
+    },
+}
+
+/// A builder's datagram endpoint on `sock` until `cancel`: frames, damage and ends go to
+/// `out`; NACKs and acknowledgements back to the address each source sent from.
+#[allow(clippy::too_many_arguments)]
+pub async fn receive(
+    sock: UdpSocket,
+    cfg: UdpConfig,
+    run: u32,
+    builder: u32,
+    n_sources: u32,
+    max_payload: u32,
+    clock: WallClock,
+    out: mpsc::Sender<Received>,
+    cancel: CancellationToken,
+) -> UdpReceiveReport {
+    let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
+    let mut peers: HashMap<SourceId, SocketAddr> = HashMap::new();
+    let mut damaged_seen: BTreeMap<SourceId, u64> = BTreeMap::new();
+    let mut ended: BTreeSet<SourceId> = BTreeSet::new();
+    let mut report = UdpReceiveReport::default();
+    let mut buf = vec![0u8; RECV_BUF];
+    loop {
+        let wake =
+            ep.poll_timeout().unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1));
+        tokio::select! {
+            r = sock.recv_from(&mut buf) => match r {
+                Ok((n, from)) => {
+                    let now = clock.now();
+                    if let Ok(source) = ep.handle_bytes(now, &Bytes::copy_from_slice(&buf[..n])) {
+                        peers.insert(source, from);
+                    }
+                }
+                Err(e) => debug!(builder, error = %e, "UDP receive failed"),
+            },
+            _ = tokio::time::sleep_until(clock.deadline(wake)) => ep.handle_timeout(clock.now()),
+            _ = cancel.cancelled() => break,
+        }
+        while let Some((source, d)) = ep.poll_transmit() {
+            if let Some(peer) = peers.get(&source)
+                && sock.send_to(&d, *peer).await.is_err()
+            {
+                report.send_errors += 1;
+            }
+        }
+        let mut msgs = Vec::new();
+        while let Some(f) = ep.poll_fragment() {
+            match frame::decode(&f.frame, max_payload) {
+                Ok((frame, used)) if used == f.frame.len() && frame.header.source == f.source => {
+                    msgs.push(Received::Frame { frame, recovered: f.recovered })
+                }
+                _ => {
+                    report.frames_undecodable += 1;
+                    msgs.push(Received::Damaged { source: f.source, n: 1 });
+                }
+            }
+        }
+        for source in 0..n_sources {
+            let Some(stream) = ep.stream(source) else { continue };
+            let damaged = stream.stats().fragments_damaged;
+            let seen = damaged_seen.entry(source).or_default();
+            if damaged > *seen {
+                msgs.push(Received::Damaged { source, n: damaged - *seen });
+                *seen = damaged;
+            }
+            if stream.is_ended() && ended.insert(source) {
+                msgs.push(Received::Ended { source });
+            }
+        }
+        for m in msgs {
+            if out.send(m).await.is_err() {
+                break;
+            }
+        }
+    }
+    report.endpoint = ep.stats().clone();
+    report.streams = ep.receiver_totals();
+    report
+}
