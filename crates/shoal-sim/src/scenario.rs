@@ -108,6 +108,9 @@ pub struct Traffic {
     pub policy: String,
     /// `tcp` or `udp`.
     pub transport: String,
+    /// UDP: the datagram transport with selective retransmission (MTU-sized datagrams,
+    /// NACKs, the runtime's `shoal_core::datagram`) instead of best-effort 60 kB datagrams.
+    pub udp_nack: bool,
     pub slice_ms: f64,
     /// Fragment size when bursts are off.
     pub fragment_bytes: u32,
@@ -143,6 +146,7 @@ impl Default for Traffic {
         Self {
             policy: "direct".into(),
             transport: "tcp".into(),
+            udp_nack: false,
             slice_ms: 10.0,
             fragment_bytes: 30_000,
             load_s: 60.0,
@@ -217,6 +221,9 @@ impl Scenario {
         self.traffic.policy.parse::<shoal_core::shaping::Policy>().map_err(|e| e.to_string())?;
         if !matches!(self.traffic.transport.as_str(), "tcp" | "udp") {
             return Err(format!("traffic.transport {:?}: tcp or udp", self.traffic.transport));
+        }
+        if self.traffic.udp_nack && self.traffic.transport != "udp" {
+            return Err("traffic.udp_nack needs traffic.transport = \"udp\"".into());
         }
         let positive = [
             ("traffic.slice_ms", self.traffic.slice_ms),

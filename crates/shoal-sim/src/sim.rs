@@ -11,11 +11,20 @@
 //! modelled network, each one 56-byte frame header in a UDP/IP packet: they queue behind
 //! data and acknowledgements and can be dropped at a full port, which the builders'
 //! re-asks recover (the runtime carries them on TCP connections instead).
+//!
+//! UDP with `traffic.udp_nack` runs shoal-core's datagram transport, the runtime's: a
+//! [`DatagramSender`] per (source, builder) stream at the board, a [`BuilderEndpoint`] per
+//! builder; every datagram (data, NACKs, retransmissions, probes, ends) is one packet of its
+//! size. Without it, UDP is best effort: 60 kB datagrams split into IP fragments, as in the
+//! ANTARES study.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use bytes::Bytes;
 
 use shoal_core::assembly::AssemblerConfig;
+use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, ReceiverStats, UdpConfig};
 use shoal_core::frame::Flags;
 use shoal_core::ledger::Ledger;
 pub use shoal_core::node::TransmitRecord;
@@ -65,6 +74,8 @@ enum Body {
         source: u32,
         slice: SliceNumber,
     },
+    /// A datagram of the datagram transport (`udp_nack`), either direction.
+    Dgram(Bytes),
     Assign {
         builder: u32,
         slice: SliceNumber,
@@ -90,6 +101,32 @@ enum Ev {
     DelAck(u32),
     BuilderWake(u32),
     DfmWake,
+    /// Datagram transport timers: a (source, builder) stream's sender, a builder's endpoint.
+    SenderWake(u32, u32),
+    EndpointWake(u32),
+}
+
+/// The datagram transport of a `udp_nack` run.
+struct Nack {
+    cfg: UdpConfig,
+    senders: HashMap<(u32, u32), (DatagramSender, Option<Instant>)>,
+    endpoints: Vec<(BuilderEndpoint, Option<Instant>)>,
+    ended: HashSet<(u32, u32)>,
+    /// A frame's bytes (the model carries no hit content: zeros of the frame's length).
+    zeros: Vec<u8>,
+    datagrams: u64,
+}
+
+/// The datagram transport's counts, summed over streams.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct NackSummary {
+    /// Datagrams sent, both directions (those hit by a bit error are discarded by the
+    /// receiving host, counted in `damaged_packets`, as the CRC would).
+    pub datagrams: u64,
+    pub nacks_received: u64,
+    pub retransmitted: u64,
+    pub unanswerable: u64,
+    pub receiver: ReceiverStats,
 }
 
 /// One fragment's life.
@@ -205,6 +242,9 @@ pub struct SimSummary {
     pub pull: Option<shoal_core::node::PullStats>,
     /// Pull runs: control packets sent (requests, assignments, credit reports).
     pub control_packets: u64,
+    /// UDP with `udp_nack`: datagrams, NACKs, retransmissions, recovered and lost.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub udp_nack: Option<NackSummary>,
     pub events: u64,
     pub wall_s: f64,
 }
@@ -251,6 +291,7 @@ struct World {
     dfm: Option<DfmApp>,
     source_of_host: HashMap<NodeId, u32>,
     control_packets: u64,
+    nack: Option<Nack>,
 }
 
 /// Timers are scheduled lazily: at most one pending event per timer, unless it moved
@@ -465,6 +506,16 @@ impl World {
             dfm,
             source_of_host,
             control_packets: 0,
+            nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
+                cfg: UdpConfig::default(),
+                senders: HashMap::new(),
+                endpoints: (0..n_builders)
+                    .map(|b| (BuilderEndpoint::new(UdpConfig::default(), 1, b, n_sources), None))
+                    .collect(),
+                ended: HashSet::new(),
+                zeros: Vec::new(),
+                datagrams: 0,
+            }),
         })
     }
 
@@ -529,6 +580,28 @@ impl World {
                 bl.wake = None;
                 bl.node.handle_timeout(now);
                 self.drain_outcomes(now, b);
+            }
+            Ev::SenderWake(s, b) => {
+                if let Some(n) = self.nack.as_mut()
+                    && let Some((sender, wake)) = n.senders.get_mut(&(s, b))
+                {
+                    *wake = None;
+                    if sender.poll_timeout().is_some_and(|t| t <= now) {
+                        sender.handle_timeout(now);
+                    }
+                }
+                self.flush_sender(now, s, b);
+            }
+            Ev::EndpointWake(b) => {
+                if let Some(n) = self.nack.as_mut() {
+                    let (ep, wake) = &mut n.endpoints[b as usize];
+                    *wake = None;
+                    if ep.poll_timeout().is_some_and(|t| t <= now) {
+                        ep.handle_timeout(now);
+                    }
+                }
+                let all = (0..self.sources.len() as u32).collect();
+                self.flush_endpoint(now, b, all);
             }
             Ev::DfmWake => {
                 if let Some(d) = self.dfm.as_mut() {
@@ -620,6 +693,12 @@ impl World {
             let c = s * self.n_builders + tx.dest;
             self.conns[c as usize].writes.push_back((tx.slice, tx.kind, tx.len(), tx.last));
             self.try_write(now, c);
+        } else if self.nack.is_some() {
+            if tx.last {
+                self.send_datagrams(now, s, &tx);
+                self.sources[s as usize].node.handle_sent(now, s, tx.slice);
+                self.to_pump.push(s);
+            }
         } else {
             self.send_udp(now, s, &tx);
             if tx.last {
@@ -627,6 +706,91 @@ impl World {
                 self.to_pump.push(s);
             }
         }
+    }
+
+    /// Datagram transport: a whole frame (or the end of the stream) to the stream's sender.
+    fn send_datagrams(&mut self, now: Instant, s: u32, tx: &SourceTransmit) {
+        let n = self.nack.as_mut().expect("datagram transport");
+        let cfg = n.cfg;
+        let (sender, _) =
+            n.senders.entry((s, tx.dest)).or_insert_with(|| (DatagramSender::new(cfg, 1, s, tx.dest), None));
+        match tx.kind {
+            TransmitKind::Data => {
+                let len = tx.frame_len as usize;
+                if n.zeros.len() < len {
+                    n.zeros.resize(len, 0);
+                }
+                sender.handle_frame(now, tx.slice, &n.zeros[..len]);
+                // Lost = sent and never arrived, after retransmissions.
+                self.udp_frags_sent += 1;
+            }
+            TransmitKind::EndOfStream => sender.handle_end(now),
+        }
+        self.flush_sender(now, s, tx.dest);
+    }
+
+    fn send_datagram(&mut self, now: Instant, src: NodeId, dst: NodeId, d: Bytes) {
+        let size = wire_size(d.len() as u32 + UDP_HEADER + IP_HEADER);
+        let pkt = Packet { src, dst, size, damaged: false, body: Body::Dgram(d) };
+        let q = &mut self.q;
+        self.net.send(now, src, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)));
+        if let Some(n) = self.nack.as_mut() {
+            n.datagrams += 1;
+        }
+    }
+
+    /// A stream's datagrams go out; its next timer is armed.
+    fn flush_sender(&mut self, now: Instant, s: u32, b: u32) {
+        let (src, dst) = (self.sources[s as usize].host, self.builders[b as usize].host);
+        let mut out = Vec::new();
+        let Some(n) = self.nack.as_mut() else { return };
+        let Some((sender, wake)) = n.senders.get_mut(&(s, b)) else { return };
+        while let Some(d) = sender.poll_transmit() {
+            out.push(d);
+        }
+        if let Some(t) = rearm(wake, sender.poll_timeout()) {
+            self.q.schedule(t, Ev::SenderWake(s, b));
+        }
+        for d in out {
+            self.send_datagram(now, src, dst, d);
+        }
+    }
+
+    /// A builder endpoint's NACKs and acknowledgements go out, its frames to the node, and
+    /// the ends of the streams of `check` (whose state may have changed) to the node; its
+    /// timer is armed.
+    fn flush_endpoint(&mut self, now: Instant, b: u32, check: Vec<u32>) {
+        let Some(n) = self.nack.as_mut() else { return };
+        let (ep, wake) = &mut n.endpoints[b as usize];
+        let mut back = Vec::new();
+        while let Some(x) = ep.poll_transmit() {
+            back.push(x);
+        }
+        let mut frames = Vec::new();
+        while let Some(f) = ep.poll_fragment() {
+            frames.push((f.source, f.slice, f.recovered));
+        }
+        let mut ended = Vec::new();
+        for s in check {
+            if ep.stream(s).is_some_and(|r| r.is_ended()) && n.ended.insert((s, b)) {
+                ended.push(s);
+            }
+        }
+        if let Some(t) = rearm(wake, ep.poll_timeout()) {
+            self.q.schedule(t, Ev::EndpointWake(b));
+        }
+        let host = self.builders[b as usize].host;
+        for (s, d) in back {
+            let dst = self.sources[s as usize].host;
+            self.send_datagram(now, host, dst, d);
+        }
+        for (s, slice, recovered) in frames {
+            self.fragment_arrived(now, s, b, slice, recovered);
+        }
+        for s in ended {
+            self.builders[b as usize].node.handle_end_of_stream(now, s);
+        }
+        self.drain_outcomes(now, b);
     }
 
     fn send_udp(&mut self, now: Instant, s: u32, tx: &SourceTransmit) {
@@ -786,6 +950,19 @@ impl World {
                     self.frame_arrived(now, source, builder, slice, kind);
                 }
             }
+            Body::Dgram(bytes) => {
+                if let Some(&b) = self.builder_of_host.get(&host) {
+                    let n = self.nack.as_mut().expect("datagram transport");
+                    let source = n.endpoints[b as usize].0.handle_bytes(now, &bytes).ok();
+                    self.flush_endpoint(now, b, source.into_iter().collect());
+                } else if let Ok(d) = Datagram::decode(&bytes) {
+                    let (s, b) = (d.header.source, d.header.builder);
+                    if let Some((sender, _)) = self.nack.as_mut().and_then(|n| n.senders.get_mut(&(s, b))) {
+                        sender.handle_datagram(now, &d);
+                    }
+                    self.flush_sender(now, s, b);
+                }
+            }
             Body::Request { builder, source, slice } => {
                 let s = self.source_of_host[&host];
                 self.sources[s as usize].node.handle_request(now, source, PullRequest { builder, slice });
@@ -810,6 +987,11 @@ impl World {
             self.drain_outcomes(now, builder);
             return;
         }
+        self.fragment_arrived(now, source, builder, slice, false);
+        self.drain_outcomes(now, builder);
+    }
+
+    fn fragment_arrived(&mut self, now: Instant, source: u32, builder: u32, slice: SliceNumber, recovered: bool) {
         let r = self.record(source, slice);
         r.arrived_ns = now.as_nanos();
         // Delays are measured from the records; the send time stays unknown to the node.
@@ -819,10 +1001,9 @@ impl World {
             wire_bytes: u64::from(r.bytes),
             cut_off: r.cut_off,
             send_time: Instant::ZERO,
-            recovered: false,
+            recovered,
         };
         self.builders[builder as usize].node.handle_fragment(now, arrival, ());
-        self.drain_outcomes(now, builder);
     }
 
     /// Processed slices go straight through the (instant) filter; a pull builder's
@@ -840,6 +1021,15 @@ impl World {
     }
 
     fn finish(mut self, end: Instant, wall_s: f64) -> SimResult {
+        // Datagram transport: what each builder gave up in reassembly is in its tally.
+        if let Some(n) = &self.nack {
+            for (b, (ep, _)) in n.endpoints.iter().enumerate() {
+                for s in 0..self.sources.len() as u32 {
+                    let damaged = ep.stream(s).map_or(0, |r| r.stats().fragments_damaged);
+                    self.builders[b].node.handle_damaged(s, damaged);
+                }
+            }
+        }
         for b in 0..self.builders.len() as u32 {
             self.builders[b as usize].node.handle_drain(end);
             self.drain_outcomes(end, b);
@@ -945,6 +1135,31 @@ impl World {
                 total
             }),
             control_packets: self.control_packets,
+            udp_nack: self.nack.as_ref().map(|n| {
+                let mut sum = NackSummary { datagrams: n.datagrams, ..Default::default() };
+                for (sender, _) in n.senders.values() {
+                    let st = sender.stats();
+                    sum.nacks_received += st.nacks;
+                    sum.retransmitted += st.retransmitted;
+                    sum.unanswerable += st.unanswerable;
+                }
+                let mut r = ReceiverStats::default();
+                for (ep, _) in &n.endpoints {
+                    let t = ep.receiver_totals();
+                    r.datagrams += t.datagrams;
+                    r.duplicates += t.duplicates;
+                    r.nacks_sent += t.nacks_sent;
+                    r.seqs_nacked += t.seqs_nacked;
+                    r.recovered_datagrams += t.recovered_datagrams;
+                    r.lost_datagrams += t.lost_datagrams;
+                    r.frames += t.frames;
+                    r.frames_recovered += t.frames_recovered;
+                    r.fragments_damaged += t.fragments_damaged;
+                    r.inconsistent += t.inconsistent;
+                }
+                sum.receiver = r;
+                sum
+            }),
             events: self.q.processed(),
             wall_s,
         };

@@ -168,7 +168,7 @@ fn every_shipped_scenario_runs() {
         assert_eq!(r.summary.ledger_unaccounted, 0, "{}", path.display());
         n += 1;
     }
-    assert_eq!(n, 35);
+    assert_eq!(n, 38);
 }
 
 /// Inside the simulator, a token-bucket source never hands more than rate x t + burst
@@ -206,4 +206,35 @@ fn token_bucket_bound_holds_in_the_simulator() {
             }
         }
     }
+}
+
+/// Bit errors on the shore cable: best-effort UDP loses the fragments they hit; with
+/// selective retransmission (the runtime's datagram layer) every one is recovered and
+/// counted `recovered`, and the ledger balances in both.
+#[test]
+fn nack_recovers_what_bit_errors_cost_best_effort_udp() {
+    let text = r#"
+name = "sector-ber"
+seed = 3
+[topology]
+scale = "sector"
+shore_ber = 1e-6
+[traffic]
+policy = "delayed:2"
+transport = "udp"
+load_s = 1.0
+relax_s = 0.5
+"#;
+    let best_effort = Scenario::from_toml(text).unwrap();
+    let mut nack = best_effort.clone();
+    nack.traffic.udp_nack = true;
+    let be = run(&best_effort).unwrap().summary;
+    let nk = run(&nack).unwrap().summary;
+    let lost = |s: &shoal_sim::sim::SimSummary| s.ledger["lost_in_transport"] + s.ledger["damaged"];
+    assert_eq!((be.ledger_unaccounted, nk.ledger_unaccounted), (0, 0));
+    assert!(lost(&be) > 0, "bit errors at 1e-6 cost best-effort UDP fragments: {:?}", be.ledger);
+    assert_eq!(lost(&nk), 0, "{:?}", nk.ledger);
+    assert!(nk.ledger["recovered"] > 0, "{:?}", nk.ledger);
+    let n = nk.udp_nack.expect("datagram transport counts");
+    assert!(nk.damaged_packets > 0 && n.retransmitted > 0 && n.receiver.frames_recovered > 0, "{n:?}");
 }
