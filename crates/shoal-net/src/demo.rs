@@ -51,6 +51,8 @@ impl DelayStats {
 pub struct RunSummary {
     pub run: u64,
     pub policy: String,
+    /// `tcp` or `udp`.
+    pub transport: String,
     pub sources: u32,
     pub builders: u32,
     /// Sources hosted per source process (sharing one connection per builder).
@@ -255,6 +257,7 @@ fn summarize(
     RunSummary {
         run: cfg.run.run_number,
         policy: cfg.run.policy.clone(),
+        transport: cfg.run.transport.clone(),
         sources: cfg.run.sources,
         builders: cfg.run.builders,
         sources_per_node: per_node,

@@ -50,11 +50,12 @@ pub fn table(s: &RunSummary) -> String {
         (
             "run",
             format!(
-                "{}: {} sources x {} builders, policy {}, {} ms slices, {} s{}",
+                "{}: {} sources x {} builders, policy {} over {}, {} ms slices, {} s{}",
                 s.run,
                 s.sources,
                 s.builders,
                 s.policy,
+                if s.transport.is_empty() { "tcp" } else { &s.transport },
                 s.slice_ms,
                 s.seconds,
                 if s.sources_per_node > 1 {
