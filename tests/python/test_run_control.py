@@ -13,7 +13,7 @@ from conftest import ROOT
 from shoal_cluster import Cluster, on_free_ports
 
 
-@pytest.mark.parametrize("example", ["sector.toml", "sector-pull.toml"])
+@pytest.mark.parametrize("example", ["sector.toml", "sector-pull.toml", "sector.toml over udp"])
 def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
     """examples/sector.toml: 5 sources, 3 builders, a writer and a dispatcher as separate
     processes; two invocations give runs 1 and 2 (numbers are never reused).
@@ -24,9 +24,14 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
     one source hundreds of milliseconds after another, and with the shipped window (5
     slices of 10 ms) their first slices would be closed incomplete. The test checks that
     every fragment is delivered, not how fast the machine is. The shipped ports are moved
-    to free ones."""
+    to free ones. "over udp" runs sector.toml with `transport = "udp"` (datagrams with
+    selective retransmission): the same processes, the same run records."""
     pull = example == "sector-pull.toml"
-    text = on_free_ports((ROOT / "examples" / example).read_text())
+    udp = example.endswith("over udp")
+    text = on_free_ports((ROOT / "examples" / example.split()[0]).read_text())
+    if udp:
+        assert 'policy = "delayed:2"\n' in text
+        text = text.replace('policy = "delayed:2"\n', 'policy = "delayed:2"\ntransport = "udp"\n')
     assert "[config.builder]\n" in text
     text = text.replace("[config.builder]\n", "[config.builder]\nmax_active = 100000\nwall_timeout_ms = 600000\n")
     (tmp_path / "sector.toml").write_text(text)
@@ -54,6 +59,11 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
         assert record["missing_reports"] == []
         assert "[config.run]" in record["configuration"] or "[run]" in record["configuration"]
         assert (tmp_path / "shoal-runs" / "data" / f"run{expected_run:06}.events.parquet").exists()
+        if udp:
+            assert 'transport = "udp"' in record["configuration"]
+            for b in (r for r in record["reports"] if r["role"] == "builder"):
+                streams = b["detail"]["udp"]["streams"]
+                assert streams["frames"] > 0 and streams["fragments_damaged"] == 0, streams
         if pull:
             (manager,) = [r for r in record["reports"] if r["role"] == "dfm"]
             assert manager["error"] is None, manager
