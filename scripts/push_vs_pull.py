@@ -42,6 +42,30 @@ def token_rate(policy):
     return rates[0] if rates else None
 
 
+def scenario_text(name, n, m, link_mbps, shore_mbps, policy, size, slice_ms, load_s, relax_s):
+    """n sources x m builders behind one switch, every board and builder link at link_mbps."""
+    return f"""name = "{name}"
+seed = 1
+[topology]
+sources = {n}
+builders = {m}
+boards_per_sector = {n}
+board_mbps = {link_mbps:.4f}
+board_delay_us = 5.0
+shore_mbps = {shore_mbps:.4f}
+shore_delay_us = 5.0
+builder_mbps = {link_mbps:.4f}
+builder_delay_us = 5.0
+[traffic]
+policy = "{policy}"
+transport = "tcp"
+fragment_bytes = {size}
+slice_ms = {slice_ms:.6f}
+load_s = {load_s}
+relax_s = {relax_s}
+"""
+
+
 def scenario(n, m, policy, size):
     share = LINK_BPS / n
     if token_rate(policy) is not None:
@@ -49,26 +73,7 @@ def scenario(n, m, policy, size):
     offered = 1.2 * share / 8  # bytes per second per source
     slice_ms = size / offered * 1e3
     name = f"{n}x{m}-{policy.replace(':', '').replace('=', '')}-{size}"
-    return name, f"""name = "{name}"
-seed = 1
-[topology]
-sources = {n}
-builders = {m}
-boards_per_sector = {n}
-board_mbps = 1000.0
-board_delay_us = 5.0
-shore_mbps = 10000.0
-shore_delay_us = 5.0
-builder_mbps = 1000.0
-builder_delay_us = 5.0
-[traffic]
-policy = "{policy}"
-transport = "tcp"
-fragment_bytes = {size}
-slice_ms = {slice_ms:.6f}
-load_s = {LOAD_S}
-relax_s = {RELAX_S}
-"""
+    return name, scenario_text(name, n, m, LINK_BPS / 1e6, 10_000.0, policy, size, slice_ms, LOAD_S, RELAX_S)
 
 
 def run(shoal, out, n, m, policy, size):
@@ -150,26 +155,8 @@ def testbed_scenario(n, m, policy, size):
         link = min(token * 1000 / study_rate, TB_MAX_LINK_MBPS)
     shaped = policy.replace(f"{study_rate:g}Mbit", f"{token:.4f}Mbit") if token else policy
     name = f"tb-{n}x{m}-{policy.replace(':', '').replace('=', '')}-{size}"
-    return name, f"""name = "{name}"
-seed = 1
-[topology]
-sources = {n}
-builders = {m}
-boards_per_sector = {n}
-board_mbps = {link:.4f}
-board_delay_us = 5.0
-shore_mbps = {max(link * n, 1.0):.4f}
-shore_delay_us = 5.0
-builder_mbps = {link:.4f}
-builder_delay_us = 5.0
-[traffic]
-policy = "{shaped}"
-transport = "tcp"
-fragment_bytes = {size}
-slice_ms = {TB_SLICE_MS}
-load_s = {TB_LOAD_S}
-relax_s = 0.5
-""", link, token
+    text = scenario_text(name, n, m, link, max(link * n, 1.0), shaped, size, TB_SLICE_MS, TB_LOAD_S, 0.5)
+    return name, text, link, token
 
 
 def testbed_run(shoal, out, n, m, policy, size, prefix):

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, UdpConfig};
+use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, EndpointEvent, UdpConfig};
 use shoal_core::{Duration, Instant};
 
 const RUN: u32 = 5;
@@ -104,8 +104,10 @@ fn run(sizes: &[usize], ch: &Channel, cfg: UdpConfig, seed: u64) -> Outcome {
                 tx.handle_datagram(now, &Datagram::decode(&d).unwrap());
             }
         }
-        while let Some(f) = rx.poll_fragment() {
-            received.push((f.slice, f.frame, f.recovered));
+        while let Some(e) = rx.poll_event() {
+            if let EndpointEvent::Fragment(f) = e {
+                received.push((f.slice, f.frame, f.recovered));
+            }
         }
         if slice as usize == sizes.len() && tx.is_finished() && wire.is_empty() && rx.poll_timeout().is_none() {
             break;
@@ -236,7 +238,7 @@ fn an_endpoint_counts_and_ignores_what_it_cannot_use() {
     let st = ep.stats();
     assert_eq!(st.refused.values().sum::<u64>(), 2);
     assert_eq!((st.other_run, st.other_builder, st.unknown_source, st.wrong_direction), (1, 1, 1, 1));
-    assert!(ep.poll_fragment().is_none());
+    assert!(ep.poll_event().is_none());
 }
 
 proptest! {
@@ -248,6 +250,6 @@ proptest! {
             let _ = ep.handle_bytes(Instant::from_nanos(i as u64 * 1000), &Bytes::from(p));
             ep.handle_timeout(Instant::from_nanos(i as u64 * 1000));
         }
-        prop_assert!(ep.poll_fragment().is_none());
+        prop_assert!(ep.poll_event().is_none());
     }
 }

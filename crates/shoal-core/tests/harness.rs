@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use shoal_core::assembly::AssemblerConfig;
-use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, Kind as DatagramKind, UdpConfig};
+use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, EndpointEvent, Kind as DatagramKind, UdpConfig};
 use shoal_core::frame::{self, Flags, HEADER_LEN};
 use shoal_core::ledger::{Bucket, Ledger};
 use shoal_core::node::{
@@ -195,11 +195,9 @@ struct Pair {
     dfm: Option<DataFlowManager>,
     dead: BTreeSet<BuilderId>,
     /// Datagram transport: a sender per (source, builder) stream and the frame it is
-    /// collecting from the connection's pieces; an endpoint per builder; the streams whose
-    /// end the builder was told.
+    /// collecting from the connection's pieces; an endpoint per builder.
     senders: BTreeMap<(SourceId, BuilderId), (DatagramSender, BytesMut)>,
     endpoints: Vec<BuilderEndpoint>,
-    streams_ended: BTreeSet<(SourceId, BuilderId)>,
 }
 
 impl Pair {
@@ -273,7 +271,6 @@ impl Pair {
             dead: BTreeSet::new(),
             senders,
             endpoints,
-            streams_ended: BTreeSet::new(),
         };
         if let Some((builder, ms)) = kill {
             pair.schedule(Instant::from_nanos(ms * 1_000_000), Ev::Kill { builder });
@@ -324,14 +321,6 @@ impl Pair {
             match next {
                 Some(t) => now = t.max(now),
                 None => break,
-            }
-        }
-        // Datagram transport: what each builder gave up in reassembly.
-        for (b, ep) in self.endpoints.iter().enumerate() {
-            for src in 0..self.setup.n_sources() {
-                let damaged = ep.stream(src).map_or(0, |r| r.stats().fragments_damaged);
-                self.builders[b].handle_damaged(src, damaged);
-                self.out.damaged += damaged;
             }
         }
         let tallies = self.sources.iter().flat_map(|s| s.report().tallies).collect();
@@ -531,15 +520,19 @@ impl Pair {
                 Ev::Datagram { to_builder: false, builder: b as BuilderId, bytes: d },
             );
         }
-        while let Some(f) = self.endpoints[b].poll_fragment() {
-            if f.recovered {
-                self.out.recovered_frames += 1;
-            }
-            self.deliver(now, b, &f.frame, f.recovered);
-        }
-        for src in 0..self.setup.n_sources() {
-            if self.endpoints[b].all_ended([src]) && self.streams_ended.insert((src, b as BuilderId)) {
-                self.builders[b].handle_end_of_stream(now, src);
+        while let Some(e) = self.endpoints[b].poll_event() {
+            match e {
+                EndpointEvent::Fragment(f) => {
+                    if f.recovered {
+                        self.out.recovered_frames += 1;
+                    }
+                    self.deliver(now, b, &f.frame, f.recovered);
+                }
+                EndpointEvent::Damaged { source, n } => {
+                    self.builders[b].handle_damaged(source, n);
+                    self.out.damaged += n;
+                }
+                EndpointEvent::Ended { source } => self.builders[b].handle_end_of_stream(now, source),
             }
         }
         self.pull_outputs(now, b);

@@ -343,22 +343,18 @@ async fn stop_data(
     clock: WallClock,
 ) -> NodeReport {
     let guard = match (opts.role, cfg, end_slice) {
-        (Role::Source, Some(c), Some(end)) => {
+        // Sources produce up to the end slice, then drain. The manager ends once every slice
+        // before it is assigned and processed; the builders still run, so after the end
+        // slice it waits their drain time.
+        (Role::Source | Role::Dfm, Some(c), Some(end)) => {
             live.end_slice.store(end, Ordering::Relaxed);
             let until_end = c.slice_clock().map(|sc| sc.end_of(end.saturating_sub(1))).unwrap_or(clock.now());
             let wait = until_end.saturating_duration_since(clock.now());
-            wait + StdDuration::from_millis(c.source.drain_timeout_ms + 2_000)
+            let drain_ms =
+                if opts.role == Role::Source { c.source.drain_timeout_ms } else { c.builder.drain_timeout_ms };
+            wait + StdDuration::from_millis(drain_ms + 2_000)
         }
-        (Role::Source, _, _) => StdDuration::ZERO,
-        // The manager ends once every slice before the end slice is assigned and processed;
-        // the builders still run, so that is their drain time after the end slice.
-        (Role::Dfm, Some(c), Some(end)) => {
-            live.end_slice.store(end, Ordering::Relaxed);
-            let until_end = c.slice_clock().map(|sc| sc.end_of(end.saturating_sub(1))).unwrap_or(clock.now());
-            let wait = until_end.saturating_duration_since(clock.now());
-            wait + StdDuration::from_millis(c.builder.drain_timeout_ms + 2_000)
-        }
-        (Role::Dfm, _, _) => StdDuration::ZERO,
+        (Role::Source | Role::Dfm, _, _) => StdDuration::ZERO,
         (Role::Builder, Some(c), _) => StdDuration::from_millis(c.builder.drain_timeout_ms),
         (Role::Writer, Some(_), _) | (_, None, _) => StdDuration::from_secs(5),
     };

@@ -22,7 +22,7 @@ use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, Transport};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
-use crate::udp::{UdpLink, UdpLinkStats};
+use crate::udp::UdpLink;
 
 /// What a source process reports at the end (the node's report).
 pub type SourceReport = SourceNodeReport;
@@ -134,7 +134,6 @@ pub async fn run_source(
     // and keep collecting reports until every link task has finished (bounded: a link to an
     // unreachable peer gives up once `closing` is set).
     closing.cancel();
-    let udp_stats: Vec<_> = links.iter().filter_map(DataLink::udp_stats).collect();
     let tasks: Vec<_> = links.into_iter().map(DataLink::close).collect();
     let collect = async {
         while let Some(r) = reports.recv().await {
@@ -148,20 +147,6 @@ pub async fn run_source(
         }
     }
     sync_live(&node, &live, &mut seen);
-    for s in udp_stats {
-        let s = s.lock().map(|s| s.clone()).unwrap_or_default();
-        info!(
-            builder = s.builder,
-            frames = s.frames,
-            datagrams = s.datagrams,
-            nacks = s.nacks,
-            retransmitted = s.retransmitted,
-            unanswerable = s.unanswerable,
-            send_errors = s.send_errors,
-            ends_unacknowledged = s.ends_unacknowledged,
-            "UDP link finished"
-        );
-    }
     Ok(node.report())
 }
 
@@ -183,13 +168,6 @@ impl DataLink {
         match self {
             DataLink::Tcp(l) => l.close(),
             DataLink::Udp(l) => l.close(),
-        }
-    }
-
-    fn udp_stats(&self) -> Option<std::sync::Arc<std::sync::Mutex<UdpLinkStats>>> {
-        match self {
-            DataLink::Tcp(_) => None,
-            DataLink::Udp(l) => Some(l.stats.clone()),
         }
     }
 }

@@ -9,18 +9,19 @@
 //! acknowledges it; the builder tells its node a source ended once that source's stream
 //! has ended with nothing missing.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use shoal_core::SourceId;
-use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, EndpointStats, ReceiverStats, UdpConfig};
+use shoal_core::datagram::{
+    BuilderEndpoint, Datagram, DatagramSender, EndpointEvent, EndpointStats, ReceiverStats, SenderStats, UdpConfig,
+};
 use shoal_core::frame::{self, Flags, HEADER_LEN, set_send_time};
 use tokio::net::UdpSocket;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
 use crate::link::{Chunk, LinkReport};
@@ -59,29 +60,10 @@ pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocke
     UdpSocket::from_std(s.into())
 }
 
-/// What a source's UDP link did (summed over the sources it carries).
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct UdpLinkStats {
-    pub builder: u32,
-    pub frames: u64,
-    pub datagrams: u64,
-    pub nacks: u64,
-    pub retransmitted: u64,
-    pub unanswerable: u64,
-    /// Ends not acknowledged by the builder (it may have missed the stream's tail).
-    pub ends_unacknowledged: u64,
-    /// Datagrams the socket refused to send (counted lost; NACKs recover them).
-    pub send_errors: u64,
-    /// Datagrams from the builder's address that were not a NACK or an acknowledgement of
-    /// one of this link's streams.
-    pub refused: u64,
-}
-
 /// A source's datagram link to one builder.
 #[derive(Debug)]
 pub struct UdpLink {
     tx: mpsc::UnboundedSender<Chunk>,
-    pub stats: Arc<Mutex<UdpLinkStats>>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -97,9 +79,8 @@ impl UdpLink {
         reports: mpsc::UnboundedSender<LinkReport>,
     ) -> UdpLink {
         let (tx, rx) = mpsc::unbounded_channel();
-        let stats = Arc::new(Mutex::new(UdpLinkStats { builder, ..Default::default() }));
-        let task = tokio::spawn(run_link(builder, addr, clock, cfg, run, buffer_bytes, rx, reports, stats.clone()));
-        UdpLink { tx, stats, task }
+        let task = tokio::spawn(run_link(builder, addr, clock, cfg, run, buffer_bytes, rx, reports));
+        UdpLink { tx, task }
     }
 
     /// Enqueues a chunk (never waits).
@@ -125,7 +106,6 @@ async fn run_link(
     buffer_bytes: usize,
     mut rx: mpsc::UnboundedReceiver<Chunk>,
     reports: mpsc::UnboundedSender<LinkReport>,
-    shared: Arc<Mutex<UdpLinkStats>>,
 ) {
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
@@ -144,7 +124,9 @@ async fn run_link(
     let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
     let mut frame = BytesMut::new();
     let mut buf = vec![0u8; RECV_BUF];
-    let mut stats = UdpLinkStats { builder, ..Default::default() };
+    // Datagrams the socket would not send (lost; NACKs recover them), and datagrams from
+    // the builder's address that were no NACK or acknowledgement of this link's streams.
+    let (mut send_errors, mut refused) = (0u64, 0u64);
     let mut open = true;
     loop {
         let now = clock.now();
@@ -154,7 +136,7 @@ async fn run_link(
             }
             while let Some(d) = s.poll_transmit() {
                 if let Err(e) = sock.send_to(&d, addr).await {
-                    stats.send_errors += 1;
+                    send_errors += 1;
                     debug!(builder, error = %e, "datagram not sent");
                 }
             }
@@ -197,38 +179,31 @@ async fn run_link(
                 match Datagram::decode(&Bytes::copy_from_slice(&buf[..n])) {
                     Ok(d) if from == addr => match senders.get_mut(&d.header.source) {
                         Some(s) => s.handle_datagram(now, &d),
-                        None => stats.refused += 1,
+                        None => refused += 1,
                     },
-                    _ => stats.refused += 1,
+                    _ => refused += 1,
                 }
             },
             _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {}
         }
-        publish(&senders, &mut stats, &shared);
     }
-    publish(&senders, &mut stats, &shared);
-}
-
-fn publish(senders: &BTreeMap<SourceId, DatagramSender>, stats: &mut UdpLinkStats, shared: &Mutex<UdpLinkStats>) {
-    let (mut frames, mut datagrams, mut nacks, mut retransmitted, mut unanswerable, mut unacked) = (0, 0, 0, 0, 0, 0);
+    let mut total = SenderStats::default();
     for s in senders.values() {
-        let st = s.stats();
-        frames += st.frames;
-        datagrams += st.datagrams;
-        nacks += st.nacks;
-        retransmitted += st.retransmitted;
-        unanswerable += st.unanswerable;
-        unacked += u64::from(s.is_finished() && !s.end_acknowledged());
+        total.merge(s.stats());
     }
-    stats.frames = frames;
-    stats.datagrams = datagrams;
-    stats.nacks = nacks;
-    stats.retransmitted = retransmitted;
-    stats.unanswerable = unanswerable;
-    stats.ends_unacknowledged = unacked;
-    if let Ok(mut s) = shared.lock() {
-        *s = stats.clone();
-    }
+    let ends_unacknowledged = senders.values().filter(|s| !s.end_acknowledged()).count();
+    info!(
+        builder,
+        frames = total.frames,
+        datagrams = total.datagrams,
+        nacks = total.nacks,
+        retransmitted = total.retransmitted,
+        unanswerable = total.unanswerable,
+        send_errors,
+        refused,
+        ends_unacknowledged,
+        "UDP link finished"
+    );
 }
 
 /// What a builder's datagram endpoint saw.
@@ -274,8 +249,6 @@ pub async fn receive(
 ) -> UdpReceiveReport {
     let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
     let mut peers: HashMap<SourceId, SocketAddr> = HashMap::new();
-    let mut damaged_seen: BTreeMap<SourceId, u64> = BTreeMap::new();
-    let mut ended: BTreeSet<SourceId> = BTreeSet::new();
     let mut report = UdpReceiveReport::default();
     let mut buf = vec![0u8; RECV_BUF];
     loop {
@@ -302,28 +275,20 @@ pub async fn receive(
             }
         }
         let mut msgs = Vec::new();
-        while let Some(f) = ep.poll_fragment() {
-            match frame::decode(&f.frame, max_payload) {
-                Ok((frame, used)) if used == f.frame.len() && frame.header.source == f.source => {
-                    msgs.push(Received::Frame { frame, recovered: f.recovered })
-                }
-                _ => {
-                    report.frames_undecodable += 1;
-                    msgs.push(Received::Damaged { source: f.source, n: 1 });
-                }
-            }
-        }
-        for source in 0..n_sources {
-            let Some(stream) = ep.stream(source) else { continue };
-            let damaged = stream.stats().fragments_damaged;
-            let seen = damaged_seen.entry(source).or_default();
-            if damaged > *seen {
-                msgs.push(Received::Damaged { source, n: damaged - *seen });
-                *seen = damaged;
-            }
-            if stream.is_ended() && ended.insert(source) {
-                msgs.push(Received::Ended { source });
-            }
+        while let Some(e) = ep.poll_event() {
+            msgs.push(match e {
+                EndpointEvent::Fragment(f) => match frame::decode(&f.frame, max_payload) {
+                    Ok((frame, used)) if used == f.frame.len() && frame.header.source == f.source => {
+                        Received::Frame { frame, recovered: f.recovered }
+                    }
+                    _ => {
+                        report.frames_undecodable += 1;
+                        Received::Damaged { source: f.source, n: 1 }
+                    }
+                },
+                EndpointEvent::Damaged { source, n } => Received::Damaged { source, n },
+                EndpointEvent::Ended { source } => Received::Ended { source },
+            });
         }
         for m in msgs {
             if out.send(m).await.is_err() {

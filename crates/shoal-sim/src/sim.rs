@@ -19,12 +19,14 @@
 //! ANTARES study.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bytes::Bytes;
 
 use shoal_core::assembly::AssemblerConfig;
-use shoal_core::datagram::{BuilderEndpoint, Datagram, DatagramSender, ReceiverStats, UdpConfig};
+use shoal_core::datagram::{
+    BuilderEndpoint, Datagram, DatagramSender, EndpointEvent, ReceiverStats, SenderStats, UdpConfig,
+};
 use shoal_core::frame::Flags;
 use shoal_core::ledger::Ledger;
 pub use shoal_core::node::TransmitRecord;
@@ -111,7 +113,6 @@ struct Nack {
     cfg: UdpConfig,
     senders: HashMap<(u32, u32), (DatagramSender, Option<Instant>)>,
     endpoints: Vec<(BuilderEndpoint, Option<Instant>)>,
-    ended: HashSet<(u32, u32)>,
     /// A frame's bytes (the model carries no hit content: zeros of the frame's length).
     zeros: Vec<u8>,
     datagrams: u64,
@@ -123,9 +124,9 @@ pub struct NackSummary {
     /// Datagrams sent, both directions (those hit by a bit error are discarded by the
     /// receiving host, counted in `damaged_packets`, as the CRC would).
     pub datagrams: u64,
-    pub nacks_received: u64,
-    pub retransmitted: u64,
-    pub unanswerable: u64,
+    /// The sources' streams (NACKs received, retransmitted, unanswerable, ...).
+    pub sender: SenderStats,
+    /// The builders' streams (NACKs sent, recovered, lost, damaged, ...).
     pub receiver: ReceiverStats,
 }
 
@@ -479,6 +480,8 @@ impl World {
         });
         let source_of_host = source_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
+        // The runtime's default budgets.
+        let udp_cfg = UdpConfig::default();
         Ok(World {
             sc: sc.clone(),
             q: EventQueue::new(),
@@ -507,12 +510,9 @@ impl World {
             source_of_host,
             control_packets: 0,
             nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
-                cfg: UdpConfig::default(),
+                cfg: udp_cfg,
                 senders: HashMap::new(),
-                endpoints: (0..n_builders)
-                    .map(|b| (BuilderEndpoint::new(UdpConfig::default(), 1, b, n_sources), None))
-                    .collect(),
-                ended: HashSet::new(),
+                endpoints: (0..n_builders).map(|b| (BuilderEndpoint::new(udp_cfg, 1, b, n_sources), None)).collect(),
                 zeros: Vec::new(),
                 datagrams: 0,
             }),
@@ -600,8 +600,7 @@ impl World {
                         ep.handle_timeout(now);
                     }
                 }
-                let all = (0..self.sources.len() as u32).collect();
-                self.flush_endpoint(now, b, all);
+                self.flush_endpoint(now, b);
             }
             Ev::DfmWake => {
                 if let Some(d) = self.dfm.as_mut() {
@@ -756,25 +755,18 @@ impl World {
         }
     }
 
-    /// A builder endpoint's NACKs and acknowledgements go out, its frames to the node, and
-    /// the ends of the streams of `check` (whose state may have changed) to the node; its
-    /// timer is armed.
-    fn flush_endpoint(&mut self, now: Instant, b: u32, check: Vec<u32>) {
+    /// A builder endpoint's NACKs and acknowledgements go out, its frames, damage and ends
+    /// of stream to the node; its timer is armed.
+    fn flush_endpoint(&mut self, now: Instant, b: u32) {
         let Some(n) = self.nack.as_mut() else { return };
         let (ep, wake) = &mut n.endpoints[b as usize];
         let mut back = Vec::new();
         while let Some(x) = ep.poll_transmit() {
             back.push(x);
         }
-        let mut frames = Vec::new();
-        while let Some(f) = ep.poll_fragment() {
-            frames.push((f.source, f.slice, f.recovered));
-        }
-        let mut ended = Vec::new();
-        for s in check {
-            if ep.stream(s).is_some_and(|r| r.is_ended()) && n.ended.insert((s, b)) {
-                ended.push(s);
-            }
+        let mut events = Vec::new();
+        while let Some(e) = ep.poll_event() {
+            events.push(e);
         }
         if let Some(t) = rearm(wake, ep.poll_timeout()) {
             self.q.schedule(t, Ev::EndpointWake(b));
@@ -784,11 +776,12 @@ impl World {
             let dst = self.sources[s as usize].host;
             self.send_datagram(now, host, dst, d);
         }
-        for (s, slice, recovered) in frames {
-            self.fragment_arrived(now, s, b, slice, recovered);
-        }
-        for s in ended {
-            self.builders[b as usize].node.handle_end_of_stream(now, s);
+        for e in events {
+            match e {
+                EndpointEvent::Fragment(f) => self.fragment_arrived(now, f.source, b, f.slice, f.recovered),
+                EndpointEvent::Damaged { source, n } => self.builders[b as usize].node.handle_damaged(source, n),
+                EndpointEvent::Ended { source } => self.builders[b as usize].node.handle_end_of_stream(now, source),
+            }
         }
         self.drain_outcomes(now, b);
     }
@@ -953,8 +946,9 @@ impl World {
             Body::Dgram(bytes) => {
                 if let Some(&b) = self.builder_of_host.get(&host) {
                     let n = self.nack.as_mut().expect("datagram transport");
-                    let source = n.endpoints[b as usize].0.handle_bytes(now, &bytes).ok();
-                    self.flush_endpoint(now, b, source.into_iter().collect());
+                    // A refused datagram is counted by the endpoint.
+                    let _ = n.endpoints[b as usize].0.handle_bytes(now, &bytes);
+                    self.flush_endpoint(now, b);
                 } else if let Ok(d) = Datagram::decode(&bytes) {
                     let (s, b) = (d.header.source, d.header.builder);
                     if let Some((sender, _)) = self.nack.as_mut().and_then(|n| n.senders.get_mut(&(s, b))) {
@@ -1021,15 +1015,6 @@ impl World {
     }
 
     fn finish(mut self, end: Instant, wall_s: f64) -> SimResult {
-        // Datagram transport: what each builder gave up in reassembly is in its tally.
-        if let Some(n) = &self.nack {
-            for (b, (ep, _)) in n.endpoints.iter().enumerate() {
-                for s in 0..self.sources.len() as u32 {
-                    let damaged = ep.stream(s).map_or(0, |r| r.stats().fragments_damaged);
-                    self.builders[b].node.handle_damaged(s, damaged);
-                }
-            }
-        }
         for b in 0..self.builders.len() as u32 {
             self.builders[b as usize].node.handle_drain(end);
             self.drain_outcomes(end, b);
@@ -1138,26 +1123,11 @@ impl World {
             udp_nack: self.nack.as_ref().map(|n| {
                 let mut sum = NackSummary { datagrams: n.datagrams, ..Default::default() };
                 for (sender, _) in n.senders.values() {
-                    let st = sender.stats();
-                    sum.nacks_received += st.nacks;
-                    sum.retransmitted += st.retransmitted;
-                    sum.unanswerable += st.unanswerable;
+                    sum.sender.merge(sender.stats());
                 }
-                let mut r = ReceiverStats::default();
                 for (ep, _) in &n.endpoints {
-                    let t = ep.receiver_totals();
-                    r.datagrams += t.datagrams;
-                    r.duplicates += t.duplicates;
-                    r.nacks_sent += t.nacks_sent;
-                    r.seqs_nacked += t.seqs_nacked;
-                    r.recovered_datagrams += t.recovered_datagrams;
-                    r.lost_datagrams += t.lost_datagrams;
-                    r.frames += t.frames;
-                    r.frames_recovered += t.frames_recovered;
-                    r.fragments_damaged += t.fragments_damaged;
-                    r.inconsistent += t.inconsistent;
+                    sum.receiver.merge(&ep.receiver_totals());
                 }
-                sum.receiver = r;
                 sum
             }),
             events: self.q.processed(),

@@ -236,5 +236,5 @@ relax_s = 0.5
     assert_eq!(lost(&nk), 0, "{:?}", nk.ledger);
     assert!(nk.ledger["recovered"] > 0, "{:?}", nk.ledger);
     let n = nk.udp_nack.expect("datagram transport counts");
-    assert!(nk.damaged_packets > 0 && n.retransmitted > 0 && n.receiver.frames_recovered > 0, "{n:?}");
+    assert!(nk.damaged_packets > 0 && n.sender.retransmitted > 0 && n.receiver.frames_recovered > 0, "{n:?}");
 }

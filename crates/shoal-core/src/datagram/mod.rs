@@ -23,7 +23,7 @@ mod receiver;
 mod sender;
 mod wire;
 
-pub use receiver::{BuilderEndpoint, DatagramReceiver, EndpointStats, ReceivedFragment, ReceiverStats};
+pub use receiver::{BuilderEndpoint, DatagramReceiver, EndpointEvent, EndpointStats, ReceivedFragment, ReceiverStats};
 pub use sender::{DatagramSender, SenderStats};
 pub use wire::{DATAGRAM_HEADER_LEN, DATAGRAM_MAGIC, Datagram, DatagramError, DatagramHeader, Kind, MAX_NACK_SEQS};
 

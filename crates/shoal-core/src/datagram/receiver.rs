@@ -38,6 +38,24 @@ pub struct ReceiverStats {
     pub inconsistent: u64,
 }
 
+impl ReceiverStats {
+    /// Adds another stream's counts (totals over streams or builders).
+    pub fn merge(&mut self, o: &ReceiverStats) {
+        self.datagrams += o.datagrams;
+        self.bytes += o.bytes;
+        self.duplicates += o.duplicates;
+        self.out_of_order += o.out_of_order;
+        self.nacks_sent += o.nacks_sent;
+        self.seqs_nacked += o.seqs_nacked;
+        self.recovered_datagrams += o.recovered_datagrams;
+        self.lost_datagrams += o.lost_datagrams;
+        self.frames += o.frames;
+        self.frames_recovered += o.frames_recovered;
+        self.fragments_damaged += o.fragments_damaged;
+        self.inconsistent += o.inconsistent;
+    }
+}
+
 /// A frame reassembled from datagrams.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceivedFragment {
@@ -349,21 +367,58 @@ pub struct EndpointStats {
     pub wrong_direction: u64,
 }
 
-/// One builder's datagram socket: checks every datagram and hands it to its source's
-/// receiver.
+/// What a builder's endpoint hands its driver, in the order it happened: a source's frames
+/// and damage always come before its end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointEvent {
+    /// A frame reassembled.
+    Fragment(ReceivedFragment),
+    /// `n` more frames of `source` were partly received and given up (the node counts
+    /// them `damaged`).
+    Damaged { source: SourceId, n: u64 },
+    /// `source` ended its stream with nothing missing: no more frames come from it.
+    Ended { source: SourceId },
+}
+
+/// A source's receiver and what the endpoint already told the driver about it.
+#[derive(Debug)]
+struct Stream {
+    rx: DatagramReceiver,
+    damaged_reported: u64,
+    ended_reported: bool,
+    /// Its entry in the endpoint's deadline index.
+    deadline: Option<Instant>,
+}
+
+/// One builder's datagram socket: checks every datagram, hands it to its source's
+/// receiver, and collects what that receiver produced. Work per datagram or timer touches
+/// only the streams concerned (a deadline index instead of a scan over every source).
 #[derive(Debug)]
 pub struct BuilderEndpoint {
     cfg: UdpConfig,
     run: u32,
     builder: BuilderId,
     n_sources: u32,
-    streams: BTreeMap<SourceId, DatagramReceiver>,
+    streams: BTreeMap<SourceId, Stream>,
+    deadlines: BTreeSet<(Instant, SourceId)>,
+    events: VecDeque<EndpointEvent>,
+    transmit: VecDeque<(SourceId, Bytes)>,
     stats: EndpointStats,
 }
 
 impl BuilderEndpoint {
     pub fn new(cfg: UdpConfig, run: u32, builder: BuilderId, n_sources: u32) -> Self {
-        Self { cfg, run, builder, n_sources, streams: BTreeMap::new(), stats: EndpointStats::default() }
+        Self {
+            cfg,
+            run,
+            builder,
+            n_sources,
+            streams: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
+            events: VecDeque::new(),
+            transmit: VecDeque::new(),
+            stats: EndpointStats::default(),
+        }
     }
 
     /// Untrusted bytes from the socket. Returns the source they came from when accepted
@@ -392,8 +447,15 @@ impl BuilderEndpoint {
             let source = h.source;
             self.streams
                 .entry(source)
-                .or_insert_with(|| DatagramReceiver::new(cfg, run, source, builder))
+                .or_insert_with(|| Stream {
+                    rx: DatagramReceiver::new(cfg, run, source, builder),
+                    damaged_reported: 0,
+                    ended_reported: false,
+                    deadline: None,
+                })
+                .rx
                 .handle_datagram(now, &d);
+            self.collect(source);
             return Ok(source);
         };
         Err(reason)
@@ -404,33 +466,72 @@ impl BuilderEndpoint {
         e.kind()
     }
 
+    /// Lets the timers that are due fire (only those streams are touched).
     pub fn handle_timeout(&mut self, now: Instant) {
-        for r in self.streams.values_mut() {
-            r.handle_timeout(now);
+        while let Some(&(t, source)) = self.deadlines.first() {
+            if t > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            let st = self.streams.get_mut(&source).expect("an indexed stream exists");
+            st.deadline = None;
+            st.rx.handle_timeout(now);
+            self.collect(source);
         }
     }
 
-    /// The next reassembled frame, from any source.
-    pub fn poll_fragment(&mut self) -> Option<ReceivedFragment> {
-        self.streams.values_mut().find_map(DatagramReceiver::poll_fragment)
+    /// Moves what `source`'s receiver produced to the endpoint's queues and re-indexes its
+    /// deadline.
+    fn collect(&mut self, source: SourceId) {
+        let st = self.streams.get_mut(&source).expect("a known stream");
+        while let Some(f) = st.rx.poll_fragment() {
+            self.events.push_back(EndpointEvent::Fragment(f));
+        }
+        while let Some(d) = st.rx.poll_transmit() {
+            self.transmit.push_back((source, d));
+        }
+        let damaged = st.rx.stats().fragments_damaged;
+        if damaged > st.damaged_reported {
+            self.events.push_back(EndpointEvent::Damaged { source, n: damaged - st.damaged_reported });
+            st.damaged_reported = damaged;
+        }
+        if !st.ended_reported && st.rx.is_ended() {
+            st.ended_reported = true;
+            self.events.push_back(EndpointEvent::Ended { source });
+        }
+        let next = st.rx.poll_timeout();
+        if next != st.deadline {
+            if let Some(old) = st.deadline {
+                self.deadlines.remove(&(old, source));
+            }
+            if let Some(t) = next {
+                self.deadlines.insert((t, source));
+            }
+            st.deadline = next;
+        }
+    }
+
+    /// The next frame, damage or end of stream, from any source.
+    pub fn poll_event(&mut self) -> Option<EndpointEvent> {
+        self.events.pop_front()
     }
 
     /// The next datagram to send back, with the source it goes to.
     pub fn poll_transmit(&mut self) -> Option<(SourceId, Bytes)> {
-        self.streams.iter_mut().find_map(|(s, r)| r.poll_transmit().map(|d| (*s, d)))
+        self.transmit.pop_front()
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.streams.values().filter_map(DatagramReceiver::poll_timeout).min()
+        self.deadlines.first().map(|&(t, _)| t)
     }
 
     /// Every source in `sources` ended its stream and nothing is missing.
     pub fn all_ended(&self, sources: impl IntoIterator<Item = SourceId>) -> bool {
-        sources.into_iter().all(|s| self.streams.get(&s).is_some_and(DatagramReceiver::is_ended))
+        sources.into_iter().all(|s| self.streams.get(&s).is_some_and(|st| st.rx.is_ended()))
     }
 
     pub fn stream(&self, source: SourceId) -> Option<&DatagramReceiver> {
-        self.streams.get(&source)
+        self.streams.get(&source).map(|st| &st.rx)
     }
 
     pub fn stats(&self) -> &EndpointStats {
@@ -440,20 +541,8 @@ impl BuilderEndpoint {
     /// The receivers' statistics summed over every source.
     pub fn receiver_totals(&self) -> ReceiverStats {
         let mut t = ReceiverStats::default();
-        for r in self.streams.values() {
-            let s = r.stats();
-            t.datagrams += s.datagrams;
-            t.bytes += s.bytes;
-            t.duplicates += s.duplicates;
-            t.out_of_order += s.out_of_order;
-            t.nacks_sent += s.nacks_sent;
-            t.seqs_nacked += s.seqs_nacked;
-            t.recovered_datagrams += s.recovered_datagrams;
-            t.lost_datagrams += s.lost_datagrams;
-            t.frames += s.frames;
-            t.frames_recovered += s.frames_recovered;
-            t.fragments_damaged += s.fragments_damaged;
-            t.inconsistent += s.inconsistent;
+        for st in self.streams.values() {
+            t.merge(st.rx.stats());
         }
         t
     }

@@ -30,6 +30,21 @@ pub struct SenderStats {
     pub refused: u64,
 }
 
+impl SenderStats {
+    /// Adds another stream's counts (totals over streams or links).
+    pub fn merge(&mut self, o: &SenderStats) {
+        self.frames += o.frames;
+        self.datagrams += o.datagrams;
+        self.bytes += o.bytes;
+        self.nacks += o.nacks;
+        self.retransmitted += o.retransmitted;
+        self.unanswerable += o.unanswerable;
+        self.probes += o.probes;
+        self.ends += o.ends;
+        self.refused += o.refused;
+    }
+}
+
 #[derive(Debug)]
 struct Kept {
     at: Instant,
