@@ -15,7 +15,8 @@ use std::net::SocketAddr;
 use bytes::{Bytes, BytesMut};
 use shoal_core::SourceId;
 use shoal_core::datagram::{
-    BuilderEndpoint, Datagram, DatagramSender, EndpointEvent, EndpointStats, ReceiverStats, SenderStats, UdpConfig,
+    BuilderEndpoint, DATAGRAM_HEADER_LEN, Datagram, DatagramSender, EndpointEvent, EndpointStats, ReceiverStats,
+    SenderStats, UdpConfig,
 };
 use shoal_core::frame::{self, Flags, HEADER_LEN, set_send_time};
 use tokio::net::UdpSocket;
@@ -25,6 +26,10 @@ use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
 use crate::link::{Chunk, LinkReport};
+
+pub mod batch;
+
+use batch::BatchSocket;
 
 /// Largest datagram the sockets read (a UDP datagram's maximum).
 const RECV_BUF: usize = 65_536;
@@ -109,7 +114,9 @@ async fn run_link(
 ) {
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
-    let sock = match socket(unspecified, buffer_bytes) {
+    let mut sock = match socket(unspecified, buffer_bytes)
+        .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN))
+    {
         Ok(s) => s,
         Err(e) => {
             warn!(builder, %addr, error = %e, "cannot open a UDP socket; every frame fails");
@@ -124,9 +131,12 @@ async fn run_link(
     let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
     let mut frame = BytesMut::new();
     let mut buf = vec![0u8; RECV_BUF];
-    // Datagrams the socket would not send (lost; NACKs recover them), and datagrams from
-    // the builder's address that were no NACK or acknowledgement of this link's streams.
-    let (mut send_errors, mut refused) = (0u64, 0u64);
+    let mut outgoing: Vec<Bytes> = Vec::new();
+    // What the socket did (datagrams it refused are lost; NACKs recover them), and
+    // datagrams from the builder's address that were no NACK or acknowledgement of this
+    // link's streams.
+    let mut sent = batch::SendOutcome::default();
+    let mut refused = 0u64;
     let mut open = true;
     loop {
         let now = clock.now();
@@ -134,11 +144,16 @@ async fn run_link(
             if s.poll_timeout().is_some_and(|t| t <= now) {
                 s.handle_timeout(now);
             }
-            while let Some(d) = s.poll_transmit() {
-                if let Err(e) = sock.send_to(&d, addr).await {
-                    send_errors += 1;
-                    debug!(builder, error = %e, "datagram not sent");
+            outgoing.clear();
+            outgoing.extend(std::iter::from_fn(|| s.poll_transmit()));
+            if !outgoing.is_empty() {
+                let o = sock.send_all(addr, &outgoing).await;
+                if o.refused > 0 {
+                    debug!(builder, refused = o.refused, "datagrams not sent");
                 }
+                sent.datagrams += o.datagrams;
+                sent.calls += o.calls;
+                sent.refused += o.refused;
             }
         }
         if !open && senders.values().all(DatagramSender::is_finished) {
@@ -174,7 +189,7 @@ async fn run_link(
                 }
                 None => open = false,
             },
-            r = sock.recv_from(&mut buf) => if let Ok((n, from)) = r {
+            r = sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r {
                 let now = clock.now();
                 match Datagram::decode(&Bytes::copy_from_slice(&buf[..n])) {
                     Ok(d) if from == addr => match senders.get_mut(&d.header.source) {
@@ -199,7 +214,9 @@ async fn run_link(
         nacks = total.nacks,
         retransmitted = total.retransmitted,
         unanswerable = total.unanswerable,
-        send_errors,
+        send_calls = sent.calls,
+        send_errors = sent.refused,
+        gso_segments = sock.max_gso_segments(),
         refused,
         ends_unacknowledged,
         "UDP link finished"
@@ -250,16 +267,26 @@ pub async fn receive(
     let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
     let mut peers: HashMap<SourceId, SocketAddr> = HashMap::new();
     let mut report = UdpReceiveReport::default();
-    let mut buf = vec![0u8; RECV_BUF];
+    let mut sock = match BatchSocket::new(sock, cfg.max_payload as usize + DATAGRAM_HEADER_LEN) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(builder, error = %e, "cannot set up batched UDP receive; no datagram is received");
+            cancel.cancelled().await;
+            return report;
+        }
+    };
+    let mut received: Vec<(SocketAddr, Bytes)> = Vec::new();
     loop {
         let wake =
             ep.poll_timeout().unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1));
         tokio::select! {
-            r = sock.recv_from(&mut buf) => match r {
-                Ok((n, from)) => {
+            r = sock.recv(&mut received) => match r {
+                Ok(_) => {
                     let now = clock.now();
-                    if let Ok(source) = ep.handle_bytes(now, &Bytes::copy_from_slice(&buf[..n])) {
-                        peers.insert(source, from);
+                    for (from, d) in received.drain(..) {
+                        if let Ok(source) = ep.handle_bytes(now, &d) {
+                            peers.insert(source, from);
+                        }
                     }
                 }
                 Err(e) => debug!(builder, error = %e, "UDP receive failed"),
@@ -269,7 +296,7 @@ pub async fn receive(
         }
         while let Some((source, d)) = ep.poll_transmit() {
             if let Some(peer) = peers.get(&source)
-                && sock.send_to(&d, *peer).await.is_err()
+                && sock.socket().send_to(&d, *peer).await.is_err()
             {
                 report.send_errors += 1;
             }

@@ -1,0 +1,195 @@
+//! Batched datagram I/O through quinn-udp: a run of equal-sized datagrams to one address
+//! leaves in one system call (UDP GSO: the kernel cuts one buffer into segments), and one
+//! receive call takes up to [`quinn_udp::BATCH_SIZE`] buffers (recvmmsg), each of which
+//! may hold many datagrams from one sender (UDP GRO). Where the kernel offers neither,
+//! quinn-udp falls back to one datagram per call; nothing here depends on which.
+//!
+//! A frame cut by the core's sender is a run of pieces of exactly `max_payload` bytes and
+//! a shorter last one: the shape GSO takes (equal segments, the last may be shorter), so a
+//! 64 kB fragment leaves in two calls instead of 47.
+
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use quinn_udp::{RecvMeta, Transmit, UdpSocketState};
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+
+/// Largest UDP payload a GSO buffer may hold in total (the IP length field).
+const GSO_MAX_BYTES: usize = 65_000;
+
+/// A UDP socket with batched send and receive.
+#[derive(Debug)]
+pub struct BatchSocket {
+    sock: UdpSocket,
+    state: UdpSocketState,
+    /// A GSO buffer: the datagrams of one send call, back to back.
+    send_buf: Vec<u8>,
+    /// [`quinn_udp::BATCH_SIZE`] receive slots of `slot` bytes.
+    recv_buf: Vec<u8>,
+    slot: usize,
+}
+
+/// What one [`BatchSocket::send_all`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendOutcome {
+    pub datagrams: u64,
+    /// System calls made (fewer than datagrams when GSO batches).
+    pub calls: u64,
+    /// Datagrams the kernel refused (lost; the NACK protocol recovers them).
+    pub refused: u64,
+}
+
+impl BatchSocket {
+    /// Wraps `sock`; `max_datagram` is the largest datagram the protocol sends (receive
+    /// slots are sized for a GRO batch of them, at least 64 kB).
+    pub fn new(sock: UdpSocket, max_datagram: usize) -> io::Result<BatchSocket> {
+        let state = UdpSocketState::new((&sock).into())?;
+        let slot = (max_datagram * state.gro_segments()).clamp(65_536, 1 << 20);
+        Ok(BatchSocket { sock, state, send_buf: Vec::new(), recv_buf: vec![0; slot * quinn_udp::BATCH_SIZE], slot })
+    }
+
+    pub fn socket(&self) -> &UdpSocket {
+        &self.sock
+    }
+
+    /// Whether sends are batched (the kernel accepted UDP GSO).
+    pub fn max_gso_segments(&self) -> usize {
+        self.state.max_gso_segments()
+    }
+
+    /// Sends `datagrams` to `dest` in order, batching runs of equal size (plus one shorter
+    /// tail) into one call each. Waits while the socket buffer is full; an error other than
+    /// that counts the call's datagrams refused and goes on.
+    pub async fn send_all(&mut self, dest: SocketAddr, datagrams: &[Bytes]) -> SendOutcome {
+        let mut out = SendOutcome::default();
+        let mut i = 0;
+        while i < datagrams.len() {
+            let n = gso_run(&datagrams[i..], self.state.max_gso_segments());
+            let segment = datagrams[i].len();
+            let contents: &[u8] = if n == 1 {
+                &datagrams[i]
+            } else {
+                self.send_buf.clear();
+                for d in &datagrams[i..i + n] {
+                    self.send_buf.extend_from_slice(d);
+                }
+                &self.send_buf
+            };
+            let transmit = Transmit {
+                destination: dest,
+                ecn: None,
+                contents,
+                segment_size: (n > 1).then_some(segment),
+                src_ip: None,
+            };
+            let (sock, state) = (&self.sock, &self.state);
+            let r = sock.async_io(Interest::WRITABLE, || state.try_send(sock.into(), &transmit)).await;
+            out.calls += 1;
+            out.datagrams += n as u64;
+            if r.is_err() {
+                out.refused += n as u64;
+            }
+            i += n;
+        }
+        out
+    }
+
+    /// Waits for datagrams and appends each, with its sender, to `out` (one copy per
+    /// receive slot; each datagram a slice of it). Returns how many were appended.
+    pub async fn recv(&mut self, out: &mut Vec<(SocketAddr, Bytes)>) -> io::Result<usize> {
+        let mut meta = [RecvMeta::default(); quinn_udp::BATCH_SIZE];
+        let slot = self.slot;
+        let n = {
+            let mut bufs: Vec<IoSliceMut<'_>> = self.recv_buf.chunks_mut(slot).map(IoSliceMut::new).collect();
+            let (sock, state) = (&self.sock, &self.state);
+            sock.async_io(Interest::READABLE, || state.recv(sock.into(), &mut bufs, &mut meta)).await?
+        };
+        let before = out.len();
+        for (i, m) in meta.iter().take(n).enumerate() {
+            let len = m.len.min(slot);
+            let chunk = Bytes::copy_from_slice(&self.recv_buf[i * slot..i * slot + len]);
+            let stride = if m.stride == 0 { len.max(1) } else { m.stride };
+            let mut at = 0;
+            while at < len {
+                let end = (at + stride).min(len);
+                out.push((m.addr, chunk.slice(at..end)));
+                at = end;
+            }
+        }
+        Ok(out.len() - before)
+    }
+}
+
+/// How many datagrams from the start of `ds` one GSO call can carry: a run of the first
+/// one's size, optionally ended by one shorter datagram, at most `max_segments` and
+/// [`GSO_MAX_BYTES`] in all.
+fn gso_run(ds: &[Bytes], max_segments: usize) -> usize {
+    let segment = ds[0].len();
+    if segment == 0 {
+        return 1;
+    }
+    let limit = max_segments.min(GSO_MAX_BYTES / segment).max(1).min(ds.len());
+    let mut n = 1;
+    while n < limit && ds[n].len() == segment {
+        n += 1;
+    }
+    if n < limit && ds[n].len() < segment && !ds[n].is_empty() {
+        n += 1;
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(ls: &[usize]) -> Vec<Bytes> {
+        ls.iter().map(|&l| Bytes::from(vec![0u8; l])).collect()
+    }
+
+    #[test]
+    fn a_run_takes_equal_segments_and_one_shorter_tail() {
+        assert_eq!(gso_run(&sizes(&[1472, 1472, 1472, 300, 1472]), 64), 4);
+        assert_eq!(gso_run(&sizes(&[1472, 1472, 1500]), 64), 2);
+        assert_eq!(gso_run(&sizes(&[300, 1472]), 64), 1);
+        assert_eq!(gso_run(&sizes(&[1472; 10]), 4), 4);
+        assert_eq!(gso_run(&sizes(&[1472; 100]), 64), GSO_MAX_BYTES / 1472);
+        assert_eq!(gso_run(&sizes(&[40_000, 40_000]), 64), 1);
+        assert_eq!(gso_run(&sizes(&[1472]), 1), 1);
+    }
+
+    /// Whatever the kernel batches, the receiver gets every datagram, in order, intact.
+    #[tokio::test]
+    async fn batched_datagrams_arrive_whole_and_in_order() {
+        let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let to = rx.local_addr().unwrap();
+        let mut rx = BatchSocket::new(rx, 1472).unwrap();
+        let mut tx = BatchSocket::new(UdpSocket::bind("127.0.0.1:0").await.unwrap(), 1472).unwrap();
+        let from = tx.socket().local_addr().unwrap();
+        // Three frames' pieces: 40 full ones and a tail, 1 short, 5 full.
+        let mut ds = Vec::new();
+        for (i, len) in std::iter::repeat_n(1472, 40).chain([700, 90]).chain(std::iter::repeat_n(1472, 5)).enumerate() {
+            ds.push(Bytes::from((0..len).map(|b| (b + i) as u8).collect::<Vec<_>>()));
+        }
+        let sent = tx.send_all(to, &ds).await;
+        assert_eq!((sent.datagrams, sent.refused), (ds.len() as u64, 0));
+        // With GSO the 40 full pieces and their tail leave in one call (at most 44 fit in
+        // 65,000 bytes), the 90-byte one alone, the last five together: 3 calls.
+        if tx.max_gso_segments() >= 64 {
+            assert_eq!(sent.calls, 3);
+        } else {
+            assert!(sent.calls <= ds.len() as u64);
+        }
+        let mut got = Vec::new();
+        while got.len() < ds.len() {
+            rx.recv(&mut got).await.unwrap();
+        }
+        assert_eq!(got.len(), ds.len());
+        for ((addr, d), want) in got.iter().zip(&ds) {
+            assert_eq!(*addr, from);
+            assert_eq!(d, want);
+        }
+    }
+}
