@@ -19,9 +19,10 @@ test: deps lint rust-test py-test
 
 # Debian packages the tests and benchmarks use, installed only when we are root and they
 # are missing (CI runs as root on a fresh machine): chromium + chromium-driver for the
-# browser test of the run-control UI, iproute2 + ethtool for the testbed test (network
-# namespaces; it skips when not root), the rest for the benchmarks' peers.
-DEB_PACKAGES := chromium chromium-driver iproute2 ethtool iperf3 jq redis-server bc
+# browser test of the run-control UI, iproute2 + ethtool + nftables (injected loss) for the
+# testbed tests (network namespaces; they skip when not root), the rest for the benchmarks'
+# peers.
+DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

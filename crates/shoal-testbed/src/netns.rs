@@ -59,6 +59,13 @@ pub fn unavailable() -> Option<String> {
     None
 }
 
+/// Why loss cannot be injected here, if it cannot: `nft` (Debian package nftables) missing.
+pub fn loss_unavailable() -> Option<String> {
+    let found =
+        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join("nft").is_file())).unwrap_or(false);
+    (!found).then(|| "`nft` is missing (Debian package nftables): loss is injected by an nft rule".into())
+}
+
 /// The testbed's namespaces that exist now.
 pub fn existing(prefix: &str) -> anyhow::Result<Vec<String>> {
     let list = run(Command::new("ip").args(["netns", "list"]))?;
@@ -168,4 +175,34 @@ pub fn drops(netns: &str) -> anyhow::Result<Vec<(String, u64)>> {
         .filter(|q| q.get("kind").and_then(|k| k.as_str()) == Some("tbf"))
         .filter_map(|q| Some((q.get("dev")?.as_str()?.to_string(), q.get("drops")?.as_u64()?)))
         .collect())
+}
+
+/// Packets the injected loss dropped in a switch namespace (0 when it has no loss rule).
+pub fn injected_drops(netns: &str) -> anyhow::Result<u64> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns, "nft", "list", "table", "bridge", crate::plan::LOSS_TABLE])
+        .stdin(Stdio::null())
+        .output()
+        .context("running nft")?;
+    if !out.status.success() {
+        // No such table: this switch has no host port, or no loss was asked for.
+        return Ok(0);
+    }
+    Ok(counted_packets(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The sum of `counter packets N` in nft's listing.
+fn counted_packets(listing: &str) -> u64 {
+    let words: Vec<&str> = listing.split_whitespace().collect();
+    words.windows(3).filter(|w| w[0] == "counter" && w[1] == "packets").filter_map(|w| w[2].parse::<u64>().ok()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn nft_counters_are_summed() {
+        let listing = "table bridge shoal_loss {\n\tchain fw {\n\t\ttype filter hook forward priority filter; policy accept;\n\t\toifname { \"b0\", \"b1\" } numgen random mod 1000000 < 1000 counter packets 17 bytes 25024 drop\n\t}\n}\n";
+        assert_eq!(super::counted_packets(listing), 17);
+        assert_eq!(super::counted_packets(""), 0);
+    }
 }

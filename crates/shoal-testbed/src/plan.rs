@@ -101,7 +101,14 @@ pub struct Plan {
     pub switches: Vec<String>,
     pub links: Vec<Link>,
     pub congestion: Congestion,
+    /// Random loss, in packets per million, on every switch port toward a host (an nft
+    /// rule in the switch's bridge: ../shared/testbed.md). Switch-to-switch links are
+    /// lossless, so a packet meets it once on its way.
+    pub loss_ppm: u32,
 }
+
+/// The nft table of the injected loss in a switch namespace.
+pub const LOSS_TABLE: &str = "shoal_loss";
 
 /// Addresses in 198.18.0.0/15: sources 198.18.x.y, builders 198.19.0.x up, writer and
 /// control at the top of 198.19.
@@ -186,7 +193,22 @@ impl Plan {
         // (events, run control) is small next to the data.
         attach(ns("w".into()), HostRole::Writer, WRITER_ADDR, "w".into(), t.builder_mbps);
         attach(ns("ctl".into()), HostRole::Control, CONTROL_ADDR, "ctl".into(), t.builder_mbps);
-        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion })
+        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion, loss_ppm: 0 })
+    }
+
+    /// The same testbed with `ppm` packets per million lost on every switch port toward a
+    /// host.
+    pub fn with_loss_ppm(mut self, ppm: u32) -> Plan {
+        self.loss_ppm = ppm.min(1_000_000);
+        self
+    }
+
+    /// Switch-side ports that lead to a host (where loss is injected).
+    fn host_ports<'a>(&'a self, switch: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.links
+            .iter()
+            .filter(move |l| l.b_netns == switch && self.hosts.iter().any(|h| h.netns == l.a_netns))
+            .map(|l| l.b_dev.as_str())
     }
 
     /// Every namespace of the testbed.
@@ -236,6 +258,20 @@ impl Plan {
         }
         if let Some(h) = self.hosts.iter().find(|h| h.netns == netns) {
             let _ = writeln!(s, "ip addr add {}/15 dev eth0", h.addr);
+        }
+        if is_switch && self.loss_ppm > 0 {
+            // numgen draws per packet in the bridge's forward path: an independent loss
+            // with probability ppm / 1e6, counted by the rule (netem is not available).
+            let ports: Vec<&str> = self.host_ports(netns).collect();
+            if !ports.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "nft -f - <<'EOF'\ntable bridge {LOSS_TABLE} {{\n  chain fw {{\n    type filter hook forward priority 0;\n    \
+                     oifname {{ {} }} numgen random mod 1000000 < {} counter drop\n  }}\n}}\nEOF",
+                    ports.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
+                    self.loss_ppm
+                );
+            }
         }
         s
     }
@@ -324,5 +360,22 @@ mod tests {
         assert!(p.namespace_script("x1-core").contains("bfifo limit 108000"));
         assert!(Plan::new(&sc, "bad-prefix", Congestion::Reno).is_err());
         assert!(Plan::new(&scenario(1200, 10), "tb", Congestion::Reno).unwrap_err().contains("1023"));
+    }
+
+    #[test]
+    fn loss_goes_on_the_switch_ports_toward_hosts_only() {
+        let p = Plan::new(&scenario(6, 2), "tb", Congestion::Reno).unwrap();
+        assert!(!p.namespace_script("tb-core").contains("nft"), "no loss unless asked");
+        let p = p.with_loss_ppm(1000);
+        let core = p.namespace_script("tb-core");
+        assert!(
+            core.contains(r#"oifname { "b0", "b1", "w", "ctl" } numgen random mod 1000000 < 1000 counter drop"#),
+            "{core}"
+        );
+        let sector = p.namespace_script("tb-sec0");
+        assert!(sector.contains(r#"oifname { "s0", "s1", "s2", "s3", "s4" } numgen"#), "{sector}");
+        let rule = sector.lines().find(|l| l.contains("numgen")).unwrap();
+        assert!(!rule.contains("uplink"), "switch-to-switch links stay lossless: {rule}");
+        assert!(!p.namespace_script("tb-s0").contains("nft"), "hosts have no loss rule");
     }
 }

@@ -31,6 +31,8 @@ pub struct TestbedOptions {
     pub shoal: PathBuf,
     /// Length of the run (default: the scenario's `load_s`).
     pub seconds: Option<f64>,
+    /// Random loss on every switch port toward a host, packets per million.
+    pub loss_ppm: u32,
 }
 
 /// How a run went, judged the same way for the simulator and the testbed.
@@ -87,6 +89,11 @@ pub struct TestbedSummary {
     /// Packets dropped by the switch output buffers, and by the hosts' own queues.
     pub queue_drops: u64,
     pub host_queue_drops: u64,
+    /// Packets the injected loss dropped (the nft rules' counters), and the rate asked for.
+    pub injected_drops: u64,
+    pub loss_ppm: u32,
+    /// `tcp` or `udp`.
+    pub transport: String,
     /// Where the drops were: `namespace/device` -> packets (devices with drops only).
     pub drops_by_port: std::collections::BTreeMap<String, u64>,
     pub ledger: shoal_net::demo::LedgerSummary,
@@ -143,8 +150,14 @@ pub fn runtime_config(
     cfg.run.policy = t.policy.clone();
     cfg.run.builder_addrs = builder_addrs;
     cfg.run.writer_addr = writer_addr;
-    if t.transport != "tcp" {
-        bail!("traffic.transport = {:?}: the runtime speaks TCP only (UDP is issue 13)", t.transport);
+    match (t.transport.as_str(), t.udp_nack) {
+        ("tcp", _) => {}
+        ("udp", true) => cfg.run.transport = "udp".into(),
+        (other, _) => bail!(
+            "traffic.transport = {other:?}, udp_nack = {}: the runtime speaks TCP, or UDP with selective \
+             retransmission (transport = \"udp\", udp_nack = true); the simulator's best-effort UDP has no runtime twin",
+            t.udp_nack
+        ),
     }
     cfg.source.generator = t.generator_name().parse().map_err(anyhow::Error::msg)?;
     cfg.source.fixed_bytes = t.fragment_bytes;
@@ -219,7 +232,12 @@ fn cpu_times() -> Option<(u64, u64, u64)> {
 
 /// Builds the testbed, runs the scenario on it, collects, and tears it down.
 pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummary> {
-    let plan = Plan::new(sc, &opts.prefix, opts.congestion).map_err(anyhow::Error::msg)?;
+    let plan = Plan::new(sc, &opts.prefix, opts.congestion).map_err(anyhow::Error::msg)?.with_loss_ppm(opts.loss_ppm);
+    if opts.loss_ppm > 0
+        && let Some(why) = netns::loss_unavailable()
+    {
+        bail!("cannot inject loss: {why}");
+    }
     let seconds = opts.seconds.unwrap_or(sc.traffic.load_s);
     if opts.dir.exists() {
         std::fs::remove_dir_all(&opts.dir).with_context(|| format!("clearing {}", opts.dir.display()))?;
@@ -292,7 +310,9 @@ fn run_on(
         }
     }
     let mut switch_drops = 0;
+    let mut injected = 0;
     for s in &plan.switches {
+        injected += netns::injected_drops(s)?;
         for (dev, d) in netns::drops(s)? {
             switch_drops += d;
             if d > 0 {
@@ -329,6 +349,9 @@ fn run_on(
         queue_drops: switch_drops,
         host_queue_drops: host_drops,
         drops_by_port: by_port,
+        injected_drops: injected,
+        loss_ppm: plan.loss_ppm,
+        transport: if sc.traffic.transport == "udp" { "udp".into() } else { "tcp".into() },
         ledger,
         cpu_idle_pct: idle,
         cpu_steal_pct: steal,

@@ -33,6 +33,9 @@ pub enum TestbedCommand {
         scenario: PathBuf,
         #[command(flatten)]
         common: TestbedCommon,
+        /// Random packet loss on every switch port toward a host, in percent (an nft rule).
+        #[arg(long, default_value_t = 0.0)]
+        loss_pct: f64,
     },
     /// Build the network, run the scenario on it under `shoal run`, print the summary, tear
     /// the network down.
@@ -49,6 +52,11 @@ pub enum TestbedCommand {
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
+        /// Random packet loss on every switch port toward a host, in percent (an nft rule;
+        /// the drops are counted in the summary). With TCP the kernel retransmits; with
+        /// `transport = "udp"` shoal's NACKs do.
+        #[arg(long, default_value_t = 0.0)]
+        loss_pct: f64,
     },
     /// Remove the testbed's namespaces and whatever runs in them (idempotent).
     Down {
@@ -73,8 +81,17 @@ fn load(path: &Path) -> anyhow::Result<Scenario> {
     Scenario::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
+/// A loss in percent as packets per million.
+fn loss_ppm(pct: f64) -> anyhow::Result<u32> {
+    if !(0.0..=100.0).contains(&pct) {
+        anyhow::bail!("--loss-pct {pct}: between 0 and 100");
+    }
+    Ok((pct * 1e4).round() as u32)
+}
+
 fn options(common: &TestbedCommon, dir: PathBuf, seconds: Option<f64>) -> anyhow::Result<TestbedOptions> {
     Ok(TestbedOptions {
+        loss_ppm: 0,
         prefix: common.prefix.clone(),
         congestion: common.congestion,
         dir: std::path::absolute(dir)?,
@@ -85,9 +102,11 @@ fn options(common: &TestbedCommon, dir: PathBuf, seconds: Option<f64>) -> anyhow
 
 pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
     match args.command {
-        TestbedCommand::Up { scenario, common } => {
+        TestbedCommand::Up { scenario, common, loss_pct } => {
             let sc = load(&scenario)?;
-            let plan = Plan::new(&sc, &common.prefix, common.congestion).map_err(anyhow::Error::msg)?;
+            let plan = Plan::new(&sc, &common.prefix, common.congestion)
+                .map_err(anyhow::Error::msg)?
+                .with_loss_ppm(loss_ppm(loss_pct)?);
             netns::up(&plan)?;
             println!(
                 "testbed {} up: {} hosts, {} switches, {} links; `shoal testbed down --prefix {}` removes it",
@@ -107,9 +126,10 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
             println!("removed {n} namespaces");
             Ok(ExitCode::SUCCESS)
         }
-        TestbedCommand::Run { scenario, common, seconds, dir, json } => {
+        TestbedCommand::Run { scenario, common, seconds, dir, json, loss_pct } => {
             let sc = load(&scenario)?;
-            let s = shoal_testbed::run::run(&sc, &options(&common, dir, seconds)?)?;
+            let opts = TestbedOptions { loss_ppm: loss_ppm(loss_pct)?, ..options(&common, dir, seconds)? };
+            let s = shoal_testbed::run::run(&sc, &opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
@@ -124,7 +144,18 @@ fn table(s: &TestbedSummary) -> String {
     let total = s.slices_complete + s.slices_incomplete;
     let pct = if total > 0 { 100.0 * s.slices_complete as f64 / total as f64 } else { 0.0 };
     let rows = [
-        ("scenario", format!("{} ({} x {}, {}, {})", s.name, s.sources, s.builders, s.policy, s.congestion.name())),
+        (
+            "scenario",
+            format!(
+                "{} ({} x {}, {} over {}, {})",
+                s.name,
+                s.sources,
+                s.builders,
+                s.policy,
+                s.transport,
+                s.congestion.name()
+            ),
+        ),
         ("slices", format!("{} complete ({pct:.2}%), {} incomplete", s.slices_complete, s.slices_incomplete)),
         (
             "net delay",
@@ -139,13 +170,22 @@ fn table(s: &TestbedSummary) -> String {
             "tcp",
             format!("{} segments, {} retransmitted, {} timeouts", s.tcp_segments, s.tcp_retransmitted, s.tcp_timeouts),
         ),
-        ("drops", format!("{} at switch ports, {} in host queues", s.queue_drops, s.host_queue_drops)),
+        (
+            "drops",
+            format!(
+                "{} at switch ports, {} in host queues, {} injected ({} ppm)",
+                s.queue_drops, s.host_queue_drops, s.injected_drops, s.loss_ppm
+            ),
+        ),
         (
             "ledger",
             format!(
-                "produced {}, delivered {}{}",
+                "produced {}, delivered {}, recovered {}, damaged {}, lost in transport {}{}",
                 s.ledger.produced,
                 s.ledger.buckets.get("delivered").copied().unwrap_or(0),
+                s.ledger.buckets.get("recovered").copied().unwrap_or(0),
+                s.ledger.buckets.get("damaged").copied().unwrap_or(0),
+                s.ledger.buckets.get("lost_in_transport").copied().unwrap_or(0),
                 if s.ledger.balanced { " (balanced)" } else { " (NOT BALANCED)" }
             ),
         ),
