@@ -253,3 +253,59 @@ proptest! {
         prop_assert!(ep.poll_event().is_none());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A frame handed over in parts (as a token bucket releases it) is cut exactly as the
+    /// whole frame, each datagram queued as soon as its bytes are all there.
+    #[test]
+    fn a_frame_in_parts_is_cut_as_the_whole_frame(
+        len in 0usize..20_000,
+        cuts in proptest::collection::vec(0usize..20_000, 0..12),
+    ) {
+        let cfg = small_cfg();
+        let frame: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        let now = Instant::ZERO;
+        let mut whole = DatagramSender::new(cfg, 1, 2, 0);
+        whole.handle_frame(now, 5, &frame);
+        let want: Vec<Bytes> = std::iter::from_fn(|| whole.poll_transmit()).collect();
+
+        let mut bounds: Vec<usize> = cuts.into_iter().map(|c| c % (len + 1)).collect();
+        bounds.extend([0, len]);
+        bounds.sort_unstable();
+        let mut parts = DatagramSender::new(cfg, 1, 2, 0);
+        let mut got = Vec::new();
+        for w in bounds.windows(2) {
+            parts.handle_frame_part(now, 5, len as u32, &frame[w[0]..w[1]]);
+            while let Some(d) = parts.poll_transmit() {
+                got.push(d);
+            }
+            // Every full piece the parts so far hold has left.
+            let piece = usize::from(cfg.max_payload);
+            let expect = if w[1] == len { want.len() } else { w[1] / piece };
+            prop_assert_eq!(got.len(), expect);
+        }
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(parts.stats().frames, 1);
+        prop_assert_eq!(parts.stats().abandoned, 0);
+    }
+}
+
+/// A part of the next frame before the current one is complete abandons it, counted; the
+/// next frame is cut from its own start.
+#[test]
+fn a_frame_left_half_handed_over_is_abandoned_and_counted() {
+    let cfg = small_cfg();
+    let piece = usize::from(cfg.max_payload);
+    let mut s = DatagramSender::new(cfg, 1, 2, 0);
+    let first = vec![1u8; 3 * piece];
+    s.handle_frame_part(Instant::ZERO, 1, first.len() as u32, &first[..piece + 10]);
+    assert_eq!(std::iter::from_fn(|| s.poll_transmit()).count(), 1);
+    s.handle_frame(Instant::ZERO, 2, &[9u8; 100]);
+    let next: Vec<Bytes> = std::iter::from_fn(|| s.poll_transmit()).collect();
+    assert_eq!(next.len(), 1);
+    let d = Datagram::decode(&next[0]).unwrap();
+    assert_eq!((d.header.slice, d.header.offset, d.header.frame_len), (2, 0, 100));
+    assert_eq!((s.stats().frames, s.stats().abandoned), (2, 1));
+}

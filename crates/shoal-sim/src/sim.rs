@@ -481,7 +481,7 @@ impl World {
         let source_of_host = source_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
         // The runtime's default budgets.
-        let udp_cfg = UdpConfig::default();
+        let udp_cfg = UdpConfig { max_nacks: sc.traffic.udp_max_nacks, ..UdpConfig::default() };
         Ok(World {
             sc: sc.clone(),
             q: EventQueue::new(),
@@ -693,8 +693,8 @@ impl World {
             self.conns[c as usize].writes.push_back((tx.slice, tx.kind, tx.len(), tx.last));
             self.try_write(now, c);
         } else if self.nack.is_some() {
+            self.send_datagrams(now, s, &tx);
             if tx.last {
-                self.send_datagrams(now, s, &tx);
                 self.sources[s as usize].node.handle_sent(now, s, tx.slice);
                 self.to_pump.push(s);
             }
@@ -707,7 +707,8 @@ impl World {
         }
     }
 
-    /// Datagram transport: a whole frame (or the end of the stream) to the stream's sender.
+    /// Datagram transport: each part of a frame to the stream's sender as the shaper
+    /// releases it (its datagrams leave at the shaper's pace), or the end of the stream.
     fn send_datagrams(&mut self, now: Instant, s: u32, tx: &SourceTransmit) {
         let n = self.nack.as_mut().expect("datagram transport");
         let cfg = n.cfg;
@@ -715,15 +716,18 @@ impl World {
             n.senders.entry((s, tx.dest)).or_insert_with(|| (DatagramSender::new(cfg, 1, s, tx.dest), None));
         match tx.kind {
             TransmitKind::Data => {
-                let len = tx.frame_len as usize;
+                let len = tx.len() as usize;
                 if n.zeros.len() < len {
                     n.zeros.resize(len, 0);
                 }
-                sender.handle_frame(now, tx.slice, &n.zeros[..len]);
-                // Lost = sent and never arrived, after retransmissions.
-                self.udp_frags_sent += 1;
+                sender.handle_frame_part(now, tx.slice, tx.frame_len as u32, &n.zeros[..len]);
+                if tx.last {
+                    // Lost = sent and never arrived, after retransmissions.
+                    self.udp_frags_sent += 1;
+                }
             }
-            TransmitKind::EndOfStream => sender.handle_end(now),
+            TransmitKind::EndOfStream if tx.last => sender.handle_end(now),
+            TransmitKind::EndOfStream => {}
         }
         self.flush_sender(now, s, tx.dest);
     }

@@ -28,6 +28,9 @@ pub struct SenderStats {
     /// Datagrams from the builder that do not belong to this stream or are not a NACK or
     /// end acknowledgement.
     pub refused: u64,
+    /// Frames left half handed over (a part of another frame came first): what was cut of
+    /// them is sent, the builder gives them up as damaged.
+    pub abandoned: u64,
 }
 
 impl SenderStats {
@@ -42,6 +45,7 @@ impl SenderStats {
         self.probes += o.probes;
         self.ends += o.ends;
         self.refused += o.refused;
+        self.abandoned += o.abandoned;
     }
 }
 
@@ -73,7 +77,20 @@ pub struct DatagramSender {
     /// When to send a `SYNC` if nothing else is sent before (one per idle period).
     probe_at: Option<Instant>,
     end: Option<EndState>,
+    /// The frame being handed over in parts, if its last part has not come yet.
+    partial: Option<Partial>,
     stats: SenderStats,
+}
+
+/// A frame handed over in parts: how far it is cut, and the bytes of its next piece.
+#[derive(Debug)]
+struct Partial {
+    slice: SliceNumber,
+    frame_len: u32,
+    /// Bytes already cut into datagrams.
+    cut: u32,
+    /// Bytes of the next piece, fewer than a piece.
+    pending: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -96,6 +113,7 @@ impl DatagramSender {
             out: VecDeque::new(),
             probe_at: None,
             end: None,
+            partial: None,
             stats: SenderStats::default(),
         }
     }
@@ -109,27 +127,76 @@ impl DatagramSender {
     /// is far below).
     pub fn handle_frame(&mut self, now: Instant, slice: SliceNumber, frame: &[u8]) {
         let Ok(frame_len) = u32::try_from(frame.len()) else { return };
-        self.stats.frames += 1;
+        self.handle_frame_part(now, slice, frame_len, frame);
+    }
+
+    /// The next part of the frame of `slice`, `frame_len` bytes in all, parts in order.
+    /// Every datagram whose bytes are all here is queued at once, so a paced source's
+    /// datagrams leave at its pace, not in one burst at the end of the frame; the cut is
+    /// the same however the frame is split. The frame is done when its parts add up to
+    /// `frame_len` (bytes beyond are ignored). A part of another frame before that
+    /// abandons the unfinished one (counted; the builder gives it up as damaged).
+    pub fn handle_frame_part(&mut self, now: Instant, slice: SliceNumber, frame_len: u32, part: &[u8]) {
+        let mut p = match self.partial.take() {
+            Some(p) if p.slice == slice && p.frame_len == frame_len => p,
+            other => {
+                if other.is_some() {
+                    self.stats.abandoned += 1;
+                }
+                self.stats.frames += 1;
+                Partial { slice, frame_len, cut: 0, pending: Vec::new() }
+            }
+        };
         let piece = usize::from(self.cfg.max_payload.max(1));
-        for (i, chunk) in frame.chunks(piece).enumerate() {
-            let h = DatagramHeader {
-                seq: self.next_seq,
-                slice,
-                frame_len,
-                offset: (i * piece) as u32,
-                ..self.header(Kind::Data)
-            };
-            let d = Datagram::encode(&h, chunk);
-            self.next_seq += 1;
-            self.stats.datagrams += 1;
-            self.stats.bytes += d.len() as u64;
-            let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
-            self.kept_bytes += kept.wire_len();
-            self.kept.push_back(kept);
-            self.out.push_back(d);
+        let left = (frame_len - p.cut) as usize - p.pending.len();
+        let mut part = &part[..part.len().min(left)];
+        let sent_before = self.next_seq;
+        loop {
+            let received = p.cut as usize + p.pending.len() + part.len();
+            let ends = received == frame_len as usize;
+            if p.pending.is_empty() {
+                // Straight from the part, without copying it first.
+                if part.len() >= piece || (ends && !part.is_empty()) {
+                    let n = piece.min(part.len());
+                    self.emit(now, slice, frame_len, p.cut, &part[..n]);
+                    p.cut += n as u32;
+                    part = &part[n..];
+                    continue;
+                }
+                p.pending.extend_from_slice(part);
+                break;
+            }
+            let n = (piece - p.pending.len()).min(part.len());
+            p.pending.extend_from_slice(&part[..n]);
+            part = &part[n..];
+            if p.pending.len() == piece || (ends && part.is_empty()) {
+                let pending = std::mem::take(&mut p.pending);
+                self.emit(now, slice, frame_len, p.cut, &pending);
+                p.cut += pending.len() as u32;
+                continue;
+            }
+            break;
         }
-        self.forget_old(now);
-        self.probe_at = Some(now + self.cfg.probe_delay);
+        if p.cut < frame_len {
+            self.partial = Some(p);
+        }
+        if self.next_seq != sent_before {
+            self.forget_old(now);
+            self.probe_at = Some(now + self.cfg.probe_delay);
+        }
+    }
+
+    /// Queues and keeps one data datagram.
+    fn emit(&mut self, now: Instant, slice: SliceNumber, frame_len: u32, offset: u32, payload: &[u8]) {
+        let h = DatagramHeader { seq: self.next_seq, slice, frame_len, offset, ..self.header(Kind::Data) };
+        let d = Datagram::encode(&h, payload);
+        self.next_seq += 1;
+        self.stats.datagrams += 1;
+        self.stats.bytes += d.len() as u64;
+        let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
+        self.kept_bytes += kept.wire_len();
+        self.kept.push_back(kept);
+        self.out.push_back(d);
     }
 
     /// No more frames: the end of the stream is sent (and repeated until acknowledged).

@@ -129,7 +129,8 @@ async fn run_link(
         }
     };
     let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
-    let mut frame = BytesMut::new();
+    // The frame each source is handing over: its length, and whether it ends the stream.
+    let mut current: HashMap<SourceId, (u32, bool)> = HashMap::new();
     let mut buf = vec![0u8; RECV_BUF];
     let mut outgoing: Vec<Bytes> = Vec::new();
     // What the socket did (datagrams it refused are lost; NACKs recover them), and
@@ -163,27 +164,37 @@ async fn run_link(
         tokio::select! {
             c = rx.recv(), if open => match c {
                 Some(c) => {
+                    let now = clock.now();
+                    let sender = senders
+                        .entry(c.source)
+                        .or_insert_with(|| DatagramSender::new(cfg, run, c.source, builder));
+                    let mut head = c.head;
                     if c.first {
-                        frame.clear();
+                        // The frame's length and kind are in its header, which the first
+                        // chunk holds whole; its send time is stamped now.
+                        let mut stamped = BytesMut::from(&head[..]);
+                        current.remove(&c.source);
+                        match frame::decode_header(&stamped, u32::MAX) {
+                            Ok(h) => {
+                                set_send_time(&mut stamped[..HEADER_LEN], now);
+                                let len = HEADER_LEN as u64 + u64::from(h.payload_len);
+                                let end = h.flags.contains(Flags::END_OF_STREAM);
+                                current.insert(c.source, (u32::try_from(len).unwrap_or(u32::MAX), end));
+                            }
+                            Err(e) => warn!(builder, source = c.source, error = %e, "a frame with no valid header is not sent"),
+                        }
+                        head = stamped.freeze();
                     }
-                    let start = frame.len();
-                    frame.extend_from_slice(&c.head);
-                    frame.extend_from_slice(&c.body);
-                    if c.first && frame.len() >= start + HEADER_LEN {
-                        set_send_time(&mut frame[start..start + HEADER_LEN], clock.now());
+                    // Each part leaves as soon as it is here: the shaper's pace is the
+                    // datagrams' pace.
+                    if let Some(&(len, false)) = current.get(&c.source) {
+                        sender.handle_frame_part(now, c.slice, len, &head);
+                        sender.handle_frame_part(now, c.slice, len, &c.body);
                     }
                     if c.last {
-                        let now = clock.now();
-                        let sender = senders
-                            .entry(c.source)
-                            .or_insert_with(|| DatagramSender::new(cfg, run, c.source, builder));
-                        let end = frame::decode_header(&frame, u32::MAX).is_ok_and(|h| h.flags.contains(Flags::END_OF_STREAM));
-                        if end {
+                        if current.remove(&c.source).is_some_and(|(_, end)| end) {
                             sender.handle_end(now);
-                        } else {
-                            sender.handle_frame(now, c.slice, &frame);
                         }
-                        frame.clear();
                         let _ = reports.send(LinkReport::Sent { link: builder, source: c.source, slice: c.slice });
                     }
                 }
