@@ -42,8 +42,9 @@ def token_rate(policy):
     return rates[0] if rates else None
 
 
-def scenario_text(name, n, m, link_mbps, shore_mbps, policy, size, slice_ms, load_s, relax_s):
-    """n sources x m builders behind one switch, every board and builder link at link_mbps."""
+def scenario_text(name, n, m, link_mbps, shore_mbps, policy, size, slice_ms, load_s, relax_s, traffic=""):
+    """n sources x m builders behind one switch, every board and builder link at link_mbps;
+    `traffic` holds more lines of its [traffic] table (it replaces `transport = "tcp"`)."""
     return f"""name = "{name}"
 seed = 1
 [topology]
@@ -58,7 +59,7 @@ builder_mbps = {link_mbps:.4f}
 builder_delay_us = 5.0
 [traffic]
 policy = "{policy}"
-transport = "tcp"
+{traffic or 'transport = "tcp"'}
 fragment_bytes = {size}
 slice_ms = {slice_ms:.6f}
 load_s = {load_s}

@@ -111,6 +111,10 @@ pub struct Traffic {
     /// UDP: the datagram transport with selective retransmission (MTU-sized datagrams,
     /// NACKs, the runtime's `shoal_core::datagram`) instead of best-effort 60 kB datagrams.
     pub udp_nack: bool,
+    /// With `udp_nack`: how many times a missing datagram is asked for before it is
+    /// declared lost (the runtime's `udp.max_nacks`); 0 is best effort, every gap lost and
+    /// counted.
+    pub udp_max_nacks: u32,
     pub slice_ms: f64,
     /// Fragment size when bursts are off.
     pub fragment_bytes: u32,
@@ -147,6 +151,7 @@ impl Default for Traffic {
             policy: "direct".into(),
             transport: "tcp".into(),
             udp_nack: false,
+            udp_max_nacks: shoal_core::datagram::UdpConfig::default().max_nacks,
             slice_ms: 10.0,
             fragment_bytes: 30_000,
             load_s: 60.0,

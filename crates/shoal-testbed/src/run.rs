@@ -152,7 +152,10 @@ pub fn runtime_config(
     cfg.run.writer_addr = writer_addr;
     match (t.transport.as_str(), t.udp_nack) {
         ("tcp", _) => {}
-        ("udp", true) => cfg.run.transport = "udp".into(),
+        ("udp", true) => {
+            cfg.run.transport = "udp".into();
+            cfg.udp.max_nacks = t.udp_max_nacks;
+        }
         (other, _) => bail!(
             "traffic.transport = {other:?}, udp_nack = {}: the runtime speaks TCP, or UDP with selective \
              retransmission (transport = \"udp\", udp_nack = true); the simulator's best-effort UDP has no runtime twin",
