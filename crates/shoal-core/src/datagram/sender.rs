@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use super::UdpConfig;
 use super::wire::{Datagram, DatagramHeader, Kind};
@@ -151,6 +151,10 @@ impl DatagramSender {
         let left = (frame_len - p.cut) as usize - p.pending.len();
         let mut part = &part[..part.len().min(left)];
         let sent_before = self.next_seq;
+        // This call's datagrams share one allocation (kept for retransmission as slices
+        // of it): one allocation per part instead of one per datagram.
+        let mut batch = BytesMut::with_capacity((part.len() / piece + 2) * (super::DATAGRAM_HEADER_LEN + piece));
+        let mut headers: Vec<(DatagramHeader, usize)> = Vec::new();
         loop {
             let received = p.cut as usize + p.pending.len() + part.len();
             let ends = received == frame_len as usize;
@@ -158,7 +162,7 @@ impl DatagramSender {
                 // Straight from the part, without copying it first.
                 if part.len() >= piece || (ends && !part.is_empty()) {
                     let n = piece.min(part.len());
-                    self.emit(now, slice, frame_len, p.cut, &part[..n]);
+                    headers.push(self.emit(&mut batch, slice, frame_len, p.cut, &part[..n]));
                     p.cut += n as u32;
                     part = &part[n..];
                     continue;
@@ -171,7 +175,7 @@ impl DatagramSender {
             part = &part[n..];
             if p.pending.len() == piece || (ends && part.is_empty()) {
                 let pending = std::mem::take(&mut p.pending);
-                self.emit(now, slice, frame_len, p.cut, &pending);
+                headers.push(self.emit(&mut batch, slice, frame_len, p.cut, &pending));
                 p.cut += pending.len() as u32;
                 continue;
             }
@@ -180,23 +184,35 @@ impl DatagramSender {
         if p.cut < frame_len {
             self.partial = Some(p);
         }
+        let mut batch = batch.freeze();
+        for (h, len) in headers {
+            let d = batch.split_to(super::DATAGRAM_HEADER_LEN + len);
+            let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
+            self.kept_bytes += kept.wire_len();
+            self.kept.push_back(kept);
+            self.out.push_back(d);
+        }
         if self.next_seq != sent_before {
             self.forget_old(now);
             self.probe_at = Some(now + self.cfg.probe_delay);
         }
     }
 
-    /// Queues and keeps one data datagram.
-    fn emit(&mut self, now: Instant, slice: SliceNumber, frame_len: u32, offset: u32, payload: &[u8]) {
+    /// Encodes one data datagram onto `batch` (queued and kept by the caller).
+    fn emit(
+        &mut self,
+        batch: &mut BytesMut,
+        slice: SliceNumber,
+        frame_len: u32,
+        offset: u32,
+        payload: &[u8],
+    ) -> (DatagramHeader, usize) {
         let h = DatagramHeader { seq: self.next_seq, slice, frame_len, offset, ..self.header(Kind::Data) };
-        let d = Datagram::encode(&h, payload);
+        Datagram::encode_into(&h, payload, batch);
         self.next_seq += 1;
         self.stats.datagrams += 1;
-        self.stats.bytes += d.len() as u64;
-        let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
-        self.kept_bytes += kept.wire_len();
-        self.kept.push_back(kept);
-        self.out.push_back(d);
+        self.stats.bytes += (super::DATAGRAM_HEADER_LEN + payload.len()) as u64;
+        (h, payload.len())
     }
 
     /// No more frames: the end of the stream is sent (and repeated until acknowledged).

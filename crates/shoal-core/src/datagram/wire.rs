@@ -122,6 +122,13 @@ impl Datagram {
     /// Header and payload as bytes for the wire.
     pub fn encode(header: &DatagramHeader, payload: &[u8]) -> Bytes {
         let mut b = BytesMut::with_capacity(DATAGRAM_HEADER_LEN + payload.len());
+        Self::encode_into(header, payload, &mut b);
+        b.freeze()
+    }
+
+    /// Appends the datagram to `b` (several datagrams can share one allocation).
+    pub fn encode_into(header: &DatagramHeader, payload: &[u8], b: &mut BytesMut) {
+        let start = b.len();
         b.put_slice(&DATAGRAM_MAGIC);
         b.put_u8(VERSION);
         b.put_u8(header.kind as u8);
@@ -137,12 +144,11 @@ impl Datagram {
         // Payloads fit a UDP datagram: the sender never builds a larger one.
         b.put_u16_le(u16::try_from(payload.len()).expect("datagram payload fits 64 KiB"));
         b.put_u16_le(0);
-        debug_assert_eq!(b.len(), OFF_CRC);
-        let mut crc = crc32c::crc32c(&b);
+        debug_assert_eq!(b.len() - start, OFF_CRC);
+        let mut crc = crc32c::crc32c(&b[start..]);
         crc = crc32c::crc32c_append(crc, payload);
         b.put_u32_le(crc);
         b.put_slice(payload);
-        b.freeze()
     }
 
     /// A NACK listing `seqs` (at most [`MAX_NACK_SEQS`]).

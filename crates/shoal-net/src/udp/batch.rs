@@ -24,9 +24,8 @@ const GSO_MAX_BYTES: usize = 65_000;
 pub struct BatchSocket {
     sock: UdpSocket,
     state: UdpSocketState,
-    /// A GSO buffer: the datagrams of one send call, back to back.
-    send_buf: Vec<u8>,
-    /// [`quinn_udp::BATCH_SIZE`] receive slots of `slot` bytes.
+    /// [`quinn_udp::BATCH_SIZE`] receive slots of `slot` bytes, allocated at the first
+    /// receive (a source's sockets only send: 30,000 of them must not hold 3 MB each).
     recv_buf: Vec<u8>,
     slot: usize,
 }
@@ -47,7 +46,7 @@ impl BatchSocket {
     pub fn new(sock: UdpSocket, max_datagram: usize) -> io::Result<BatchSocket> {
         let state = UdpSocketState::new((&sock).into())?;
         let slot = (max_datagram * state.gro_segments()).clamp(65_536, 1 << 20);
-        Ok(BatchSocket { sock, state, send_buf: Vec::new(), recv_buf: vec![0; slot * quinn_udp::BATCH_SIZE], slot })
+        Ok(BatchSocket { sock, state, recv_buf: Vec::new(), slot })
     }
 
     pub fn socket(&self) -> &UdpSocket {
@@ -68,14 +67,15 @@ impl BatchSocket {
         while i < datagrams.len() {
             let n = gso_run(&datagrams[i..], self.state.max_gso_segments());
             let segment = datagrams[i].len();
+            // A GSO buffer: the run's datagrams back to back. Allocated per call, not kept:
+            // a source process has a socket per builder (30,000 at full shape), and 64 kB
+            // kept in each would be 2 GB.
+            let gso_buf: Vec<u8>;
             let contents: &[u8] = if n == 1 {
                 &datagrams[i]
             } else {
-                self.send_buf.clear();
-                for d in &datagrams[i..i + n] {
-                    self.send_buf.extend_from_slice(d);
-                }
-                &self.send_buf
+                gso_buf = datagrams[i..i + n].concat();
+                &gso_buf
             };
             let transmit = Transmit {
                 destination: dest,
@@ -101,6 +101,9 @@ impl BatchSocket {
     pub async fn recv(&mut self, out: &mut Vec<(SocketAddr, Bytes)>) -> io::Result<usize> {
         let mut meta = [RecvMeta::default(); quinn_udp::BATCH_SIZE];
         let slot = self.slot;
+        if self.recv_buf.is_empty() {
+            self.recv_buf = vec![0; slot * quinn_udp::BATCH_SIZE];
+        }
         let n = {
             let mut bufs: Vec<IoSliceMut<'_>> = self.recv_buf.chunks_mut(slot).map(IoSliceMut::new).collect();
             let (sock, state) = (&self.sock, &self.state);
