@@ -23,6 +23,7 @@ use crate::config::{Config, ConfigError, Transport};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 use crate::udp::UdpLink;
+use shoal_core::datagram::SenderStats;
 
 /// What a source process reports at the end (the node's report).
 pub type SourceReport = SourceNodeReport;
@@ -147,7 +148,16 @@ pub async fn run_source(
         }
     }
     sync_live(&node, &live, &mut seen);
-    Ok(node.report())
+    let mut report = node.report();
+    // Every report has come, so every link task has ended (or was aborted above).
+    for t in tasks {
+        if let LinkTask::Udp(t) = t
+            && let Ok(stats) = t.await
+        {
+            report.datagrams.get_or_insert_with(SenderStats::default).merge(&stats);
+        }
+    }
+    Ok(report)
 }
 
 /// A source's link to one builder, on the run's transport.
@@ -164,10 +174,25 @@ impl DataLink {
         }
     }
 
-    fn close(self) -> tokio::task::JoinHandle<()> {
+    fn close(self) -> LinkTask {
         match self {
-            DataLink::Tcp(l) => l.close(),
-            DataLink::Udp(l) => l.close(),
+            DataLink::Tcp(l) => LinkTask::Tcp(l.close()),
+            DataLink::Udp(l) => LinkTask::Udp(l.close()),
+        }
+    }
+}
+
+/// A closing link's task; a datagram link's ends with its streams' totals.
+enum LinkTask {
+    Tcp(tokio::task::JoinHandle<()>),
+    Udp(tokio::task::JoinHandle<SenderStats>),
+}
+
+impl LinkTask {
+    fn abort(&self) {
+        match self {
+            LinkTask::Tcp(t) => t.abort(),
+            LinkTask::Udp(t) => t.abort(),
         }
     }
 }

@@ -91,3 +91,11 @@ async fn udp_transport_with_barrel_shifting_and_small_datagrams() {
     })
     .await;
 }
+
+/// A token bucket over datagrams: each 1000-byte chunk the bucket releases goes out as
+/// soon as it is released, so the datagrams' pieces (1420 bytes) straddle chunks; every
+/// frame must still be cut exactly and reassembled intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_transport_paced_by_a_token_bucket_in_small_chunks() {
+    run_with("tbf:50MB:1000", 3, 2, |cfg| cfg.run.transport = "udp".into()).await;
+}

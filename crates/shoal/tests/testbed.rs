@@ -49,6 +49,14 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
     assert_eq!(got("delivered") + got("recovered"), s["ledger"]["produced"].as_u64().unwrap(), "{s}");
     assert_eq!((got("damaged"), got("lost_in_transport")), (0, 0), "{s}");
     assert!(s["injected_drops"].as_u64().unwrap() > 0, "the loss rule dropped packets: {s}");
+    // The sources report their datagram streams in the run record: every recovered
+    // fragment took at least one retransmitted datagram.
+    let record = &s["record"];
+    let sources: Vec<_> = record["reports"].as_array().unwrap().iter().filter(|r| r["role"] == "source").collect();
+    assert_eq!(sources.len(), 6);
+    let sent = |k: &str| sources.iter().map(|r| r["detail"]["datagrams"][k].as_u64().unwrap_or(0)).sum::<u64>();
+    assert!(sources.iter().all(|r| r["detail"]["datagrams"]["frames"].as_u64() > Some(0)), "{sources:?}");
+    assert!(sent("retransmitted") >= got("recovered"), "{sources:?}");
     eprintln!(
         "UDP through 0.1% loss: {} packets dropped, {} fragments recovered, {} delivered first time",
         s["injected_drops"],
@@ -155,6 +163,10 @@ wall_timeout_ms = 600000.0
         assert_eq!(manager["detail"]["done"], true, "{manager}");
     }
     assert!(cluster.contains("198.19.0.1:5601") && cluster.contains("198.19.0.2:5601"));
+    // The run record goes with the summary: the directory is removed here.
+    let record = std::fs::read_to_string(dir.join("out/state/runs/run000001.json")).unwrap();
+    let mut s = s;
+    s["record"] = serde_json::from_str(&record).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     Some(s)
 }

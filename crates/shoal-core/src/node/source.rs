@@ -144,6 +144,10 @@ pub struct SourceNodeReport {
     pub requests: u64,
     #[cfg_attr(feature = "serde", serde(default))]
     pub requests_unanswerable: u64,
+    /// Datagram transport: what the node's streams sent, NACKs answered and not (filled
+    /// in by the driver, which owns the streams).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub datagrams: Option<crate::datagram::SenderStats>,
     /// With [`SourceNodeConfig::record_transmits`]: every piece handed out, in order.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
     pub transmits: Vec<TransmitRecord>,

@@ -34,9 +34,13 @@ use batch::BatchSocket;
 /// Largest datagram the sockets read (a UDP datagram's maximum).
 const RECV_BUF: usize = 65_536;
 
+/// Sockets of this process the kernel granted smaller buffers than asked (warned once).
+static SMALL_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// A UDP socket for `peer`'s address family with send and receive buffers of
 /// `buffer_bytes`, warning when the kernel grants less (raise `net.core.rmem_max` and
-/// `net.core.wmem_max`).
+/// `net.core.wmem_max`): once per process, since a source process opens a socket per
+/// builder (30,000 at full shape); the rest at debug level.
 pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocket> {
     use socket2::{Domain, Protocol, Socket, Type};
     let s = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))?;
@@ -52,12 +56,17 @@ pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocke
         // Linux reports twice what it grants (bookkeeping overhead included).
         let granted = get(&s).unwrap_or(0) / 2;
         if granted < buffer_bytes {
-            warn!(
-                what,
-                asked = buffer_bytes,
-                granted,
-                "the kernel granted a smaller UDP socket buffer; raise net.core.rmem_max / wmem_max"
-            );
+            if SMALL_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
+                warn!(
+                    what,
+                    asked = buffer_bytes,
+                    granted,
+                    "the kernel granted a smaller UDP socket buffer; raise net.core.rmem_max / wmem_max \
+                     (said once for this process)"
+                );
+            } else {
+                debug!(what, asked = buffer_bytes, granted, "smaller UDP socket buffer");
+            }
         }
     }
     s.set_nonblocking(true)?;
@@ -69,7 +78,7 @@ pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocke
 #[derive(Debug)]
 pub struct UdpLink {
     tx: mpsc::UnboundedSender<Chunk>,
-    pub task: tokio::task::JoinHandle<()>,
+    pub task: tokio::task::JoinHandle<SenderStats>,
 }
 
 impl UdpLink {
@@ -94,8 +103,8 @@ impl UdpLink {
     }
 
     /// No more chunks: the task sends what is queued, waits for the builder to acknowledge
-    /// every stream's end (bounded by `max_ends` repeats), and ends.
-    pub fn close(self) -> tokio::task::JoinHandle<()> {
+    /// every stream's end (bounded by `max_ends` repeats), and ends with its streams' totals.
+    pub fn close(self) -> tokio::task::JoinHandle<SenderStats> {
         drop(self.tx);
         self.task
     }
@@ -111,7 +120,7 @@ async fn run_link(
     buffer_bytes: usize,
     mut rx: mpsc::UnboundedReceiver<Chunk>,
     reports: mpsc::UnboundedSender<LinkReport>,
-) {
+) -> SenderStats {
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
     let mut sock = match socket(unspecified, buffer_bytes)
@@ -125,7 +134,7 @@ async fn run_link(
                     let _ = reports.send(LinkReport::Failed { link: builder, source: c.source, slice: c.slice });
                 }
             }
-            return;
+            return SenderStats::default();
         }
     };
     let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
@@ -232,6 +241,7 @@ async fn run_link(
         ends_unacknowledged,
         "UDP link finished"
     );
+    total
 }
 
 /// What a builder's datagram endpoint saw.
