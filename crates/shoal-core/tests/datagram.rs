@@ -227,6 +227,7 @@ fn an_endpoint_counts_and_ignores_what_it_cannot_use() {
     assert_eq!(ep.handle_bytes(now, &data(RUN, 0, BUILDER + 1, 0, 10, 0, 10)), Err("other_builder"));
     assert_eq!(ep.handle_bytes(now, &data(RUN, 4, BUILDER, 0, 10, 0, 10)), Err("unknown_source"));
     assert_eq!(ep.handle_bytes(now, &Datagram::nack(RUN, 0, BUILDER, &[1])), Err("wrong_direction"));
+    assert_eq!(ep.handle_bytes(now, &Datagram::request(RUN, 0, BUILDER, 9)), Err("wrong_direction"));
     // Forged pieces: a frame longer than the reassembly budget, a misaligned offset, a
     // short middle piece. Accepted as datagrams of source 0, refused as pieces.
     let huge = u32::try_from(cfg.reassembly_bytes + 1).unwrap();
@@ -237,7 +238,7 @@ fn an_endpoint_counts_and_ignores_what_it_cannot_use() {
     assert_eq!((s.inconsistent, s.frames), (3, 0));
     let st = ep.stats();
     assert_eq!(st.refused.values().sum::<u64>(), 2);
-    assert_eq!((st.other_run, st.other_builder, st.unknown_source, st.wrong_direction), (1, 1, 1, 1));
+    assert_eq!((st.other_run, st.other_builder, st.unknown_source, st.wrong_direction), (1, 1, 1, 2));
     assert!(ep.poll_event().is_none());
 }
 
@@ -308,4 +309,20 @@ fn a_frame_left_half_handed_over_is_abandoned_and_counted() {
     let d = Datagram::decode(&next[0]).unwrap();
     assert_eq!((d.header.slice, d.header.offset, d.header.frame_len), (2, 0, 100));
     assert_eq!((s.stats().frames, s.stats().abandoned), (2, 1));
+}
+
+/// A pull stream greets its builder before any data, and a request round-trips the wire.
+#[test]
+fn a_greeting_announces_the_stream_and_a_request_names_its_slice() {
+    let mut s = DatagramSender::new(small_cfg(), RUN, 2, BUILDER);
+    s.handle_greet(Instant::ZERO);
+    let sync = Datagram::decode(&s.poll_transmit().unwrap()).unwrap();
+    assert_eq!((sync.header.kind, sync.header.seq, sync.header.source), (shoal_core::datagram::Kind::Sync, 0, 2));
+    let mut ep = BuilderEndpoint::new(small_cfg(), RUN, BUILDER, 4);
+    assert_eq!(ep.handle_bytes(Instant::ZERO, &Datagram::encode(&sync.header, &[])), Ok(2));
+    let r = Datagram::decode(&Datagram::request(RUN, 2, BUILDER, 77)).unwrap();
+    assert_eq!((r.header.kind, r.header.slice, r.payload.len()), (shoal_core::datagram::Kind::Request, 77, 0));
+    // A stream's sender refuses a request (its driver reads them first).
+    s.handle_datagram(Instant::ZERO, &r);
+    assert_eq!(s.stats().refused, 1);
 }

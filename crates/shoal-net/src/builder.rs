@@ -238,6 +238,8 @@ pub async fn run_builder(
     let _end_udp = cancel_udp.clone().drop_guard();
     // Datagram transport: the same address and port as TCP, its own receive task.
     let (udp_tx, mut udp_rx) = mpsc::channel::<Received>(4096);
+    // Pull over datagrams: requests go to the receive task, which sends them.
+    let (udp_requests, udp_requests_rx) = mpsc::unbounded_channel();
     let udp_task = match cfg.transport()? {
         Transport::Udp => {
             let addr = listener.local_addr().map_err(|e| ConfigError::Invalid(format!("builder address: {e}")))?;
@@ -253,6 +255,7 @@ pub async fn run_builder(
                 cfg.max_payload(),
                 clock,
                 udp_tx,
+                udp_requests_rx,
                 cancel_udp.clone(),
             )))
         }
@@ -351,9 +354,9 @@ pub async fn run_builder(
             }
             Some(bytes) = released_rx.recv() => node.handle_released(bytes),
             Some(r) = udp_rx.recv() => {
-                on_received(&mut node, &mut measured, r, &live, clock);
+                on_received(&mut node, &mut measured, &mut routes, &udp_requests, r, &live, clock);
                 while let Ok(r) = udp_rx.try_recv() {
-                    on_received(&mut node, &mut measured, r, &live, clock);
+                    on_received(&mut node, &mut measured, &mut routes, &udp_requests, r, &live, clock);
                 }
             }
             _ = cancel.cancelled() => {
@@ -428,10 +431,18 @@ struct Measured {
     hits: u64,
 }
 
+/// Pull: where a source's requests go.
+enum RequestRoute {
+    /// Encoded request frames, written on the source's TCP connection.
+    Tcp(mpsc::UnboundedSender<Bytes>),
+    /// (source, slice) to the datagram endpoint, sent as a `REQUEST` datagram.
+    Udp(mpsc::UnboundedSender<(SourceId, SliceNumber)>),
+}
+
 /// Pull: where requests and credits go.
 #[derive(Default)]
 struct Routes {
-    sources: std::collections::HashMap<SourceId, mpsc::UnboundedSender<Bytes>>,
+    sources: std::collections::HashMap<SourceId, RequestRoute>,
     dfm: Option<mpsc::UnboundedSender<Bytes>>,
     unroutable: u64,
 }
@@ -440,8 +451,14 @@ impl Routes {
     /// The node's requests to the sources, its returned credits to the manager.
     fn send_pull(&mut self, node: &mut BuilderNode<FragmentData>, id: u32) {
         while let Some(r) = node.poll_request() {
-            let frame = PullMessage::Request { source: r.source, slice: r.slice }.encode();
-            if self.sources.get(&r.source).is_none_or(|tx| tx.send(frame).is_err()) {
+            let sent = match self.sources.get(&r.source) {
+                Some(RequestRoute::Tcp(tx)) => {
+                    tx.send(PullMessage::Request { source: r.source, slice: r.slice }.encode()).is_ok()
+                }
+                Some(RequestRoute::Udp(tx)) => tx.send((r.source, r.slice)).is_ok(),
+                None => false,
+            };
+            if !sent {
                 // Not greeted yet (or gone): the re-ask timer tries again.
                 self.unroutable += 1;
             }
@@ -472,7 +489,7 @@ fn on_incoming(
             return;
         }
         Incoming::Hello { source, requests } => {
-            routes.sources.insert(source, requests);
+            routes.sources.insert(source, RequestRoute::Tcp(requests));
             return;
         }
         Incoming::DfmUp { out } => {
@@ -497,6 +514,8 @@ fn on_incoming(
 fn on_received(
     node: &mut BuilderNode<FragmentData>,
     measured: &mut Measured,
+    routes: &mut Routes,
+    udp_requests: &mpsc::UnboundedSender<(SourceId, SliceNumber)>,
     r: Received,
     live: &Live,
     clock: WallClock,
@@ -505,6 +524,9 @@ fn on_received(
         Received::Frame { frame, recovered } => on_frame(node, measured, frame, clock.now(), recovered, live),
         Received::Damaged { source, n } => node.handle_damaged(source, n),
         Received::Ended { source } => node.handle_end_of_stream(clock.now(), source),
+        Received::Greeted { source } => {
+            routes.sources.insert(source, RequestRoute::Udp(udp_requests.clone()));
+        }
     }
 }
 

@@ -280,15 +280,8 @@ impl Config {
     /// Checks everything a node would otherwise trip over later.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy()?;
-        if self.transport()? == Transport::Udp {
-            if self.policy()?.pull().is_some() {
-                return invalid(
-                    "run.transport = \"udp\" does not carry pull policies yet (their requests are TCP frames)",
-                );
-            }
-            if self.udp.max_payload < 64 {
-                return invalid("udp.max_payload must be at least 64 bytes");
-            }
+        if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
+            return invalid("udp.max_payload must be at least 64 bytes");
         }
         self.slice_clock()?;
         let r = &self.run;
@@ -507,6 +500,5 @@ mod tests {
         assert!(bad("[source]\ngenerator = \"noise\"\n[source.noise]\nrate_hz = -1.0").contains("rate"));
         assert!(bad("[source.physics]\nsingles_hz = -1.0").contains("source.physics"));
         assert!(bad("[run]\ntransport = \"sctp\"").contains("run.transport"));
-        assert!(bad("[run]\ntransport = \"udp\"\npolicy = \"pull:4\"").contains("pull"));
     }
 }

@@ -88,6 +88,7 @@ pub async fn run_source(
                 cfg.run.run_number as u32,
                 (cfg.udp.socket_buffer_mb << 20) as usize,
                 report_tx.clone(),
+                options.clone(),
             )),
         })
         .collect();

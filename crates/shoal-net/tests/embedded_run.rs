@@ -11,7 +11,12 @@ async fn run(policy: &str, sources: u32, builders: u32) {
     run_with(policy, sources, builders, |_| {}).await;
 }
 
-async fn run_with(policy: &str, sources: u32, builders: u32, adjust: impl FnOnce(&mut shoal_net::config::Config)) {
+async fn run_with(
+    policy: &str,
+    sources: u32,
+    builders: u32,
+    adjust: impl FnOnce(&mut shoal_net::config::Config),
+) -> shoal_net::demo::RunSummary {
     let mut cfg = small_config(sources, builders, 1.0, std::path::Path::new("."));
     cfg.run.policy = policy.into();
     adjust(&mut cfg);
@@ -31,6 +36,7 @@ async fn run_with(policy: &str, sources: u32, builders: u32, adjust: impl FnOnce
     assert_eq!(s.events, s.writer.file.events);
     assert!(s.summary_path.exists());
     std::fs::remove_dir_all(&out).unwrap();
+    s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,4 +104,18 @@ async fn udp_transport_with_barrel_shifting_and_small_datagrams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn udp_transport_paced_by_a_token_bucket_in_small_chunks() {
     run_with("tbf:50MB:1000", 3, 2, |cfg| cfg.run.transport = "udp".into()).await;
+}
+
+/// Credit-based pull over datagrams: each source's stream greets every builder, requests
+/// come back as `REQUEST` datagrams, the fragments go out as datagrams; every slice is
+/// assigned by the manager and built once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn udp_transport_with_pull() {
+    let s = run_with("pull:4", 5, 3, |cfg| cfg.run.transport = "udp".into()).await;
+    // Requests that never arrived would leave fragments `never_requested` and slices
+    // incomplete.
+    assert_eq!(s.slices_incomplete, 0, "{:?}", s.ledger);
+    let b = &s.ledger.buckets;
+    let got = |k: &str| b.get(k).copied().unwrap_or(0);
+    assert_eq!(got("delivered") + got("recovered"), s.ledger.produced, "{:?}", s.ledger);
 }

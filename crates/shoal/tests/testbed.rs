@@ -23,6 +23,13 @@ fn a_pull_scenario_runs_on_the_emulated_network_with_its_manager() {
     run_small_scenario(&Small::tcp("pull:4", "p"));
 }
 
+/// Pull over datagrams: the sources greet the builders with a `SYNC`, the builders' requests
+/// cross the emulated network as `REQUEST` datagrams.
+#[test]
+fn a_pull_scenario_over_udp_runs_on_the_emulated_network() {
+    run_small_scenario(&Small { transport: "udp", ..Small::tcp("pull:4", "q") });
+}
+
 /// UDP with selective retransmission through switch ports that lose 0.1% of the packets
 /// at random (an nft rule on every port toward a host): every fragment is delivered,
 /// directly or recovered by a NACK, nothing is damaged or lost. About 15,000 data

@@ -153,7 +153,7 @@ impl DatagramReceiver {
                 self.end_acked = false;
                 self.maybe_ack_end();
             }
-            Kind::Nack | Kind::EndAck => {}
+            Kind::Nack | Kind::EndAck | Kind::Request => {}
         }
     }
 
@@ -439,7 +439,7 @@ impl BuilderEndpoint {
         } else if h.source >= self.n_sources {
             self.stats.unknown_source += 1;
             "unknown_source"
-        } else if matches!(h.kind, Kind::Nack | Kind::EndAck) {
+        } else if matches!(h.kind, Kind::Nack | Kind::EndAck | Kind::Request) {
             self.stats.wrong_direction += 1;
             "wrong_direction"
         } else {

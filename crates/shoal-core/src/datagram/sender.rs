@@ -215,6 +215,15 @@ impl DatagramSender {
         (h, payload.len())
     }
 
+    /// Announces the stream now with a `SYNC` (its next sequence number), before any data:
+    /// a pull builder learns where to send its requests from it.
+    pub fn handle_greet(&mut self, now: Instant) {
+        if self.end.is_none() {
+            self.probe_at = Some(now);
+            self.handle_timeout(now);
+        }
+    }
+
     /// No more frames: the end of the stream is sent (and repeated until acknowledged).
     pub fn handle_end(&mut self, now: Instant) {
         if self.end.is_none() {
@@ -251,7 +260,8 @@ impl DatagramSender {
                     e.acked = true;
                 }
             }
-            Kind::Data | Kind::Sync | Kind::End => self.stats.refused += 1,
+            // Requests are the pull driver's (it reads them before the stream does).
+            Kind::Data | Kind::Sync | Kind::End | Kind::Request => self.stats.refused += 1,
         }
     }
 

@@ -29,6 +29,9 @@ pub enum Kind {
     /// Builder to source: the `End` was received and nothing is missing any more (or
     /// everything missing was given up).
     EndAck = 5,
+    /// Builder to source (pull policies): send the fragment of `slice`. No payload; a lost
+    /// request is asked again by the builder's re-ask timer.
+    Request = 6,
 }
 
 impl Kind {
@@ -39,6 +42,7 @@ impl Kind {
             3 => Kind::Sync,
             4 => Kind::End,
             5 => Kind::EndAck,
+            6 => Kind::Request,
             _ => return None,
         })
     }
@@ -158,6 +162,11 @@ impl Datagram {
             payload.extend_from_slice(&s.to_le_bytes());
         }
         Self::encode(&DatagramHeader::new(Kind::Nack, run, source, builder), &payload)
+    }
+
+    /// A pull request: the builder asks `source` for its fragment of `slice`.
+    pub fn request(run: u32, source: SourceId, builder: BuilderId, slice: SliceNumber) -> Bytes {
+        Self::encode(&DatagramHeader { slice, ..DatagramHeader::new(Kind::Request, run, source, builder) }, &[])
     }
 
     /// Decodes and checks untrusted bytes; never panics.

@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use bytes::{Bytes, BytesMut};
 use shoal_core::SourceId;
 use shoal_core::datagram::{
-    BuilderEndpoint, DATAGRAM_HEADER_LEN, Datagram, DatagramSender, EndpointEvent, EndpointStats, ReceiverStats,
+    BuilderEndpoint, DATAGRAM_HEADER_LEN, Datagram, DatagramSender, EndpointEvent, EndpointStats, Kind, ReceiverStats,
     SenderStats, UdpConfig,
 };
 use shoal_core::frame::{self, Flags, HEADER_LEN, set_send_time};
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
-use crate::link::{Chunk, LinkReport};
+use crate::link::{Chunk, LinkOptions, LinkReport, PullRequestFrame};
 
 pub mod batch;
 
@@ -91,9 +91,10 @@ impl UdpLink {
         run: u32,
         buffer_bytes: usize,
         reports: mpsc::UnboundedSender<LinkReport>,
+        options: LinkOptions,
     ) -> UdpLink {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run_link(builder, addr, clock, cfg, run, buffer_bytes, rx, reports));
+        let task = tokio::spawn(run_link(builder, addr, clock, cfg, run, buffer_bytes, rx, reports, options));
         UdpLink { tx, task }
     }
 
@@ -120,6 +121,7 @@ async fn run_link(
     buffer_bytes: usize,
     mut rx: mpsc::UnboundedReceiver<Chunk>,
     reports: mpsc::UnboundedSender<LinkReport>,
+    options: LinkOptions,
 ) -> SenderStats {
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
@@ -138,6 +140,18 @@ async fn run_link(
         }
     };
     let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
+    // Pull: each hosted source's stream greets the builder (a SYNC before any data, so the
+    // builder learns where to send requests), again with a doubling interval up to 1 s
+    // until the builder has sent anything for that source (the greeting may be lost).
+    let mut ungreeted: BTreeMap<SourceId, (shoal_core::Instant, shoal_core::Duration)> = BTreeMap::new();
+    if options.requests.is_some() {
+        let now = clock.now();
+        for &source in &options.hello {
+            senders.insert(source, DatagramSender::new(cfg, run, source, builder));
+            ungreeted.insert(source, (now, shoal_core::Duration::from_millis(20)));
+        }
+    }
+    let mut requests_read = 0u64;
     // The frame each source is handing over: its length, and whether it ends the stream.
     let mut current: HashMap<SourceId, (u32, bool)> = HashMap::new();
     let mut buf = vec![0u8; RECV_BUF];
@@ -150,6 +164,15 @@ async fn run_link(
     let mut open = true;
     loop {
         let now = clock.now();
+        for (source, (at, every)) in ungreeted.iter_mut() {
+            if *at <= now
+                && let Some(s) = senders.get_mut(source)
+            {
+                s.handle_greet(now);
+                *at = now + *every;
+                *every = (*every * 2).min(shoal_core::Duration::from_secs(1));
+            }
+        }
         for s in senders.values_mut() {
             if s.poll_timeout().is_some_and(|t| t <= now) {
                 s.handle_timeout(now);
@@ -169,7 +192,8 @@ async fn run_link(
         if !open && senders.values().all(DatagramSender::is_finished) {
             break;
         }
-        let wake = senders.values().filter_map(DatagramSender::poll_timeout).min();
+        let wake =
+            senders.values().filter_map(DatagramSender::poll_timeout).chain(ungreeted.values().map(|g| g.0)).min();
         tokio::select! {
             c = rx.recv(), if open => match c {
                 Some(c) => {
@@ -212,10 +236,16 @@ async fn run_link(
             r = sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r {
                 let now = clock.now();
                 match Datagram::decode(&Bytes::copy_from_slice(&buf[..n])) {
-                    Ok(d) if from == addr => match senders.get_mut(&d.header.source) {
-                        Some(s) => s.handle_datagram(now, &d),
-                        None => refused += 1,
-                    },
+                    Ok(d) if from == addr && senders.contains_key(&d.header.source) => {
+                        ungreeted.remove(&d.header.source);
+                        match (&d.header.kind, &options.requests) {
+                            (Kind::Request, Some(requests)) if d.header.run == run && d.header.builder == builder => {
+                                requests_read += 1;
+                                let _ = requests.send((builder, PullRequestFrame { source: d.header.source, slice: d.header.slice }));
+                            }
+                            _ => senders.get_mut(&d.header.source).expect("checked").handle_datagram(now, &d),
+                        }
+                    }
                     _ => refused += 1,
                 }
             },
@@ -238,6 +268,7 @@ async fn run_link(
         send_errors = sent.refused,
         gso_segments = sock.max_gso_segments(),
         refused,
+        requests_read,
         ends_unacknowledged,
         "UDP link finished"
     );
@@ -269,10 +300,16 @@ pub enum Received {
     Ended {
         source: SourceId,
     },
+    /// `source` was heard from for the first time: pull requests for it can be sent
+    /// ([`receive`]'s `requests`).
+    Greeted {
+        source: SourceId,
+    },
 }
 
-/// A builder's datagram endpoint on `sock` until `cancel`: frames, damage and ends go to
-/// `out`; NACKs and acknowledgements back to the address each source sent from.
+/// A builder's datagram endpoint on `sock` until `cancel`: frames, damage, ends and first
+/// greetings go to `out`; NACKs, acknowledgements and pull `requests` (source, slice) go to
+/// the address each source last sent from.
 #[allow(clippy::too_many_arguments)]
 pub async fn receive(
     sock: UdpSocket,
@@ -283,6 +320,7 @@ pub async fn receive(
     max_payload: u32,
     clock: WallClock,
     out: mpsc::Sender<Received>,
+    mut requests: mpsc::UnboundedReceiver<(SourceId, shoal_core::slice::SliceNumber)>,
     cancel: CancellationToken,
 ) -> UdpReceiveReport {
     let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
@@ -297,6 +335,8 @@ pub async fn receive(
         }
     };
     let mut received: Vec<(SocketAddr, Bytes)> = Vec::new();
+    let mut greeted: Vec<SourceId> = Vec::new();
+    let mut requests_open = true;
     loop {
         let wake =
             ep.poll_timeout().unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1));
@@ -305,14 +345,27 @@ pub async fn receive(
                 Ok(_) => {
                     let now = clock.now();
                     for (from, d) in received.drain(..) {
-                        if let Ok(source) = ep.handle_bytes(now, &d) {
-                            peers.insert(source, from);
+                        if let Ok(source) = ep.handle_bytes(now, &d)
+                            && peers.insert(source, from).is_none()
+                        {
+                            greeted.push(source);
                         }
                     }
                 }
                 Err(e) => debug!(builder, error = %e, "UDP receive failed"),
             },
             _ = tokio::time::sleep_until(clock.deadline(wake)) => ep.handle_timeout(clock.now()),
+            r = requests.recv(), if requests_open => match r {
+                Some((source, slice)) => {
+                    // Routed only to greeted sources, so the peer is known.
+                    if let Some(peer) = peers.get(&source)
+                        && sock.socket().send_to(&Datagram::request(run, source, builder, slice), *peer).await.is_err()
+                    {
+                        report.send_errors += 1;
+                    }
+                }
+                None => requests_open = false,
+            },
             _ = cancel.cancelled() => break,
         }
         while let Some((source, d)) = ep.poll_transmit() {
@@ -322,7 +375,7 @@ pub async fn receive(
                 report.send_errors += 1;
             }
         }
-        let mut msgs = Vec::new();
+        let mut msgs: Vec<Received> = greeted.drain(..).map(|source| Received::Greeted { source }).collect();
         while let Some(e) = ep.poll_event() {
             msgs.push(match e {
                 EndpointEvent::Fragment(f) => match frame::decode(&f.frame, max_payload) {
