@@ -4,6 +4,7 @@ dispatcher, drives runs, survives a builder killed with SIGKILL, and keeps run r
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import urllib.request
@@ -13,7 +14,9 @@ from conftest import ROOT
 from shoal_cluster import Cluster, on_free_ports
 
 
-@pytest.mark.parametrize("example", ["sector.toml", "sector-pull.toml", "sector.toml over udp"])
+@pytest.mark.parametrize(
+    "example", ["sector.toml", "sector-pull.toml", "sector.toml over udp", "sector-pull.toml over udp"]
+)
 def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
     """examples/sector.toml: 5 sources, 3 builders, a writer and a dispatcher as separate
     processes; two invocations give runs 1 and 2 (numbers are never reused).
@@ -25,13 +28,15 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
     slices of 10 ms) their first slices would be closed incomplete. The test checks that
     every fragment is delivered, not how fast the machine is. The shipped ports are moved
     to free ones. "over udp" runs sector.toml with `transport = "udp"` (datagrams with
-    selective retransmission): the same processes, the same run records."""
-    pull = example == "sector-pull.toml"
+    selective retransmission; pull's requests as datagrams too): the same processes, the same
+    run records."""
+    pull = example.startswith("sector-pull.toml")
     udp = example.endswith("over udp")
     text = on_free_ports((ROOT / "examples" / example.split()[0]).read_text())
     if udp:
-        assert 'policy = "delayed:2"\n' in text
-        text = text.replace('policy = "delayed:2"\n', 'policy = "delayed:2"\ntransport = "udp"\n')
+        policy_line = re.search(r"^policy = .*\n", text, re.M)
+        assert policy_line, text
+        text = text.replace(policy_line.group(0), policy_line.group(0) + 'transport = "udp"\n', 1)
     assert "[config.builder]\n" in text
     text = text.replace("[config.builder]\n", "[config.builder]\nmax_active = 100000\nwall_timeout_ms = 600000\n")
     (tmp_path / "sector.toml").write_text(text)
@@ -54,7 +59,9 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
         assert all(p["active"] and p["final_state"] == "READY" for p in record["processes"]), record["processes"]
         ledger = record["ledger"]
         assert ledger["balanced"], ledger
-        assert ledger["produced"] > 0 and ledger["buckets"]["delivered"] == ledger["produced"]
+        # Over UDP a datagram lost on loopback (a full socket buffer) is recovered by a NACK.
+        delivered = ledger["buckets"]["delivered"] + ledger["buckets"].get("recovered", 0)
+        assert ledger["produced"] > 0 and delivered == ledger["produced"]
         assert record["slices_complete"] > 0 and record["slices_incomplete"] == 0
         assert record["missing_reports"] == []
         assert "[config.run]" in record["configuration"] or "[run]" in record["configuration"]
