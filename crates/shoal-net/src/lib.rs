@@ -28,6 +28,7 @@ pub mod dfm;
 pub mod framed;
 pub mod link;
 pub mod live;
+pub mod lograte;
 pub mod node;
 pub mod rcagent;
 pub mod source;

@@ -297,7 +297,12 @@ async fn run(
                 }
             }
             Err(e) => {
-                warn!(link = id, %addr, error = %e, "write failed; reconnecting");
+                // Every link of a process fails at once when a builder goes away: said
+                // once, then at most every 10 s with the count held back.
+                static WRITE_FAILED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(10));
+                if let Some(held_back) = WRITE_FAILED.check() {
+                    warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
+                }
                 stream = None;
                 fail(id, chunk, &queued, &reports, &mut skipping);
             }
