@@ -35,6 +35,14 @@ pub struct TestbedOptions {
     pub loss_ppm: u32,
 }
 
+/// The builders' datagram counts over a UDP run (zero over TCP).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct UdpLosses {
+    pub datagrams: u64,
+    pub recovered: u64,
+    pub lost: u64,
+}
+
 /// How a run went, judged the same way for the simulator and the testbed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -94,6 +102,8 @@ pub struct TestbedSummary {
     pub loss_ppm: u32,
     /// `tcp` or `udp`.
     pub transport: String,
+    /// UDP: datagrams the builders received, recovered by a NACK, and declared lost.
+    pub udp: UdpLosses,
     /// Where the drops were: `namespace/device` -> packets (devices with drops only).
     pub drops_by_port: std::collections::BTreeMap<String, u64>,
     pub ledger: shoal_net::demo::LedgerSummary,
@@ -289,6 +299,7 @@ fn run_on(
     let ledger: shoal_net::demo::LedgerSummary = serde_json::from_value(record["ledger"].clone())?;
     let reports = record["reports"].as_array().cloned().unwrap_or_default();
     let (mut n, mut sum, mut p99, mut max) = (0u64, 0.0f64, 0f64, 0f64);
+    let mut udp = UdpLosses::default();
     for r in reports.iter().filter(|r| r["role"] == "builder") {
         let d = &r["network_delay"];
         let c = d["count"].as_u64().unwrap_or(0);
@@ -296,6 +307,10 @@ fn run_on(
         sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
         p99 = p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
         max = max.max(d["max_us"].as_f64().unwrap_or(0.0));
+        let streams = &r["detail"]["udp"]["streams"];
+        udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
+        udp.recovered += streams["recovered_datagrams"].as_u64().unwrap_or(0);
+        udp.lost += streams["lost_datagrams"].as_u64().unwrap_or(0);
     }
     let mut tcp = netns::TcpCounters::default();
     let mut host_drops = 0;
@@ -355,6 +370,7 @@ fn run_on(
         injected_drops: injected,
         loss_ppm: plan.loss_ppm,
         transport: if sc.traffic.transport == "udp" { "udp".into() } else { "tcp".into() },
+        udp,
         ledger,
         cpu_idle_pct: idle,
         cpu_steal_pct: steal,

@@ -178,6 +178,13 @@ fn table(s: &TestbedSummary) -> String {
             ),
         ),
         (
+            "udp",
+            format!(
+                "{} datagrams received, {} recovered by a NACK, {} lost",
+                s.udp.datagrams, s.udp.recovered, s.udp.lost
+            ),
+        ),
+        (
             "ledger",
             format!(
                 "produced {}, delivered {}, recovered {}, damaged {}, lost in transport {}{}",

@@ -56,6 +56,8 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
     assert_eq!(got("delivered") + got("recovered"), s["ledger"]["produced"].as_u64().unwrap(), "{s}");
     assert_eq!((got("damaged"), got("lost_in_transport")), (0, 0), "{s}");
     assert!(s["injected_drops"].as_u64().unwrap() > 0, "the loss rule dropped packets: {s}");
+    assert!(s["udp"]["datagrams"].as_u64().unwrap() > 10_000, "{s}");
+    assert_eq!(s["udp"]["lost"], 0, "{s}");
     // The sources report their datagram streams in the run record: every recovered
     // fragment took at least one retransmitted datagram.
     let record = &s["record"];
