@@ -25,7 +25,9 @@ mod wire;
 
 pub use receiver::{BuilderEndpoint, DatagramReceiver, EndpointEvent, EndpointStats, ReceivedFragment, ReceiverStats};
 pub use sender::{DatagramSender, SenderStats};
-pub use wire::{DATAGRAM_HEADER_LEN, DATAGRAM_MAGIC, Datagram, DatagramError, DatagramHeader, Kind, MAX_NACK_SEQS};
+pub use wire::{
+    DATAGRAM_HEADER_LEN, DATAGRAM_MAGIC, Datagram, DatagramError, DatagramHeader, Kind, MAX_NACK_SEQS, crc_of,
+};
 
 use crate::Duration;
 

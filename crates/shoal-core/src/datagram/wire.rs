@@ -34,6 +34,12 @@ pub enum Kind {
     Request = 6,
 }
 
+/// The CRC32C a datagram's header (bytes 0-47) and payload (after byte 52) should carry;
+/// for tests and fuzzing. `buf` must hold at least the header.
+pub fn crc_of(buf: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&buf[..OFF_CRC]), &buf[DATAGRAM_HEADER_LEN..])
+}
+
 impl Kind {
     fn from_u8(v: u8) -> Option<Kind> {
         Some(match v {
@@ -191,8 +197,7 @@ impl Datagram {
         if len != actual || buf[46] != 0 || buf[47] != 0 {
             return Err(DatagramError::BadLength { declared: len, actual });
         }
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&buf[..OFF_CRC]), &buf[DATAGRAM_HEADER_LEN..]);
-        if crc != u32_at(OFF_CRC) {
+        if crc_of(buf) != u32_at(OFF_CRC) {
             return Err(DatagramError::BadCrc);
         }
         let header = DatagramHeader {

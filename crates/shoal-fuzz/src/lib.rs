@@ -1,0 +1,109 @@
+//! shoal-fuzz: the fuzz targets' bodies, on stable Rust.
+//!
+//! Every decoder of untrusted input has one function here taking arbitrary bytes; it must
+//! never panic, whatever they are. `fuzz/` (cargo-fuzz, nightly) drives each with
+//! libFuzzer (`scripts/fuzz.sh` runs the campaign), and this crate's test replays the
+//! committed corpus and every crash ever found (`fuzz/corpus/<target>/`,
+//! `fuzz/regressions/<target>/`) on stable in `make test`. [`TARGETS`] lists them by name.
+
+use bytes::Bytes;
+use shoal_core::controlhost::{MessageDecoder, parse_subscription};
+use shoal_core::datagram::{BuilderEndpoint, DATAGRAM_HEADER_LEN, Datagram, UdpConfig};
+use shoal_core::{Duration, Instant};
+
+/// Largest payload the fuzzed decoders accept (small, so that length fields hit it).
+const MAX_PAYLOAD: u32 = 1 << 16;
+
+/// A byte stream of data frames, as a builder's connection reads it: frames decoded one
+/// after another until the bytes run out or one is refused; each frame's payload parsed as
+/// hits, or as a pull control message.
+pub fn frame_stream(data: &[u8]) {
+    let mut rest = data;
+    while let Ok((frame, used)) = shoal_core::frame::decode(rest, MAX_PAYLOAD) {
+        let _ = shoal_core::hit::HitPayload::parse(&frame.payload, frame.header.hit_count);
+        let _ = shoal_core::pullmsg::PullMessage::from_frame(&frame);
+        if used == 0 {
+            break;
+        }
+        rest = &rest[used..];
+    }
+    let _ = shoal_core::frame::decode_header(data, MAX_PAYLOAD);
+}
+
+/// A writer's `EVENTS` payload.
+pub fn events(data: &[u8]) {
+    let _ = shoal_core::event::decode_events(data);
+}
+
+/// Datagrams at a builder's endpoint: the bytes cut into datagrams at lengths taken from
+/// the bytes themselves, time advancing between them so that NACK and reassembly timers
+/// fire. When the length byte is odd the datagram's CRC is made right, so the fuzzer gets
+/// past the checksum into reassembly (random bytes almost never carry a valid CRC32C).
+pub fn datagrams(data: &[u8]) {
+    let cfg = UdpConfig { max_payload: 64, reassembly_bytes: 1 << 16, max_missing: 256, ..UdpConfig::default() };
+    let mut ep = BuilderEndpoint::new(cfg, 1, 0, 4);
+    let mut now = Instant::ZERO;
+    let mut rest = data;
+    while let Some((&n, tail)) = rest.split_first() {
+        let take = usize::from(n).min(tail.len());
+        let mut d = tail[..take].to_vec();
+        if n & 1 == 1 && d.len() >= DATAGRAM_HEADER_LEN {
+            let crc = shoal_core::datagram::crc_of(&d);
+            d[48..52].copy_from_slice(&crc.to_le_bytes());
+        }
+        let d = Bytes::from(d);
+        let _ = Datagram::decode(&d);
+        let _ = ep.handle_bytes(now, &d);
+        now += Duration::from_micros(u64::from(n) * 100);
+        ep.handle_timeout(now);
+        while ep.poll_transmit().is_some() {}
+        while ep.poll_event().is_some() {}
+        rest = &tail[take..];
+    }
+}
+
+/// A ControlHost client's byte stream (the dispatcher's decoder), and subscription
+/// requests.
+pub fn controlhost(data: &[u8]) {
+    let mut d = MessageDecoder::new(MAX_PAYLOAD);
+    for chunk in data.chunks(7) {
+        d.extend(chunk);
+        while let Ok(Some(m)) = d.next_message() {
+            let _ = parse_subscription(&m.payload);
+        }
+    }
+    let _ = d.finish();
+    let _ = parse_subscription(data);
+}
+
+/// Run-control text: commands, replies and states as the dispatcher and the HTTP API
+/// receive them.
+pub fn run_control(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let _ = shoal_core::runstate::Command::parse(&text);
+    let _ = shoal_core::runstate::Reply::parse(&text);
+    let _ = shoal_core::runstate::RunState::parse(&text);
+}
+
+/// Configuration files: a node's configuration, a cluster file, a simulator scenario.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    let _ = shoal_net::config::Config::from_toml_str(text);
+    if let Ok(file) = toml::from_str::<shoal_control::cluster::ClusterFile>(text) {
+        let _ = file.validate();
+    }
+    let _ = shoal_sim::scenario::Scenario::from_toml(text);
+}
+
+/// A target's body: arbitrary bytes in, never a panic.
+pub type Target = fn(&[u8]);
+
+/// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
+pub const TARGETS: [(&str, Target); 6] = [
+    ("frame_stream", frame_stream),
+    ("events", events),
+    ("datagrams", datagrams),
+    ("controlhost", controlhost),
+    ("run_control", run_control),
+    ("config", config),
+];
