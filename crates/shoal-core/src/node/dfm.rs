@@ -95,6 +95,12 @@ pub struct DfmStats {
     pub builders_left: u64,
     /// Slices not assigned because they waited longer than the sources hold fragments.
     pub expired: u64,
+    /// Slices assigned at or beyond the run's end slice before run control said where it
+    /// was (the manager assigns as the clock passes; STOP reaches it after the sources
+    /// have drained). The sources never produce them, so they are never built: the run's
+    /// slices are `assigned - assigned_past_end` (less reassignments).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub assigned_past_end: u64,
     /// Slice end to assignment: sum and maximum, nanoseconds.
     pub assignment_latency_sum_ns: u64,
     pub assignment_latency_max_ns: u64,
@@ -203,6 +209,11 @@ impl DataFlowManager {
 
     /// Run control ends the run: `end` is the first slice not to assign.
     pub fn handle_end_slice(&mut self, now: Instant, end: SliceNumber) {
+        let previous = self.cfg.end_slice.unwrap_or(SliceNumber::MAX);
+        // Slices in [end, previous end) that left the ready queue were assigned.
+        let ready: BTreeSet<SliceNumber> = self.ready.iter().map(|&(s, _)| s).collect();
+        self.stats.assigned_past_end +=
+            (end..self.next_slice.min(previous)).filter(|s| !ready.contains(s)).count() as u64;
         self.cfg.end_slice = Some(self.cfg.end_slice.map_or(end, |e| e.min(end)));
         self.ready.retain(|&(s, _)| s < end);
         self.assign(now);
@@ -401,6 +412,21 @@ mod tests {
 
     fn drain(d: &mut DataFlowManager) -> Vec<(SliceNumber, BuilderId)> {
         std::iter::from_fn(|| d.poll_assignment()).map(|a| (a.slice, a.builder)).collect()
+    }
+
+    #[test]
+    fn slices_assigned_before_the_end_slice_was_known_are_counted_past_the_end() {
+        let mut d = DataFlowManager::new(cfg(1, 8), at(0));
+        d.handle_hello(at(0), 0, [], []);
+        d.handle_timeout(at(60));
+        // Slices 0-5 ended and were assigned; the run ends at slice 4.
+        assert_eq!(drain(&mut d).len(), 6);
+        d.handle_end_slice(at(61), 4);
+        assert_eq!(d.stats().assigned_past_end, 2);
+        // An earlier end counts only what it adds; a later one nothing.
+        d.handle_end_slice(at(62), 3);
+        d.handle_end_slice(at(63), 5);
+        assert_eq!((d.stats().assigned, d.stats().assigned_past_end), (6, 3));
     }
 
     #[test]
