@@ -100,6 +100,15 @@ def run(shoal, out, n, m, policy, size):
     }
 
 
+def write_csv(rows, path):
+    """rows (dicts with the same keys) as CSV, a header line first."""
+    keys = list(rows[0].keys())
+    with open(path, "w") as f:
+        f.write(",".join(keys) + "\n")
+        for r in rows:
+            f.write(",".join(str(r[k]) for k in keys) + "\n")
+
+
 def svg(rows, path):
     w, h, pad = 900, 450, 60
     panels = [c for c in (f"{n}x{m}" for n, m in CONFIGS)]
@@ -207,11 +216,7 @@ def testbed_main(shoal, out):
     for i, job in enumerate(jobs):
         rows += testbed_run(shoal, out, *job, prefix="pvp")
         print(f"{i + 1}/{len(jobs)} {job}", file=sys.stderr, flush=True)
-    keys = list(rows[0].keys())
-    with open(os.path.join(out, "push-vs-pull-testbed.csv"), "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    write_csv(rows, os.path.join(out, "push-vs-pull-testbed.csv"))
     with open(os.path.join(out, "push-vs-pull-testbed.md"), "w") as f:
         f.write("| config | policy | fragment B | link Mbit/s | token Mbit/s | where | event rate (Hz) | throughput (Mbit/s) "
                 "| complete / produced | TCP timeouts | drops | never requested | unsent at end | re-asks |\n")
@@ -236,11 +241,7 @@ def main():
     jobs = [(n, m, p, s) for (n, m) in CONFIGS for p in POLICIES for s in SIZES]
     with cf.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
         rows = list(ex.map(lambda j: run(shoal, out, *j), jobs))
-    keys = list(rows[0].keys())
-    with open(os.path.join(out, "push-vs-pull.csv"), "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    write_csv(rows, os.path.join(out, "push-vs-pull.csv"))
     with open(os.path.join(out, "push-vs-pull.md"), "w") as f:
         f.write("| config | policy | fragment B | event rate (Hz) | throughput (Mbit/s) | complete / produced | TCP timeouts | switch drops | dropped at source | never requested | unsent at end | re-asks |\n")
         f.write("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")

@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from push_vs_pull import scenario_text  # noqa: E402
+from push_vs_pull import scenario_text, write_csv  # noqa: E402
 
 SIZES = [100, 1000, 4000, 16000, 60000]
 POLICIES = ["direct", "tbf:10Mbit", "tbf:50Mbit", "tbf:100Mbit"]
@@ -83,11 +83,7 @@ def main():
     for i, job in enumerate(jobs):
         rows += run(shoal, out, *job, testbed)
         print(f"{i + 1}/{len(jobs)} {job}", file=sys.stderr, flush=True)
-    keys = list(rows[0].keys())
-    with open(os.path.join(out, "udp-loss.csv"), "w") as f:
-        f.write(",".join(keys) + "\n")
-        for r in rows:
-            f.write(",".join(str(r[k]) for k in keys) + "\n")
+    write_csv(rows, os.path.join(out, "udp-loss.csv"))
     with open(os.path.join(out, "udp-loss.md"), "w") as f:
         f.write("| policy | fragment B | NACKs | where | produced | delivered | recovered | damaged | lost in transport "
                 "| dropped at source | unsent at end | switch drops (packets) | fragments lost (%) |\n")
