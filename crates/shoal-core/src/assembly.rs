@@ -181,8 +181,28 @@ impl<T> SliceAssembler<T> {
         recovered: bool,
         data: T,
     ) -> Admission {
+        self.handle_fragment_returning(now, source, slice, bytes, cut_off, recovered, data).0
+    }
+
+    /// [`SliceAssembler::handle_fragment_recovered`] that gives back the data of a fragment
+    /// that came too late (for the late-data side stream); every other refused fragment's
+    /// data is dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_fragment_returning(
+        &mut self,
+        now: Instant,
+        source: SourceId,
+        slice: SliceNumber,
+        bytes: u64,
+        cut_off: bool,
+        recovered: bool,
+        data: T,
+    ) -> (Admission, Option<T>) {
         *self.tally.received.entry(source).or_default() += 1;
-        let admission = self.admit(now, source, slice, bytes, cut_off, recovered, data);
+        let (admission, late) = match self.admit(now, source, slice, bytes, cut_off, recovered, data) {
+            Ok(()) => (Admission::Accepted, None),
+            Err((a, data)) => (a, data.filter(|_| a == Admission::Late)),
+        };
         match admission {
             Admission::Accepted => {}
             Admission::Late => self.tally.late += 1,
@@ -191,9 +211,10 @@ impl<T> SliceAssembler<T> {
             Admission::DroppedOverload => self.tally.dropped_overload += 1,
         }
         self.emit_ready(now);
-        admission
+        (admission, late)
     }
 
+    /// Takes a fragment in, or says why not (with its data back where it still has it).
     #[allow(clippy::too_many_arguments)]
     fn admit(
         &mut self,
@@ -204,26 +225,26 @@ impl<T> SliceAssembler<T> {
         cut_off: bool,
         recovered: bool,
         data: T,
-    ) -> Admission {
+    ) -> Result<(), (Admission, Option<T>)> {
         if source >= self.cfg.n_sources {
-            return Admission::UnknownSource;
+            return Err((Admission::UnknownSource, None));
         }
         if self.last_emitted.is_some_and(|l| slice <= l) {
-            return Admission::Late;
+            return Err((Admission::Late, Some(data)));
         }
         let over_budget = self.held_bytes + self.downstream_bytes + bytes > self.cfg.memory_budget;
         let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now));
         if entry.has(source) {
-            return Admission::Duplicate;
+            return Err((Admission::Duplicate, None));
         }
         if over_budget {
             entry.dropped.push(source);
-            return Admission::DroppedOverload;
+            return Err((Admission::DroppedOverload, None));
         }
         entry.bytes += bytes;
         entry.fragments.insert(source, Fragment { source, bytes, cut_off, recovered, data });
         self.held_bytes += bytes;
-        Admission::Accepted
+        Ok(())
     }
 
     /// Lets wall-clock timeouts fire. Call at [`SliceAssembler::poll_timeout`] or later.

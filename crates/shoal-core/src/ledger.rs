@@ -25,6 +25,9 @@ pub enum Bucket {
     CutOff,
     /// Arrived after its slice had been processed; discarded.
     Late,
+    /// Arrived after its slice had been processed; kept in the builder's late-data side
+    /// stream and written with the run's raw data (not in a processed slice).
+    Salvaged,
     /// A second copy for a (source, slice) the builder already held; discarded.
     Duplicate,
     /// Discarded by the builder's emergency memory limit.
@@ -53,11 +56,12 @@ pub enum Bucket {
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 15] = [
+    pub const ALL: [Bucket; 16] = [
         Bucket::Delivered,
         Bucket::Recovered,
         Bucket::CutOff,
         Bucket::Late,
+        Bucket::Salvaged,
         Bucket::Duplicate,
         Bucket::DroppedOverload,
         Bucket::UnknownSource,
@@ -78,6 +82,7 @@ impl Bucket {
             Bucket::Recovered => "recovered",
             Bucket::CutOff => "cut_off",
             Bucket::Late => "late",
+            Bucket::Salvaged => "salvaged",
             Bucket::Duplicate => "duplicate",
             Bucket::DroppedOverload => "dropped_overload",
             Bucket::UnknownSource => "unknown_source",
@@ -147,7 +152,11 @@ pub struct BuilderTally {
     #[cfg_attr(feature = "serde", serde(default))]
     pub damaged: BTreeMap<SourceId, u64>,
     pub cut_off: u64,
+    /// Late fragments discarded.
     pub late: u64,
+    /// Late fragments kept in the late-data side stream (not in `late`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub salvaged: u64,
     pub duplicate: u64,
     pub dropped_overload: u64,
     pub unknown_source: u64,
@@ -166,6 +175,7 @@ impl BuilderTally {
         }
         self.cut_off += other.cut_off;
         self.late += other.late;
+        self.salvaged += other.salvaged;
         self.duplicate += other.duplicate;
         self.dropped_overload += other.dropped_overload;
         self.unknown_source += other.unknown_source;
@@ -176,6 +186,7 @@ impl BuilderTally {
             + self.recovered
             + self.cut_off
             + self.late
+            + self.salvaged
             + self.duplicate
             + self.dropped_overload
             + self.unknown_source
@@ -230,6 +241,7 @@ impl Ledger {
             l.add(Bucket::Recovered, t.recovered);
             l.add(Bucket::CutOff, t.cut_off);
             l.add(Bucket::Late, t.late);
+            l.add(Bucket::Salvaged, t.salvaged);
             l.add(Bucket::Duplicate, t.duplicate);
             l.add(Bucket::DroppedOverload, t.dropped_overload);
             l.add(Bucket::UnknownSource, t.unknown_source);
@@ -275,7 +287,7 @@ impl Ledger {
     }
 
     /// Fragments that did not reach a processed slice (everything but delivered,
-    /// recovered and cut-off).
+    /// recovered and cut-off; salvaged late fragments are on disk, but not in a slice).
     pub fn lost(&self) -> u64 {
         self.accounted() - self.get(Bucket::Delivered) - self.get(Bucket::Recovered) - self.get(Bucket::CutOff)
     }

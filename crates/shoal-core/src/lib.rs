@@ -16,6 +16,8 @@
 //!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
 //!   [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
+//! - [`saver`]: the builder's burst saver ([`saver::BurstSaver`]): the last seconds of raw
+//!   slices, saved on an external [`alert::Alert`], and the late-data side stream.
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
@@ -30,6 +32,7 @@
 //!   ([`datagram::DatagramSender`], [`datagram::DatagramReceiver`],
 //!   [`datagram::BuilderEndpoint`]).
 
+pub mod alert;
 pub mod assembly;
 pub mod cluster;
 pub mod controlhost;
@@ -41,6 +44,7 @@ pub mod ledger;
 pub mod node;
 pub mod pullmsg;
 pub mod runstate;
+pub mod saver;
 pub mod shaping;
 pub mod slice;
 mod time;

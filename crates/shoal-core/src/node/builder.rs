@@ -113,6 +113,8 @@ pub struct BuilderNode<T> {
     pull: Option<PullRequester>,
     /// Datagram transport: frames given up in reassembly, per source.
     damaged: BTreeMap<SourceId, u64>,
+    /// Late fragments kept by the late-data side stream.
+    salvaged: u64,
 }
 
 impl<T> BuilderNode<T> {
@@ -125,6 +127,7 @@ impl<T> BuilderNode<T> {
             out: VecDeque::new(),
             pull: None,
             damaged: BTreeMap::new(),
+            salvaged: 0,
         }
     }
 
@@ -178,13 +181,20 @@ impl<T> BuilderNode<T> {
 
     /// A data fragment arrived whole.
     pub fn handle_fragment(&mut self, now: Instant, a: Arrival, data: T) -> ArrivalOutcome {
+        self.handle_fragment_keep(now, a, data).0
+    }
+
+    /// [`BuilderNode::handle_fragment`] that gives back the data of a late fragment, for
+    /// the late-data side stream ([`crate::saver::BurstSaver::handle_late`]); report the
+    /// ones kept with [`BuilderNode::handle_salvaged`].
+    pub fn handle_fragment_keep(&mut self, now: Instant, a: Arrival, data: T) -> (ArrivalOutcome, Option<T>) {
         let (mut network_delay, mut shaping_delay) = (None, None);
         if a.send_time > Instant::ZERO {
             network_delay = Some(now - a.send_time);
             shaping_delay = Some(a.send_time - self.cfg.slice_clock.end_of(a.slice));
         }
-        let admission =
-            self.asm.handle_fragment_recovered(now, a.source, a.slice, a.wire_bytes, a.cut_off, a.recovered, data);
+        let (admission, late) =
+            self.asm.handle_fragment_returning(now, a.source, a.slice, a.wire_bytes, a.cut_off, a.recovered, data);
         if let Some(p) = self.pull.as_mut() {
             p.handle_arrival(now, a.source, a.slice);
         }
@@ -197,7 +207,13 @@ impl<T> BuilderNode<T> {
             self.report.last_arrival_ns = now.as_nanos();
         }
         self.collect(now);
-        ArrivalOutcome { admission, network_delay, shaping_delay }
+        (ArrivalOutcome { admission, network_delay, shaping_delay }, late)
+    }
+
+    /// A late fragment was kept in the late-data side stream: the ledger counts it
+    /// `salvaged` instead of `late`.
+    pub fn handle_salvaged(&mut self) {
+        self.salvaged += 1;
     }
 
     /// A source ended its stream (markers from unknown sources are ignored). When the last
@@ -275,6 +291,8 @@ impl<T> BuilderNode<T> {
         let mut r = self.report.clone();
         r.tally = self.asm.tally();
         r.tally.damaged = self.damaged.clone();
+        r.tally.late -= self.salvaged.min(r.tally.late);
+        r.tally.salvaged = self.salvaged;
         r.sources_ended = self.ended.len() as u32;
         r.pull = self.pull.as_ref().map(|p| p.stats().clone());
         r
@@ -338,6 +356,21 @@ mod tests {
         assert_eq!((t.delivered, t.recovered, t.late), (1, 1, 1));
         assert_eq!(t.damaged.get(&1), Some(&2));
         assert_eq!(t.unaccounted(), 0);
+    }
+
+    #[test]
+    fn late_fragments_come_back_for_the_side_stream() {
+        let mut b = node(1);
+        let now = Instant::from_nanos(13_000_000);
+        b.handle_fragment(now, arrival(0, 0), 1);
+        assert!(b.poll_slice().is_some());
+        let (o, late) = b.handle_fragment_keep(now, arrival(0, 0), 2);
+        assert_eq!((o.admission, late), (Admission::Late, Some(2)));
+        b.handle_salvaged();
+        let (_, late) = b.handle_fragment_keep(now, arrival(0, 0), 3);
+        assert_eq!(late, Some(3), "kept or not is the driver's choice; this one is dropped");
+        let t = b.report().tally;
+        assert_eq!((t.delivered, t.late, t.salvaged, t.unaccounted()), (1, 1, 1, 0));
     }
 
     #[test]
