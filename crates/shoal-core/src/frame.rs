@@ -46,8 +46,11 @@ impl Flags {
     pub const REQUEST: Flags = Flags(1 << 6);
     pub const ASSIGN: Flags = Flags(1 << 7);
     pub const CREDIT: Flags = Flags(1 << 8);
+    /// The payload is a raw-data record (builder to writer): a fragment saved by the burst
+    /// saver or the late-data side stream, or an alert's description ([`crate::rawrec`]).
+    pub const RAW: Flags = Flags(1 << 9);
     /// Every bit defined by v1; a frame with any other bit set is rejected.
-    pub const ALL: Flags = Flags(0b1_1111_1111);
+    pub const ALL: Flags = Flags(0b11_1111_1111);
     /// The pull control bits.
     pub const CONTROL: Flags = Flags(0b1_1110_0000);
     pub const EMPTY: Flags = Flags(0);

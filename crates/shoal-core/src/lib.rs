@@ -18,6 +18,7 @@
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
 //! - [`saver`]: the builder's burst saver ([`saver::BurstSaver`]): the last seconds of raw
 //!   slices, saved on an external [`alert::Alert`], and the late-data side stream.
+//! - [`rawrec`]: raw-data records (saved fragments, alert descriptions) as `RAW` frames.
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
@@ -43,6 +44,7 @@ pub mod hit;
 pub mod ledger;
 pub mod node;
 pub mod pullmsg;
+pub mod rawrec;
 pub mod runstate;
 pub mod saver;
 pub mod shaping;

@@ -5,15 +5,20 @@
 //! list column, so `pyarrow.parquet.read_table(...)` or pandas read it directly and ROOT
 //! users can convert it with `uproot`/`awkward`. Rows are buffered and flushed as record
 //! batches of [`EventFileWriter::BATCH_ROWS`] events.
+//!
+//! [`RawFileWriter`] stores raw fragments saved by the builders' burst savers (for an
+//! alert) and late-data side streams: one row per fragment, indexed by alert, slice and
+//! source, its payload byte for byte ([`raw_schema`]).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow_array::builder::{
-    BooleanBuilder, ListBuilder, StructBuilder, TimestampNanosecondBuilder, UInt8Builder, UInt32Builder, UInt64Builder,
+    BinaryBuilder, BooleanBuilder, ListBuilder, StringBuilder, StructBuilder, TimestampNanosecondBuilder, UInt8Builder,
+    UInt32Builder, UInt64Builder,
 };
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::{ArrayRef, RecordBatch, UInt64Array};
 use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef, TimeUnit};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
@@ -219,6 +224,160 @@ impl EventFileWriter {
     }
 }
 
+/// The Parquet schema of a raw-data file.
+pub fn raw_schema() -> SchemaRef {
+    let ts = DataType::Timestamp(TimeUnit::Nanosecond, Some("UTC".into()));
+    Arc::new(Schema::new(vec![
+        Field::new("run", DataType::UInt64, false),
+        Field::new("builder", DataType::UInt32, false),
+        // `alert` or `late`.
+        Field::new("stream", DataType::Utf8, false),
+        // The builder's alert number (0 for the late stream) and the alert's name.
+        Field::new("alert", DataType::UInt32, false),
+        Field::new("alert_name", DataType::Utf8, true),
+        Field::new("slice", DataType::UInt64, false),
+        Field::new("source", DataType::UInt32, false),
+        Field::new("slice_start", ts, false),
+        Field::new("hit_count", DataType::UInt32, false),
+        Field::new("payload", DataType::Binary, false),
+    ]))
+}
+
+/// Totals of a closed raw-data file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RawFileStats {
+    pub path: PathBuf,
+    /// Fragments saved for alerts and from the late stream, and their payload bytes.
+    pub alert_fragments: u64,
+    pub late_fragments: u64,
+    pub payload_bytes: u64,
+    pub bytes: u64,
+}
+
+/// One raw fragment to store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawRow<'a> {
+    pub builder: u32,
+    /// 0: the late stream; otherwise the builder's alert number.
+    pub alert: u32,
+    pub alert_name: Option<&'a str>,
+    pub slice: u64,
+    pub source: u32,
+    pub slice_start_ns: u64,
+    pub hit_count: u32,
+    pub payload: &'a [u8],
+}
+
+/// Writes raw fragments to a Parquet file. See the crate documentation.
+pub struct RawFileWriter {
+    path: PathBuf,
+    run: u64,
+    writer: ArrowWriter<File>,
+    schema: SchemaRef,
+    n: usize,
+    batch_bytes: usize,
+    builder: UInt32Builder,
+    stream: StringBuilder,
+    alert: UInt32Builder,
+    alert_name: StringBuilder,
+    slice: UInt64Builder,
+    source: UInt32Builder,
+    slice_start: TimestampNanosecondBuilder,
+    hit_count: UInt32Builder,
+    payload: BinaryBuilder,
+    stats: RawFileStats,
+}
+
+impl RawFileWriter {
+    /// A record batch is written every this many payload bytes (bounds the writer's memory).
+    pub const BATCH_BYTES: usize = 16 << 20;
+
+    pub fn create(path: impl AsRef<Path>, run: u64) -> Result<Self, StoreError> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::create(&path).map_err(|source| StoreError::Create { path: path.clone(), source })?;
+        let schema = raw_schema();
+        let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
+        let writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+        Ok(Self {
+            stats: RawFileStats { path: path.clone(), ..Default::default() },
+            path,
+            run,
+            writer,
+            schema,
+            n: 0,
+            batch_bytes: 0,
+            builder: UInt32Builder::new(),
+            stream: StringBuilder::new(),
+            alert: UInt32Builder::new(),
+            alert_name: StringBuilder::new(),
+            slice: UInt64Builder::new(),
+            source: UInt32Builder::new(),
+            slice_start: TimestampNanosecondBuilder::new().with_timezone("UTC"),
+            hit_count: UInt32Builder::new(),
+            payload: BinaryBuilder::new(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn write(&mut self, row: &RawRow<'_>) -> Result<(), StoreError> {
+        self.builder.append_value(row.builder);
+        self.stream.append_value(if row.alert == 0 { "late" } else { "alert" });
+        self.alert.append_value(row.alert);
+        self.alert_name.append_option(row.alert_name);
+        self.slice.append_value(row.slice);
+        self.source.append_value(row.source);
+        self.slice_start.append_value(ts(row.slice_start_ns));
+        self.hit_count.append_value(row.hit_count);
+        self.payload.append_value(row.payload);
+        self.n += 1;
+        self.batch_bytes += row.payload.len();
+        if row.alert == 0 {
+            self.stats.late_fragments += 1;
+        } else {
+            self.stats.alert_fragments += 1;
+        }
+        self.stats.payload_bytes += row.payload.len() as u64;
+        if self.batch_bytes >= Self::BATCH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), StoreError> {
+        if self.n == 0 {
+            return Ok(());
+        }
+        let run = UInt64Array::from(vec![self.run; self.n]);
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(run),
+            Arc::new(self.builder.finish()),
+            Arc::new(self.stream.finish()),
+            Arc::new(self.alert.finish()),
+            Arc::new(self.alert_name.finish()),
+            Arc::new(self.slice.finish()),
+            Arc::new(self.source.finish()),
+            Arc::new(self.slice_start.finish()),
+            Arc::new(self.hit_count.finish()),
+            Arc::new(self.payload.finish()),
+        ];
+        self.n = 0;
+        self.batch_bytes = 0;
+        self.writer.write(&RecordBatch::try_new(self.schema.clone(), columns)?)?;
+        Ok(())
+    }
+
+    /// Flushes and closes the file.
+    pub fn close(mut self) -> Result<RawFileStats, StoreError> {
+        self.flush()?;
+        self.writer.close()?;
+        self.stats.bytes = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+        Ok(self.stats)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +405,50 @@ mod tests {
             rows += batch.num_rows();
         }
         assert_eq!(rows, 5000);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn raw_rows_read_back_byte_for_byte() {
+        use arrow_array::{Array, BinaryArray, StringArray};
+        let dir = std::env::temp_dir().join(format!("shoal-store-raw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("raw.parquet");
+        let mut w = RawFileWriter::create(&path, 7).unwrap();
+        let payloads: Vec<Vec<u8>> = (0..300u32).map(|i| (0..i * 1000).map(|b| (b ^ i) as u8).collect()).collect();
+        for (i, p) in payloads.iter().enumerate() {
+            let alert = (i % 3) as u32;
+            let name = (alert > 0).then_some("GRB");
+            let row = RawRow {
+                builder: 1,
+                alert,
+                alert_name: name,
+                slice: i as u64,
+                source: 4,
+                slice_start_ns: 9,
+                hit_count: 0,
+                payload: p,
+            };
+            w.write(&row).unwrap();
+        }
+        let stats = w.close().unwrap();
+        assert_eq!((stats.alert_fragments, stats.late_fragments), (200, 100));
+        let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&path).unwrap()).unwrap().build().unwrap();
+        let mut i = 0;
+        for batch in reader {
+            let batch = batch.unwrap();
+            assert_eq!(batch.schema(), raw_schema());
+            let payload = batch.column(9).as_any().downcast_ref::<BinaryArray>().unwrap();
+            let stream = batch.column(2).as_any().downcast_ref::<StringArray>().unwrap();
+            let name = batch.column(4).as_any().downcast_ref::<StringArray>().unwrap();
+            for r in 0..batch.num_rows() {
+                assert_eq!(payload.value(r), &payloads[i][..]);
+                assert_eq!(stream.value(r), if i % 3 == 0 { "late" } else { "alert" });
+                assert_eq!(name.is_null(r), i % 3 == 0);
+                i += 1;
+            }
+        }
+        assert_eq!(i, 300);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

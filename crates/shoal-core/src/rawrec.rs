@@ -1,0 +1,189 @@
+//! Raw-data records: what a builder's burst saver and late-data side stream write to its
+//! local spool file and then ship to the writer, as frames with the `RAW` flag.
+//!
+//! A record is a frame whose payload starts with a 12-byte prefix (little-endian `u32`s):
+//! the builder id, the record stream (0: the late-data stream, `n >= 1`: the builder's
+//! alert `n` of this run) and the kind:
+//!
+//! | kind | header `source` | header `slice`, `slice_start`, `hit_count` | after the prefix |
+//! | --- | --- | --- | --- |
+//! | 0 fragment | the fragment's source | the fragment's | the fragment's payload, byte for byte |
+//! | 1 alert opened | the builder | 0 | the alert's text ([`crate::alert`]) |
+//! | 2 alert closed | the builder | 0 | the builder's report, JSON |
+//!
+//! Byte-for-byte: a saved fragment's payload is exactly what the source sent, so a
+//! deterministic generator can check it.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::frame::{self, Flags, Frame, FrameHeader};
+use crate::slice::SliceNumber;
+use crate::{Instant, SourceId};
+
+/// Length of the record prefix.
+pub const PREFIX_LEN: usize = 12;
+
+/// What a record carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawKind {
+    Fragment,
+    AlertOpened,
+    AlertClosed,
+}
+
+impl RawKind {
+    fn code(self) -> u32 {
+        match self {
+            RawKind::Fragment => 0,
+            RawKind::AlertOpened => 1,
+            RawKind::AlertClosed => 2,
+        }
+    }
+    fn from_code(c: u32) -> Option<Self> {
+        Some(match c {
+            0 => RawKind::Fragment,
+            1 => RawKind::AlertOpened,
+            2 => RawKind::AlertClosed,
+            _ => return None,
+        })
+    }
+}
+
+/// A decoded record: a view into its frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawRecord {
+    pub builder: u32,
+    /// 0: late-data stream; otherwise the builder's alert number.
+    pub record: u32,
+    pub kind: RawKind,
+    pub source: SourceId,
+    pub slice: SliceNumber,
+    pub slice_start: Instant,
+    pub hit_count: u32,
+    /// What follows the prefix.
+    pub body: Bytes,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RawError {
+    #[error("not a RAW frame")]
+    NotRaw,
+    #[error("payload of {0} bytes is shorter than the {PREFIX_LEN}-byte record prefix")]
+    TooShort(usize),
+    #[error("unknown record kind {0}")]
+    UnknownKind(u32),
+    #[error("a description record must carry no hits")]
+    DescriptionWithHits,
+}
+
+impl RawError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RawError::NotRaw => "not_raw",
+            RawError::TooShort(_) => "raw_too_short",
+            RawError::UnknownKind(_) => "raw_unknown_kind",
+            RawError::DescriptionWithHits => "raw_description_with_hits",
+        }
+    }
+}
+
+/// Encodes a record as a whole frame (header and payload).
+#[allow(clippy::too_many_arguments)]
+pub fn encode(
+    builder: u32,
+    record: u32,
+    kind: RawKind,
+    source: SourceId,
+    slice: SliceNumber,
+    slice_start: Instant,
+    hit_count: u32,
+    body: &[u8],
+) -> Bytes {
+    let mut payload = BytesMut::with_capacity(PREFIX_LEN + body.len());
+    payload.put_u32_le(builder);
+    payload.put_u32_le(record);
+    payload.put_u32_le(kind.code());
+    payload.put_slice(body);
+    let header = FrameHeader {
+        flags: Flags::RAW,
+        source,
+        hit_count,
+        slice,
+        slice_start,
+        send_time: Instant::ZERO,
+        payload_len: payload.len() as u32,
+    };
+    frame::encode(&header, &payload)
+}
+
+impl RawRecord {
+    /// Reads a decoded frame as a record.
+    pub fn from_frame(f: &Frame) -> Result<RawRecord, RawError> {
+        if !f.header.flags.contains(Flags::RAW) {
+            return Err(RawError::NotRaw);
+        }
+        let p = &f.payload;
+        if p.len() < PREFIX_LEN {
+            return Err(RawError::TooShort(p.len()));
+        }
+        let word = |i: usize| u32::from_le_bytes(p[i..i + 4].try_into().expect("4 bytes"));
+        let kind = RawKind::from_code(word(8)).ok_or(RawError::UnknownKind(word(8)))?;
+        if kind != RawKind::Fragment && f.header.hit_count != 0 {
+            return Err(RawError::DescriptionWithHits);
+        }
+        Ok(RawRecord {
+            builder: word(0),
+            record: word(4),
+            kind,
+            source: f.header.source,
+            slice: f.header.slice,
+            slice_start: f.header.slice_start,
+            hit_count: f.header.hit_count,
+            body: p.slice(PREFIX_LEN..),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fragment_round_trips_byte_for_byte() {
+        let body = [1u8, 2, 3, 4, 5, 6];
+        let bytes = encode(3, 2, RawKind::Fragment, 17, 99, Instant::from_nanos(5), 1, &body);
+        let (f, used) = frame::decode(&bytes, 1 << 20).unwrap();
+        assert_eq!(used, bytes.len());
+        let r = RawRecord::from_frame(&f).unwrap();
+        assert_eq!((r.builder, r.record, r.kind, r.source, r.slice, r.hit_count), (3, 2, RawKind::Fragment, 17, 99, 1));
+        assert_eq!(&r.body[..], &body);
+    }
+
+    #[test]
+    fn refuses_what_is_not_a_record() {
+        let events = frame::encode(
+            &FrameHeader {
+                flags: Flags::EVENTS,
+                source: 0,
+                hit_count: 0,
+                slice: 0,
+                slice_start: Instant::ZERO,
+                send_time: Instant::ZERO,
+                payload_len: 0,
+            },
+            &[],
+        );
+        let (f, _) = frame::decode(&events, 1 << 20).unwrap();
+        assert_eq!(RawRecord::from_frame(&f), Err(RawError::NotRaw));
+        let mut f =
+            frame::decode(&encode(0, 0, RawKind::AlertOpened, 0, 0, Instant::ZERO, 0, b"x"), 1 << 20).unwrap().0;
+        f.payload = f.payload.slice(..4);
+        assert_eq!(RawRecord::from_frame(&f), Err(RawError::TooShort(4)));
+        let mut p = BytesMut::new();
+        p.put_u32_le(0);
+        p.put_u32_le(0);
+        p.put_u32_le(9);
+        f.payload = p.freeze();
+        assert_eq!(RawRecord::from_frame(&f), Err(RawError::UnknownKind(9)));
+    }
+}
