@@ -2,6 +2,11 @@
 //! assembles slices (shoal-core's [`BuilderNode`]), filters them on a thread of its own
 //! and ships the selected events to the writer.
 //!
+//! Beside the filter, the burst saver (shoal-core's `BurstSaver`) keeps the last seconds
+//! of built slices and the late fragments; what it saves goes through the builder's spool
+//! ([`crate::spool`]: local disk first, then the writer). Alerts arrive through
+//! [`Live::alerts`].
+//!
 //! Receiving never waits for filtering: completed slices go to the filter thread through a
 //! queue bounded in *bytes* by the assembler's memory budget (the filter releases bytes as
 //! it finishes slices; above the budget new fragments are dropped and counted). A
@@ -24,6 +29,7 @@ use shoal_core::frame::{self, Flags, Frame, FrameHeader};
 use shoal_core::hit::HitPayload;
 use shoal_core::node::{Arrival, BuilderNode, BuilderNodeReport};
 use shoal_core::pullmsg::PullMessage;
+use shoal_core::saver::{BurstSaver, SaverOutput, SaverStats};
 use shoal_core::slice::SliceClock;
 use shoal_core::slice::SliceNumber;
 use shoal_core::{Instant, SourceId};
@@ -41,6 +47,7 @@ use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
 use crate::link::{Backoff, Chunk, Link, LinkReport};
 use crate::live::Live;
+use crate::spool::{SpoolConfig, SpoolReport, SpoolWork};
 use crate::udp::{Received, UdpReceiveReport};
 
 /// Delay histograms are kept in microseconds, up to one hour.
@@ -76,6 +83,37 @@ pub struct BuilderReport {
     /// Datagram transport: what the endpoint received, refused, asked again and lost.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub udp: Option<UdpReceiveReport>,
+    /// The burst saver (history, evictions, alerts, late fragments kept) and its spool
+    /// (records on disk, shipped to the writer, refused, failed; each alert's report).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saver: Option<SaverStats>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spool: Option<SpoolReport>,
+    /// Alerts this builder never saw (its alert queue overflowed).
+    pub alerts_missed: u64,
+}
+
+/// The burst saver and the channel to its spool thread.
+struct Saving {
+    saver: BurstSaver<FragmentData>,
+    spool: std::sync::mpsc::Sender<SpoolWork>,
+    live: Arc<Live>,
+}
+
+impl Saving {
+    /// Hands what the saver decided to the spool thread; alert reports also go to whoever
+    /// listens (the dispatcher in a run-controlled process).
+    fn drain(&mut self) {
+        while let Some(o) = self.saver.poll_output() {
+            if let SaverOutput::Closed(r) = &o {
+                let _ = self.live.alerts.reports.send(r.clone());
+            }
+            if self.spool.send(SpoolWork::Save(o)).is_err() {
+                // The spool thread is gone (it ends only after Finish): nothing to do.
+                break;
+            }
+        }
+    }
 }
 
 enum Incoming {
@@ -203,6 +241,9 @@ async fn read_connection(
         if h.flags.contains(Flags::EVENTS) {
             break reader.reject("unexpected_events", "an EVENTS frame on a data port");
         }
+        if h.flags.contains(Flags::RAW) {
+            break reader.reject("unexpected_raw", "a RAW frame on a data port");
+        }
         if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
             break reader.reject("bad_payload", &e.to_string());
         }
@@ -299,7 +340,26 @@ pub async fn run_builder(
         min: StdDuration::from_millis(cfg.source.reconnect_min_ms.max(1)),
         max: StdDuration::from_millis(cfg.source.reconnect_max_ms.max(1)),
     };
-    let writer_link = Link::spawn(id, writer_addr, clock, backoff, wreport_tx, wclosing.clone());
+    let writer_link = Arc::new(Link::spawn(id, writer_addr, clock, backoff, wreport_tx, wclosing.clone()));
+    // The burst saver and its spool thread.
+    let (spooled_tx, mut spooled_rx) = mpsc::unbounded_channel::<u64>();
+    let mut alerts_rx = live.alerts.alerts.subscribe();
+    let (mut saving, spool_thread) = if cfg.saver.enabled {
+        let (spool_tx, spool_rx) = std::sync::mpsc::channel();
+        let spool_cfg = SpoolConfig {
+            builder: id,
+            run: cfg.run.run_number,
+            dir: cfg.spool_dir(),
+            max_bytes: cfg.saver.spool_max_mb << 20,
+            slice_clock,
+        };
+        let thread = crate::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled_tx);
+        let saver = BurstSaver::new(cfg.saver_config(), id, slice_clock);
+        (Some(Saving { saver, spool: spool_tx, live: live.clone() }), Some(thread))
+    } else {
+        (None, None)
+    };
+    let mut alerts_missed = 0u64;
     let failed_task = tokio::spawn(async move {
         let mut failed = 0u64;
         while let Some(r) = wreports.recv().await {
@@ -312,9 +372,10 @@ pub async fn run_builder(
     let (out_tx, out_rx) = std::sync::mpsc::channel::<SliceOutcome<FragmentData>>();
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let filter_live = live.clone();
+    let filter_link = writer_link.clone();
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
-        .spawn(move || filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, writer_link, filter_live))
+        .spawn(move || filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, filter_link, filter_live))
         .expect("spawn filter thread");
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
@@ -332,18 +393,40 @@ pub async fn run_builder(
     info!(builder = id, n_sources, pull = pull.is_some(), "builder started");
 
     loop {
-        let wake = node.poll_timeout();
+        let saver_wake = saving.as_ref().and_then(|s| s.saver.poll_timeout());
+        let wake = match (node.poll_timeout(), saver_wake) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         tokio::select! {
             m = in_rx.recv() => match m {
                 Some(m) => {
-                    on_incoming(&mut node, &mut measured, &mut routes, m, &live, clock);
+                    on_incoming(&mut node, &mut measured, &mut routes, &mut saving, m, &live, clock);
                     // Take what else is ready without another trip through select.
                     while let Ok(m) = in_rx.try_recv() {
-                        on_incoming(&mut node, &mut measured, &mut routes, m, &live, clock);
+                        on_incoming(&mut node, &mut measured, &mut routes, &mut saving, m, &live, clock);
                     }
                 }
                 None => break,
             },
+            a = alerts_rx.recv(), if saving.is_some() => match a {
+                Ok(alert) => {
+                    info!(builder = id, %alert, "alert: saving its window");
+                    if let Some(s) = saving.as_mut() {
+                        s.saver.handle_alert(clock.now(), alert);
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    warn!(builder = id, missed = n, "alerts came faster than this builder took them; some were missed");
+                    alerts_missed += n;
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => {}
+            },
+            Some(bytes) = spooled_rx.recv() => {
+                if let Some(s) = saving.as_mut() {
+                    s.saver.handle_spooled(bytes);
+                }
+            }
             _ = heartbeat.tick(), if pull.is_some() => {
                 if let Some(out) = &routes.dfm {
                     let _ = out.send(PullMessage::Credit { builder: id, slice: None, memory: node.memory_in_use() }.encode());
@@ -351,12 +434,15 @@ pub async fn run_builder(
             }
             _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {
                 node.handle_timeout(clock.now());
+                if let Some(s) = saving.as_mut() {
+                    s.saver.handle_timeout(clock.now());
+                }
             }
             Some(bytes) = released_rx.recv() => node.handle_released(bytes),
             Some(r) = udp_rx.recv() => {
-                on_received(&mut node, &mut measured, &mut routes, &udp_requests, r, &live, clock);
+                on_received(&mut node, &mut measured, &mut routes, &mut saving, &udp_requests, r, &live, clock);
                 while let Ok(r) = udp_rx.try_recv() {
-                    on_received(&mut node, &mut measured, &mut routes, &udp_requests, r, &live, clock);
+                    on_received(&mut node, &mut measured, &mut routes, &mut saving, &udp_requests, r, &live, clock);
                 }
             }
             _ = cancel.cancelled() => {
@@ -364,7 +450,7 @@ pub async fn run_builder(
                 break;
             }
         }
-        forward(&mut node, &out_tx, &live);
+        forward(&mut node, &mut saving, &out_tx, &live, clock);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
             break;
@@ -379,12 +465,30 @@ pub async fn run_builder(
     let connections = accept_task.await.unwrap_or(0);
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
-    forward(&mut node, &out_tx, &live);
+    forward(&mut node, &mut saving, &out_tx, &live, clock);
     drop(out_tx);
-    let (events, busy, link) =
-        tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"))
-            .await
-            .expect("join filter thread");
+    // Open alerts close with what they have; the spool ships the rest before the writer
+    // hears this builder's end of stream.
+    let saver_stats = saving.as_mut().map(|s| {
+        s.saver.handle_end();
+        s.drain();
+        let _ = s.spool.send(SpoolWork::Finish);
+        s.saver.stats()
+    });
+    let (events, busy) = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"))
+        .await
+        .expect("join filter thread");
+    let spool = match spool_thread {
+        Some(t) => Some(
+            tokio::task::spawn_blocking(move || t.join().expect("spool thread panicked"))
+                .await
+                .expect("join spool thread"),
+        ),
+        None => None,
+    };
+    let Ok(link) = Arc::try_unwrap(writer_link) else {
+        unreachable!("the filter and spool threads have ended and dropped their handles");
+    };
     // End of stream to the writer, then close the link.
     let eos = FrameHeader {
         flags: Flags::END_OF_STREAM,
@@ -414,6 +518,9 @@ pub async fn run_builder(
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
         udp,
+        saver: saver_stats,
+        spool,
+        alerts_missed,
     };
     info!(
         builder = id,
@@ -477,6 +584,7 @@ fn on_incoming(
     node: &mut BuilderNode<FragmentData>,
     measured: &mut Measured,
     routes: &mut Routes,
+    saving: &mut Option<Saving>,
     m: Incoming,
     live: &Live,
     clock: WallClock,
@@ -507,21 +615,23 @@ fn on_incoming(
             return;
         }
     };
-    on_frame(node, measured, frame, arrival, false, live);
+    on_frame(node, measured, saving, frame, arrival, false, live);
 }
 
 /// What the datagram endpoint hands over: whole frames, damage, ends of stream.
+#[allow(clippy::too_many_arguments)]
 fn on_received(
     node: &mut BuilderNode<FragmentData>,
     measured: &mut Measured,
     routes: &mut Routes,
+    saving: &mut Option<Saving>,
     udp_requests: &mpsc::UnboundedSender<(SourceId, SliceNumber)>,
     r: Received,
     live: &Live,
     clock: WallClock,
 ) {
     match r {
-        Received::Frame { frame, recovered } => on_frame(node, measured, frame, clock.now(), recovered, live),
+        Received::Frame { frame, recovered } => on_frame(node, measured, saving, frame, clock.now(), recovered, live),
         Received::Damaged { source, n } => node.handle_damaged(source, n),
         Received::Ended { source } => node.handle_end_of_stream(clock.now(), source),
         Received::Greeted { source } => {
@@ -533,6 +643,7 @@ fn on_received(
 fn on_frame(
     node: &mut BuilderNode<FragmentData>,
     measured: &mut Measured,
+    saving: &mut Option<Saving>,
     frame: Frame,
     arrival: Instant,
     recovered: bool,
@@ -540,12 +651,19 @@ fn on_frame(
 ) {
     let h = frame.header;
     let data = FragmentData { source: h.source, hit_count: h.hit_count, payload: frame.payload };
-    let o = if h.flags.contains(Flags::END_OF_STREAM) {
+    if h.flags.contains(Flags::END_OF_STREAM) {
         node.handle_end_of_stream(arrival, h.source);
         return;
-    } else {
-        node.handle_fragment(arrival, Arrival { recovered, ..Arrival::from_header(&h) }, data)
-    };
+    }
+    let a = Arrival { recovered, ..Arrival::from_header(&h) };
+    let (o, late) = node.handle_fragment_keep(arrival, a, data);
+    // A late fragment goes to the late-data side stream if it has room.
+    if let (Some(data), Some(s)) = (late, saving.as_mut())
+        && s.saver.handle_late(a.source, a.slice, a.wire_bytes, data)
+    {
+        node.handle_salvaged();
+        s.drain();
+    }
     if let Some(d) = o.network_delay {
         let us = (d.as_micros() as u64).max(1);
         let _ = measured.net.record(us);
@@ -563,13 +681,22 @@ fn on_frame(
     }
 }
 
-/// Hands processed slices to the filter thread.
+/// Hands processed slices to the filter thread, keeping them in the burst saver's history.
 fn forward(
     node: &mut BuilderNode<FragmentData>,
+    saving: &mut Option<Saving>,
     out: &std::sync::mpsc::Sender<SliceOutcome<FragmentData>>,
     live: &Live,
+    clock: WallClock,
 ) {
+    if let Some(s) = saving.as_mut() {
+        s.drain();
+    }
     while let Some(o) = node.poll_slice() {
+        if let Some(s) = saving.as_mut() {
+            s.saver.handle_slice(clock.now(), &o);
+            s.drain();
+        }
         if o.is_complete() {
             Live::add(&live.slices_complete, 1);
         } else {
@@ -589,9 +716,9 @@ fn filter_loop(
     slice_clock: SliceClock,
     rx: std::sync::mpsc::Receiver<SliceOutcome<FragmentData>>,
     released: mpsc::UnboundedSender<u64>,
-    link: Link,
+    link: Arc<Link>,
     live: Arc<Live>,
-) -> (u64, f64, Link) {
+) -> (u64, f64) {
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
@@ -624,5 +751,5 @@ fn filter_loop(
         let _ = released.send(bytes);
     }
     filter.cleanup();
-    (events, busy.as_secs_f64(), link)
+    (events, busy.as_secs_f64())
 }

@@ -28,6 +28,53 @@ pub struct Config {
     pub builder: BuilderConfig,
     pub writer: WriterConfig,
     pub udp: UdpSettings,
+    pub saver: SaverSettings,
+}
+
+/// The builders' burst saver and late-data side stream (`[saver]`); see
+/// `shoal_core::saver` for what each limit does.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SaverSettings {
+    /// Keep a history of raw slices and answer alerts.
+    pub enabled: bool,
+    /// Slice time kept, seconds.
+    pub history_s: f64,
+    /// Most history per builder, MiB (default 384: 30 s of an ANTARES builder's 9 MB/s is
+    /// 270 MB, the rest is room for bioluminescence bursts).
+    pub max_mb: u64,
+    /// Embedded runs (`shoal demo`): most history of all builders of the process together,
+    /// MiB; each builder keeps at most its share.
+    pub embedded_max_mb: u64,
+    /// Most saved and late bytes waiting for the local disk, MiB; late fragments beyond it
+    /// are dropped (counted).
+    pub pending_mb: u64,
+    /// An open alert closes at the latest this long after its window's end, ms.
+    pub close_grace_ms: u64,
+    /// Keep fragments that arrive after their slice was processed.
+    pub salvage_late: bool,
+    /// Local spool directory (default `<writer.out_dir>/spool`).
+    pub spool_dir: Option<PathBuf>,
+    /// Most bytes in one builder's spool file per run, MiB; beyond, saved fragments are
+    /// dropped and counted.
+    pub spool_max_mb: u64,
+}
+
+impl Default for SaverSettings {
+    fn default() -> Self {
+        let d = shoal_core::saver::SaverConfig::DEFAULT;
+        Self {
+            enabled: true,
+            history_s: d.history.as_secs_f64(),
+            max_mb: d.max_bytes >> 20,
+            embedded_max_mb: 1024,
+            pending_mb: d.max_pending_bytes >> 20,
+            close_grace_ms: d.close_grace.as_millis() as u64,
+            salvage_late: d.salvage_late,
+            spool_dir: None,
+            spool_max_mb: 4096,
+        }
+    }
 }
 
 /// The data path's transport (`run.transport`).
@@ -297,12 +344,40 @@ impl Config {
         if self.builder.id >= r.builders {
             return invalid(format!("builder.id {} but run.builders is {}", self.builder.id, r.builders));
         }
+        let sv = &self.saver;
+        if !(sv.history_s.is_finite() && sv.history_s > 0.0 && sv.history_s <= 3600.0) {
+            return invalid("saver.history_s must be between 0 and 3600 seconds");
+        }
         if self.builder.max_active == 0 {
             return invalid("builder.max_active must be at least 1");
         }
         self.generator()?;
         shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         Ok(())
+    }
+
+    /// The burst saver's limits for one builder.
+    pub fn saver_config(&self) -> shoal_core::saver::SaverConfig {
+        let sv = &self.saver;
+        shoal_core::saver::SaverConfig {
+            history: shoal_core::Duration::from_nanos((sv.history_s * 1e9) as u64),
+            max_bytes: sv.max_mb << 20,
+            max_pending_bytes: sv.pending_mb << 20,
+            close_grace: shoal_core::Duration::from_millis(sv.close_grace_ms),
+            salvage_late: sv.salvage_late,
+        }
+    }
+
+    /// An embedded run's builders share `saver.embedded_max_mb`: each keeps at most its
+    /// share of it as history.
+    pub fn share_saver_history(&mut self) {
+        let share = self.saver.embedded_max_mb / u64::from(self.run.builders.max(1));
+        self.saver.max_mb = self.saver.max_mb.min(share.max(1));
+    }
+
+    /// Where builders spool saved raw data before shipping it.
+    pub fn spool_dir(&self) -> PathBuf {
+        self.saver.spool_dir.clone().unwrap_or_else(|| self.writer.out_dir.join("spool"))
     }
 
     /// The sources' generator (physics on the ANTARES-like geometry with one floor per

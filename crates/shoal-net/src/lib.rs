@@ -32,5 +32,6 @@ pub mod lograte;
 pub mod node;
 pub mod rcagent;
 pub mod source;
+pub mod spool;
 pub mod udp;
 pub mod writer;

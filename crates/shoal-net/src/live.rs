@@ -8,6 +8,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hdrhistogram::Histogram;
+use shoal_core::saver::{Alert, AlertReport};
+use tokio::sync::broadcast;
 
 #[derive(Debug, Default)]
 pub struct Live {
@@ -26,6 +28,8 @@ pub struct Live {
     pub end_slice: AtomicU64,
     /// Run control paused the run: sources keep the slice schedule with empty fragments.
     pub paused: AtomicBool,
+    /// Alerts for this process's builders, and what they saved.
+    pub alerts: AlertBus,
     /// Network delays (us) since the last [`Live::take_delays`].
     delays: Mutex<Option<Histogram<u64>>>,
 }
@@ -58,5 +62,20 @@ impl Live {
     /// The delays recorded since the previous call (empty if none).
     pub fn take_delays(&self) -> Option<Histogram<u64>> {
         self.delays.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// Alerts reach every builder of a process through here (from the dispatcher in a
+/// run-controlled process, from the caller in an embedded run); builders answer with their
+/// reports.
+#[derive(Debug)]
+pub struct AlertBus {
+    pub alerts: broadcast::Sender<Alert>,
+    pub reports: broadcast::Sender<AlertReport>,
+}
+
+impl Default for AlertBus {
+    fn default() -> Self {
+        Self { alerts: broadcast::channel(64).0, reports: broadcast::channel(256).0 }
     }
 }

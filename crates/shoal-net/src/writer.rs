@@ -1,5 +1,7 @@
 //! The writer: accepts event frames from every builder and stores them in one Parquet file
 //! per run (`run{N:06}.events.parquet`), plus a JSON summary (`run{N:06}.writer.json`).
+//! Raw data the builders save (alert windows, late fragments; `RAW` frames) go to
+//! `run{N:06}.raw.parquet`, created at the first one.
 //! Parquet writing runs on a thread of its own so that receiving never waits for disk.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -8,7 +10,9 @@ use std::path::PathBuf;
 use std::time::Duration as StdDuration;
 
 use shoal_core::frame::Flags;
-use shoal_store::{EventFileStats, EventFileWriter};
+use shoal_core::rawrec::{RawKind, RawRecord};
+use shoal_core::saver::AlertReport;
+use shoal_store::{EventFileStats, EventFileWriter, RawFileStats, RawFileWriter, RawRow};
 use shoal_trigger::{Event, decode_events};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -31,10 +35,17 @@ pub struct WriterReport {
     /// Builders that ended their stream cleanly.
     pub builders_ended: usize,
     pub error: Option<String>,
+    /// Raw data saved by the builders (none: no alert and no late fragment).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw: Option<RawFileStats>,
+    /// Every alert's report, one per builder.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub alerts: Vec<AlertReport>,
 }
 
 enum Incoming {
     Slice { builder: u32, slice: u64, slice_start_ns: u64, events: Vec<Event> },
+    Raw(RawRecord),
     Ended { builder: u32 },
     Rejected { reason: &'static str },
 }
@@ -49,6 +60,11 @@ async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<I
         let h = frame.header;
         let msg = if h.flags.contains(Flags::END_OF_STREAM) {
             Incoming::Ended { builder: h.source }
+        } else if h.flags.contains(Flags::RAW) {
+            match RawRecord::from_frame(&frame) {
+                Ok(r) => Incoming::Raw(r),
+                Err(e) => break reader.reject(e.kind(), &e.to_string()),
+            }
         } else if !h.flags.contains(Flags::EVENTS) {
             break reader.reject("not_events", "a data frame on the event port");
         } else {
@@ -69,6 +85,12 @@ async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<I
     if let ReadEnd::Rejected(reason) = end {
         let _ = tx.send(Incoming::Rejected { reason }).await;
     }
+}
+
+/// What the disk thread writes.
+enum DiskWork {
+    Events(u32, u64, u64, Vec<Event>),
+    Raw(RawRecord),
 }
 
 /// Runs the writer on a bound listener until every builder has ended its stream (or
@@ -97,12 +119,41 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     });
 
     // Parquet encoding on its own thread.
-    let (disk_tx, disk_rx) = std::sync::mpsc::channel::<(u32, u64, u64, Vec<Event>)>();
+    let (disk_tx, disk_rx) = std::sync::mpsc::channel::<DiskWork>();
+    let raw_path = cfg.writer.out_dir.join(format!("run{run:06}.raw.parquet"));
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
-        for (builder, slice, start, events) in disk_rx {
-            file.write_slice(builder, slice, start, &events)?;
+        let mut raw: Option<RawFileWriter> = None;
+        let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
+        for work in disk_rx {
+            match work {
+                DiskWork::Events(builder, slice, start, events) => file.write_slice(builder, slice, start, &events)?,
+                DiskWork::Raw(r) => {
+                    if r.kind == RawKind::AlertOpened {
+                        let name = shoal_core::alert::Alert::parse(&r.body)
+                            .map(|a| a.name)
+                            .unwrap_or_else(|_| "unnamed".into());
+                        names.insert((r.builder, r.record), name);
+                        continue;
+                    }
+                    let w = match raw.as_mut() {
+                        Some(w) => w,
+                        None => raw.insert(RawFileWriter::create(&raw_path, run)?),
+                    };
+                    w.write(&RawRow {
+                        builder: r.builder,
+                        alert: r.record,
+                        alert_name: names.get(&(r.builder, r.record)).map(String::as_str),
+                        slice: r.slice,
+                        source: r.source,
+                        slice_start_ns: r.slice_start.as_nanos(),
+                        hit_count: r.hit_count,
+                        payload: &r.body,
+                    })?;
+                }
+            }
         }
-        file.close()
+        let raw = raw.map(RawFileWriter::close).transpose()?;
+        Ok::<_, shoal_store::StoreError>((file.close()?, raw))
     })?;
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
@@ -114,8 +165,18 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                 Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
                     report.slices += 1;
                     *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                    if disk_tx.send((builder, slice, slice_start_ns, events)).is_err() {
+                    if disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).is_err() {
                         break; // the disk thread failed; its error is reported below
+                    }
+                }
+                Some(Incoming::Raw(r)) => {
+                    if r.kind == RawKind::AlertClosed {
+                        match serde_json::from_slice::<AlertReport>(&r.body) {
+                            Ok(a) => report.alerts.push(a),
+                            Err(e) => warn!(builder = r.builder, error = %e, "unreadable alert report"),
+                        }
+                    } else if disk_tx.send(DiskWork::Raw(r)).is_err() {
+                        break;
                     }
                 }
                 Some(Incoming::Ended { builder }) => { ended.insert(builder); }
@@ -133,7 +194,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     drop(disk_tx);
     report.builders_ended = ended.len();
     match tokio::task::spawn_blocking(move || disk.join()).await? {
-        Ok(Ok(stats)) => report.file = stats,
+        Ok(Ok((stats, raw))) => {
+            report.file = stats;
+            report.raw = raw;
+        }
         Ok(Err(e)) => report.error = Some(format!("writing {}: {e}", path.display())),
         Err(_) => report.error = Some("writer disk thread panicked".into()),
     }
