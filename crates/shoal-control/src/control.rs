@@ -15,6 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 use serde::Serialize;
+use shoal_core::alert::ALERT_REPLY_TAG;
 use shoal_core::cluster::{
     ClusterCommand, ClusterControl, ClusterControlConfig, ClusterEvent, ClusterProcess, CommandOutcome,
 };
@@ -93,6 +94,19 @@ pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::U
                 }
             },
             "Died" => incoming.send(Incoming::Left(text.trim_end_matches('\0').to_string())),
+            ALERT_REPLY_TAG => {
+                let Ok(value) = serde_json::from_slice::<serde_json::Value>(&msg.payload) else { continue };
+                let line = match serde_json::from_value::<shoal_core::saver::AlertReport>(value.clone()) {
+                    Ok(r) => r.describe(),
+                    Err(_) => format!("alert answer: {value}"),
+                };
+                shared.update(|s| {
+                    s.note(line);
+                    s.alerts.push_front(value);
+                    s.alerts.truncate(50);
+                });
+                Ok(())
+            }
             _ => Ok(()),
         };
         if delivered.is_err() {
@@ -103,7 +117,13 @@ pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::U
 
 /// Subscribes the listener connection.
 pub async fn subscribe_listener(client: &mut ChClient) -> anyhow::Result<()> {
-    for (tag, mode) in [(RC_REPLY, Mode::All), (RC_REPORT, Mode::All), ("Died", Mode::All), (RC_STATS, Mode::Any)] {
+    for (tag, mode) in [
+        (RC_REPLY, Mode::All),
+        (RC_REPORT, Mode::All),
+        ("Died", Mode::All),
+        (RC_STATS, Mode::Any),
+        (ALERT_REPLY_TAG, Mode::All),
+    ] {
         client.subscribe(tag, mode).await?;
     }
     client.set_nickname("runcontrol-listener").await?;

@@ -4,6 +4,10 @@
 //! - `POST /api/command/{NAME}`: queue a cluster command (`INIT`, `CONFIGURE`, `START`,
 //!   `PAUSE`, `CONTINUE`, `STOP`, `RESET`, `OFF`); 202 when accepted, 409 while another
 //!   command is being carried out, 400 for an unknown name.
+//! - `POST /api/alert`: send an alert (body: the `ALERT` text, `from=... to=... name=...`,
+//!   see `shoal_core::alert`) to every builder through the dispatcher; 202 when sent, 400
+//!   with the reason for a malformed one, 502 when the dispatcher cannot be reached. The
+//!   builders' answers appear in the status (`alerts`).
 //! - `GET /api/runs`: the run history; `GET /api/runs/{N}`: one run record.
 //! - `GET /api/ws`: WebSocket pushing the status on every change (at most 4 per second).
 //! - `GET /metrics`: Prometheus text for run control itself.
@@ -30,6 +34,7 @@ struct AppState {
     shared: Arc<Shared>,
     commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
+    dispatcher: std::net::SocketAddr,
 }
 
 const INDEX_HTML: &str = include_str!("../ui/index.html");
@@ -58,6 +63,27 @@ async fn command(State(s): State<AppState>, Path(name): Path<String>) -> Respons
         Ok(()) => (StatusCode::ACCEPTED, format!("{command} queued")).into_response(),
         Err(_) => (StatusCode::CONFLICT, "a command is already queued".to_string()).into_response(),
     }
+}
+
+async fn alert(State(s): State<AppState>, body: axum::body::Bytes) -> Response {
+    let alert = match shoal_core::alert::Alert::parse(&body) {
+        Ok(a) => a,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("alert refused: {e}")).into_response(),
+    };
+    match send_alert(s.dispatcher, &alert).await {
+        Ok(()) => {
+            s.shared.update(|st| st.note(format!("alert sent: {alert}")));
+            (StatusCode::ACCEPTED, format!("alert {} sent", alert.name)).into_response()
+        }
+        Err(e) => (StatusCode::BAD_GATEWAY, format!("cannot reach the dispatcher: {e}")).into_response(),
+    }
+}
+
+/// Publishes one alert on the dispatcher (a connection of its own, closed after).
+pub async fn send_alert(dispatcher: std::net::SocketAddr, alert: &shoal_core::alert::Alert) -> anyhow::Result<()> {
+    let mut client = shoal_dispatcher::client::ChClient::connect(dispatcher).await?;
+    client.publish(shoal_core::alert::ALERT_TAG, alert.encode().as_bytes()).await?;
+    Ok(())
 }
 
 async fn runs(State(s): State<AppState>) -> impl IntoResponse {
@@ -124,6 +150,7 @@ pub async fn serve(
     shared: Arc<Shared>,
     commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
+    dispatcher: std::net::SocketAddr,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
     let app = Router::new()
@@ -134,10 +161,11 @@ pub async fn serve(
         .route("/ui/vendor/uPlot.min.css", get(|| async { asset("text/css", UPLOT_CSS) }))
         .route("/api/status", get(status))
         .route("/api/command/{name}", post(command))
+        .route("/api/alert", post(alert).layer(axum::extract::DefaultBodyLimit::max(shoal_core::alert::MAX_ALERT_LEN)))
         .route("/api/runs", get(runs))
         .route("/api/runs/{n}", get(run_record))
         .route("/api/ws", get(ws))
         .route("/metrics", get(metrics))
-        .with_state(AppState { shared, commands, state_dir });
+        .with_state(AppState { shared, commands, state_dir, dispatcher });
     axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await
 }

@@ -262,7 +262,14 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         let local = l.local_addr()?;
         // Scripts (and the tests) read this line to find the UI.
         println!("run control UI: http://{local}/");
-        tokio::spawn(http::serve(l, shared.clone(), cmd_tx.clone(), state_dir.clone(), http_cancel.clone()));
+        tokio::spawn(http::serve(
+            l,
+            shared.clone(),
+            cmd_tx.clone(),
+            state_dir.clone(),
+            dispatcher,
+            http_cancel.clone(),
+        ));
     }
 
     let mut ok = true;

@@ -92,6 +92,8 @@ pub struct ClusterStatus {
     pub log: VecDeque<String>,
     /// The time of this snapshot, UNIX ms.
     pub time_ms: u64,
+    /// The builders' answers to the latest alerts (newest first, at most 50).
+    pub alerts: VecDeque<serde_json::Value>,
 }
 
 impl ClusterStatus {

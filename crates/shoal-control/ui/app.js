@@ -27,6 +27,17 @@ async function send(command) {
   }
 }
 
+// ---- alerts --------------------------------------------------------------------------
+// The window is computed from this browser's clock: "starts N s ago, lasts M s".
+$("alert-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const from = Date.now() / 1000 - Number($("alert-ago").value);
+  const to = from + Number($("alert-length").value);
+  const body = `from=${from.toFixed(3)} to=${to.toFixed(3)} name=${$("alert-name").value} origin=shoal-ui`;
+  const r = await fetch("/api/alert", { method: "POST", body });
+  appendLocalLog("ALERT: " + r.status + " " + (await r.text()));
+});
+
 let localLog = [];
 function appendLocalLog(line) {
   localLog.push(new Date().toISOString().slice(0, 19) + "Z (ui) " + line);
@@ -142,6 +153,16 @@ function render(s) {
         <td class="num">${h.slices_complete}</td><td class="num">${h.slices_incomplete}</td><td class="num">${h.events}</td>
         <td class="num">${h.produced}</td><td class="num">${h.lost}</td>
         <td>${h.balanced ? "balanced" : "NOT balanced"}</td><td>${h.inactive.join(", ")}</td></tr>`,
+    )
+    .join("");
+  $("alerts").querySelector("tbody").innerHTML = (s.alerts || [])
+    .map((a) =>
+      a.error
+        ? `<tr><td>${a.name}</td><td colspan="7">${a.error}</td></tr>`
+        : `<tr><td>${a.builder}</td><td>${a.name}</td><td class="num">${a.first_slice}-${a.last_slice}</td>
+        <td class="num">${a.slices_saved}</td><td class="num">${a.fragments_saved}</td>
+        <td class="num">${fmt(a.bytes_saved / 1e6, 2)}</td>
+        <td>${a.partly_evicted ? "up to slice " + a.evicted_through : "nothing"}</td><td>${a.closed_by}</td></tr>`,
     )
     .join("");
   $("log").textContent = s.log.concat(localLog).join("\n");

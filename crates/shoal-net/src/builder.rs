@@ -343,7 +343,8 @@ pub async fn run_builder(
     let writer_link = Arc::new(Link::spawn(id, writer_addr, clock, backoff, wreport_tx, wclosing.clone()));
     // The burst saver and its spool thread.
     let (spooled_tx, mut spooled_rx) = mpsc::unbounded_channel::<u64>();
-    let mut alerts_rx = live.alerts.alerts.subscribe();
+    // Only a builder with a saver listens: an alert nobody can take is refused upstream.
+    let mut alerts_rx = cfg.saver.enabled.then(|| live.alerts.alerts.subscribe());
     let (mut saving, spool_thread) = if cfg.saver.enabled {
         let (spool_tx, spool_rx) = std::sync::mpsc::channel();
         let spool_cfg = SpoolConfig {
@@ -409,7 +410,7 @@ pub async fn run_builder(
                 }
                 None => break,
             },
-            a = alerts_rx.recv(), if saving.is_some() => match a {
+            a = async { alerts_rx.as_mut().expect("checked").recv().await }, if alerts_rx.is_some() => match a {
                 Ok(alert) => {
                     info!(builder = id, %alert, "alert: saving its window");
                     if let Some(s) = saving.as_mut() {

@@ -25,6 +25,7 @@ use std::time::Duration as StdDuration;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use shoal_core::SourceId;
+use shoal_core::alert::ALERT_REPLY_TAG;
 use shoal_core::ledger::{BuilderTally, SourceTally};
 use shoal_core::runstate::{Command, RunState};
 use tokio::net::TcpListener;
@@ -36,7 +37,7 @@ use crate::clock::WallClock;
 use crate::config::Config;
 use crate::demo::DelayStats;
 use crate::live::Live;
-use crate::rcagent::{RC_REPORT, RC_STATS, RcAgent};
+use crate::rcagent::{Inbound, RC_REPORT, RC_STATS, RcAgent};
 
 pub use shoal_core::runstate::Role;
 
@@ -140,6 +141,12 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
     let mut agent = RcAgent::connect(opts.dispatcher, &opts.name, clock)
         .await
         .with_context(|| format!("connecting to the dispatcher at {}", opts.dispatcher))?;
+    // Builders answer alerts: they arrive here and go to the running data path; what it
+    // saved goes back on ALERT_RE.
+    let mut alert_reports = live.alerts.reports.subscribe();
+    if opts.role == Role::Builder {
+        agent.subscribe_alerts().await?;
+    }
     info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
     let mut config: Option<Config> = None;
     let mut running: Option<RunningData> = None;
@@ -148,8 +155,15 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
 
     loop {
         tokio::select! {
-            cmd = agent.recv_command() => {
-                let command = match cmd? {
+            inbound = agent.recv() => {
+                let cmd = match inbound? {
+                    Inbound::Command(c) => c,
+                    Inbound::Alert(a) => {
+                        on_alert(&opts, &mut agent, &live, running.is_some(), a).await?;
+                        continue;
+                    }
+                };
+                let command = match cmd {
                     Ok(c) => c,
                     Err(e) => {
                         agent.refuse(&e.to_string()).await?;
@@ -200,6 +214,11 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                     return Ok(());
                 }
             }
+            r = alert_reports.recv() => {
+                if let Ok(report) = r {
+                    agent.publish(ALERT_REPLY_TAG, &serde_json::to_vec(&report)?).await?;
+                }
+            }
             _ = tick.tick() => {
                 let stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock);
                 agent.publish(RC_STATS, &serde_json::to_vec(&stats)?).await?;
@@ -213,6 +232,32 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
             }
         }
     }
+}
+
+/// An `ALERT` for a builder: to the running data path, or answered at once when it cannot
+/// be taken (malformed, or no run to save from).
+async fn on_alert(
+    opts: &NodeOptions,
+    agent: &mut RcAgent,
+    live: &Live,
+    running: bool,
+    alert: Result<shoal_core::alert::Alert, shoal_core::alert::AlertError>,
+) -> anyhow::Result<()> {
+    let refusal = match alert {
+        Err(e) => format!("alert refused: {e}"),
+        Ok(_) if !running => "alert refused: no run is taking data".to_string(),
+        Ok(a) => {
+            info!(name = %opts.name, %a, "alert received");
+            if live.alerts.alerts.send(a).is_ok() {
+                return Ok(());
+            }
+            "alert refused: the burst saver is disabled (saver.enabled = false)".to_string()
+        }
+    };
+    warn!(name = %opts.name, "{refusal}");
+    let reply = serde_json::json!({ "name": opts.name, "error": refusal });
+    agent.publish(ALERT_REPLY_TAG, &serde_json::to_vec(&reply)?).await?;
+    Ok(())
 }
 
 /// Parses a `CONFIGURE` payload and checks that this process can play its part in it.

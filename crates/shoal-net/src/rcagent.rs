@@ -13,6 +13,7 @@
 
 use std::net::SocketAddr;
 
+use shoal_core::alert::{ALERT_TAG, Alert, AlertError};
 use shoal_core::controlhost::Mode;
 use shoal_core::runstate::{Command, CommandParseError, Reply, RunControl, RunState, TransitionError};
 
@@ -27,6 +28,13 @@ pub const RC_REPLY: &str = "RC_REPLY";
 pub const RC_STATS: &str = "RC_STATS";
 /// Tag of a process's end-of-run report (JSON, see [`crate::node::NodeReport`]).
 pub const RC_REPORT: &str = "RC_END";
+
+/// What arrived for the process: a run-control command, or an alert (builders only).
+#[derive(Debug)]
+pub enum Inbound {
+    Command(Result<Command, CommandParseError>),
+    Alert(Result<Alert, AlertError>),
+}
 
 /// What one command did.
 #[derive(Debug, PartialEq)]
@@ -69,18 +77,36 @@ impl RcAgent {
         self.client.publish(RC_REPLY, reply.to_text().as_bytes()).await
     }
 
+    /// Also receive alerts (`ALERT`, every one: lossless), for a builder's burst saver.
+    pub async fn subscribe_alerts(&mut self) -> Result<(), ClientError> {
+        self.client.subscribe(ALERT_TAG, Mode::All).await
+    }
+
     /// The next command addressed to this process (by name or `*`). A text that is not a
     /// command comes back as `Err` for the caller to answer with [`RcAgent::refuse`].
     /// Cancel-safe: it only reads, so it can sit in a `select!` beside timers.
     pub async fn recv_command(&mut self) -> Result<Result<Command, CommandParseError>, ClientError> {
         loop {
+            if let Inbound::Command(c) = self.recv().await? {
+                return Ok(c);
+            }
+        }
+    }
+
+    /// The next command addressed to this process, or the next alert (after
+    /// [`RcAgent::subscribe_alerts`]). Cancel-safe like [`RcAgent::recv_command`].
+    pub async fn recv(&mut self) -> Result<Inbound, ClientError> {
+        loop {
             let msg = self.client.next_message().await?;
+            if msg.tag.name() == ALERT_TAG.as_bytes() {
+                return Ok(Inbound::Alert(Alert::parse(&msg.payload)));
+            }
             let text = String::from_utf8_lossy(&msg.payload);
             let (target, rest) = text.split_once(char::is_whitespace).unwrap_or((&text, ""));
             if target != "*" && target != self.name {
                 continue;
             }
-            return Ok(Command::parse(rest));
+            return Ok(Inbound::Command(Command::parse(rest)));
         }
     }
 

@@ -5,31 +5,17 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use arrow_array::{Array, BinaryArray, StringArray, UInt32Array, UInt64Array};
 use common::*;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use shoal_core::saver::Alert;
 use shoal_net::demo::run_embedded;
 
 /// (stream, slice, source) -> payload, from a raw file.
 fn read_raw(path: &std::path::Path) -> BTreeMap<(String, u64, u32), Vec<u8>> {
-    let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).unwrap()).unwrap().build().unwrap();
     let mut rows = BTreeMap::new();
-    for batch in reader {
-        let b = batch.unwrap();
-        let col = |name: &str| b.column(b.schema().index_of(name).unwrap()).clone();
-        let stream = col("stream");
-        let stream = stream.as_any().downcast_ref::<StringArray>().unwrap();
-        let slice = col("slice");
-        let slice = slice.as_any().downcast_ref::<UInt64Array>().unwrap();
-        let source = col("source");
-        let source = source.as_any().downcast_ref::<UInt32Array>().unwrap();
-        let payload = col("payload");
-        let payload = payload.as_any().downcast_ref::<BinaryArray>().unwrap();
-        for r in 0..b.num_rows() {
-            let key = (stream.value(r).to_string(), slice.value(r), source.value(r));
-            assert!(rows.insert(key.clone(), payload.value(r).to_vec()).is_none(), "{key:?} stored twice");
-        }
+    for r in shoal_store::read_raw(path).unwrap() {
+        let key = (r.stream, r.slice, r.source);
+        assert!(!rows.contains_key(&key), "{key:?} stored twice");
+        rows.insert(key, r.payload);
     }
     rows
 }

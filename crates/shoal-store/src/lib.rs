@@ -378,6 +378,64 @@ impl RawFileWriter {
     }
 }
 
+/// A raw-data row read back ([`read_raw`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredRawRow {
+    pub builder: u32,
+    /// `alert` or `late`.
+    pub stream: String,
+    pub alert: u32,
+    pub alert_name: Option<String>,
+    pub slice: u64,
+    pub source: u32,
+    pub slice_start_ns: u64,
+    pub hit_count: u32,
+    pub payload: Vec<u8>,
+}
+
+/// Reads a whole raw-data file (for checks and small analyses; pyarrow reads it too).
+pub fn read_raw(path: impl AsRef<Path>) -> Result<Vec<StoredRawRow>, StoreError> {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::{TimestampNanosecondType, UInt32Type, UInt64Type};
+    let path = path.as_ref();
+    let file = File::open(path).map_err(|source| StoreError::Create { path: path.to_path_buf(), source })?;
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)?.build()?;
+    let mut rows = Vec::new();
+    for batch in reader {
+        let b = batch?;
+        let col = |name: &str| {
+            b.column_by_name(name).ok_or_else(|| arrow_schema::ArrowError::SchemaError(format!("no column {name}")))
+        };
+        let (builder, stream, alert, name) = (
+            col("builder")?.as_primitive::<UInt32Type>(),
+            col("stream")?.as_string::<i32>(),
+            col("alert")?.as_primitive::<UInt32Type>(),
+            col("alert_name")?.as_string::<i32>(),
+        );
+        let (slice, source, start, hits, payload) = (
+            col("slice")?.as_primitive::<UInt64Type>(),
+            col("source")?.as_primitive::<UInt32Type>(),
+            col("slice_start")?.as_primitive::<TimestampNanosecondType>(),
+            col("hit_count")?.as_primitive::<UInt32Type>(),
+            col("payload")?.as_binary::<i32>(),
+        );
+        for r in 0..b.num_rows() {
+            rows.push(StoredRawRow {
+                builder: builder.value(r),
+                stream: stream.value(r).to_string(),
+                alert: alert.value(r),
+                alert_name: (!arrow_array::Array::is_null(name, r)).then(|| name.value(r).to_string()),
+                slice: slice.value(r),
+                source: source.value(r),
+                slice_start_ns: start.value(r).max(0) as u64,
+                hit_count: hits.value(r),
+                payload: payload.value(r).to_vec(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,6 +23,7 @@ use shoal_net::demo::{RunSummary, run_embedded};
 use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
+mod alert;
 mod replay;
 use shoal_control as run;
 mod sim;
@@ -98,6 +99,9 @@ enum Command {
     Config,
     /// Run a ControlHost-compatible message dispatcher (KM3NeT Ligier dialect).
     Dispatcher(DispatcherArgs),
+    /// Send an external alert: every builder saves the raw data of a time window it still
+    /// holds, plus what arrives until the window's end, and says what it saved.
+    Alert(alert::AlertArgs),
     /// Packet-level network simulation running shoal's real shaping and assembly code.
     Sim(SimArgs),
     /// The real processes on an emulated network of network namespaces (root).
@@ -288,6 +292,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,
         Command::Dispatcher(args) => dispatcher(args).await,
+        Command::Alert(args) => alert::command(args).await,
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
         Command::Testbed(args) => with_ctrl_c_ignored(move || testbed::command(args)).await,
         Command::Validate(args) => with_ctrl_c_ignored(move || testbed::validate(args)).await,
