@@ -91,6 +91,9 @@ pub struct BuilderReport {
     pub spool: Option<SpoolReport>,
     /// Alerts this builder never saw (its alert queue overflowed).
     pub alerts_missed: u64,
+    /// Monitoring taps of this process (published, dropped), when open.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tap: Option<crate::tap::TapStats>,
 }
 
 /// The burst saver and the channel to its spool thread.
@@ -374,10 +377,14 @@ pub async fn run_builder(
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let filter_live = live.clone();
     let filter_link = writer_link.clone();
+    let tap_events = cfg.tap.events;
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
-        .spawn(move || filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, filter_link, filter_live))
+        .spawn(move || {
+            filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, filter_link, filter_live, tap_events)
+        })
         .expect("spawn filter thread");
+    let mut sampler = RawSampler { every: cfg.tap.raw_every, seen: 0, slice_clock };
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
     let pull = cfg.policy()?.pull();
@@ -451,7 +458,7 @@ pub async fn run_builder(
                 break;
             }
         }
-        forward(&mut node, &mut saving, &out_tx, &live, clock);
+        forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
             break;
@@ -466,7 +473,7 @@ pub async fn run_builder(
     let connections = accept_task.await.unwrap_or(0);
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
-    forward(&mut node, &mut saving, &out_tx, &live, clock);
+    forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
     drop(out_tx);
     // Open alerts close with what they have; the spool ships the rest before the writer
     // hears this builder's end of stream.
@@ -522,6 +529,7 @@ pub async fn run_builder(
         saver: saver_stats,
         spool,
         alerts_missed,
+        tap: live.tap.is_open().then(|| live.tap.stats()),
     };
     info!(
         builder = id,
@@ -682,10 +690,46 @@ fn on_frame(
     }
 }
 
-/// Hands processed slices to the filter thread, keeping them in the burst saver's history.
+/// Picks the slices the raw tap publishes: every `every`-th this builder processes.
+struct RawSampler {
+    every: u64,
+    seen: u64,
+    slice_clock: SliceClock,
+}
+
+impl RawSampler {
+    /// The slice's fragments as data frames, concatenated, if this one is sampled.
+    fn sample(&mut self, o: &SliceOutcome<FragmentData>) -> Option<Bytes> {
+        if self.every == 0 {
+            return None;
+        }
+        self.seen += 1;
+        if !(self.seen - 1).is_multiple_of(self.every) {
+            return None;
+        }
+        let mut buf = bytes::BytesMut::new();
+        for f in o.fragments.iter().filter(|f| !f.cut_off) {
+            let header = FrameHeader {
+                flags: Flags::EMPTY,
+                source: f.source,
+                hit_count: f.data.hit_count,
+                slice: o.slice,
+                slice_start: self.slice_clock.start_of(o.slice),
+                send_time: Instant::ZERO,
+                payload_len: f.data.payload.len() as u32,
+            };
+            frame::encode_into(&header, &f.data.payload, &mut buf);
+        }
+        Some(buf.freeze())
+    }
+}
+
+/// Hands processed slices to the filter thread, keeping them in the burst saver's history
+/// and offering the sampled ones to the raw tap.
 fn forward(
     node: &mut BuilderNode<FragmentData>,
     saving: &mut Option<Saving>,
+    sampler: &mut RawSampler,
     out: &std::sync::mpsc::Sender<SliceOutcome<FragmentData>>,
     live: &Live,
     clock: WallClock,
@@ -697,6 +741,11 @@ fn forward(
         if let Some(s) = saving.as_mut() {
             s.saver.handle_slice(clock.now(), &o);
             s.drain();
+        }
+        if live.tap.is_open()
+            && let Some(raw) = sampler.sample(&o)
+        {
+            live.tap.offer(crate::tap::TAG_RAW, raw);
         }
         if o.is_complete() {
             Live::add(&live.slices_complete, 1);
@@ -719,6 +768,7 @@ fn filter_loop(
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
+    tap_events: bool,
 ) -> (u64, f64) {
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
@@ -748,6 +798,9 @@ fn filter_loop(
             payload_len: 0,
         };
         let payload = encode_events(&selected);
+        if tap_events && live.tap.is_open() {
+            live.tap.offer(crate::tap::TAG_EVENTS, frame::encode(&header, &payload));
+        }
         link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
         let _ = released.send(bytes);
     }

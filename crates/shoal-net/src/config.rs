@@ -29,6 +29,23 @@ pub struct Config {
     pub writer: WriterConfig,
     pub udp: UdpSettings,
     pub saver: SaverSettings,
+    pub tap: TapSettings,
+}
+
+/// Monitoring taps of a run-controlled builder (`[tap]`; see `crate::tap`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TapSettings {
+    /// Publish every this many slices a builder processes, whole, on `SHL_RAW` (0: none).
+    pub raw_every: u64,
+    /// Publish every processed slice's selected events on `SHL_EVT`.
+    pub events: bool,
+}
+
+impl Default for TapSettings {
+    fn default() -> Self {
+        Self { raw_every: 100, events: true }
+    }
 }
 
 /// The builders' burst saver and late-data side stream (`[saver]`); see

@@ -33,5 +33,6 @@ pub mod node;
 pub mod rcagent;
 pub mod source;
 pub mod spool;
+pub mod tap;
 pub mod udp;
 pub mod writer;

@@ -30,6 +30,8 @@ pub struct Live {
     pub paused: AtomicBool,
     /// Alerts for this process's builders, and what they saved.
     pub alerts: AlertBus,
+    /// Monitoring taps (open in a run-controlled builder process).
+    pub tap: std::sync::Arc<crate::tap::Tap>,
     /// Network delays (us) since the last [`Live::take_delays`].
     delays: Mutex<Option<Histogram<u64>>>,
 }

@@ -146,6 +146,9 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
     let mut alert_reports = live.alerts.reports.subscribe();
     if opts.role == Role::Builder {
         agent.subscribe_alerts().await?;
+        // Monitoring taps: sampled raw slices and selected events, on a connection of
+        // their own so a slow dispatcher never holds up commands.
+        live.tap.open(opts.dispatcher, cancel.clone());
     }
     info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
     let mut config: Option<Config> = None;
