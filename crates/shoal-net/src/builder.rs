@@ -381,7 +381,8 @@ pub async fn run_builder(
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
-            filter_loop(id, filter_cfg, slice_clock, out_rx, released_tx, filter_link, filter_live, tap_events)
+            let job = FilterJob { id, cfg: filter_cfg, slice_clock, tap_events };
+            filter_loop(job, out_rx, released_tx, filter_link, filter_live)
         })
         .expect("spawn filter thread");
     let mut sampler = RawSampler { every: cfg.tap.raw_every, seen: 0, slice_clock };
@@ -760,16 +761,23 @@ fn forward(
     }
 }
 
-fn filter_loop(
+/// What the filter thread is told.
+struct FilterJob {
     id: u32,
     cfg: FilterConfig,
     slice_clock: SliceClock,
+    /// Offer every slice's events to the `SHL_EVT` tap.
+    tap_events: bool,
+}
+
+fn filter_loop(
+    job: FilterJob,
     rx: std::sync::mpsc::Receiver<SliceOutcome<FragmentData>>,
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
-    tap_events: bool,
 ) -> (u64, f64) {
+    let FilterJob { id, cfg, slice_clock, tap_events } = job;
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
