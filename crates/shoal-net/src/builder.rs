@@ -740,7 +740,12 @@ fn forward(
     }
     while let Some(o) = node.poll_slice() {
         if let Some(s) = saving.as_mut() {
-            s.saver.handle_slice(clock.now(), &o);
+            // A compact copy: a payload still pointing into a receive buffer would keep the
+            // whole buffer alive for the length of the history.
+            s.saver.handle_slice_kept_as(clock.now(), &o, |d| FragmentData {
+                payload: Bytes::copy_from_slice(&d.payload),
+                ..*d
+            });
             s.drain();
         }
         if live.tap.is_open()

@@ -83,6 +83,18 @@ pub struct RunSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dfm: Option<DfmReport>,
     pub summary_path: PathBuf,
+    /// This process's peak resident memory (VmHWM), MB.
+    pub peak_rss_mb: f64,
+}
+
+/// This process's peak resident set (`VmHWM` of /proc/self/status), MB; 0 if unknown.
+pub fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb * 1024.0 / 1e6)
 }
 
 /// The ledger as written to JSON.
@@ -283,5 +295,6 @@ fn summarize(
         builder_reports,
         dfm: None,
         summary_path: PathBuf::new(),
+        peak_rss_mb: peak_rss_mb(),
     }
 }

@@ -223,6 +223,17 @@ struct DemoArgs {
     /// so that the filter visibly selects muons in a short run on one sector.
     #[arg(long)]
     muon_hz: Option<f64>,
+    /// Send an alert this many seconds into the run: every builder saves the raw data of
+    /// the last --alert-window seconds it still holds (the burst saver) to the raw file.
+    #[arg(long)]
+    alert_at: Option<f64>,
+    /// The alert's window length, seconds.
+    #[arg(long, default_value_t = 20.0)]
+    alert_window: f64,
+    /// How long after the window's end the alert comes, seconds (a gamma-ray-burst notice
+    /// comes 10-30 s after the fact).
+    #[arg(long, default_value_t = 0.0)]
+    alert_lag: f64,
 }
 
 /// The demo's muon rate when no configuration file is given.
@@ -365,7 +376,29 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
             }
         })
     };
+    let alerter = args.alert_at.map(|at| {
+        let live = live.clone();
+        let (window, lag) = (args.alert_window, args.alert_lag);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs_f64(at.max(0.0))).await;
+            let ns = |s: f64| (s.max(0.0) * 1e9) as u64;
+            let to = WallClock::new().now().as_nanos().saturating_sub(ns(lag));
+            let (from, to) = (to.saturating_sub(ns(window.max(0.001))), to);
+            let (from, to) = (shoal_core::Instant::from_nanos(from), shoal_core::Instant::from_nanos(to));
+            match shoal_core::alert::Alert::new("demo", from, to, "shoal-demo") {
+                Ok(a) => {
+                    if live.alerts.alerts.send(a).is_err() {
+                        eprintln!("alert not sent: the burst saver is disabled");
+                    }
+                }
+                Err(e) => eprintln!("alert not sent: {e}"),
+            }
+        })
+    });
     let result = run_embedded(cfg, live, cancel).await;
+    if let Some(a) = alerter {
+        a.abort();
+    }
     ticker.abort();
     bar.finish_and_clear();
     let summary = result?;

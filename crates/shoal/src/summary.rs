@@ -42,6 +42,21 @@ fn events(s: &RunSummary) -> String {
     format!("{} ({} of {} hits stored{reduction})", s.writer.file.events, stored, s.hits_received)
 }
 
+/// The raw file (alert windows, late fragments) and the burst savers' history.
+fn raw(s: &RunSummary) -> String {
+    let held_max: u64 = s.builder_reports.iter().filter_map(|b| b.saver.as_ref()).map(|v| v.held_bytes_max).sum();
+    let history = format!("history up to {:.1} MB held by the burst savers", held_max as f64 / 1e6);
+    match &s.writer.raw {
+        Some(r) => format!(
+            "{} ({} alert and {} late fragments); {history}",
+            r.path.display(),
+            r.alert_fragments,
+            r.late_fragments
+        ),
+        None => format!("none (no alert, no late fragment); {history}"),
+    }
+}
+
 pub fn table(s: &RunSummary) -> String {
     let mut o = String::new();
     let total = s.slices_complete + s.slices_incomplete;
@@ -110,11 +125,16 @@ pub fn table(s: &RunSummary) -> String {
             ),
         ),
         ("output", format!("{} ({} bytes)", s.writer.file.path.display(), s.writer.file.bytes)),
+        ("raw data", raw(s)),
+        ("memory", format!("peak resident {:.0} MB", s.peak_rss_mb)),
         ("summary", s.summary_path.display().to_string()),
     ];
     let _ = writeln!(o, "shoal demo summary");
     for (k, v) in rows {
         let _ = writeln!(o, "  {k:<15} {v}");
+    }
+    for a in &s.writer.alerts {
+        let _ = writeln!(o, "  {:<15} {}", "alert", a.describe());
     }
     if s.late_slice_ends > 0 {
         let _ = writeln!(o, "  warning: the generator reached {} slice ends late (CPU overloaded)", s.late_slice_ends);
