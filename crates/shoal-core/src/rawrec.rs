@@ -87,6 +87,36 @@ impl RawError {
     }
 }
 
+/// A record's frame header and payload prefix; the body follows them unchanged (written
+/// without copying it into a frame buffer).
+#[allow(clippy::too_many_arguments)]
+pub fn encode_parts(
+    builder: u32,
+    record: u32,
+    kind: RawKind,
+    source: SourceId,
+    slice: SliceNumber,
+    slice_start: Instant,
+    hit_count: u32,
+    body: &[u8],
+) -> ([u8; frame::HEADER_LEN], [u8; PREFIX_LEN]) {
+    let mut prefix = [0u8; PREFIX_LEN];
+    prefix[0..4].copy_from_slice(&builder.to_le_bytes());
+    prefix[4..8].copy_from_slice(&record.to_le_bytes());
+    prefix[8..12].copy_from_slice(&kind.code().to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&prefix), body);
+    let header = FrameHeader {
+        flags: Flags::RAW,
+        source,
+        hit_count,
+        slice,
+        slice_start,
+        send_time: Instant::ZERO,
+        payload_len: (PREFIX_LEN + body.len()) as u32,
+    };
+    (frame::encode_header_with_crc(&header, header.payload_len, crc), prefix)
+}
+
 /// Encodes a record as a whole frame (header and payload).
 #[allow(clippy::too_many_arguments)]
 pub fn encode(
@@ -157,6 +187,14 @@ mod tests {
         let r = RawRecord::from_frame(&f).unwrap();
         assert_eq!((r.builder, r.record, r.kind, r.source, r.slice, r.hit_count), (3, 2, RawKind::Fragment, 17, 99, 1));
         assert_eq!(&r.body[..], &body);
+    }
+
+    #[test]
+    fn parts_are_the_whole_frame() {
+        let body = [9u8; 100];
+        let whole = encode(1, 0, RawKind::Fragment, 2, 3, Instant::from_nanos(4), 0, &body);
+        let (header, prefix) = encode_parts(1, 0, RawKind::Fragment, 2, 3, Instant::from_nanos(4), 0, &body);
+        assert_eq!([&header[..], &prefix[..], &body[..]].concat(), whole.to_vec());
     }
 
     #[test]

@@ -95,15 +95,33 @@ pub fn config(data: &[u8]) {
     let _ = shoal_sim::scenario::Scenario::from_toml(text);
 }
 
+/// What the burst saver's path reads: `ALERT` messages (from any dispatcher client or the
+/// HTTP API), and the writer's `RAW` records with the builders' JSON alert reports.
+pub fn alerts(data: &[u8]) {
+    let _ = shoal_core::alert::Alert::parse(data);
+    let mut rest = data;
+    while let Ok((frame, used)) = shoal_core::frame::decode(rest, MAX_PAYLOAD) {
+        if let Ok(r) = shoal_core::rawrec::RawRecord::from_frame(&frame) {
+            let _ = shoal_core::alert::Alert::parse(&r.body);
+            let _ = serde_json::from_slice::<shoal_core::saver::AlertReport>(&r.body);
+        }
+        if used == 0 {
+            break;
+        }
+        rest = &rest[used..];
+    }
+}
+
 /// A target's body: arbitrary bytes in, never a panic.
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("frame_stream", frame_stream),
     ("events", events),
     ("datagrams", datagrams),
     ("controlhost", controlhost),
     ("run_control", run_control),
     ("config", config),
+    ("alerts", alerts),
 ];

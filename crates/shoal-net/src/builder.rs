@@ -356,6 +356,7 @@ pub async fn run_builder(
             dir: cfg.spool_dir(),
             max_bytes: cfg.saver.spool_max_mb << 20,
             slice_clock,
+            ship_bytes_per_s: (cfg.saver.ship_mb_per_s * 1e6) as u64,
         };
         let thread = crate::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled_tx);
         let saver = BurstSaver::new(cfg.saver_config(), id, slice_clock);

@@ -75,6 +75,8 @@ pub struct SaverSettings {
     /// Most bytes in one builder's spool file per run, MiB; beyond, saved fragments are
     /// dropped and counted.
     pub spool_max_mb: u64,
+    /// Most rate at which a builder ships saved data to the writer, MB/s (0: unlimited).
+    pub ship_mb_per_s: f64,
 }
 
 impl Default for SaverSettings {
@@ -90,6 +92,7 @@ impl Default for SaverSettings {
             salvage_late: d.salvage_late,
             spool_dir: None,
             spool_max_mb: 4096,
+            ship_mb_per_s: 50.0,
         }
     }
 }
@@ -364,6 +367,9 @@ impl Config {
         let sv = &self.saver;
         if !(sv.history_s.is_finite() && sv.history_s > 0.0 && sv.history_s <= 3600.0) {
             return invalid("saver.history_s must be between 0 and 3600 seconds");
+        }
+        if !(sv.ship_mb_per_s.is_finite() && sv.ship_mb_per_s >= 0.0) {
+            return invalid("saver.ship_mb_per_s must be a non-negative number");
         }
         if self.builder.max_active == 0 {
             return invalid("builder.max_active must be at least 1");

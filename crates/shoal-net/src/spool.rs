@@ -6,16 +6,23 @@
 //! spool directory, in the frame format they are shipped in. When no alert is open any
 //! more (an alert's window and what followed are on disk), the file is shipped from where
 //! the last shipment stopped; at the end of the run the rest (late fragments) follows, and
-//! a completely shipped file is removed. Shipping waits while the link holds more than
-//! [`SHIP_QUEUE_BYTES`] so that saved data never piles up in memory behind the network.
-//! Every record refused (spool full) or lost (disk error) is counted.
+//! a completely shipped file is removed. Shipping sends whole frames in groups of about
+//! 1 MiB, straight from the file (the writer checks every CRC), at most
+//! `saver.ship_mb_per_s`, and waits while the link holds more than [`SHIP_QUEUE_BYTES`], so
+//! that saved data never pile up in memory behind the network.
+//!
+//! Saving is background work: the spool thread runs at a lower CPU priority (nice +10), so
+//! on a loaded machine the builder and its filter keep theirs. Every record refused (spool
+//! full) or lost (disk error) is counted.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
 
-use shoal_core::frame::{HEADER_LEN, StreamDecoder};
+use bytes::BytesMut;
+use shoal_core::frame::{self, HEADER_LEN};
 use shoal_core::rawrec::{self, RawKind};
 use shoal_core::saver::{AlertReport, SaverOutput};
 use shoal_core::slice::SliceClock;
@@ -27,6 +34,10 @@ use crate::link::{Chunk, Link};
 
 /// Shipping pauses while the writer link holds more than this.
 pub const SHIP_QUEUE_BYTES: u64 = 16 << 20;
+/// Frames are shipped in groups of about this size.
+const SHIP_GROUP_BYTES: usize = 1 << 20;
+/// The spool thread's nice value (background work).
+const NICE: i32 = 10;
 
 /// Work for the spool thread.
 #[derive(Debug)]
@@ -65,6 +76,8 @@ pub struct SpoolConfig {
     pub dir: PathBuf,
     pub max_bytes: u64,
     pub slice_clock: SliceClock,
+    /// Most shipping rate to the writer, bytes per second (0: unlimited).
+    pub ship_bytes_per_s: u64,
 }
 
 struct Spool {
@@ -105,6 +118,7 @@ pub fn spawn(
     std::thread::Builder::new()
         .name(name)
         .spawn(move || {
+            lower_priority();
             for w in work {
                 match w {
                     SpoolWork::Save(out) => spool.save(out, &spooled),
@@ -117,43 +131,37 @@ pub fn spawn(
         .expect("spawn spool thread")
 }
 
+/// Background work: this thread yields the CPU to the data path (Linux sets a thread's nice
+/// value through its thread id).
+fn lower_priority() {
+    let tid = rustix::thread::gettid();
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), NICE) {
+        tracing::debug!(error = %e, "could not lower the spool thread's priority");
+    }
+}
+
 impl Spool {
     fn save(&mut self, out: SaverOutput<FragmentData>, spooled: &mpsc::UnboundedSender<u64>) {
         let b = self.cfg.builder;
+        let zero = shoal_core::Instant::ZERO;
         match out {
             SaverOutput::Opened { id, alert } => {
                 self.open_alerts += 1;
-                let rec = rawrec::encode(
-                    b,
-                    id,
-                    RawKind::AlertOpened,
-                    b,
-                    0,
-                    shoal_core::Instant::ZERO,
-                    0,
-                    alert.encode().as_bytes(),
-                );
-                self.append(&rec, true);
+                let text = alert.encode();
+                let parts = rawrec::encode_parts(b, id, RawKind::AlertOpened, b, 0, zero, 0, text.as_bytes());
+                self.append(parts, text.as_bytes(), true);
             }
             SaverOutput::Fragment { record, slice, source, bytes, data } => {
                 let start = self.cfg.slice_clock.start_of(slice);
-                let rec = rawrec::encode(
-                    b,
-                    record.number(),
-                    RawKind::Fragment,
-                    source,
-                    slice,
-                    start,
-                    data.hit_count,
-                    &data.payload,
-                );
-                self.append(&rec, false);
+                let (n, hits) = (record.number(), data.hit_count);
+                let parts = rawrec::encode_parts(b, n, RawKind::Fragment, source, slice, start, hits, &data.payload);
+                self.append(parts, &data.payload, false);
                 let _ = spooled.send(bytes);
             }
             SaverOutput::Closed(report) => {
                 let json = serde_json::to_vec(&report).unwrap_or_default();
-                let rec = rawrec::encode(b, report.id, RawKind::AlertClosed, b, 0, shoal_core::Instant::ZERO, 0, &json);
-                self.append(&rec, true);
+                let parts = rawrec::encode_parts(b, report.id, RawKind::AlertClosed, b, 0, zero, 0, &json);
+                self.append(parts, &json, true);
                 info!(builder = b, "{}", report.describe());
                 self.report.alerts.push(report);
                 self.open_alerts = self.open_alerts.saturating_sub(1);
@@ -166,8 +174,14 @@ impl Spool {
 
     /// Appends one record; descriptions are written even past the size limit (they are
     /// small, and without them the writer could not name what it stores).
-    fn append(&mut self, rec: &[u8], description: bool) {
-        if !description && self.written + rec.len() as u64 > self.cfg.max_bytes {
+    fn append(
+        &mut self,
+        (header, prefix): ([u8; HEADER_LEN], [u8; rawrec::PREFIX_LEN]),
+        body: &[u8],
+        description: bool,
+    ) {
+        let len = (HEADER_LEN + rawrec::PREFIX_LEN + body.len()) as u64;
+        if !description && self.written + len > self.cfg.max_bytes {
             self.report.refused_full += 1;
             return;
         }
@@ -179,11 +193,11 @@ impl Spool {
             }
         }
         let f = self.file.as_mut().expect("opened above");
-        match f.write_all(rec) {
+        match f.write_all(&header).and_then(|_| f.write_all(&prefix)).and_then(|_| f.write_all(body)) {
             Ok(()) => {
-                self.written += rec.len() as u64;
+                self.written += len;
                 self.report.records += 1;
-                self.report.bytes += rec.len() as u64;
+                self.report.bytes += len;
             }
             Err(e) => self.failed(format!("writing {}: {e}", self.path.display())),
         }
@@ -197,7 +211,7 @@ impl Spool {
         }
     }
 
-    /// Ships everything written since the last shipment.
+    /// Ships everything written since the last shipment: whole frames, in groups.
     fn ship(&mut self) {
         let Some(f) = self.file.as_mut() else { return };
         if let Err(e) = f.flush() {
@@ -206,47 +220,84 @@ impl Spool {
         if self.shipped_to >= self.written {
             return;
         }
-        let mut reader =
-            match File::open(&self.path).and_then(|mut r| r.seek(SeekFrom::Start(self.shipped_to)).map(|_| r)) {
-                Ok(r) => r,
-                Err(e) => return self.failed(format!("reading {}: {e}", self.path.display())),
-            };
-        let mut decoder = StreamDecoder::new(u32::MAX >> 1);
+        let opened = File::open(&self.path).and_then(|mut r| r.seek(SeekFrom::Start(self.shipped_to)).map(|_| r));
+        let mut reader = match opened {
+            Ok(r) => r,
+            Err(e) => return self.failed(format!("reading {}: {e}", self.path.display())),
+        };
+        let started = StdInstant::now();
+        let mut sent_bytes = 0u64;
         let mut left = self.written - self.shipped_to;
-        let mut buf = vec![0u8; 1 << 20];
-        while left > 0 {
-            let want = buf.len().min(left as usize);
-            let n = match reader.read(&mut buf[..want]) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) => return self.failed(format!("reading {}: {e}", self.path.display())),
-            };
-            left -= n as u64;
-            decoder.extend(&buf[..n]);
-            loop {
-                match decoder.next_frame() {
-                    Ok(Some(frame)) => self.send(frame),
-                    Ok(None) => break,
+        let mut buf = BytesMut::new();
+        while left > 0 || !buf.is_empty() {
+            // Read up to two groups, then send the whole frames of (about) one.
+            let room = (2 * SHIP_GROUP_BYTES).saturating_sub(buf.len()).min(left as usize);
+            if room > 0 {
+                let at = buf.len();
+                buf.resize(at + room, 0);
+                if let Err(e) = reader.read_exact(&mut buf[at..]) {
+                    return self.failed(format!("reading {}: {e}", self.path.display()));
+                }
+                left -= room as u64;
+            }
+            let (mut group, mut frames) = (0usize, 0u64);
+            while group < SHIP_GROUP_BYTES && buf.len() - group >= HEADER_LEN {
+                match frame::decode_header(&buf[group..group + HEADER_LEN], u32::MAX) {
+                    Ok(h) if group + HEADER_LEN + h.payload_len as usize <= buf.len() => {
+                        group += HEADER_LEN + h.payload_len as usize;
+                        frames += 1;
+                    }
+                    Ok(h) if group == 0 => {
+                        // One frame larger than two groups: read the rest of it.
+                        let need = HEADER_LEN + h.payload_len as usize - buf.len();
+                        if need as u64 > left {
+                            return self.failed(format!("spool {} ends inside a frame", self.path.display()));
+                        }
+                        let at = buf.len();
+                        buf.resize(at + need, 0);
+                        if let Err(e) = reader.read_exact(&mut buf[at..]) {
+                            return self.failed(format!("reading {}: {e}", self.path.display()));
+                        }
+                        left -= need as u64;
+                    }
+                    Ok(_) => break,
                     Err(e) => return self.failed(format!("spool {} is corrupt: {e}", self.path.display())),
                 }
             }
+            if group == 0 {
+                return self.failed(format!("spool {} ends inside a frame", self.path.display()));
+            }
+            let chunk = buf.split_to(group).freeze();
+            self.pace(sent_bytes, started);
+            sent_bytes += group as u64;
+            let b = self.cfg.builder;
+            self.link.send(Chunk {
+                source: b,
+                slice: 0,
+                first: false,
+                last: true,
+                head: chunk,
+                body: bytes::Bytes::new(),
+            });
+            self.report.shipped_records += frames;
+            self.report.shipped_bytes += group as u64;
         }
         self.shipped_to = self.written;
     }
 
-    fn send(&mut self, frame: shoal_core::frame::Frame) {
-        // Wait for the link to drain (bounded over the run): saved data never pile up in
-        // memory behind a slow network.
+    /// Waits until sending more keeps to the shipping rate, and while the link is full
+    /// (bounded over the run by `patience_ms`).
+    fn pace(&mut self, sent_bytes: u64, started: StdInstant) {
+        if self.cfg.ship_bytes_per_s > 0 {
+            let due = Duration::from_secs_f64(sent_bytes as f64 / self.cfg.ship_bytes_per_s as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
         while self.link.queued_bytes() > SHIP_QUEUE_BYTES && self.patience_ms > 0 {
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::sleep(Duration::from_millis(1));
             self.patience_ms -= 1;
         }
-        let len = frame.wire_len() as u64;
-        let header = shoal_core::frame::encode_header(&frame.header, &frame.payload);
-        debug_assert_eq!(header.len(), HEADER_LEN);
-        self.link.send(Chunk::frame(self.cfg.builder, frame.header.slice, header, frame.payload));
-        self.report.shipped_records += 1;
-        self.report.shipped_bytes += len;
     }
 
     fn finish(mut self) -> SpoolReport {

@@ -87,6 +87,9 @@ async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<I
     }
 }
 
+/// Slices and raw records waiting for the disk thread.
+const DISK_QUEUE: usize = 256;
+
 /// What the disk thread writes.
 enum DiskWork {
     Events(u32, u64, u64, Vec<Event>),
@@ -119,12 +122,14 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     });
 
     // Parquet encoding on its own thread.
-    let (disk_tx, disk_rx) = std::sync::mpsc::channel::<DiskWork>();
+    // Bounded: a disk slower than the network holds up the builders' connections (they
+    // queue at the builders, counted there) instead of growing the writer's memory.
+    let (disk_tx, mut disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
     let raw_path = cfg.writer.out_dir.join(format!("run{run:06}.raw.parquet"));
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
         let mut raw: Option<RawFileWriter> = None;
         let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
-        for work in disk_rx {
+        while let Some(work) = disk_rx.blocking_recv() {
             match work {
                 DiskWork::Events(builder, slice, start, events) => file.write_slice(builder, slice, start, &events)?,
                 DiskWork::Raw(r) => {
@@ -165,7 +170,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                 Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
                     report.slices += 1;
                     *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                    if disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).is_err() {
+                    if disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).await.is_err() {
                         break; // the disk thread failed; its error is reported below
                     }
                 }
@@ -175,7 +180,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                             Ok(a) => report.alerts.push(a),
                             Err(e) => warn!(builder = r.builder, error = %e, "unreadable alert report"),
                         }
-                    } else if disk_tx.send(DiskWork::Raw(r)).is_err() {
+                    } else if disk_tx.send(DiskWork::Raw(r)).await.is_err() {
                         break;
                     }
                 }

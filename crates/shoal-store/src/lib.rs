@@ -291,6 +291,8 @@ pub struct RawFileWriter {
 impl RawFileWriter {
     /// A record batch is written every this many payload bytes (bounds the writer's memory).
     pub const BATCH_BYTES: usize = 16 << 20;
+    /// A row group is closed once its encoded columns reach this size.
+    pub const ROW_GROUP_BYTES: usize = 64 << 20;
 
     pub fn create(path: impl AsRef<Path>, run: u64) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
@@ -366,6 +368,11 @@ impl RawFileWriter {
         self.n = 0;
         self.batch_bytes = 0;
         self.writer.write(&RecordBatch::try_new(self.schema.clone(), columns)?)?;
+        // Row groups by size, not by row count (the default, a million rows, would hold a
+        // whole alert's payloads in memory until the file closes).
+        if self.writer.in_progress_size() >= Self::ROW_GROUP_BYTES {
+            self.writer.flush()?;
+        }
         Ok(())
     }
 
