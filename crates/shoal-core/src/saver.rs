@@ -13,7 +13,10 @@
 //!
 //! The history is bounded twice: by age in slice time (slices older than
 //! [`SaverConfig::history`] before the newest one are evicted) and by bytes
-//! ([`SaverConfig::max_bytes`], oldest first). Every eviction is counted. An alert saves the
+//! ([`SaverConfig::max_bytes`], oldest first). The byte bound covers what the saver keeps
+//! alive, not only the history: fragments handed out to save and not yet on disk count
+//! too once their slice left the history, so a slow disk during an alert shortens the
+//! history instead of growing memory. Every eviction is counted. An alert saves the
 //! held slices that overlap its window, then every slice of the window built afterwards,
 //! and closes when the builder has processed a slice starting at or after the window's end
 //! (slices are processed in order, so nothing of the window can follow), at
@@ -176,6 +179,10 @@ pub struct SaverStats {
     pub bytes_out: u64,
     /// Handed out and not yet reported written.
     pub pending_bytes: u64,
+    /// Of those: late fragments, and saved fragments whose slice was evicted from the
+    /// history meanwhile (memory the history no longer accounts for).
+    pub pending_late_bytes: u64,
+    pub pending_evicted_bytes: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -214,6 +221,17 @@ pub struct BurstSaver<T> {
     open: Vec<OpenAlert>,
     out: VecDeque<SaverOutput<T>>,
     stats: SaverStats,
+    /// Fragments handed out, in order (the driver reports them written in that order).
+    pending: VecDeque<Pending>,
+    /// Saved bytes not yet written, by slice (to know what an eviction leaves alive).
+    pending_by_slice: std::collections::BTreeMap<SliceNumber, u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    slice: SliceNumber,
+    bytes: u64,
+    late: bool,
 }
 
 impl<T: Clone> BurstSaver<T> {
@@ -228,6 +246,8 @@ impl<T: Clone> BurstSaver<T> {
             open: Vec::new(),
             out: VecDeque::new(),
             stats: SaverStats::default(),
+            pending: VecDeque::new(),
+            pending_by_slice: std::collections::BTreeMap::new(),
         }
     }
 
@@ -280,7 +300,7 @@ impl<T: Clone> BurstSaver<T> {
     /// A fragment that arrived after its slice was processed. Returns whether the late
     /// stream kept it (otherwise it stays a plain `late` loss).
     pub fn handle_late(&mut self, source: SourceId, slice: SliceNumber, bytes: u64, data: T) -> bool {
-        if !self.cfg.salvage_late || self.stats.pending_bytes + bytes > self.cfg.max_pending_bytes {
+        if !self.cfg.salvage_late || self.stats.pending_late_bytes + bytes > self.cfg.max_pending_bytes {
             self.stats.late_salvage_refused += 1;
             return false;
         }
@@ -350,9 +370,24 @@ impl<T: Clone> BurstSaver<T> {
         self.close_where(|_| true, "end_of_run");
     }
 
-    /// `bytes` handed out earlier are on disk: they leave the pending bound.
+    /// The next fragment handed out (in output order) is on disk, or was refused: it no
+    /// longer takes memory. `bytes` is what [`SaverOutput::Fragment`] said.
     pub fn handle_spooled(&mut self, bytes: u64) {
         self.stats.pending_bytes = self.stats.pending_bytes.saturating_sub(bytes);
+        let Some(p) = self.pending.pop_front() else { return };
+        if p.late {
+            self.stats.pending_late_bytes = self.stats.pending_late_bytes.saturating_sub(p.bytes);
+            return;
+        }
+        if let std::collections::btree_map::Entry::Occupied(mut e) = self.pending_by_slice.entry(p.slice) {
+            *e.get_mut() = e.get().saturating_sub(p.bytes);
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+        if self.last_evicted.is_some_and(|l| p.slice <= l) {
+            self.stats.pending_evicted_bytes = self.stats.pending_evicted_bytes.saturating_sub(p.bytes);
+        }
     }
 
     pub fn poll_output(&mut self) -> Option<SaverOutput<T>> {
@@ -365,7 +400,7 @@ impl<T: Clone> BurstSaver<T> {
 
     /// Bytes the saver keeps alive: the history plus what waits for the disk.
     pub fn memory_in_use(&self) -> u64 {
-        self.stats.held_bytes + self.stats.pending_bytes
+        self.stats.held_bytes + self.stats.pending_late_bytes + self.stats.pending_evicted_bytes
     }
 
     pub fn stats(&self) -> SaverStats {
@@ -389,6 +424,13 @@ impl<T: Clone> BurstSaver<T> {
         self.stats.fragments_out += 1;
         self.stats.bytes_out += bytes;
         self.stats.pending_bytes += bytes;
+        let late = record == Record::Late;
+        self.pending.push_back(Pending { slice, bytes, late });
+        if late {
+            self.stats.pending_late_bytes += bytes;
+        } else {
+            *self.pending_by_slice.entry(slice).or_default() += bytes;
+        }
         self.out.push_back(SaverOutput::Fragment { record, slice, source, bytes, data });
     }
 
@@ -396,7 +438,7 @@ impl<T: Clone> BurstSaver<T> {
         let horizon = newest_start.as_nanos().saturating_sub(self.cfg.history.as_nanos() as u64);
         while let Some(oldest) = self.held.front() {
             let too_old = self.clock.end_of(oldest.slice).as_nanos() <= horizon;
-            let too_big = self.stats.held_bytes > self.cfg.max_bytes;
+            let too_big = self.memory_in_use() > self.cfg.max_bytes;
             if !too_old && !too_big {
                 return;
             }
@@ -409,6 +451,8 @@ impl<T: Clone> BurstSaver<T> {
             self.stats.evicted_bytes += s.bytes;
             self.stats.held_bytes -= s.bytes;
             self.last_evicted = Some(s.slice);
+            // Saved fragments of this slice not yet on disk stay alive outside the history.
+            self.stats.pending_evicted_bytes += self.pending_by_slice.get(&s.slice).copied().unwrap_or(0);
         }
     }
 
@@ -534,7 +578,8 @@ mod tests {
         assert!(s.handle_late(1, 5, 10, (5, 1)));
         assert!(s.handle_late(2, 5, 10, (5, 2)));
         assert!(!s.handle_late(3, 5, 10, (5, 3)), "over the pending bound");
-        s.handle_spooled(20);
+        s.handle_spooled(10);
+        s.handle_spooled(10);
         assert!(s.handle_late(3, 5, 10, (5, 3)));
         let (frags, _) = drain(&mut s);
         assert_eq!(frags, vec![(Record::Late, 5, 1), (Record::Late, 5, 2), (Record::Late, 5, 3)]);
@@ -542,6 +587,35 @@ mod tests {
         assert_eq!((st.late_salvaged, st.late_salvage_refused, st.pending_bytes), (3, 1, 10));
         let mut off = saver(SaverConfig { salvage_late: false, ..SaverConfig::DEFAULT });
         assert!(!off.handle_late(1, 5, 10, (5, 1)));
+    }
+
+    #[test]
+    fn saved_data_waiting_for_the_disk_count_against_the_bound() {
+        let mut s = saver(SaverConfig { max_bytes: 1_000, ..SaverConfig::DEFAULT });
+        for n in 0..10 {
+            s.handle_slice(at_ms(n * SLICE_MS + 150), &outcome(n, 10, 10));
+        }
+        // An alert saves the 10 held slices (1,000 bytes); the disk has written none yet.
+        s.handle_alert(at_ms(2_000), Alert::new("a", at_ms(0), at_ms(1_000), "t").unwrap());
+        let (frags, _) = drain(&mut s);
+        assert_eq!(frags.len(), 100);
+        assert_eq!(s.memory_in_use(), 1_000, "shared with the history: counted once");
+        // New slices evict the saved ones, which stay alive until written: the history
+        // shrinks so that what the saver keeps alive stays within the bound.
+        for n in 10..15 {
+            s.handle_slice(at_ms(n * SLICE_MS + 150), &outcome(n, 10, 10));
+            assert!(s.memory_in_use() <= 1_000, "{:?}", s.stats());
+        }
+        let st = s.stats();
+        assert_eq!((st.pending_evicted_bytes, st.held_bytes), (1_000, 0));
+        for _ in 0..100 {
+            s.handle_spooled(10);
+        }
+        assert_eq!((s.stats().pending_bytes, s.stats().pending_evicted_bytes), (0, 0));
+        for n in 15..25 {
+            s.handle_slice(at_ms(n * SLICE_MS + 150), &outcome(n, 10, 10));
+        }
+        assert_eq!(s.stats().held_bytes, 1_000, "the history is back to its bound");
     }
 
     #[test]

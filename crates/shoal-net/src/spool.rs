@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use crate::link::{Chunk, Link};
 
 /// Shipping pauses while the writer link holds more than this.
-pub const SHIP_QUEUE_BYTES: u64 = 16 << 20;
+pub const SHIP_QUEUE_BYTES: u64 = 4 << 20;
 /// Frames are shipped in groups of about this size.
 const SHIP_GROUP_BYTES: usize = 1 << 20;
 /// The spool thread's nice value (background work).
