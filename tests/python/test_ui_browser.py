@@ -1,6 +1,7 @@
 """The run-control web UI in a real browser: headless Chromium (Debian `chromium` +
 `chromium-driver`) loads the page, clicks INIT, CONFIGURE and START, sees RUNNING and
-non-zero rates, saves a screenshot, clicks STOP and sees the run in the history."""
+non-zero rates, sends an alert from the form and sees every builder's answer, saves a
+screenshot, clicks STOP and sees the run in the history."""
 
 import os
 import pathlib
@@ -101,6 +102,15 @@ def _drive(c, browser):
     assert states == ["RUNNING"] * 9, states
     # Let the charts gather a few points, then keep a picture of the running system.
     wait.until(lambda _: browser.execute_script("return document.querySelectorAll('.uplot').length") == 4)
+    # The alert form: a one-second window that ended a second ago; every builder answers.
+    for field, value in (("alert-name", "ui-test"), ("alert-ago", "2"), ("alert-length", "1")):
+        el = browser.find_element(By.ID, field)
+        el.clear()
+        el.send_keys(value)
+    browser.find_element(By.ID, "alert-send").click()
+    wait.until(lambda _: js("return document.querySelectorAll('#alerts tbody tr').length") == 3)
+    rows = js("return [...document.querySelectorAll('#alerts tbody tr')].map(e => e.textContent)")
+    assert all("ui-test" in r and "nothing" in r for r in rows), rows
     import time
 
     time.sleep(3)
