@@ -7,6 +7,7 @@ import pathlib
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -180,4 +181,53 @@ def test_api_refuses_what_does_not_apply(shoal_bin, tmp_path):
         c.run_command("INIT", "STANDBY")
         c.run_command("RESET", "IDLE")
     finally:
+        c.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for d in pathlib.Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_shoal_run_killed_leaves_no_orphans(shoal_bin, tmp_path):
+    """SIGKILL of `shoal run` while RUNNING: every process it launched (the dispatcher and
+    each role) notices its launcher is gone and stops by itself within its drain time."""
+    c = Cluster(shoal_bin, tmp_path)
+    launched = []
+    try:
+        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
+        c.run_command("INIT", "STANDBY")
+        c.run_command("CONFIGURE", "READY")
+        c.run_command("START", "RUNNING")
+        launched = _children(c.proc.pid)
+        assert len(launched) == 1 + 1 + 3 + 5, launched  # dispatcher, writer, builders, sources
+        os.kill(c.proc.pid, signal.SIGKILL)
+        c.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60  # the builders' drain time (4 s) and more
+        while time.monotonic() < deadline and any(_running(p) for p in launched):
+            time.sleep(0.2)
+        left = [p for p in launched if _running(p)]
+        assert not left, f"still running after their launcher was killed: {left}"
+    finally:
+        for p in launched:  # whatever a failure left behind
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
         c.close()

@@ -92,7 +92,11 @@ fn spawn_logged(program: &Path, args: &[String], log: &Path) -> anyhow::Result<C
 }
 
 fn launch(spec: &ProcessSpec, file: &ClusterFile, binary: &Path, logs: &Path) -> anyhow::Result<Option<Child>> {
-    let args = process_args(spec, file);
+    let mut args = process_args(spec, file);
+    if matches!(spec.launch, Launch::Local | Launch::Netns) {
+        // Our child (`ip netns exec` execs): if this process is killed, it stops too.
+        args.push("--exit-with-parent".into());
+    }
     let log = logs.join(format!("{}.log", spec.name));
     match spec.launch {
         Launch::External => Ok(None),
@@ -188,6 +192,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
             dispatcher.to_string(),
             "--http".into(),
             file.cluster.dispatcher_http.clone(),
+            "--exit-with-parent".into(),
         ];
         dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"))?);
     }

@@ -263,6 +263,28 @@ async fn on_alert(
     Ok(())
 }
 
+/// Cancels `cancel` when the process that started this one is gone: an orphan is
+/// re-parented, so its parent id changes (checked every 250 ms). For processes `shoal run`
+/// launches: a launcher killed with SIGKILL leaves no data path running without control;
+/// each stops the way Ctrl-C stops it, within its drain time.
+pub fn watch_parent(cancel: CancellationToken) {
+    let parent = rustix::process::getppid();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(StdDuration::from_millis(250));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = cancel.cancelled() => return,
+            }
+            if rustix::process::getppid() != parent {
+                warn!(?parent, "the process that started this one is gone; stopping");
+                cancel.cancel();
+                return;
+            }
+        }
+    });
+}
+
 /// Parses a `CONFIGURE` payload and checks that this process can play its part in it.
 fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
     let mut cfg = Config::from_toml_str(text)?;

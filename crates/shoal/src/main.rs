@@ -158,6 +158,9 @@ struct DispatcherArgs {
     /// Largest accepted payload (MiB); larger lengths close the connection.
     #[arg(long, default_value_t = 64)]
     max_payload_mb: u32,
+    /// Exit when the process that started this one exits, even killed (`shoal run`).
+    #[arg(long)]
+    exit_with_parent: bool,
 }
 
 #[derive(Parser)]
@@ -184,6 +187,10 @@ struct NodeArgs {
     /// Statistics period under run control, milliseconds.
     #[arg(long, default_value_t = 1000)]
     stats_ms: u64,
+    /// Stop (like Ctrl-C) when the process that started this one exits, even killed
+    /// (what `shoal run` passes to the processes it launches).
+    #[arg(long)]
+    exit_with_parent: bool,
 }
 
 #[derive(Parser)]
@@ -426,6 +433,9 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     };
     shoal_net::demo::raise_fd_limit();
     let cancel = ctrl_c_token();
+    if args.exit_with_parent {
+        shoal_net::node::watch_parent(cancel.clone());
+    }
     // A deep accept backlog: whole farms (re)connect at once after a restart.
     let socket =
         if args.listen.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
@@ -488,7 +498,11 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             stats_interval: Duration::from_millis(args.stats_ms.max(50)),
         };
         shoal_net::demo::raise_fd_limit();
-        shoal_net::node::run_controlled(opts, ctrl_c_token()).await?;
+        let cancel = ctrl_c_token();
+        if args.exit_with_parent {
+            shoal_net::node::watch_parent(cancel.clone());
+        }
+        shoal_net::node::run_controlled(opts, cancel).await?;
         return Ok(ExitCode::SUCCESS);
     }
     let mut cfg = load(args.config.as_ref())?;
