@@ -5,6 +5,7 @@ events are exactly the ones the writer stored for those slices."""
 
 import re
 import struct
+import urllib.request
 
 import controlhost as ch
 import pyarrow.parquet as pq
@@ -74,6 +75,16 @@ def test_taps_publish_events_and_raw_slices(shoal_bin, tmp_path):
         for h, payload in fragments:
             assert h["flags"] == RAW_FLAGS
             assert (len(payload) - 6 * h["hit_count"]) % 263 == 0
+        # Prometheus shows the taps and the saver's memory on every builder.
+        s = c.status()
+        builder = c.process(s, "builder0")
+        with urllib.request.urlopen(f"http://{builder['metrics_addr']}/metrics", timeout=10) as r:
+            metrics = dict(
+                line.rsplit(" ", 1) for line in r.read().decode().splitlines() if line and not line.startswith("#")
+            )
+        value = lambda name: float(next(v for k, v in metrics.items() if k.startswith(name + "{")))  # noqa: E731
+        assert value("shoal_node_tap_published_total") > 0, metrics
+        assert value("shoal_node_saver_bytes") > 0, metrics
         c.run_command("STOP", "READY")
         s = c.status()
         run = s["history"][0]["run"]

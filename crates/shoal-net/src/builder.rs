@@ -108,8 +108,16 @@ impl Saving {
     /// listens (the dispatcher in a run-controlled process).
     fn drain(&mut self) {
         while let Some(o) = self.saver.poll_output() {
-            if let SaverOutput::Closed(r) = &o {
-                let _ = self.live.alerts.reports.send(r.clone());
+            match &o {
+                SaverOutput::Closed(r) => {
+                    Live::add(&self.live.alerts_answered, 1);
+                    let _ = self.live.alerts.reports.send(r.clone());
+                }
+                SaverOutput::Fragment { record: shoal_core::saver::Record::Late, .. } => {
+                    Live::add(&self.live.late_salvaged, 1);
+                }
+                SaverOutput::Fragment { .. } => Live::add(&self.live.fragments_saved, 1),
+                SaverOutput::Opened { .. } => {}
             }
             if self.spool.send(SpoolWork::Save(o)).is_err() {
                 // The spool thread is gone (it ends only after Finish): nothing to do.
@@ -748,6 +756,8 @@ fn forward(
                 ..*d
             });
             s.drain();
+            // One builder per run-controlled process: the gauge is its saver's.
+            s.live.saver_bytes.store(s.saver.memory_in_use(), std::sync::atomic::Ordering::Relaxed);
         }
         if live.tap.is_open()
             && let Some(raw) = sampler.sample(&o)

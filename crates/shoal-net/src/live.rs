@@ -30,6 +30,12 @@ pub struct Live {
     pub paused: AtomicBool,
     /// Alerts for this process's builders, and what they saved.
     pub alerts: AlertBus,
+    /// Burst saver: alerts answered, fragments saved for them, late fragments kept, and
+    /// the bytes the savers keep alive now (a gauge).
+    pub alerts_answered: AtomicU64,
+    pub fragments_saved: AtomicU64,
+    pub late_salvaged: AtomicU64,
+    pub saver_bytes: AtomicU64,
     /// Monitoring taps (open in a run-controlled builder process).
     pub tap: std::sync::Arc<crate::tap::Tap>,
     /// Network delays (us) since the last [`Live::take_delays`].

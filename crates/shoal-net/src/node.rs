@@ -495,7 +495,7 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
     type Labels = Vec<(String, String)>;
     let labels: Labels = vec![("name".into(), opts.name.clone()), ("role".into(), opts.role.name().into())];
     let mut reg = Registry::default();
-    let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 9] = [
+    let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 12] = [
         ("shoal_node_fragments_produced", "Fragments produced by this process's sources", &live.fragments_produced),
         ("shoal_node_fragments_received", "Fragments accepted into slices", &live.fragments_received),
         ("shoal_node_bytes_received", "Bytes of accepted fragments", &live.bytes_received),
@@ -513,12 +513,35 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
             "Fragments discarded by a builder (late, duplicate, overload, unknown source)",
             &live.fragments_discarded_at_builder,
         ),
+        ("shoal_node_alerts_answered", "Alerts this builder answered (saved what it held)", &live.alerts_answered),
+        ("shoal_node_fragments_saved", "Fragments saved for alerts (to the raw file)", &live.fragments_saved),
+        ("shoal_node_late_salvaged", "Late fragments kept in the late-data stream", &live.late_salvaged),
     ];
     for (name, help, value) in counters {
         let fam = Family::<Labels, Counter>::default();
         fam.get_or_create(&labels).inc_by(Live::get(value));
         reg.register(name, help, fam);
     }
+    let tap = live.tap.stats();
+    for (name, help, value) in [
+        ("shoal_node_tap_published", "Monitoring tap messages published (SHL_EVT, SHL_RAW)", tap.published),
+        (
+            "shoal_node_tap_dropped",
+            "Monitoring tap messages dropped (queue full or dispatcher lost)",
+            tap.dropped + tap.failed,
+        ),
+    ] {
+        let fam = Family::<Labels, Counter>::default();
+        fam.get_or_create(&labels).inc_by(value);
+        reg.register(name, help, fam);
+    }
+    let held = Family::<Labels, prometheus_client::metrics::gauge::Gauge>::default();
+    held.get_or_create(&labels).set(Live::get(&live.saver_bytes) as i64);
+    reg.register(
+        "shoal_node_saver_bytes",
+        "Bytes the burst saver keeps alive (history and data waiting for disk)",
+        held,
+    );
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out
