@@ -1,5 +1,6 @@
 //! `pubsub-bench`: one publisher to N subscribers through a message broker, for
-//! `shoal dispatcher` (ControlHost) and Redis pub/sub with the same client structure.
+//! `shoal dispatcher` (ControlHost), Redis pub/sub and NATS core pub/sub with the same
+//! client structure.
 //!
 //! Both clients are raw protocol implementations over tokio TCP with `TCP_NODELAY`; the
 //! publisher keeps at most `--window` messages ahead of the slowest subscriber, so neither
@@ -22,7 +23,11 @@ use tokio::net::TcpStream;
 enum Target {
     Shoal,
     Redis,
+    Nats,
 }
+
+/// NATS: the client's greeting (no echo, no acknowledgements).
+const NATS_CONNECT: &[u8] = b"CONNECT {\"verbose\":false,\"pedantic\":false,\"echo\":false,\"protocol\":1}\r\n";
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -58,6 +63,7 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<TcpStream> {
 enum Sub {
     Shoal(BufReader<TcpStream>),
     Redis(BufReader<TcpStream>),
+    Nats(BufReader<TcpStream>),
 }
 
 impl Sub {
@@ -83,6 +89,23 @@ impl Sub {
                 }
                 Ok(Sub::Redis(r))
             }
+            Target::Nats => {
+                // The PONG proves the subscription is in place (the server handles a
+                // connection's commands in order).
+                s.write_all(NATS_CONNECT).await?;
+                s.write_all(format!("SUB {CHANNEL} 1\r\nPING\r\n").as_bytes()).await?;
+                let mut r = BufReader::with_capacity(256 * 1024, s);
+                loop {
+                    let line = read_line(&mut r).await?;
+                    if line == b"PONG" {
+                        break;
+                    }
+                    if line.starts_with(b"-ERR") {
+                        bail!("NATS: {}", String::from_utf8_lossy(&line));
+                    }
+                }
+                Ok(Sub::Nats(r))
+            }
         }
     }
 
@@ -103,6 +126,21 @@ impl Sub {
                 }
                 *buf = parts.pop().expect("three parts");
             }
+            Sub::Nats(r) => loop {
+                let line = read_line(r).await?;
+                if line == b"PING" {
+                    r.get_mut().write_all(b"PONG\r\n").await?;
+                    continue;
+                }
+                if !line.starts_with(b"MSG ") {
+                    bail!("unexpected from NATS: {}", String::from_utf8_lossy(&line));
+                }
+                let len: usize = std::str::from_utf8(line.rsplit(|&b| b == b' ').next().unwrap_or(b""))?.parse()?;
+                buf.resize(len + 2, 0);
+                r.read_exact(buf).await?;
+                buf.truncate(len);
+                break;
+            },
         }
         Ok(())
     }
@@ -153,6 +191,10 @@ async fn publish(target: Target, s: &mut tokio::net::tcp::OwnedWriteHalf, payloa
             let head = format!("*3\r\n$7\r\nPUBLISH\r\n${}\r\n{CHANNEL}\r\n${}\r\n", CHANNEL.len(), payload.len());
             s.write_all_buf(&mut Buf::chain(Buf::chain(head.as_bytes(), payload), &b"\r\n"[..])).await?;
         }
+        Target::Nats => {
+            let head = format!("PUB {CHANNEL} {}\r\n", payload.len());
+            s.write_all_buf(&mut Buf::chain(Buf::chain(head.as_bytes(), payload), &b"\r\n"[..])).await?;
+        }
     }
     Ok(())
 }
@@ -194,6 +236,9 @@ async fn main() -> anyhow::Result<()> {
     // Redis answers every PUBLISH; drain the replies so the connection never stalls on
     // them (the dispatcher sends nothing to a pure publisher).
     let (mut rd, mut pubs) = connect(a.addr).await?.into_split();
+    if let Target::Nats = a.target {
+        pubs.write_all(NATS_CONNECT).await?;
+    }
     let drain = tokio::spawn(async move {
         let mut sink = vec![0u8; 64 * 1024];
         while rd.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
