@@ -137,6 +137,12 @@ impl DatagramSender {
     /// `frame_len` (bytes beyond are ignored). A part of another frame before that
     /// abandons the unfinished one (counted; the builder gives it up as damaged).
     pub fn handle_frame_part(&mut self, now: Instant, slice: SliceNumber, frame_len: u32, part: &[u8]) {
+        // A frame starts with its first byte: an empty part that continues nothing (one
+        // after the frame was complete) is not a new frame.
+        let continues = self.partial.as_ref().is_some_and(|p| p.slice == slice && p.frame_len == frame_len);
+        if part.is_empty() && frame_len > 0 && !continues {
+            return;
+        }
         let mut p = match self.partial.take() {
             Some(p) if p.slice == slice && p.frame_len == frame_len => p,
             other => {
