@@ -153,3 +153,58 @@ async fn bad_datagrams_are_counted_and_ignored() {
     }
     assert!(e.other_run > 0 && e.other_builder > 0 && e.unknown_source > 0, "{e:?}");
 }
+
+/// Sends `bytes`, then waits for the peer to close the connection (it rejected them).
+async fn rejected(addr: std::net::SocketAddr, bytes: &[u8]) {
+    use tokio::io::AsyncReadExt;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(bytes).await;
+    let mut sink = [0u8; 64];
+    // Guard against a hang only: the writer closes a rejected connection at once.
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
+    assert!(closed.is_ok(), "the writer never closed a connection that sent {:?}", &bytes[..bytes.len().min(16)]);
+}
+
+/// Hostile clients on the writer's port: each is closed with a counted reason, a client
+/// that sends one byte and stalls (slowloris) holds nothing up, and the real builder's
+/// slices are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
+    let out = temp_dir("writer-hostile");
+    let cfg = small_config(1, 1, 1.0, &out);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg, listener, never()));
+
+    // A slowloris: the start of a header, then nothing, kept open to the end.
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(&frame::encode(&header(), &[])[..3]).await.unwrap();
+    // Garbage, an oversized length, a data frame where events belong, a short raw record.
+    rejected(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    let huge = FrameHeader { flags: Flags::EVENTS, payload_len: u32::MAX, ..header() };
+    rejected(addr, &frame::encode_header_with_crc(&huge, u32::MAX, 0)).await;
+    rejected(addr, &frame::encode(&header(), &[])).await;
+    rejected(addr, &frame::encode(&FrameHeader { flags: Flags::RAW, payload_len: 4, ..header() }, &[1, 2, 3, 4])).await;
+
+    // The real builder: one slice's (empty) events, then its end of stream.
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    let events = FrameHeader { flags: Flags::EVENTS, source: 0, ..header() };
+    b.write_all(&frame::encode(&events, &[])).await.unwrap();
+    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
+    let w = writer.await.unwrap().unwrap();
+    drop(slow);
+    assert!(w.error.is_none(), "{:?}", w.error);
+    assert_eq!((w.slices, w.builders_ended), (1, 1));
+    let reasons: Vec<&str> = w.rejected_connections.keys().map(String::as_str).collect();
+    assert_eq!(
+        reasons,
+        ["bad_magic", "not_events", "payload_too_large", "raw_too_short"],
+        "{:?}",
+        w.rejected_connections
+    );
+    assert!(w.rejected_connections.values().all(|&n| n == 1));
+    std::fs::remove_dir_all(&out).unwrap();
+}
