@@ -32,21 +32,24 @@ DOCUMENTED = {
 }
 
 
+def run_demo(shoal_bin, out, *args) -> dict:
+    """`shoal demo --json` into `out`; its summary, whose ledger must balance."""
+    run = subprocess.run(
+        [str(shoal_bin), "demo", "--out", str(out), "--json", *args], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["ledger"]["balanced"] is True
+    return summary
+
+
 def test_demo_parquet_matches_documented_schema(shoal_bin, tmp_path):
     out = tmp_path / "out"
     # The `l1` multiplicity filter selects noise coincidences in any 2 s, so the file has
     # rows to check (the default `muon` filter may rightly select nothing in 2 s of 5 floors).
     cfg = tmp_path / "l1.toml"
     cfg.write_text('[builder.filter]\nname = "l1"\n')
-    run = subprocess.run(
-        [str(shoal_bin), "demo", "--seconds", "2", "--out", str(out), "--json", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout)
-    assert summary["ledger"]["balanced"] is True
+    summary = run_demo(shoal_bin, out, "--seconds", "2", "--config", str(cfg))
     assert summary["ledger"]["unaccounted"] == 0
 
     table = pq.read_table(out / "run000001.events.parquet")
@@ -100,16 +103,7 @@ def test_demo_raw_file_matches_documented_schema(shoal_bin, tmp_path):
     has the documented schema, one row per saved fragment, and payloads that parse as the
     documented hit and waveform records."""
     out = tmp_path / "out"
-    run = subprocess.run(
-        [str(shoal_bin), "demo", "--seconds", "3", "--out", str(out), "--json"]
-        + ["--alert-at", "2", "--alert-window", "1", "--alert-lag", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout)
-    assert summary["ledger"]["balanced"] is True
+    summary = run_demo(shoal_bin, out, "--seconds", "3", "--alert-at", "2", "--alert-window", "1", "--alert-lag", "0.5")
     reports = summary["writer"]["alerts"]
     assert len(reports) == summary["builders"] and all(r["name"] == "demo" for r in reports), reports
 

@@ -87,63 +87,54 @@ impl RawError {
     }
 }
 
-/// A record's frame header and payload prefix; the body follows them unchanged (written
-/// without copying it into a frame buffer).
-#[allow(clippy::too_many_arguments)]
-pub fn encode_parts(
-    builder: u32,
-    record: u32,
-    kind: RawKind,
-    source: SourceId,
-    slice: SliceNumber,
-    slice_start: Instant,
-    hit_count: u32,
-    body: &[u8],
-) -> ([u8; frame::HEADER_LEN], [u8; PREFIX_LEN]) {
-    let mut prefix = [0u8; PREFIX_LEN];
-    prefix[0..4].copy_from_slice(&builder.to_le_bytes());
-    prefix[4..8].copy_from_slice(&record.to_le_bytes());
-    prefix[8..12].copy_from_slice(&kind.code().to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&prefix), body);
-    let header = FrameHeader {
-        flags: Flags::RAW,
-        source,
-        hit_count,
-        slice,
-        slice_start,
-        send_time: Instant::ZERO,
-        payload_len: (PREFIX_LEN + body.len()) as u32,
-    };
-    (frame::encode_header_with_crc(&header, header.payload_len, crc), prefix)
+/// Everything of a record but its body: what the frame header and prefix carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawHead {
+    pub builder: u32,
+    /// 0: late-data stream; otherwise the builder's alert number.
+    pub record: u32,
+    pub kind: RawKind,
+    pub source: SourceId,
+    pub slice: SliceNumber,
+    pub slice_start: Instant,
+    pub hit_count: u32,
 }
 
-/// Encodes a record as a whole frame (header and payload).
-#[allow(clippy::too_many_arguments)]
-pub fn encode(
-    builder: u32,
-    record: u32,
-    kind: RawKind,
-    source: SourceId,
-    slice: SliceNumber,
-    slice_start: Instant,
-    hit_count: u32,
-    body: &[u8],
-) -> Bytes {
-    let mut payload = BytesMut::with_capacity(PREFIX_LEN + body.len());
-    payload.put_u32_le(builder);
-    payload.put_u32_le(record);
-    payload.put_u32_le(kind.code());
-    payload.put_slice(body);
-    let header = FrameHeader {
-        flags: Flags::RAW,
-        source,
-        hit_count,
-        slice,
-        slice_start,
-        send_time: Instant::ZERO,
-        payload_len: payload.len() as u32,
-    };
-    frame::encode(&header, &payload)
+impl RawHead {
+    /// An alert description (opened or closed): from the builder itself, no slice, no hits.
+    pub fn description(builder: u32, record: u32, kind: RawKind) -> Self {
+        Self { builder, record, kind, source: builder, slice: 0, slice_start: Instant::ZERO, hit_count: 0 }
+    }
+
+    /// The record's frame header and payload prefix; `body` follows them unchanged (written
+    /// without copying it into a frame buffer).
+    pub fn encode_parts(&self, body: &[u8]) -> ([u8; frame::HEADER_LEN], [u8; PREFIX_LEN]) {
+        let mut prefix = [0u8; PREFIX_LEN];
+        prefix[0..4].copy_from_slice(&self.builder.to_le_bytes());
+        prefix[4..8].copy_from_slice(&self.record.to_le_bytes());
+        prefix[8..12].copy_from_slice(&self.kind.code().to_le_bytes());
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&prefix), body);
+        let header = FrameHeader {
+            flags: Flags::RAW,
+            source: self.source,
+            hit_count: self.hit_count,
+            slice: self.slice,
+            slice_start: self.slice_start,
+            send_time: Instant::ZERO,
+            payload_len: (PREFIX_LEN + body.len()) as u32,
+        };
+        (frame::encode_header_with_crc(&header, header.payload_len, crc), prefix)
+    }
+
+    /// The record as one whole frame (header and payload).
+    pub fn encode(&self, body: &[u8]) -> Bytes {
+        let (header, prefix) = self.encode_parts(body);
+        let mut frame = BytesMut::with_capacity(header.len() + prefix.len() + body.len());
+        frame.put_slice(&header);
+        frame.put_slice(&prefix);
+        frame.put_slice(body);
+        frame.freeze()
+    }
 }
 
 impl RawRecord {
@@ -181,7 +172,16 @@ mod tests {
     #[test]
     fn a_fragment_round_trips_byte_for_byte() {
         let body = [1u8, 2, 3, 4, 5, 6];
-        let bytes = encode(3, 2, RawKind::Fragment, 17, 99, Instant::from_nanos(5), 1, &body);
+        let head = RawHead {
+            builder: 3,
+            record: 2,
+            kind: RawKind::Fragment,
+            source: 17,
+            slice: 99,
+            slice_start: Instant::from_nanos(5),
+            hit_count: 1,
+        };
+        let bytes = head.encode(&body);
         let (f, used) = frame::decode(&bytes, 1 << 20).unwrap();
         assert_eq!(used, bytes.len());
         let r = RawRecord::from_frame(&f).unwrap();
@@ -191,10 +191,32 @@ mod tests {
 
     #[test]
     fn parts_are_the_whole_frame() {
+        // The frame codec's own encoding of the same payload (prefix then body): the parts,
+        // whose payload CRC is chained over prefix and body, must give the same bytes.
         let body = [9u8; 100];
-        let whole = encode(1, 0, RawKind::Fragment, 2, 3, Instant::from_nanos(4), 0, &body);
-        let (header, prefix) = encode_parts(1, 0, RawKind::Fragment, 2, 3, Instant::from_nanos(4), 0, &body);
+        let head = RawHead {
+            builder: 1,
+            record: 0,
+            kind: RawKind::Fragment,
+            source: 2,
+            slice: 3,
+            slice_start: Instant::from_nanos(4),
+            hit_count: 0,
+        };
+        let payload = [&1u32.to_le_bytes()[..], &0u32.to_le_bytes(), &0u32.to_le_bytes(), &body].concat();
+        let header = FrameHeader {
+            flags: Flags::RAW,
+            source: 2,
+            hit_count: 0,
+            slice: 3,
+            slice_start: Instant::from_nanos(4),
+            send_time: Instant::ZERO,
+            payload_len: payload.len() as u32,
+        };
+        let whole = frame::encode(&header, &payload);
+        let (header, prefix) = head.encode_parts(&body);
         assert_eq!([&header[..], &prefix[..], &body[..]].concat(), whole.to_vec());
+        assert_eq!(head.encode(&body), whole);
     }
 
     #[test]
@@ -213,8 +235,7 @@ mod tests {
         );
         let (f, _) = frame::decode(&events, 1 << 20).unwrap();
         assert_eq!(RawRecord::from_frame(&f), Err(RawError::NotRaw));
-        let mut f =
-            frame::decode(&encode(0, 0, RawKind::AlertOpened, 0, 0, Instant::ZERO, 0, b"x"), 1 << 20).unwrap().0;
+        let mut f = frame::decode(&RawHead::description(0, 0, RawKind::AlertOpened).encode(b"x"), 1 << 20).unwrap().0;
         f.payload = f.payload.slice(..4);
         assert_eq!(RawRecord::from_frame(&f), Err(RawError::TooShort(4)));
         let mut p = BytesMut::new();

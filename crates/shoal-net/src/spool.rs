@@ -23,7 +23,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use bytes::BytesMut;
 use shoal_core::frame::{self, HEADER_LEN};
-use shoal_core::rawrec::{self, RawKind};
+use shoal_core::rawrec::{self, RawHead, RawKind};
 use shoal_core::saver::{AlertReport, SaverOutput};
 use shoal_core::slice::SliceClock;
 use shoal_trigger::FragmentData;
@@ -143,24 +143,30 @@ fn lower_priority() {
 impl Spool {
     fn save(&mut self, out: SaverOutput<FragmentData>, spooled: &mpsc::UnboundedSender<u64>) {
         let b = self.cfg.builder;
-        let zero = shoal_core::Instant::ZERO;
         match out {
             SaverOutput::Opened { id, alert } => {
                 self.open_alerts += 1;
                 let text = alert.encode();
-                let parts = rawrec::encode_parts(b, id, RawKind::AlertOpened, b, 0, zero, 0, text.as_bytes());
+                let parts = RawHead::description(b, id, RawKind::AlertOpened).encode_parts(text.as_bytes());
                 self.append(parts, text.as_bytes(), true);
             }
             SaverOutput::Fragment { record, slice, source, bytes, data } => {
-                let start = self.cfg.slice_clock.start_of(slice);
-                let (n, hits) = (record.number(), data.hit_count);
-                let parts = rawrec::encode_parts(b, n, RawKind::Fragment, source, slice, start, hits, &data.payload);
+                let head = RawHead {
+                    builder: b,
+                    record: record.number(),
+                    kind: RawKind::Fragment,
+                    source,
+                    slice,
+                    slice_start: self.cfg.slice_clock.start_of(slice),
+                    hit_count: data.hit_count,
+                };
+                let parts = head.encode_parts(&data.payload);
                 self.append(parts, &data.payload, false);
                 let _ = spooled.send(bytes);
             }
             SaverOutput::Closed(report) => {
                 let json = serde_json::to_vec(&report).unwrap_or_default();
-                let parts = rawrec::encode_parts(b, report.id, RawKind::AlertClosed, b, 0, zero, 0, &json);
+                let parts = RawHead::description(b, report.id, RawKind::AlertClosed).encode_parts(&json);
                 self.append(parts, &json, true);
                 info!(builder = b, "{}", report.describe());
                 self.report.alerts.push(report);

@@ -109,7 +109,7 @@ fn an_alert_under_shoal_run_recovers_its_window_byte_for_byte() {
     // The notice comes 20 s after the window's end.
     let send_at = to + 20_000_000_000;
     std::thread::sleep(Duration::from_nanos(send_at.saturating_sub(unix_ns())));
-    let fmt = |ns: u64| format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000);
+    let fmt = shoal_core::alert::format_unix_seconds;
     let out = shoal()
         .args(["alert", "--dispatcher", &dispatcher, "--from", &fmt(from), "--to", &fmt(to)])
         .args(["--name", "GRB261123B", "--expect", "2", "--wait", "60"])
