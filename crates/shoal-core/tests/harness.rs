@@ -879,8 +879,10 @@ proptest! {
         s.request_loss = 0.0;
         s.kill = None;
         if let Policy::Pull(p) = &mut s.policy {
-            // Nothing is evicted before its request can come.
-            p.hold_slices = p.hold_slices.max(64);
+            // Nothing is evicted before its request can come, however far behind a
+            // builder with few requests outstanding falls (one request at a time for six
+            // sources, 2.7 ms each way, takes 3 slices of time per slice).
+            p.hold_slices = p.hold_slices.max(1_000_000);
             p.reask_timeout = Duration::from_millis(500);
             // Paced answers still use the buckets (fragments cut into bursts), at an ample rate.
             if let Some(r) = &mut p.answer_rate {
