@@ -16,6 +16,8 @@
 //!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
 //!   [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
+//! - [`budget`]: one memory budget per process, divided among its queues
+//!   ([`budget::MemoryDemand::plan`]) or a refusal that says why.
 //! - [`saver`]: the builder's burst saver ([`saver::BurstSaver`]): the last seconds of raw
 //!   slices, saved on an external [`alert::Alert`], and the late-data side stream.
 //! - [`rawrec`]: raw-data records (saved fragments, alert descriptions) as `RAW` frames.
@@ -35,6 +37,7 @@
 
 pub mod alert;
 pub mod assembly;
+pub mod budget;
 pub mod cluster;
 pub mod controlhost;
 pub mod datagram;

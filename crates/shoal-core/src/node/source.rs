@@ -37,6 +37,16 @@ pub struct SourceNodeConfig {
     /// Most bytes handed to the transport towards one builder and not yet written; a
     /// fragment that would exceed it is dropped at the source (counted).
     pub queue_limit_bytes: u64,
+    /// Most bytes the node holds in all (produced and not yet written: waiting in shapers,
+    /// the cutoff or the transport, towards every builder): its share of the process's
+    /// memory budget (`crate::budget`). A fragment produced beyond it is dropped at the
+    /// source (counted), so no backlog can outgrow the budget.
+    pub held_limit_bytes: u64,
+    /// A slice whose end the node reaches more than this late is skipped: not produced,
+    /// counted in [`SourceNodeReport::slices_skipped`]. A generator that cannot keep up
+    /// with real time (the machine is too slow for the configured load) then stays within
+    /// this much of it instead of falling further behind without end. `None`: never skip.
+    pub max_lag: Option<Duration>,
     /// A fragment still being written this many slices after it was handed out no longer
     /// holds back its shaper's schedule, so one slow builder cannot stall the others.
     pub stall_limit_slices: u32,
@@ -59,6 +69,8 @@ impl SourceNodeConfig {
             slices: None,
             cutoff: None,
             queue_limit_bytes: 64 << 20,
+            held_limit_bytes: u64::MAX,
+            max_lag: None,
             stall_limit_slices: 2,
             drain_timeout: Duration::from_secs(10),
             record_transmits: false,
@@ -138,6 +150,14 @@ pub struct SourceNodeReport {
     pub bytes_produced: u64,
     /// Slice ends reached late by more than one slice (the driver was starved of CPU).
     pub late_slice_ends: u64,
+    /// Slices not produced because the node reached their end more than
+    /// [`SourceNodeConfig::max_lag`] late (per node, not per source).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slices_skipped: u64,
+    /// Fragments dropped at the source because the node held
+    /// [`SourceNodeConfig::held_limit_bytes`] already (also in the tallies' `dropped_at_source`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub dropped_over_memory: u64,
     /// Pull policies: requests received, and those for a fragment no longer held (a
     /// re-ask for one already handed out, or one evicted) or a source not hosted here.
     #[cfg_attr(feature = "serde", serde(default))]
@@ -226,6 +246,8 @@ pub struct SourceNode {
     phase: Phase,
     /// Bytes handed to the transport per builder and not yet reported.
     in_transport: Vec<u64>,
+    /// Bytes of every frame and undecided fragment held (bounded by `held_limit_bytes`).
+    held_bytes: u64,
     /// Per builder, the frame whose pieces are being handed out: hosted sources share one
     /// connection per builder, so a frame cut into pieces (token bucket) owns it until its
     /// last piece and pieces of other frames wait in `deferred`.
@@ -283,6 +305,7 @@ impl SourceNode {
             paused: false,
             phase: Phase::Producing,
             in_transport,
+            held_bytes: 0,
             open_frame,
             deferred,
             deferred_pieces: 0,
@@ -321,6 +344,16 @@ impl SourceNode {
         if self.phase == Phase::Producing {
             while !self.ends_before(self.next_slice) && now >= clock.end_of(self.next_slice) {
                 let slice = self.next_slice;
+                if self.cfg.max_lag.is_some_and(|lag| now >= clock.end_of(slice) + lag) {
+                    // Too far behind: a real board would have sent this slice long ago;
+                    // skipping it keeps the node within `max_lag` of real time.
+                    self.report.slices_skipped += 1;
+                    for h in &mut self.hosted {
+                        h.shaper.handle_slot_end(now, slice);
+                    }
+                    self.next_slice += 1;
+                    continue;
+                }
                 if now >= clock.end_of(slice + 1) {
                     self.report.late_slice_ends += 1;
                 }
@@ -354,7 +387,8 @@ impl SourceNode {
             }
             // Pull: fragments held past their hold time without a request.
             while let Some(slice) = h.shaper.poll_evicted() {
-                if h.frames.remove(slice).is_some() {
+                if let Some(f) = h.frames.remove(slice) {
+                    self.held_bytes -= f.len();
                     h.tally.never_requested += 1;
                 }
             }
@@ -496,6 +530,11 @@ impl SourceNode {
         self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum()
     }
 
+    /// Bytes of every fragment the node holds (see [`SourceNodeConfig::held_limit_bytes`]).
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
     /// Bytes handed to the transport towards `dest` and not yet reported.
     pub fn in_transport(&self, dest: BuilderId) -> u64 {
         self.in_transport.get(dest as usize).copied().unwrap_or(0)
@@ -584,10 +623,25 @@ impl SourceNode {
         h.tally.produced += 1;
         self.totals.produced += 1;
         self.report.bytes_produced += frag.payload.len() as u64;
+        let len = (HEADER_LEN + frag.payload.len()) as u64;
+        if self.held_bytes + len > self.cfg.held_limit_bytes {
+            // The node's memory share is full (builders slower than production): drop the
+            // new fragment, as a board whose buffer is full does. Its slot passes empty.
+            h.tally.dropped_at_source += 1;
+            self.totals.dropped += 1;
+            self.report.dropped_over_memory += 1;
+            if let Some(c) = h.cutoff.as_mut() {
+                c.handle_fragment(slice, frag.burst);
+            }
+            h.shaper.handle_slot_end(now, slice);
+            self.decide(i, now);
+            return;
+        }
         match h.cutoff.as_mut() {
             None => self.enqueue(i, slice, frag, false, now),
             Some(c) => {
                 c.handle_fragment(slice, frag.burst);
+                self.held_bytes += len;
                 h.undecided.insert(slice, frag);
                 self.decide(i, now);
             }
@@ -601,6 +655,8 @@ impl SourceNode {
                 CutoffDecision::Cut(slice) => (slice, true),
             };
             if let Some(frag) = self.hosted[i].undecided.remove(slice) {
+                // Held again as a frame by `enqueue` (smaller if cut off).
+                self.held_bytes -= (HEADER_LEN + frag.payload.len()) as u64;
                 self.enqueue(i, slice, frag, cut, now);
             }
         }
@@ -639,6 +695,7 @@ impl SourceNode {
         let header = Bytes::copy_from_slice(&frame::encode_header_with_crc(&header, payload_len, crc));
         let f = PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0 };
         let len = f.len();
+        self.held_bytes += len;
         let h = &mut self.hosted[i];
         h.frames.insert(slice, f);
         h.shaper.handle_fragment(now, Outgoing { slice, len });
@@ -659,7 +716,9 @@ impl SourceNode {
         self.open_frame[dest] = (!tx.last && !f.dropped).then_some((h.id, tx.slice));
         if f.dropped {
             if tx.last {
-                h.frames.remove(tx.slice);
+                if let Some(f) = h.frames.remove(tx.slice) {
+                    self.held_bytes -= f.len();
+                }
                 h.tally.dropped_at_source += 1;
                 self.totals.dropped += 1;
                 h.shaper.handle_sent(now, tx.slice);
@@ -710,6 +769,7 @@ impl SourceNode {
             return;
         };
         self.in_transport[dest as usize] -= f.handed;
+        self.held_bytes -= f.len();
         if sent {
             h.sent_to[dest as usize] += 1;
         } else {
@@ -803,6 +863,58 @@ mod tests {
         let r = node.report();
         assert_eq!(r.tallies[&0].dropped_at_source, 1);
         assert_eq!(r.tallies[&0].unsent, 2);
+    }
+
+    #[test]
+    fn held_limit_bounds_everything_the_node_holds() {
+        // delayed:1 holds fragments in the shaper until the previous one is written: the
+        // transport's queue limit never sees them, the node's held limit does.
+        let mut c = cfg(vec![0, 1], 2, "delayed:1");
+        c.held_limit_bytes = 3 * 116; // three 116-byte frames
+        c.stall_limit_slices = 1000; // the builders never take a byte: nothing is released
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let mut handed = Vec::new();
+        for slice in 0..4u64 {
+            let t = Instant::from_nanos((slice + 1) * 10 * MS);
+            node.handle_timeout(t, &Fixed(60));
+            handed.extend(drain(&mut node, t));
+            assert!(node.held_bytes() <= 3 * 116);
+        }
+        let r = node.report();
+        assert_eq!(r.dropped_over_memory, 5, "8 produced, 3 held");
+        let dropped: u64 = r.tallies.values().map(|t| t.dropped_at_source).sum();
+        let unsent: u64 = r.tallies.values().map(|t| t.unsent).sum();
+        assert_eq!((dropped, unsent), (5, 3));
+        // Written frames free their room (and release the held ones): the next slice
+        // fits again.
+        let t = Instant::from_nanos(45 * MS);
+        for _ in 0..10 {
+            for x in std::mem::take(&mut handed) {
+                node.handle_sent(t, x.source, x.slice);
+            }
+            handed.extend(drain(&mut node, t));
+        }
+        assert_eq!(node.held_bytes(), 0);
+        let t = Instant::from_nanos(50 * MS);
+        node.handle_timeout(t, &Fixed(60));
+        assert_eq!(node.report().dropped_over_memory, 5);
+        assert_eq!(node.held_bytes(), 2 * 116);
+    }
+
+    #[test]
+    fn max_lag_skips_slices_reached_too_late() {
+        let mut c = cfg(vec![0, 1], 1, "direct");
+        c.max_lag = Some(Duration::from_millis(25));
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        // The driver wakes at 100 ms: slices 0..=6 ended more than 25 ms ago (skipped),
+        // slices 7 and 8 ended within it (produced, late), slice 9 ends at 100 ms.
+        let t = Instant::from_nanos(100 * MS);
+        node.handle_timeout(t, &Fixed(60));
+        let tx = drain(&mut node, t);
+        let r = node.report();
+        assert_eq!((r.slices_skipped, r.slices, r.late_slice_ends), (7, 3, 2));
+        assert_eq!(tx.iter().map(|x| x.slice).collect::<std::collections::BTreeSet<_>>(), [7, 8, 9].into());
+        assert_eq!(r.tallies.values().map(|t| t.produced).sum::<u64>(), 6, "skipped slices are not produced");
     }
 
     #[test]
