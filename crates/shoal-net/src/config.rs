@@ -176,6 +176,10 @@ pub struct RunConfig {
     /// embedded demo set it). Unset: the first slice that starts on a whole second after
     /// the process starts, so processes started within the same second agree.
     pub start_slice: Option<u64>,
+    /// This process's memory budget, MiB (0: half the machine's memory). Every queue's
+    /// bound is a share of it; a configuration that cannot run within it is refused at
+    /// start with what would fit (`crate::budget`).
+    pub memory_mb: u64,
 }
 
 impl Default for RunConfig {
@@ -192,6 +196,7 @@ impl Default for RunConfig {
             dfm_addr: "127.0.0.1:5650".into(),
             transport: "tcp".into(),
             start_slice: None,
+            memory_mb: 0,
         }
     }
 }
@@ -224,6 +229,14 @@ pub struct SourceConfig {
     /// Most bytes queued towards one builder before fragments are dropped (counted).
     /// The ANTARES board has 64 MB for buffering.
     pub queue_limit_mb: u64,
+    /// A slice end reached more than this late (ms) is skipped, not produced (counted):
+    /// a machine too slow for the configured load stays this close to real time instead
+    /// of falling behind without end. 0: never skip.
+    pub max_lag_ms: u64,
+    /// Most bytes a source process holds (set at start from the memory budget; not a
+    /// file setting).
+    #[serde(skip)]
+    pub held_limit_bytes: Option<u64>,
     /// Burst rate cutoff: during a burst send only the first/last few slices.
     pub cutoff: bool,
     pub cutoff_head: u32,
@@ -249,6 +262,8 @@ impl Default for SourceConfig {
             bursts: BurstConfig::default(),
             replay_pool: 0,
             queue_limit_mb: 64,
+            max_lag_ms: 5_000,
+            held_limit_bytes: None,
             cutoff: false,
             cutoff_head: 4,
             cutoff_tail: 4,
@@ -466,6 +481,8 @@ impl Config {
         let s = &self.source;
         c.cutoff = s.cutoff.then_some(CutoffConfig { head: s.cutoff_head, tail: s.cutoff_tail });
         c.queue_limit_bytes = s.queue_limit_mb << 20;
+        c.held_limit_bytes = s.held_limit_bytes.unwrap_or(u64::MAX);
+        c.max_lag = (s.max_lag_ms > 0).then(|| Duration::from_millis(s.max_lag_ms));
         c.stall_limit_slices = s.stall_limit_slices.max(1);
         c.drain_timeout = Duration::from_millis(s.drain_timeout_ms);
         Ok(c)

@@ -9,7 +9,6 @@ use std::time::Duration as StdDuration;
 use hdrhistogram::Histogram;
 use shoal_core::SourceId;
 use shoal_core::ledger::{BuilderTally, Ledger, SourceTally};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -20,6 +19,9 @@ use crate::dfm::{DfmReport, run_dfm};
 use crate::live::Live;
 use crate::source::run_source_node;
 use crate::writer::{WriterReport, run_writer};
+
+const LOOPBACK_ANY: std::net::SocketAddr =
+    std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0));
 
 /// Delay statistics in microseconds.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -75,6 +77,15 @@ pub struct RunSummary {
     pub shaping_delay: DelayStats,
     pub rejected_connections: BTreeMap<String, u64>,
     pub late_slice_ends: u64,
+    /// Slices skipped by the most-behind source node (reached more than
+    /// `source.max_lag_ms` late: the machine could not generate the load in real time).
+    pub slices_skipped: u64,
+    /// Fragments dropped at the sources because their memory share was full (part of
+    /// the ledger's `dropped_at_source`).
+    pub dropped_over_memory: u64,
+    /// The process's memory budget and what its queues' bounds add up to, MiB.
+    pub memory_budget_mb: u64,
+    pub memory_planned_mb: u64,
     pub events: u64,
     pub ledger: LedgerSummary,
     pub writer: WriterReport,
@@ -130,6 +141,19 @@ pub fn sources_per_node(sources: u32, builders: u32, fd_limit: u64) -> usize {
     needed.div_ceil(budget).clamp(1, u64::from(sources.max(1))) as usize
 }
 
+/// What an embedded run of `sources` sources hosts: every source node, every builder and
+/// the writer, and both ends of every connection.
+pub fn embedded_hosting(sources: u32, builders: u32, fd_limit: u64) -> crate::budget::Hosting {
+    let per_node = sources_per_node(sources, builders, fd_limit) as u64;
+    let sources = u64::from(sources);
+    let mut source_nodes = vec![per_node; (sources / per_node) as usize];
+    if sources % per_node > 0 {
+        source_nodes.push(sources % per_node);
+    }
+    let local_connections = 2 * source_nodes.len() as u64 * u64::from(builders);
+    crate::budget::Hosting { source_nodes, builders: u64::from(builders), writer: true, local_connections }
+}
+
 /// Raises the soft open-file limit to the hard limit; returns the limit in force.
 pub fn raise_fd_limit() -> u64 {
     rlimit::increase_nofile_limit(u64::MAX).unwrap_or(1024)
@@ -143,13 +167,17 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();
     let per_node = sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit);
+    let builders = cfg.run.builders;
+    let plan = crate::budget::plan(&cfg, |n| embedded_hosting(n, builders, fd_limit))?;
+    crate::budget::apply(&mut cfg, &plan);
+    info!("{}", crate::budget::describe(&plan));
 
-    let writer_listener = TcpListener::bind("127.0.0.1:0").await?;
+    let writer_listener = crate::listen::bind(LOOPBACK_ANY)?;
     cfg.run.writer_addr = writer_listener.local_addr()?.to_string();
     let mut builder_listeners = Vec::new();
     cfg.run.builder_addrs.clear();
     for _ in 0..cfg.run.builders {
-        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let l = crate::listen::bind(LOOPBACK_ANY)?;
         cfg.run.builder_addrs.push(l.local_addr()?.to_string());
         builder_listeners.push(l);
     }
@@ -163,7 +191,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     // Pull: the data-flow manager, on a port of its own.
     let dfm_listener = match cfg.policy()?.pull() {
         Some(_) => {
-            let l = TcpListener::bind("127.0.0.1:0").await?;
+            let l = crate::listen::bind(LOOPBACK_ANY)?;
             cfg.run.dfm_addr = l.local_addr()?.to_string();
             Some(l)
         }
@@ -190,11 +218,13 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
 
     let mut tallies: BTreeMap<SourceId, SourceTally> = BTreeMap::new();
     let mut slices_produced = 0;
-    let mut late_slice_ends = 0;
+    let (mut late_slice_ends, mut slices_skipped, mut dropped_over_memory) = (0, 0, 0);
     for n in nodes {
         let r = n.await??;
         slices_produced = slices_produced.max(r.slices);
         late_slice_ends += r.late_slice_ends;
+        slices_skipped = slices_skipped.max(r.slices_skipped);
+        dropped_over_memory += r.dropped_over_memory;
         tallies.extend(r.tallies);
     }
     // Sources are done and their links closed; builders finish when every source's end of
@@ -228,6 +258,10 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
 
     let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
     summary.dfm = dfm;
+    summary.slices_skipped = slices_skipped;
+    summary.dropped_over_memory = dropped_over_memory;
+    summary.memory_budget_mb = plan.budget >> 20;
+    summary.memory_planned_mb = plan.total() >> 20;
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
     std::fs::write(&path, serde_json::to_vec_pretty(&summary)?)?;
@@ -289,6 +323,10 @@ fn summarize(
         shaping_delay: DelayStats::from_histogram(&shaping),
         rejected_connections: rejected,
         late_slice_ends,
+        slices_skipped: 0,
+        dropped_over_memory: 0,
+        memory_budget_mb: 0,
+        memory_planned_mb: 0,
         events: builder_reports.iter().map(|b| b.events).sum(),
         ledger: LedgerSummary::new(&ledger),
         writer,

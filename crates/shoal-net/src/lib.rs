@@ -17,9 +17,13 @@
 //! stops the same role functions, publishes statistics and its end-of-run report, and
 //! serves Prometheus `/metrics`.
 //!
+//! Every process divides one memory budget among its queues at start, or refuses to start
+//! with what would fit ([`budget::plan`]).
+//!
 //! [`config::Config`] is the one TOML schema for every role; [`clock::WallClock`] maps the
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
 
+pub mod budget;
 pub mod builder;
 pub mod clock;
 pub mod config;
@@ -27,6 +31,7 @@ pub mod demo;
 pub mod dfm;
 pub mod framed;
 pub mod link;
+pub mod listen;
 pub mod live;
 pub mod lograte;
 pub mod node;

@@ -308,7 +308,17 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
         }
     }
     cfg.validate()?;
+    apply_memory_plan(&mut cfg, opts.role)?;
     Ok(cfg)
+}
+
+/// Divides this process's memory budget for its role (or refuses the configuration with
+/// what would fit) and logs the plan.
+pub fn apply_memory_plan(cfg: &mut Config, role: Role) -> Result<(), crate::config::ConfigError> {
+    let plan = crate::budget::plan(cfg, |n| crate::budget::hosting_for_role(cfg, role, n))?;
+    crate::budget::apply(cfg, &plan);
+    info!("{}", crate::budget::describe(&plan));
+    Ok(())
 }
 
 async fn start_data(
@@ -345,7 +355,7 @@ async fn start_data(
         }
         Role::Builder => {
             let addr = cfg.builder_listen()?;
-            let listener = TcpListener::bind(addr).await.with_context(|| format!("binding builder port {addr}"))?;
+            let listener = crate::listen::bind(addr).with_context(|| format!("binding builder port {addr}"))?;
             let id = cfg.builder.id;
             let c = cancel.clone();
             tokio::spawn(async move {
@@ -366,7 +376,7 @@ async fn start_data(
         }
         Role::Writer => {
             let addr = cfg.writer_listen()?;
-            let listener = TcpListener::bind(addr).await.with_context(|| format!("binding writer port {addr}"))?;
+            let listener = crate::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
             let c = cancel.clone();
             tokio::spawn(async move {
                 match crate::writer::run_writer(cfg, listener, c).await {
@@ -383,7 +393,7 @@ async fn start_data(
         Role::Dfm => {
             let addr = cfg.dfm_addr()?;
             let listener =
-                TcpListener::bind(addr).await.with_context(|| format!("binding the data-flow manager port {addr}"))?;
+                crate::listen::bind(addr).with_context(|| format!("binding the data-flow manager port {addr}"))?;
             let c = cancel.clone();
             tokio::spawn(async move {
                 match crate::dfm::run_dfm(cfg, listener, clock, live, c).await {

@@ -508,6 +508,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let mut cfg = load(args.config.as_ref())?;
     apply_ids(&mut cfg, role, &args.ids)?;
     cfg.validate()?;
+    shoal_net::node::apply_memory_plan(&mut cfg, role)?;
     let clock = WallClock::new();
     let live = Arc::new(Live::default());
     let cancel = ctrl_c_token();
@@ -524,24 +525,21 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         Role::Builder => {
             let addr = cfg.builder_listen()?;
-            let listener =
-                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding builder port {addr}"))?;
+            let listener = shoal_net::listen::bind(addr).with_context(|| format!("binding builder port {addr}"))?;
             let id = cfg.builder.id;
             let r = shoal_net::builder::run_builder(cfg.clone(), id, listener, clock, live, cancel).await?;
             (format!("run{run:06}.builder{id}.json"), serde_json::to_string_pretty(&r)?)
         }
         Role::Writer => {
             let addr = cfg.writer_listen()?;
-            let listener =
-                tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding writer port {addr}"))?;
+            let listener = shoal_net::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
             let r = shoal_net::writer::run_writer(cfg.clone(), listener, cancel).await?;
             (format!("run{run:06}.writer.json"), serde_json::to_string_pretty(&r)?)
         }
         Role::Dfm => {
             let addr = cfg.dfm_addr()?;
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the data-flow manager port {addr}"))?;
+            let listener =
+                shoal_net::listen::bind(addr).with_context(|| format!("binding the data-flow manager port {addr}"))?;
             let r = shoal_net::dfm::run_dfm(cfg.clone(), listener, clock, live, cancel).await?;
             (format!("run{run:06}.dfm.json"), serde_json::to_string_pretty(&r)?)
         }

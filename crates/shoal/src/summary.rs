@@ -126,7 +126,19 @@ pub fn table(s: &RunSummary) -> String {
         ),
         ("output", format!("{} ({} bytes)", s.writer.file.path.display(), s.writer.file.bytes)),
         ("raw data", raw(s)),
-        ("memory", format!("peak resident {:.0} MB", s.peak_rss_mb)),
+        (
+            "memory",
+            format!(
+                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB{}",
+                s.peak_rss_mb,
+                s.memory_budget_mb,
+                s.memory_planned_mb,
+                match s.dropped_over_memory {
+                    0 => String::new(),
+                    n => format!("; {n} fragments dropped at sources over their share"),
+                }
+            ),
+        ),
         ("summary", s.summary_path.display().to_string()),
     ];
     let _ = writeln!(o, "shoal demo summary");
@@ -135,6 +147,14 @@ pub fn table(s: &RunSummary) -> String {
     }
     for a in &s.writer.alerts {
         let _ = writeln!(o, "  {:<15} {}", "alert", a.describe());
+    }
+    if s.slices_skipped > 0 {
+        let _ = writeln!(
+            o,
+            "  warning: the generator could not keep up and skipped {} slices (reached more than source.max_lag_ms late): \
+             this machine cannot generate this load in real time (fewer sources, a `fixed` workload or source.replay_pool would)",
+            s.slices_skipped
+        );
     }
     if s.late_slice_ends > 0 {
         let _ = writeln!(o, "  warning: the generator reached {} slice ends late (CPU overloaded)", s.late_slice_ends);

@@ -1,0 +1,172 @@
+//! The process's memory budget in practice: the machine's memory, the fragment size
+//! measured from the workload, and the roles this process hosts, turned into
+//! `shoal_core::budget`'s plan; a refusal gets what would fit.
+
+use shoal_core::budget::{MemoryDemand, MemoryPlan, Refusal, largest_fitting, mib};
+use shoal_core::frame::HEADER_LEN;
+use shoal_core::slice::SliceNumber;
+
+use crate::config::{Config, ConfigError};
+
+/// The tokio runtime, allocator slack and everything not a queue, per process.
+const RUNTIME_BYTES: u64 = 64 << 20;
+/// Per hosted source besides its backlog: generator, shaper, tallies, the builders' per
+/// source state (measured: `shoal demo --sources 20000 --builders 1 --seconds 0.05` with
+/// 100-byte fixed fragments peaks at about 1.3 GB, 65 KB a source).
+const PER_SOURCE_BYTES: u64 = 64 << 10;
+/// Per connection of an embedded run: read and write buffers in user space.
+const PER_CONNECTION_BYTES: u64 = 64 << 10;
+/// The writer's queues: 256 batches of events or raw records on their way to disk.
+const WRITER_BYTES: u64 = 256 << 20;
+
+/// What a process runs.
+#[derive(Clone, Debug, Default)]
+pub struct Hosting {
+    /// Sources per source node (one entry per node).
+    pub source_nodes: Vec<u64>,
+    pub builders: u64,
+    pub writer: bool,
+    /// Data connections with both ends in this process (embedded runs).
+    pub local_connections: u64,
+}
+
+/// This machine's physical memory, bytes (`MemTotal` of /proc/meminfo; 0 if unknown).
+pub fn machine_memory() -> u64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The budget in force: `run.memory_mb`, or half the machine's memory (4 GiB if unknown).
+pub fn budget_bytes(cfg: &Config) -> u64 {
+    match cfg.run.memory_mb {
+        0 => match machine_memory() {
+            0 => 4 << 30,
+            m => m / 2,
+        },
+        mb => mb << 20,
+    }
+}
+
+/// The mean size of a fragment on the wire, from a sample of the configured workload (a
+/// few sources, a few slices far from the start: deterministic, like the workload).
+pub fn fragment_bytes(cfg: &Config) -> Result<u64, ConfigError> {
+    let generator = cfg.generator()?;
+    let sources = cfg.run.sources.min(8);
+    let slices: std::ops::Range<SliceNumber> = 1000..1008;
+    let (mut bytes, mut n) = (0u64, 0u64);
+    for source in 0..sources {
+        for slice in slices.clone() {
+            bytes += generator.generate(source, slice).payload.len() as u64;
+            n += 1;
+        }
+    }
+    Ok(HEADER_LEN as u64 + bytes / n.max(1))
+}
+
+fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand {
+    let saver = if cfg.saver.enabled { cfg.saver.max_mb << 20 } else { 0 };
+    let mut fixed = vec![("runtime", RUNTIME_BYTES)];
+    if hosting.writer {
+        fixed.push(("writer queues", WRITER_BYTES));
+    }
+    if hosting.local_connections > 0 {
+        fixed.push(("connection buffers", hosting.local_connections * PER_CONNECTION_BYTES));
+    }
+    MemoryDemand {
+        budget: budget_bytes(cfg),
+        run_sources: u64::from(cfg.run.sources),
+        fragment_bytes,
+        source_nodes: hosting.source_nodes.clone(),
+        run_builders: u64::from(cfg.run.builders),
+        per_builder_queue: cfg.source.queue_limit_mb << 20,
+        builders: hosting.builders,
+        builder_memory: cfg.builder.memory_budget_mb << 20,
+        saver_memory: saver,
+        fixed,
+        per_source: PER_SOURCE_BYTES,
+    }
+}
+
+/// Plans the process's memory, or refuses with why and what would fit. `hosting_for(n)`
+/// says what the process would host with `n` sources in the run (to find the largest `n`
+/// that fits).
+pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<MemoryPlan, ConfigError> {
+    let frag = fragment_bytes(cfg)?;
+    let with_sources = |n: u32| {
+        let mut c = cfg.clone();
+        c.run.sources = n;
+        demand(&c, &hosting_for(n), frag).plan()
+    };
+    let refusal = match with_sources(cfg.run.sources) {
+        Ok(plan) => return Ok(plan),
+        Err(r) => r,
+    };
+    let fit = largest_fitting(u64::from(cfg.run.sources), |n| with_sources(n as u32).is_ok());
+    let budget = budget_bytes(cfg);
+    // With builders that hold their two slices, the least the whole process would need.
+    let raised = |needed: u64| {
+        let mut d = demand(cfg, &hosting_for(cfg.run.sources), frag);
+        d.builder_memory = needed;
+        d.budget = 0;
+        match d.plan() {
+            Err(Refusal::OverBudget { needed, .. }) => needed.div_ceil(1 << 20),
+            _ => 0,
+        }
+    };
+    let hint = match (&refusal, fit) {
+        (Refusal::BuilderTooSmall { needed, .. }, Some(n)) => format!(
+            "at most {n} sources fit these settings; or raise builder.memory_budget_mb to {} (the process then needs \
+             run.memory_mb = {}, this budget is {})",
+            needed.div_ceil(1 << 20),
+            raised(*needed),
+            mib(budget)
+        ),
+        (Refusal::BuilderTooSmall { needed, .. }, None) => format!(
+            "raise builder.memory_budget_mb to {} (the process then needs run.memory_mb = {})",
+            needed.div_ceil(1 << 20),
+            raised(*needed)
+        ),
+        (Refusal::OverBudget { needed, .. }, Some(n)) => format!(
+            "at most {n} sources fit a budget of {}; or raise run.memory_mb to {} if the machine has it",
+            mib(budget),
+            needed.div_ceil(1 << 20)
+        ),
+        (Refusal::OverBudget { .. }, None) => {
+            "lower builder.memory_budget_mb or saver.max_mb, or raise run.memory_mb if the machine has it".into()
+        }
+    };
+    Err(ConfigError::Invalid(format!(
+        "refused at start, memory: {refusal} (fragments about {} bytes). What fits: {hint}",
+        frag
+    )))
+}
+
+/// What `shoal node --role ROLE` hosts.
+pub fn hosting_for_role(cfg: &Config, role: crate::node::Role, sources: u32) -> Hosting {
+    use crate::node::Role;
+    match role {
+        Role::Source => {
+            let n = if cfg.source.ids.is_empty() { u64::from(sources) } else { cfg.source.ids.len() as u64 };
+            Hosting { source_nodes: vec![n], ..Hosting::default() }
+        }
+        Role::Builder => Hosting { builders: 1, ..Hosting::default() },
+        Role::Writer => Hosting { writer: true, ..Hosting::default() },
+        Role::Dfm => Hosting::default(),
+    }
+}
+
+/// Applies a plan to the configuration: each source node holds at most its share.
+pub fn apply(cfg: &mut Config, plan: &MemoryPlan) {
+    if plan.source_node_limit > 0 {
+        cfg.source.held_limit_bytes = Some(plan.source_node_limit);
+    }
+}
+
+/// One line for the log.
+pub fn describe(plan: &MemoryPlan) -> String {
+    let shares = plan.shares.iter().map(|(n, b)| format!("{n} ({})", mib(*b))).collect::<Vec<_>>().join(", ");
+    format!("memory budget {}: {shares}; {} planned", mib(plan.budget), mib(plan.total()))
+}

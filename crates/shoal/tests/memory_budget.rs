@@ -1,0 +1,58 @@
+//! The process memory budget, through `shoal demo` as a new user runs it: a run too big
+//! for any builder is refused at start with what would fit; a run too big for the
+//! machine's CPU (3,000 physics sources on 2 cores) ends on its own with its memory inside
+//! the budget and every fragment accounted.
+
+use std::process::Command;
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+#[test]
+fn a_run_no_builder_can_hold_is_refused_at_start_with_what_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        shoal().args(["demo", "--sources", "100000", "--seconds", "1", "--out"]).arg(dir.path()).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("refused at start, memory"), "{stderr}");
+    assert!(stderr.contains("builder.memory_budget_mb"), "{stderr}");
+    // What fits, as a number of sources that is itself accepted.
+    let fit: u32 = stderr
+        .split("at most ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no 'at most N sources' in {stderr}"));
+    assert!((1000..100_000).contains(&fit), "{stderr}");
+    // Nothing ran: no output file.
+    assert!(!dir.path().join("run000001.events.parquet").exists());
+}
+
+#[test]
+fn an_overloaded_demo_ends_by_itself_within_its_memory_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("budget.toml");
+    std::fs::write(&cfg, "[run]\nmemory_mb = 4096\n").unwrap();
+    let out = shoal()
+        .args(["demo", "--sources", "3000", "--builders", "3", "--seconds", "1", "--json", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s["memory_budget_mb"], 4096);
+    assert!(s["memory_planned_mb"].as_u64().unwrap() <= 4096);
+    // MB of the peak against MiB of the budget.
+    let peak_mib = s["peak_rss_mb"].as_f64().unwrap() * 1e6 / f64::from(1 << 20);
+    assert!(peak_mib > 0.0 && peak_mib <= 4096.0, "peak resident {peak_mib:.0} MiB over the 4096 MiB budget");
+    assert_eq!(s["ledger"]["balanced"], true, "{}", s["ledger"]);
+    assert_eq!(s["ledger"]["unaccounted"], 0);
+    // No repeated warnings: each kind of log line is said a bounded number of times.
+    let warnings = stderr.lines().filter(|l| l.contains("WARN")).count();
+    assert!(warnings < 50, "{warnings} warnings:\n{stderr}");
+}
