@@ -48,6 +48,9 @@ pub struct ClusterControlConfig {
     pub source_drain: Duration,
     pub builder_drain: Duration,
     pub writer_drain: Duration,
+    /// A process that announces itself again while a run is on (restarted after a crash)
+    /// is brought into the run: INIT, CONFIGURE, then START with a slice just ahead.
+    pub rejoin: bool,
 }
 
 impl ClusterControlConfig {
@@ -65,6 +68,7 @@ impl ClusterControlConfig {
             source_drain: Duration::from_secs(5),
             builder_drain: Duration::from_secs(5),
             writer_drain: Duration::from_secs(5),
+            rejoin: true,
         }
     }
 }
@@ -163,6 +167,26 @@ pub struct ProcessView {
     pub inactive_reason: Option<InactiveReason>,
     /// It was told OFF: leaving and exiting is expected now.
     pub switched_off: bool,
+    /// The slice from which it takes part in the run in progress (the run's start, or
+    /// where it rejoined); `None` when it is not in the run.
+    pub joined_at: Option<SliceNumber>,
+    /// Rejoining: the state it was in when it was sent its last catch-up command.
+    catching_up: Option<RunState>,
+}
+
+/// A process that left the run in progress (it exited, or stopped answering): what it
+/// took part in, so that its production can be attributed although its report is lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Departure {
+    pub name: String,
+    pub role: Role,
+    pub run: u64,
+    /// It took part in slices `from_slice..to_slice` (to: the slice in progress when it
+    /// was found gone, not produced).
+    pub from_slice: SliceNumber,
+    pub to_slice: SliceNumber,
+    pub at: Instant,
+    pub reason: InactiveReason,
 }
 
 /// A process that refused a command.
@@ -226,6 +250,20 @@ pub enum ClusterEvent {
     Inactive {
         name: String,
         reason: InactiveReason,
+    },
+    /// A process left the run in progress.
+    Departed(Departure),
+    /// A process that came back during a run was sent START: it takes part from
+    /// `start_slice`.
+    Rejoined {
+        name: String,
+        run: u64,
+        start_slice: SliceNumber,
+    },
+    /// A process could not be brought back into the run (it refused a catch-up command).
+    RejoinFailed {
+        name: String,
+        error: String,
     },
     /// Discovery ended: every process announced itself, or these did not in time.
     DiscoveryDone {
@@ -301,6 +339,8 @@ pub struct ClusterControl {
     processes: Vec<ProcessView>,
     phase: Phase,
     run: Option<ActiveRun>,
+    paused: bool,
+    departures: Vec<Departure>,
     transmits: VecDeque<Outgoing>,
     events: VecDeque<ClusterEvent>,
 }
@@ -318,6 +358,8 @@ impl ClusterControl {
                 active: true,
                 inactive_reason: None,
                 switched_off: false,
+                joined_at: None,
+                catching_up: None,
             })
             .collect();
         let deadline = now + cfg.announce_timeout;
@@ -326,6 +368,8 @@ impl ClusterControl {
             processes,
             phase: Phase::Discovering { deadline, next_ask: now },
             run: None,
+            paused: false,
+            departures: Vec::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
         };
@@ -344,6 +388,11 @@ impl ClusterControl {
     /// The run in progress.
     pub fn run(&self) -> Option<ActiveRun> {
         self.run
+    }
+
+    /// Processes that left a run while it was on (this run and earlier ones).
+    pub fn departures(&self) -> &[Departure] {
+        &self.departures
     }
 
     /// The command being carried out.
@@ -390,6 +439,8 @@ impl ClusterControl {
             if seq.waiting.is_empty() {
                 self.advance(now);
             }
+        } else {
+            self.catch_up(now, i, reply);
         }
         if let Phase::Discovering { .. } = self.phase
             && self.processes.iter().all(|p| p.state.is_some())
@@ -398,6 +449,48 @@ impl ClusterControl {
             self.events.push_back(ClusterEvent::DiscoveryDone { missing: Vec::new() });
         }
         true
+    }
+
+    /// A process that is not in the run in progress (restarted after a crash) is brought
+    /// into it one command per answer: INIT, CONFIGURE, START just ahead of now.
+    fn catch_up(&mut self, now: Instant, i: usize, reply: &Reply) {
+        let Some(run) = self.run else { return };
+        let p = &mut self.processes[i];
+        if !self.cfg.rejoin || self.paused || !matches!(self.phase, Phase::Idle) || !p.active || p.switched_off {
+            return;
+        }
+        if p.joined_at.is_some() {
+            return;
+        }
+        if let Some(e) = &reply.error
+            && p.catching_up.is_some()
+        {
+            p.catching_up = None;
+            self.events.push_back(ClusterEvent::RejoinFailed { name: p.name.clone(), error: e.clone() });
+            return;
+        }
+        let command = match reply.state {
+            RunState::Idle => Command::Init,
+            RunState::Standby => Command::Configure(self.cfg.configuration.clone()),
+            RunState::Ready => {
+                let lead = self.cfg.reply_timeout.min(Duration::from_millis(500));
+                let start_slice = (self.cfg.slice_clock.slice_at(now + lead) + 1).max(run.start_slice);
+                p.joined_at = Some(start_slice);
+                self.events.push_back(ClusterEvent::Rejoined { name: p.name.clone(), run: run.run, start_slice });
+                Command::Start { run: run.run, start_slice: Some(start_slice) }
+            }
+            // Running (or paused) all along, only out of touch: it is in the run.
+            RunState::Running | RunState::Paused => {
+                p.joined_at = Some(self.cfg.slice_clock.slice_at(now));
+                return;
+            }
+            RunState::Off => return,
+        };
+        if p.catching_up == Some(reply.state) && !matches!(command, Command::Start { .. }) {
+            return; // already asked; its answer will move it on
+        }
+        p.catching_up = Some(reply.state);
+        self.transmits.push_back(Outgoing { target: p.name.clone(), command });
     }
 
     /// The process left the dispatcher.
@@ -418,6 +511,20 @@ impl ClusterControl {
         }
         p.active = false;
         p.inactive_reason = Some(reason.clone());
+        p.catching_up = None;
+        if let (Some(run), Some(from_slice)) = (self.run, p.joined_at.take()) {
+            let d = Departure {
+                name: p.name.clone(),
+                role: p.role,
+                run: run.run,
+                from_slice,
+                to_slice: self.cfg.slice_clock.slice_at(now).max(from_slice),
+                at: now,
+                reason: reason.clone(),
+            };
+            self.departures.push(d.clone());
+            self.events.push_back(ClusterEvent::Departed(d));
+        }
         self.events.push_back(ClusterEvent::Inactive { name: p.name.clone(), reason });
         // Waiting for a process that is gone only delays the others.
         if let Phase::Busy(seq) = &mut self.phase
@@ -454,8 +561,14 @@ impl ClusterControl {
             ClusterCommand::Configure => {
                 steps.push_back(send(None, Command::Configure(self.cfg.configuration.clone()), t, false))
             }
-            ClusterCommand::Pause => steps.push_back(send(None, Command::Pause, t, false)),
-            ClusterCommand::Continue => steps.push_back(send(None, Command::Continue, t, false)),
+            ClusterCommand::Pause => {
+                self.paused = true;
+                steps.push_back(send(None, Command::Pause, t, false))
+            }
+            ClusterCommand::Continue => {
+                self.paused = false;
+                steps.push_back(send(None, Command::Continue, t, false))
+            }
             ClusterCommand::Reset => steps.push_back(send(None, Command::Reset, t, false)),
             ClusterCommand::Start => {
                 if self.run.is_some() {
@@ -551,6 +664,11 @@ impl ClusterControl {
         while let Some(step) = seq.steps.pop_front() {
             match step {
                 Step::EndOfRun { end_slice } => {
+                    self.paused = false;
+                    for p in &mut self.processes {
+                        p.joined_at = None;
+                        p.catching_up = None;
+                    }
                     if let Some(r) = self.run.take() {
                         self.events.push_back(ClusterEvent::RunStopped {
                             run: r.run,
@@ -566,6 +684,9 @@ impl ClusterControl {
                         }
                         if command == Command::Off {
                             p.switched_off = true;
+                        }
+                        if let Command::Start { start_slice: Some(s), .. } = command {
+                            p.joined_at = Some(s);
                         }
                         seq.waiting.insert(i);
                         self.transmits.push_back(Outgoing { target: p.name.clone(), command: command.clone() });

@@ -432,6 +432,79 @@ fn a_process_that_leaves_is_not_waited_for() {
 }
 
 #[test]
+fn a_process_restarted_during_a_run_rejoins_it_and_its_absence_is_recorded() {
+    let mut h = Harness::new(&sector(&[]), |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    let run = h.ctl.run().unwrap();
+    h.after(ms(2000));
+    // s1 dies: its part of the run is recorded.
+    let died = h.now;
+    h.ctl.handle_exited(died, "s1", "signal: 9 (SIGKILL)");
+    h.settle();
+    let d = h.ctl.departures().to_vec();
+    assert_eq!(d.len(), 1);
+    let clock = SliceClock::new(ms(100));
+    assert_eq!((d[0].name.as_str(), d[0].role, d[0].run), ("s1", Role::Source, run.run));
+    assert_eq!((d[0].from_slice, d[0].to_slice), (run.start_slice, clock.slice_at(died)));
+    assert!(matches!(d[0].reason, InactiveReason::Exited(_)));
+    // Restarted 300 ms later: it announces itself IDLE and is brought back into the run.
+    h.after(ms(300));
+    let p = h.procs.get_mut("s1").unwrap();
+    p.rc = RunControl::new(h.now);
+    p.received.clear();
+    h.in_flight.push((h.now, Reply { name: "s1".into(), state: RunState::Idle, error: None }));
+    h.settle();
+    assert_eq!(h.state("s1"), RunState::Running);
+    let got: Vec<&str> = h.procs["s1"].received.iter().map(|(_, c)| c.name()).collect();
+    assert_eq!(got, ["INIT", "CONFIGURE", "START"]);
+    let rejoined = h
+        .events
+        .iter()
+        .find_map(|(_, e)| match e {
+            ClusterEvent::Rejoined { name, run, start_slice } if name == "s1" => Some((*run, *start_slice)),
+            _ => None,
+        })
+        .expect("a Rejoined event");
+    assert_eq!(rejoined.0, run.run);
+    assert!(rejoined.1 > d[0].to_slice, "it starts ahead of now, after the slices it missed");
+    let view = h.ctl.processes().iter().find(|p| p.name == "s1").unwrap();
+    assert!(view.active && view.joined_at == Some(rejoined.1));
+    // The run stops normally, with s1 in it; nothing is left marked as joined.
+    h.command(ClusterCommand::Stop).unwrap();
+    assert!(h.done(ClusterCommand::Stop)[0].is_ok());
+    assert!(h.procs["s1"].received.iter().any(|(_, c)| c.name() == "STOP"));
+    assert!(h.ctl.processes().iter().all(|p| p.joined_at.is_none()));
+    // A process restarted between runs is not started: it waits for the next INIT.
+    h.ctl.handle_exited(h.now, "s2", "signal: 9 (SIGKILL)");
+    h.procs.get_mut("s2").unwrap().rc = RunControl::new(h.now);
+    h.in_flight.push((h.now, Reply { name: "s2".into(), state: RunState::Idle, error: None }));
+    h.settle();
+    assert_eq!(h.state("s2"), RunState::Idle);
+    assert_eq!(h.ctl.departures().len(), 1, "not in a run: nothing to record");
+}
+
+#[test]
+fn a_rejoin_stops_at_a_refusal_and_says_so() {
+    let mut h = Harness::new(&sector(&[]), |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    h.ctl.handle_exited(h.now, "b1", "signal: 9 (SIGKILL)");
+    let p = h.procs.get_mut("b1").unwrap();
+    p.rc = RunControl::new(h.now);
+    p.received.clear();
+    p.behaviour = Behaviour::Refuses("CONFIGURE");
+    h.in_flight.push((h.now, Reply { name: "b1".into(), state: RunState::Idle, error: None }));
+    h.settle();
+    assert_eq!(h.state("b1"), RunState::Standby);
+    assert!(h.events.iter().any(|(_, e)| matches!(e, ClusterEvent::RejoinFailed { name, .. } if name == "b1")));
+    let configures = h.procs["b1"].received.iter().filter(|(_, c)| c.name() == "CONFIGURE").count();
+    assert_eq!(configures, 1, "asked once, not in a loop: {:?}", h.procs["b1"].received);
+}
+
+#[test]
 fn commands_are_rejected_while_busy_discovering_or_out_of_turn() {
     let list = vec![ClusterProcess { name: "w".into(), role: Role::Writer }];
     let mut c = ClusterControl::new(ClusterControlConfig::new(list, String::new(), SliceClock::new(ms(100))), T0);
