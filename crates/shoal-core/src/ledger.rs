@@ -7,7 +7,7 @@
 //! `produced - sum(buckets)`: zero when the books balance, non-zero when a count is wrong
 //! (for example a frame counted as sent twice, or received but never classified).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::{BuilderId, SourceId};
 
@@ -53,10 +53,13 @@ pub enum Bucket {
     /// Sent to a builder that left no tally (it died or never reported): whatever it
     /// held or would have built is gone with it.
     LostWithBuilder,
+    /// Produced by a source process that died during the run and was never received:
+    /// what it held when it died (see [`Ledger::attribute_departed_sources`]).
+    LostWithSource,
 }
 
 impl Bucket {
-    pub const ALL: [Bucket; 16] = [
+    pub const ALL: [Bucket; 17] = [
         Bucket::Delivered,
         Bucket::Recovered,
         Bucket::CutOff,
@@ -73,6 +76,7 @@ impl Bucket {
         Bucket::Damaged,
         Bucket::LostInTransport,
         Bucket::LostWithBuilder,
+        Bucket::LostWithSource,
     ];
 
     /// Stable snake_case name (metric label, JSON key).
@@ -94,6 +98,7 @@ impl Bucket {
             Bucket::Damaged => "damaged",
             Bucket::LostInTransport => "lost_in_transport",
             Bucket::LostWithBuilder => "lost_with_builder",
+            Bucket::LostWithSource => "lost_with_source",
         }
     }
 }
@@ -111,6 +116,10 @@ pub struct SourceTally {
     /// Pull policies: evicted from the source's buffer without ever being requested.
     #[cfg_attr(feature = "serde", serde(default))]
     pub never_requested: u64,
+    /// Produced by an incarnation of this source that died during the run, never
+    /// received (set by [`Ledger::attribute_departed_sources`]).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub lost_with_source: u64,
 }
 
 impl SourceTally {
@@ -123,6 +132,7 @@ impl SourceTally {
         self.send_failed += other.send_failed;
         self.unsent += other.unsent;
         self.never_requested += other.never_requested;
+        self.lost_with_source += other.lost_with_source;
     }
     /// produced minus everything this source can account for itself: should be zero.
     pub fn unaccounted(&self) -> i128 {
@@ -132,7 +142,8 @@ impl SourceTally {
                     + self.dropped_at_source
                     + self.send_failed
                     + self.unsent
-                    + self.never_requested,
+                    + self.never_requested
+                    + self.lost_with_source,
             )
     }
 }
@@ -216,6 +227,17 @@ impl Ledger {
     /// tally. Transport loss is derived per (source, builder) pair. Fragments sent to a
     /// builder missing from `builders` (a process that died) are [`Bucket::LostWithBuilder`].
     pub fn combine(sources: &BTreeMap<SourceId, SourceTally>, builders: &BTreeMap<BuilderId, BuilderTally>) -> Ledger {
+        Self::combine_with_dead_builders(sources, builders, &BTreeSet::new())
+    }
+
+    /// [`Ledger::combine`] for a run in which `dead_builders` died (and may have been
+    /// restarted): what their sources sent them beyond what the restarted incarnation
+    /// received is [`Bucket::LostWithBuilder`], not lost in transport.
+    pub fn combine_with_dead_builders(
+        sources: &BTreeMap<SourceId, SourceTally>,
+        builders: &BTreeMap<BuilderId, BuilderTally>,
+        dead_builders: &BTreeSet<BuilderId>,
+    ) -> Ledger {
         let mut l = Ledger::default();
         for (src, t) in sources {
             l.produced += t.produced;
@@ -223,6 +245,7 @@ impl Ledger {
             l.add(Bucket::SendFailed, t.send_failed);
             l.add(Bucket::Unsent, t.unsent);
             l.add(Bucket::NeverRequested, t.never_requested);
+            l.add(Bucket::LostWithSource, t.lost_with_source);
             l.tally_errors += t.unaccounted();
             for (b, &sent) in &t.sent {
                 let Some(bt) = builders.get(b) else {
@@ -232,7 +255,10 @@ impl Ledger {
                 let received = bt.received.get(src).copied().unwrap_or(0);
                 let damaged = bt.damaged.get(src).copied().unwrap_or(0);
                 l.add(Bucket::Damaged, damaged);
-                l.add(Bucket::LostInTransport, sent.saturating_sub(received + damaged));
+                // A builder that died during the run took what it had received (its
+                // tally is the restarted one's) and what was on its way.
+                let gone = if dead_builders.contains(b) { Bucket::LostWithBuilder } else { Bucket::LostInTransport };
+                l.add(gone, sent.saturating_sub(received + damaged));
                 l.excess_received += (received + damaged).saturating_sub(sent);
             }
         }
@@ -256,6 +282,34 @@ impl Ledger {
             }
         }
         l
+    }
+
+    /// Sources whose process died during the run (its report died with it): `slices`
+    /// is how many slices each took part in before it died (from run control's record of
+    /// the departure). What the builders received from it beyond what a restarted
+    /// incarnation reports sending counts as sent by the dead one; the rest of its
+    /// production (at least what was received) is [`Bucket::LostWithSource`]. Call
+    /// before [`Ledger::combine`].
+    pub fn attribute_departed_sources(
+        sources: &mut BTreeMap<SourceId, SourceTally>,
+        builders: &BTreeMap<BuilderId, BuilderTally>,
+        slices: &BTreeMap<SourceId, u64>,
+    ) {
+        for (&src, &n) in slices {
+            let t = sources.entry(src).or_default();
+            let mut received_old = 0;
+            for (&b, bt) in builders {
+                let received = bt.received.get(&src).copied().unwrap_or(0) + bt.damaged.get(&src).copied().unwrap_or(0);
+                let old = received.saturating_sub(t.sent.get(&b).copied().unwrap_or(0));
+                if old > 0 {
+                    *t.sent.entry(b).or_default() += old;
+                    received_old += old;
+                }
+            }
+            let produced = n.max(received_old);
+            t.produced += produced;
+            t.lost_with_source += produced - received_old;
+        }
     }
 
     pub fn add(&mut self, bucket: Bucket, n: u64) {
@@ -296,6 +350,37 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_source_and_a_dead_builder_are_attributed_and_the_books_balance() {
+        // Source 0 died after 10 slices (7 of its fragments arrived, 4 at builder 0 and 3
+        // at builder 1) and was restarted: the new incarnation produced 5 and sent them.
+        let mut new = SourceTally { produced: 5, ..Default::default() };
+        new.sent.insert(0, 3);
+        new.sent.insert(1, 2);
+        let mut sources = BTreeMap::from([(0, new)]);
+        // Builder 1 died too after the restart and was restarted: its tally holds 1 of
+        // the 5 frames sent to it (3 from the dead source, 2 from the new one).
+        let mut b0 = BuilderTally::default();
+        b0.received.insert(0, 7);
+        b0.delivered = 7;
+        let mut b1 = BuilderTally::default();
+        b1.received.insert(0, 1);
+        b1.delivered = 1;
+        let builders = BTreeMap::from([(0, b0), (1, b1)]);
+        Ledger::attribute_departed_sources(&mut sources, &builders, &BTreeMap::from([(0, 10)]));
+        let t = &sources[&0];
+        assert_eq!((t.produced, t.lost_with_source, t.sent[&0], t.sent[&1]), (15, 6, 7, 2));
+        let l = Ledger::combine_with_dead_builders(&sources, &builders, &BTreeSet::from([1]));
+        assert!(l.is_balanced(), "{l:?}");
+        assert_eq!(l.get(Bucket::LostWithSource), 6);
+        assert_eq!(l.get(Bucket::LostWithBuilder), 1, "sent 2 to builder 1, its restart received 1");
+        assert_eq!(l.get(Bucket::LostInTransport), 0);
+        // More received than the slice estimate: production is at least what arrived.
+        let mut sources = BTreeMap::new();
+        Ledger::attribute_departed_sources(&mut sources, &builders, &BTreeMap::from([(0, 3)]));
+        assert_eq!((sources[&0].produced, sources[&0].lost_with_source), (8, 0));
+    }
 
     #[test]
     fn balanced_books() {
