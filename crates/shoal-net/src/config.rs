@@ -319,11 +319,15 @@ pub struct WriterConfig {
     pub listen: Option<String>,
     /// Output directory (created if missing).
     pub out_dir: PathBuf,
+    /// Never overwrite a file of the run: continue in `.partK` files (set under run
+    /// control, where run numbers are not reused; not a file setting).
+    #[serde(skip)]
+    pub keep_existing: bool,
 }
 
 impl Default for WriterConfig {
     fn default() -> Self {
-        Self { listen: None, out_dir: PathBuf::from("shoal-out") }
+        Self { listen: None, out_dir: PathBuf::from("shoal-out"), keep_existing: false }
     }
 }
 

@@ -96,14 +96,32 @@ enum DiskWork {
     Raw(RawRecord),
 }
 
+/// `<dir>/<stem>.<ext>`, or, if that exists (a writer started again during the same run,
+/// after a crash), `<stem>.part2.<ext>`, `.part3`, ...: a run's files are never
+/// overwritten.
+pub fn unused_path(dir: &std::path::Path, stem: &str, ext: &str) -> std::path::PathBuf {
+    let first = dir.join(format!("{stem}.{ext}"));
+    if !first.exists() {
+        return first;
+    }
+    (2u32..).map(|k| dir.join(format!("{stem}.part{k}.{ext}"))).find(|p| !p.exists()).expect("some part number is free")
+}
+
 /// Runs the writer on a bound listener until every builder has ended its stream (or
 /// `cancel`), then closes the files.
 pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: CancellationToken) -> anyhow::Result<WriterReport> {
     let run = cfg.run.run_number;
     let n_builders = cfg.run.builders as usize;
     std::fs::create_dir_all(&cfg.writer.out_dir)?;
-    let path = cfg.writer.out_dir.join(format!("run{run:06}.events.parquet"));
-    let summary_path = cfg.writer.out_dir.join(format!("run{run:06}.writer.json"));
+    let dir = &cfg.writer.out_dir;
+    // Under run control a run number is never reused: a file of this run is from an
+    // earlier incarnation of this writer (restarted after a crash) and is kept.
+    let name = |stem: &str, ext: &str| match cfg.writer.keep_existing {
+        true => unused_path(dir, &format!("run{run:06}.{stem}"), ext),
+        false => dir.join(format!("run{run:06}.{stem}.{ext}")),
+    };
+    let path = name("events", "parquet");
+    let summary_path = name("writer", "json");
     let mut file = EventFileWriter::create(&path, run)?;
 
     let (tx, mut rx) = mpsc::channel::<Incoming>(1024);
@@ -125,7 +143,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     // Bounded: a disk slower than the network holds up the builders' connections (they
     // queue at the builders, counted there) instead of growing the writer's memory.
     let (disk_tx, mut disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
-    let raw_path = cfg.writer.out_dir.join(format!("run{run:06}.raw.parquet"));
+    let raw_path = name("raw", "parquet");
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
         let mut raw: Option<RawFileWriter> = None;
         let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
@@ -209,4 +227,21 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?)?;
     info!(events = report.file.events, path = %path.display(), "writer finished");
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_restarted_writer_never_overwrites_the_runs_files() {
+        let dir = std::env::temp_dir().join(format!("shoal-unused-path-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = super::unused_path(&dir, "run000007.events", "parquet");
+        assert_eq!(first, dir.join("run000007.events.parquet"));
+        std::fs::write(&first, b"x").unwrap();
+        let second = super::unused_path(&dir, "run000007.events", "parquet");
+        assert_eq!(second, dir.join("run000007.events.part2.parquet"));
+        std::fs::write(&second, b"x").unwrap();
+        assert_eq!(super::unused_path(&dir, "run000007.events", "parquet"), dir.join("run000007.events.part3.parquet"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
