@@ -33,7 +33,7 @@ def on_free_ports(text: str) -> str:
     return re.sub(r"127\.0\.0\.1:(\d+)", move, text)
 
 
-def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path) -> str:
+def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path, restarts: int = 3) -> str:
     lines = [
         "[cluster]",
         f'name = "{name}"',
@@ -42,6 +42,7 @@ def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path
         f'state_dir = "{state_dir}"',
         "reply_timeout_ms = 5000",
         "stats_interval_ms = 500",
+        f"restarts = {restarts}",
         "",
         "[[process]]",
         'name = "writer"',
@@ -72,11 +73,13 @@ def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path
 class Cluster:
     """`shoal run FILE --interactive` in the background, driven over its HTTP API."""
 
-    def __init__(self, shoal_bin: pathlib.Path, workdir: pathlib.Path, sources: int = 5, builders: int = 3):
+    def __init__(
+        self, shoal_bin: pathlib.Path, workdir: pathlib.Path, sources: int = 5, builders: int = 3, restarts: int = 3
+    ):
         self.workdir = workdir
         self.state_dir = workdir / "state"
         self.file = workdir / "cluster.toml"
-        self.file.write_text(cluster_toml("test", sources, builders, self.state_dir))
+        self.file.write_text(cluster_toml("test", sources, builders, self.state_dir, restarts))
         self.log = open(workdir / "shoal-run.log", "w")
         self.proc = subprocess.Popen(
             [str(shoal_bin), "run", str(self.file), "--interactive", "--http", "127.0.0.1:0"],

@@ -48,6 +48,10 @@ pub struct ClusterSettings {
     /// the dispatcher). Default false: a run with a missing builder or source loses data by
     /// design, so run control refuses and says which processes are missing.
     pub start_with_missing: bool,
+    /// Processes started by run control (`local`, `netns`, `ssh`) that exit without being
+    /// told OFF (a crash, a kill) are started again, at most this many times each per
+    /// `shoal run`; during a run they rejoin it (0: never restart).
+    pub restarts: u32,
 }
 
 impl Default for ClusterSettings {
@@ -64,6 +68,7 @@ impl Default for ClusterSettings {
             seconds: 10.0,
             binary: None,
             start_with_missing: false,
+            restarts: 3,
         }
     }
 }

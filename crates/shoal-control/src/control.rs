@@ -155,10 +155,29 @@ pub struct RunRecord {
     pub ledger: LedgerSummary,
     /// Sources and builders whose end-of-run report never arrived (died or hung).
     pub missing_reports: Vec<String>,
+    /// Processes that left the run while it was on (died, stopped answering), what they
+    /// took part in, and where a restarted one rejoined; their production is attributed
+    /// in the ledger (`lost_with_source`, `lost_with_builder`).
+    pub departures: Vec<DepartureRecord>,
     pub slices_complete: u64,
     pub slices_incomplete: u64,
     pub events: u64,
     pub reports: Vec<NodeReport>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DepartureRecord {
+    pub name: String,
+    pub role: String,
+    /// Took part in slices `from_slice..to_slice`.
+    pub from_slice: u64,
+    pub to_slice: u64,
+    /// When run control found it gone (UNIX ns) and why.
+    pub left_unix_ns: u64,
+    pub reason: String,
+    /// A restarted incarnation took part again from this slice, sent START at this time.
+    pub rejoined_slice: Option<u64>,
+    pub rejoined_unix_ns: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -246,6 +265,8 @@ pub struct Controller {
     reports: Vec<NodeReport>,
     /// Outcomes of commands finished and not yet collected by [`Controller::execute`].
     finished: Vec<CommandOutcome>,
+    /// Processes brought back into the run in progress: (name, slice, when, UNIX ns).
+    rejoins: Vec<(String, u64, u64)>,
 }
 
 impl Controller {
@@ -279,6 +300,7 @@ impl Controller {
             run: None,
             reports: Vec::new(),
             finished: Vec::new(),
+            rejoins: Vec::new(),
         })
     }
 
@@ -299,6 +321,19 @@ impl Controller {
     fn on_event(&mut self, event: ClusterEvent) -> anyhow::Result<()> {
         match event {
             ClusterEvent::Announced { .. } => {}
+            ClusterEvent::Departed(d) => self.shared.update(|s| {
+                s.note(format!(
+                    "{} left run {} ({}): it took part in slices {}..{}",
+                    d.name, d.run, d.reason, d.from_slice, d.to_slice
+                ))
+            }),
+            ClusterEvent::Rejoined { name, run, start_slice } => {
+                self.rejoins.push((name.clone(), start_slice, self.clock.now().as_nanos()));
+                self.shared.update(|s| s.note(format!("{name} rejoins run {run} from slice {start_slice}")));
+            }
+            ClusterEvent::RejoinFailed { name, error } => {
+                self.shared.update(|s| s.note(format!("{name} could not rejoin the run: {error}")))
+            }
             ClusterEvent::Back { name, state } => self.shared.update(|s| s.note(format!("{name} is back ({state})"))),
             ClusterEvent::Inactive { name, reason } => {
                 self.shared.update(|s| s.note(format!("{name} inactive: {reason}")))
@@ -312,6 +347,7 @@ impl Controller {
             }),
             ClusterEvent::RunStarted { run, start_slice } => {
                 let started = SystemTime::now();
+                self.rejoins.clear();
                 self.run = Some(RunMeta { started, config: self.control.config().configuration.clone() });
                 self.reports.clear();
                 self.shared.update(|s| {
@@ -511,7 +547,43 @@ impl Controller {
             .filter(|p| p.role != Role::Writer && !reported.contains(p.name.as_str()))
             .map(|p| p.name.clone())
             .collect();
-        let ledger = Ledger::combine(&sources, &builders);
+        // Processes that died during the run: their part is attributed, not unknown.
+        let departures: Vec<_> = self.control.departures().iter().filter(|d| d.run == run).cloned().collect();
+        let spec = |name: &str| self.file.processes.iter().find(|p| p.name == name);
+        let mut dead_source_slices: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut dead_builders = std::collections::BTreeSet::new();
+        for d in &departures {
+            let Some(p) = spec(&d.name) else { continue };
+            match d.role {
+                Role::Source => {
+                    let ids: Vec<u32> =
+                        if p.ids.is_empty() { (0..self.file.config.run.sources).collect() } else { p.ids.clone() };
+                    for id in ids {
+                        *dead_source_slices.entry(id).or_default() += d.to_slice - d.from_slice;
+                    }
+                }
+                Role::Builder => dead_builders.extend(p.ids.first().copied()),
+                _ => {}
+            }
+        }
+        Ledger::attribute_departed_sources(&mut sources, &builders, &dead_source_slices);
+        let ledger = Ledger::combine_with_dead_builders(&sources, &builders, &dead_builders);
+        let departures = departures
+            .iter()
+            .map(|d| {
+                let rejoin = self.rejoins.iter().find(|(n, slice, _)| *n == d.name && *slice >= d.to_slice);
+                DepartureRecord {
+                    name: d.name.clone(),
+                    role: d.role.name().to_string(),
+                    from_slice: d.from_slice,
+                    to_slice: d.to_slice,
+                    left_unix_ns: d.at.as_nanos(),
+                    reason: d.reason.to_string(),
+                    rejoined_slice: rejoin.map(|r| r.1),
+                    rejoined_unix_ns: rejoin.map(|r| r.2),
+                }
+            })
+            .collect();
         RunRecord {
             run,
             cluster: self.file.cluster.name.clone(),
@@ -536,6 +608,7 @@ impl Controller {
                 .collect(),
             ledger: LedgerSummary::new(&ledger),
             missing_reports,
+            departures,
             slices_complete: reports.iter().map(|r| r.slices_complete).sum(),
             slices_incomplete: reports.iter().map(|r| r.slices_incomplete).sum(),
             events: reports.iter().filter(|r| r.role == "builder").map(|r| r.events).sum(),

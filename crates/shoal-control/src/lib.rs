@@ -58,8 +58,19 @@ pub struct RunOptions {
 }
 
 struct Launched {
-    name: String,
+    spec: ProcessSpec,
     child: Child,
+}
+
+/// How to start a process again after it died.
+#[derive(Clone)]
+struct Relaunch {
+    file: ClusterFile,
+    binary: std::path::PathBuf,
+    logs: std::path::PathBuf,
+    shared: std::sync::Arc<Shared>,
+    /// Most restarts per process.
+    limit: u32,
 }
 
 fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
@@ -83,15 +94,27 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
     args
 }
 
-fn spawn_logged(program: &Path, args: &[String], log: &Path) -> anyhow::Result<Child> {
-    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+fn spawn_logged(program: &Path, args: &[String], log: &Path, append: bool) -> anyhow::Result<Child> {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(log)
+        .with_context(|| format!("creating {}", log.display()))?;
     let err = out.try_clone()?;
     let mut cmd = Command::new(program);
     cmd.args(args).stdin(std::process::Stdio::null()).stdout(out).stderr(err).process_group(0).kill_on_drop(true);
     cmd.spawn().with_context(|| format!("starting {} {}", program.display(), args.join(" ")))
 }
 
-fn launch(spec: &ProcessSpec, file: &ClusterFile, binary: &Path, logs: &Path) -> anyhow::Result<Option<Child>> {
+fn launch(
+    spec: &ProcessSpec,
+    file: &ClusterFile,
+    binary: &Path,
+    logs: &Path,
+    append: bool,
+) -> anyhow::Result<Option<Child>> {
     let mut args = process_args(spec, file);
     if matches!(spec.launch, Launch::Local | Launch::Netns) {
         // Our child (`ip netns exec` execs): if this process is killed, it stops too.
@@ -100,16 +123,16 @@ fn launch(spec: &ProcessSpec, file: &ClusterFile, binary: &Path, logs: &Path) ->
     let log = logs.join(format!("{}.log", spec.name));
     match spec.launch {
         Launch::External => Ok(None),
-        Launch::Local => spawn_logged(binary, &args, &log).map(Some),
+        Launch::Local => spawn_logged(binary, &args, &log, append).map(Some),
         Launch::Ssh => {
             let mut ssh = vec!["-o".into(), "BatchMode=yes".into(), spec.host.clone(), binary.display().to_string()];
             ssh.extend(args);
-            spawn_logged(Path::new("ssh"), &ssh, &log).map(Some)
+            spawn_logged(Path::new("ssh"), &ssh, &log, append).map(Some)
         }
         Launch::Netns => {
             let mut exec = vec!["netns".into(), "exec".into(), spec.host.clone(), binary.display().to_string()];
             exec.extend(args);
-            spawn_logged(Path::new("ip"), &exec, &log).map(Some)
+            spawn_logged(Path::new("ip"), &exec, &log, append).map(Some)
         }
     }
 }
@@ -194,7 +217,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
             file.cluster.dispatcher_http.clone(),
             "--exit-with-parent".into(),
         ];
-        dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"))?);
+        dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?);
     }
     wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
     let mut listener_client = ChClient::connect(dispatcher).await?;
@@ -242,18 +265,25 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         Role::Source => 3,
     });
     for spec in specs {
-        if let Some(child) = launch(spec, &file, &binary, &logs)? {
+        if let Some(child) = launch(spec, &file, &binary, &logs, false)? {
             let pid = child.id();
             shared.update(|s| {
                 if let Some(p) = s.process_mut(&spec.name) {
                     p.pid = pid;
                 }
             });
-            launched.push(Launched { name: spec.name.clone(), child });
+            launched.push(Launched { spec: spec.clone(), child });
         }
     }
     shared.update(|s| s.note(format!("launched {} processes; logs in {}", launched.len(), logs.display())));
-    let exits = watch_exits(launched, incoming_tx);
+    let relaunch = Relaunch {
+        file: file.clone(),
+        binary: binary.clone(),
+        logs: logs.clone(),
+        shared: shared.clone(),
+        limit: file.cluster.restarts,
+    };
+    let exits = watch_exits(launched, incoming_tx, relaunch);
 
     let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx)?;
     controller.discover().await?;
@@ -381,29 +411,66 @@ struct Exits {
     kill: CancellationToken,
 }
 
-fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming>) -> Exits {
+/// A process that exits with a failure (killed, crashed) is started again, up to
+/// `relaunch.limit` times; it announces itself and run control brings it back into the
+/// run. A clean exit (after OFF) ends the watch.
+fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming>, relaunch: Relaunch) -> Exits {
     let kill = CancellationToken::new();
     let tasks = launched
         .into_iter()
         .map(|mut l| {
             let incoming = incoming.clone();
             let kill = kill.clone();
-            let name = l.name.clone();
+            let relaunch = relaunch.clone();
+            let name = l.spec.name.clone();
             let task = tokio::spawn(async move {
-                let status = tokio::select! {
-                    st = l.child.wait() => st,
-                    _ = kill.cancelled() => {
-                        eprintln!("{} did not exit after OFF; killing it", l.name);
-                        let _ = l.child.start_kill();
-                        l.child.wait().await
+                let mut restarts = 0;
+                loop {
+                    let status = tokio::select! {
+                        st = l.child.wait() => st,
+                        _ = kill.cancelled() => {
+                            eprintln!("{} did not exit after OFF; killing it", l.spec.name);
+                            let _ = l.child.start_kill();
+                            let _ = l.child.wait().await;
+                            return;
+                        }
+                    };
+                    let how = match &status {
+                        Ok(st) => st.to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    // The controller decides whether that was expected (after OFF) or not.
+                    let _ = incoming.send(Incoming::Exited(l.spec.name.clone(), how.clone()));
+                    let failed = status.as_ref().map_or(true, |st| !st.success());
+                    if !failed || restarts >= relaunch.limit || kill.is_cancelled() {
+                        return;
                     }
-                };
-                let how = match &status {
-                    Ok(st) => st.to_string(),
-                    Err(e) => e.to_string(),
-                };
-                // The controller decides whether that was expected (after OFF) or not.
-                let _ = incoming.send(Incoming::Exited(l.name, how));
+                    restarts += 1;
+                    relaunch.shared.update(|s| {
+                        s.note(format!(
+                            "{} exited ({how}); starting it again ({restarts} of {})",
+                            l.spec.name, relaunch.limit
+                        ))
+                    });
+                    match launch(&l.spec, &relaunch.file, &relaunch.binary, &relaunch.logs, true) {
+                        Ok(Some(child)) => {
+                            let pid = child.id();
+                            relaunch.shared.update(|s| {
+                                if let Some(p) = s.process_mut(&l.spec.name) {
+                                    p.pid = pid;
+                                }
+                            });
+                            l.child = child;
+                        }
+                        Ok(None) => return,
+                        Err(e) => {
+                            relaunch
+                                .shared
+                                .update(|s| s.note(format!("{} could not be started again: {e:#}", l.spec.name)));
+                            return;
+                        }
+                    }
+                }
             });
             (name, task)
         })

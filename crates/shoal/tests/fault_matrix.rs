@@ -1,0 +1,268 @@
+//! The fault matrix under `shoal run` (every role its own process on loopback): a process
+//! killed or hung mid-run. For each: the others keep running, the run ends by itself,
+//! the run record says what happened, and every fragment is in a ledger bucket (a dead
+//! source's production attributed, not unknown). Recovery times are printed (`--nocapture`)
+//! for docs/reliability.md, never asserted.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+fn status(ui: &str) -> Option<serde_json::Value> {
+    http_get(ui, "/api/status").and_then(|b| serde_json::from_str(&b).ok())
+}
+
+/// A `shoal run` of 2 builders and 3 single-source processes, killed as a group if the
+/// test fails half-way.
+struct Cluster {
+    child: std::process::Child,
+    dir: PathBuf,
+    ui: String,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").args(["-KILL", &format!("-{}", self.child.id())]).status();
+            let _ = self.child.wait();
+        }
+        // Processes restarted by run control are in their own groups: the OFF at the
+        // end (or their parent watch) ends them; a failed test leaves the directory.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl Cluster {
+    fn start(name: &str, seconds: u32) -> Cluster {
+        let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (sources, builders) = (3u32, 2u32);
+        let mut text = format!(
+            "[cluster]\nname = \"{name}\"\ndispatcher = \"127.0.0.1:{}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
+             reply_timeout_ms = 5000\nstats_interval_ms = 500\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
+            free_port(),
+            dir.join("state").display()
+        );
+        for b in 0..builders {
+            text += &format!("[[process]]\nname = \"builder{b}\"\nrole = \"builder\"\nids = [{b}]\n");
+        }
+        for s in 0..sources {
+            text += &format!("[[process]]\nname = \"source{s}\"\nrole = \"source\"\nids = [{s}]\n");
+        }
+        let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
+        text += &format!(
+            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"direct\"\n\
+             builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
+             [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
+             [config.builder]\ndrain_timeout_ms = 4000\nwall_timeout_ms = 1500\n\
+             [config.writer]\nout_dir = \"{}\"\n",
+            addrs.join(", "),
+            free_port(),
+            dir.join("data").display()
+        );
+        let file = dir.join("cluster.toml");
+        std::fs::write(&file, &text).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["run", file.to_str().unwrap(), "--seconds", &seconds.to_string(), "--http", "127.0.0.1:0"])
+            .current_dir(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("run control UI: http://") {
+                    let _ = tx.send(rest.trim_end_matches('/').to_string());
+                }
+            }
+        });
+        let ui = rx.recv_timeout(Duration::from_secs(120)).expect("shoal run printed its UI address");
+        let c = Cluster { child, dir, ui };
+        c.wait_for("the cluster RUNNING", |s| s["state"] == "RUNNING");
+        c
+    }
+
+    fn wait_for(&self, what: &str, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let waiting = Instant::now();
+        loop {
+            if let Some(s) = status(&self.ui)
+                && ok(&s)
+            {
+                return s;
+            }
+            assert!(waiting.elapsed() < Duration::from_secs(120), "waited 120 s for {what}: {:?}", status(&self.ui));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn pid(&self, name: &str) -> u32 {
+        let s = status(&self.ui).unwrap();
+        let p = s["processes"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap();
+        p["pid"].as_u64().unwrap_or_else(|| panic!("no pid for {name}: {p}")) as u32
+    }
+
+    fn process<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+        s["processes"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap()
+    }
+
+    /// Sends `signal` to the process `name`; returns its pid and when (UNIX ns).
+    fn signal(&self, name: &str, signal: &str) -> (u32, u64) {
+        let pid = self.pid(name);
+        let at = unix_ns();
+        assert!(Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap().success());
+        (pid, at)
+    }
+
+    /// Waits for `shoal run` to end by itself; returns the run record.
+    fn finish(mut self) -> (serde_json::Value, PathBuf) {
+        let waiting = Instant::now();
+        let st = loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(waiting.elapsed() < Duration::from_secs(240), "shoal run did not end");
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert!(st.success(), "shoal run exited {st}");
+        let path = self.dir.join("state").join("runs").join("run000001.json");
+        let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        (record, self.dir.clone())
+    }
+}
+
+fn assert_accounted(record: &serde_json::Value) {
+    let l = &record["ledger"];
+    assert_eq!(l["balanced"], true, "{l}");
+    assert_eq!(l["unaccounted"], 0, "{l}");
+    assert_eq!(l["excess_received"], 0, "{l}");
+}
+
+/// The slice in progress at `unix` ns (100-ms slices on the UNIX epoch).
+fn slice_at(unix: u64) -> u64 {
+    unix / 100_000_000
+}
+
+fn no_process_left(dir: &Path) {
+    // Every process of the cluster was launched with this directory's cluster file.
+    let file = dir.join("cluster.toml");
+    let out = Command::new("pgrep").args(["-f", file.to_str().unwrap()]).output().unwrap();
+    assert!(out.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn a_source_killed_mid_run_is_restarted_and_rejoins_with_its_production_attributed() {
+    let c = Cluster::start("kill-source", 12);
+    std::thread::sleep(Duration::from_secs(3));
+    let (old, killed) = c.signal("source1", "KILL");
+    let back = c.wait_for("source1 started again", |s| {
+        Cluster::process(s, "source1")["pid"].as_u64().is_some_and(|pid| pid as u32 != old)
+    });
+    assert!(Cluster::process(&back, "source0")["active"] == true);
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let d = record["departures"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0]["name"].as_str(), d[0]["role"].as_str()), (Some("source1"), Some("source")));
+    let rejoined = d[0]["rejoined_slice"].as_u64().expect("rejoined");
+    assert!(rejoined >= d[0]["to_slice"].as_u64().unwrap());
+    let running_again = d[0]["rejoined_unix_ns"].as_u64().unwrap();
+    let buckets = &record["ledger"]["buckets"];
+    // What it held when it died is lost with it; nothing is unknown or lost in transport.
+    assert_eq!(buckets["lost_in_transport"], 0, "{buckets}");
+    assert!(record["slices_complete"].as_u64().unwrap() > 0);
+    // Slices after the rejoin are complete again (the builders saw source 1 again).
+    let first_after = rejoined;
+    println!(
+        "fault source SIGKILL: started again and sent START {:.2} s after the kill (rejoined at slice {}, {} slices \
+         after the kill); lost_with_source {}, ledger {}",
+        running_again.saturating_sub(killed) as f64 * 1e-9,
+        first_after,
+        first_after.saturating_sub(slice_at(killed)),
+        buckets["lost_with_source"],
+        record["ledger"]
+    );
+    no_process_left(&dir);
+}
+
+#[test]
+fn a_builder_killed_mid_run_is_restarted_and_the_sources_reconnect() {
+    let c = Cluster::start("kill-builder", 12);
+    std::thread::sleep(Duration::from_secs(3));
+    let (old, killed) = c.signal("builder1", "KILL");
+    c.wait_for("builder1 started again", |s| {
+        Cluster::process(s, "builder1")["pid"].as_u64().is_some_and(|pid| pid as u32 != old)
+    });
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let d = record["departures"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0]["name"], "builder1");
+    let running_again = d[0]["rejoined_unix_ns"].as_u64().expect("builder1 rejoined");
+    let buckets = &record["ledger"]["buckets"];
+    assert_eq!(buckets["lost_in_transport"], 0, "what the dead builder had is lost with it: {buckets}");
+    // The restarted builder built slices again: its report is there.
+    let reports = record["reports"].as_array().unwrap();
+    let b1 = reports.iter().find(|r| r["name"] == "builder1").expect("builder1's report");
+    assert!(b1["slices_complete"].as_u64().unwrap() > 0, "{b1}");
+    println!(
+        "fault builder SIGKILL: started again and sent START {:.2} s after the kill; builder1 built {} slices \
+         after its restart; ledger {}",
+        running_again.saturating_sub(killed) as f64 * 1e-9,
+        b1["slices_complete"],
+        record["ledger"]
+    );
+    no_process_left(&dir);
+}
+
+#[test]
+fn a_builder_hung_for_10_s_costs_counted_data_and_the_run_goes_on() {
+    let c = Cluster::start("stop-builder", 20);
+    std::thread::sleep(Duration::from_secs(3));
+    let (_, stopped) = c.signal("builder0", "STOP");
+    std::thread::sleep(Duration::from_secs(10));
+    let (_, resumed) = c.signal("builder0", "CONT");
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    // A hung process is alive: nothing departed, nothing restarted.
+    assert!(record["departures"].as_array().unwrap().is_empty(), "{}", record["departures"]);
+    let reports = record["reports"].as_array().unwrap();
+    let b1 = reports.iter().find(|r| r["name"] == "builder1").unwrap();
+    let b0 = reports.iter().find(|r| r["name"] == "builder0").unwrap();
+    assert!(b1["slices_complete"].as_u64().unwrap() > 50, "builder1 kept building: {b1}");
+    assert!(b0["slices_complete"].as_u64().unwrap() > 0, "builder0 built again after it resumed: {b0}");
+    println!(
+        "fault builder SIGSTOP 10 s ({:.1} s): builder0 {} complete / {} incomplete, builder1 {} complete; ledger {}",
+        (resumed - stopped) as f64 * 1e-9,
+        b0["slices_complete"],
+        b0["slices_incomplete"],
+        b1["slices_complete"],
+        record["ledger"]
+    );
+    no_process_left(&dir);
+}
