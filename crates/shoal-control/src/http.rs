@@ -167,5 +167,7 @@ pub async fn serve(
         .route("/api/ws", get(ws))
         .route("/metrics", get(metrics))
         .with_state(AppState { shared, commands, state_dir, dispatcher });
-    axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await
+    let limits = shoal_dispatcher::httpd::HttpLimits::default();
+    let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
+    shoal_dispatcher::httpd::serve(listener, app, limits, stats, "run control", cancel).await
 }

@@ -7,10 +7,14 @@
 //!   connection around one [`shoal_core::controlhost::Router`], with `/status` and
 //!   Prometheus `/metrics` over HTTP;
 //! - [`client`]: [`client::ChClient`], the async client that run control, the nodes' agents
-//!   and the tests use.
+//!   and the tests use;
+//! - [`httpd`]: the HTTP server every shoal process uses (limits per peer and in all,
+//!   header and request timeouts), so a hostile HTTP client cannot hold a process.
 //!
 //! Real third-party clients (Python `controlhost`, `km3pipe`) talk to it unchanged; see
 //! `docs/dispatcher.md`.
 
 pub mod client;
+pub mod httpd;
+pub mod lograte;
 pub mod server;

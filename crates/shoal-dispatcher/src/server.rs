@@ -38,18 +38,36 @@ pub struct DispatcherConfig {
     pub router: RouterConfig,
     /// Largest payload accepted; a larger length closes the connection.
     pub max_payload: u32,
+    /// Most clients connected at once; a connection beyond is closed at once and counted
+    /// (`connection_limit`), so a flood cannot take every descriptor of the process.
+    pub max_clients: usize,
 }
 
 impl Default for DispatcherConfig {
     fn default() -> Self {
-        Self { router: RouterConfig::default(), max_payload: 64 << 20 }
+        Self { router: RouterConfig::default(), max_payload: 64 << 20, max_clients: 4096 }
     }
 }
 
 enum Event {
-    Connected { id: ClientId, peer: SocketAddr, writer: mpsc::UnboundedSender<Message>, close: CancellationToken },
-    Closed { id: ClientId, reason: Option<&'static str> },
-    Written { id: ClientId, messages: usize },
+    Connected {
+        id: ClientId,
+        peer: SocketAddr,
+        writer: mpsc::UnboundedSender<Message>,
+        close: CancellationToken,
+    },
+    Closed {
+        id: ClientId,
+        reason: Option<&'static str>,
+    },
+    /// A connection closed at accept (over `max_clients`).
+    Refused {
+        reason: &'static str,
+    },
+    Written {
+        id: ClientId,
+        messages: usize,
+    },
     Snapshot(oneshot::Sender<Snapshot>),
 }
 
@@ -117,13 +135,22 @@ pub fn spawn_dispatcher(
     let (in_tx, in_rx) = mpsc::channel::<(ClientId, Message)>(INPUT_QUEUE);
     let accept_events = ev_tx.clone();
     let accept_cancel = cancel.clone();
+    let places = std::sync::Arc::new(tokio::sync::Semaphore::new(cfg.max_clients));
     tokio::spawn(async move {
         let mut next_id: ClientId = 1;
         loop {
             tokio::select! {
                 r = listener.accept() => match r {
                     Ok((stream, peer)) => {
-                        start_connection(next_id, stream, peer, cfg.max_payload, &accept_events, &in_tx);
+                        let Ok(place) = places.clone().try_acquire_owned() else {
+                            drop(stream);
+                            if let Some(held_back) = LIMITED.check() {
+                                warn!(%peer, max_clients = cfg.max_clients, held_back, "at the client limit: connection closed");
+                            }
+                            let _ = accept_events.send(Event::Refused { reason: "connection_limit" });
+                            continue;
+                        };
+                        start_connection(next_id, stream, peer, cfg.max_payload, &accept_events, &in_tx, place);
                         next_id += 1;
                     }
                     Err(e) => {
@@ -147,6 +174,7 @@ fn start_connection(
     max_payload: u32,
     events: &mpsc::UnboundedSender<Event>,
     input: &mpsc::Sender<(ClientId, Message)>,
+    place: tokio::sync::OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
     let _ = socket2::SockRef::from(&stream).set_keepalive(true);
@@ -155,7 +183,11 @@ fn start_connection(
     let close = CancellationToken::new();
     // Register before the reader can produce anything, so the core knows the client.
     let _ = events.send(Event::Connected { id, peer, writer: wtx, close: close.clone() });
-    tokio::spawn(read_loop(id, r, peer, max_payload, input.clone(), events.clone(), close.clone()));
+    let (input, read_events, read_close) = (input.clone(), events.clone(), close.clone());
+    tokio::spawn(async move {
+        read_loop(id, r, peer, max_payload, input, read_events, read_close).await;
+        drop(place);
+    });
     tokio::spawn(write_loop(id, w, wrx, events.clone(), close));
 }
 
@@ -308,6 +340,7 @@ async fn run_core(
                     }
                     router.handle_disconnect(id);
                 }
+                Some(Event::Refused { reason }) => *rejected.entry(reason.to_string()).or_default() += 1,
                 Some(Event::Written { id, messages }) => router.handle_written(id, messages),
                 Some(Event::Snapshot(reply)) => {
                     let bp = backpressure + paused_since.map_or(Duration::ZERO, |t| t.elapsed());
@@ -437,6 +470,9 @@ pub fn metrics_text(s: &Snapshot) -> String {
     out
 }
 
+/// "at the client limit" warnings, at most one a second.
+static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(1));
+
 /// Serves `/status` and `/metrics` for a dispatcher until `cancel`.
 pub async fn serve_http(
     listener: TcpListener,
@@ -452,5 +488,7 @@ pub async fn serve_http(
         ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
     }
     let app = Http::new().route("/status", get(status)).route("/metrics", get(metrics)).with_state(handle);
-    axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await
+    let limits = crate::httpd::HttpLimits::default();
+    let stats = std::sync::Arc::new(crate::httpd::HttpStats::default());
+    crate::httpd::serve(listener, app, limits, stats, "dispatcher", cancel).await
 }

@@ -188,3 +188,30 @@ async fn client_reconnects_and_resubscribes() {
     assert!(reconnects >= 1);
     cancel2.cancel();
 }
+
+/// A connection flood stops at `max_clients`: the connections beyond are closed at once and
+/// counted; the clients already in keep publishing and receiving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_flood_stops_at_the_client_limit() {
+    let (h, cancel) = start(DispatcherConfig { max_clients: 16, ..Default::default() }).await;
+    let mut sub = ChClient::connect(h.addr).await.unwrap();
+    sub.subscribe("OK", Mode::All).await.unwrap();
+    let mut publisher = ChClient::connect(h.addr).await.unwrap();
+    wait_until(&h, "subscriber", |s| subscribed(s, "a OK") == 1).await;
+    // 2 clients in: 14 places left for 40 connections.
+    let mut flood = Vec::new();
+    for _ in 0..40 {
+        flood.push(TcpStream::connect(h.addr).await.unwrap());
+    }
+    let s = wait_until(&h, "26 refusals", |s| s.rejected.get("connection_limit") == Some(&26)).await;
+    assert_eq!(s.clients.len(), 16);
+    publisher.publish("OK", b"still working").await.unwrap();
+    assert_eq!(&sub.next_message().await.unwrap().payload[..], b"still working");
+    // Places come back as the flood leaves.
+    drop(flood);
+    wait_until(&h, "the flood gone", |s| s.clients.len() == 2).await;
+    let mut late = ChClient::connect(h.addr).await.unwrap();
+    late.subscribe("OK", Mode::All).await.unwrap();
+    wait_until(&h, "a late subscriber", |s| subscribed(s, "a OK") == 2).await;
+    cancel.cancel();
+}

@@ -218,6 +218,9 @@ async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, 
     }
 }
 
+/// "at its connection limit" warnings, at most one a second.
+static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(StdDuration::from_secs(1));
+
 /// Reads one source connection: validated frames go to the assembler task.
 async fn read_connection(
     stream: TcpStream,
@@ -231,7 +234,8 @@ async fn read_connection(
     // Pull requests for the sources that greet us go back on this connection.
     let (requests, requests_rx) = mpsc::unbounded_channel();
     tokio::spawn(write_queued(write, requests_rx));
-    let mut reader = FrameReader::new(read, peer, max_payload, cancel);
+    let mut reader =
+        FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
     let end = loop {
         let frame = match reader.next().await {
             Ok(f) => f,
@@ -323,15 +327,28 @@ pub async fn run_builder(
     // connection open behind it.
     let _end_tasks = readers.clone().drop_guard();
     let accept_cancel = readers.clone();
+    let limit = crate::listen::ConnectionLimit::new(n_sources as usize);
     let accept_task = tokio::spawn(async move {
         let mut accepted = 0u64;
         loop {
             tokio::select! {
                 r = listener.accept() => match r {
                     Ok((stream, peer)) => {
+                        let Some(place) = limit.admit() else {
+                            drop(stream);
+                            if let Some(held_back) = LIMITED.check() {
+                                warn!(%peer, limit = limit.limit(), held_back, "data port at its connection limit: closed");
+                            }
+                            let _ = in_tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
+                            continue;
+                        };
                         accepted += 1;
                         let _ = stream.set_nodelay(true);
-                        tokio::spawn(read_connection(stream, peer, max_payload, clock, in_tx.clone(), accept_cancel.clone()));
+                        let (tx, c) = (in_tx.clone(), accept_cancel.clone());
+                        tokio::spawn(async move {
+                            read_connection(stream, peer, max_payload, clock, tx, c).await;
+                            drop(place);
+                        });
                     }
                     Err(e) => {
                         // Typically EMFILE: back off instead of spinning.

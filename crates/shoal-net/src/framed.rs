@@ -26,16 +26,30 @@ pub struct FrameReader<R = TcpStream> {
     peer: SocketAddr,
     dec: StreamDecoder,
     cancel: CancellationToken,
+    /// Until the first frame: when the connection is closed for saying nothing.
+    first_by: Option<tokio::time::Instant>,
 }
+
+/// "closing connection" warnings of the whole process: at most one a second, with a count
+/// of those held back (a flood of bad connections must not flood the log).
+static CLOSING: crate::lograte::LogRate = crate::lograte::LogRate::new(std::time::Duration::from_secs(1));
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(stream: R, peer: SocketAddr, max_payload: u32, cancel: CancellationToken) -> Self {
-        Self { stream, peer, dec: StreamDecoder::new(max_payload), cancel }
+        Self { stream, peer, dec: StreamDecoder::new(max_payload), cancel, first_by: None }
+    }
+
+    /// Closes the connection (`no_frame_in_time`) if no whole frame arrives within `d`.
+    pub fn first_frame_within(mut self, d: std::time::Duration) -> Self {
+        self.first_by = Some(tokio::time::Instant::now() + d);
+        self
     }
 
     /// Closes for bad input found by the caller: logs and returns the end to report.
     pub fn reject(&self, reason: &'static str, detail: &str) -> ReadEnd {
-        warn!(peer = %self.peer, reason, detail, "closing connection");
+        if let Some(held_back) = CLOSING.check() {
+            warn!(peer = %self.peer, reason, detail, held_back, "closing connection");
+        }
         ReadEnd::Rejected(reason)
     }
 
@@ -43,14 +57,21 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub async fn next(&mut self) -> Result<Frame, ReadEnd> {
         loop {
             match self.dec.next_frame() {
-                Ok(Some(frame)) => return Ok(frame),
+                Ok(Some(frame)) => {
+                    self.first_by = None;
+                    return Ok(frame);
+                }
                 Ok(None) => {}
                 Err(e) => return Err(self.reject(e.kind(), &e.to_string())),
             }
             self.dec.buffer_mut().reserve(64 * 1024);
+            let first_by = self.first_by;
             let n = tokio::select! {
                 r = self.stream.read_buf(self.dec.buffer_mut()) => r,
                 _ = self.cancel.cancelled() => return Err(ReadEnd::Cancelled),
+                _ = tokio::time::sleep_until(first_by.unwrap_or_else(tokio::time::Instant::now)), if first_by.is_some() => {
+                    return Err(self.reject("no_frame_in_time", "no whole frame since the connection opened"));
+                }
             };
             match n {
                 Ok(0) => {

@@ -33,7 +33,7 @@ pub mod framed;
 pub mod link;
 pub mod listen;
 pub mod live;
-pub mod lograte;
+pub use shoal_dispatcher::lograte;
 pub mod node;
 pub mod rcagent;
 pub mod source;

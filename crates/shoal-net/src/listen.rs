@@ -24,3 +24,37 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(BACKLOG)?;
     TcpListener::from_std(socket.into())
 }
+
+/// How long a new data connection has to deliver its first whole frame before it is closed
+/// (`no_frame_in_time`): a connection that says nothing holds a descriptor for nothing.
+/// Sources send a hello or a fragment within a slice or two of connecting (slices are at
+/// most 4 s).
+pub const FIRST_FRAME_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Most connections a data port keeps open at once. Beyond, a new connection is closed at
+/// once and counted (`connection_limit`), so a flood cannot take the process's descriptors
+/// from its data path; connections that never send a frame leave within
+/// [`FIRST_FRAME_WITHIN`], making room again.
+#[derive(Clone, Debug)]
+pub struct ConnectionLimit {
+    places: std::sync::Arc<tokio::sync::Semaphore>,
+    limit: usize,
+}
+
+impl ConnectionLimit {
+    /// A port expecting up to `expected` legitimate connections: room for them and 256
+    /// more (reconnections whose old connection is not yet seen closed, monitoring).
+    pub fn new(expected: usize) -> Self {
+        let limit = expected + 256;
+        Self { places: std::sync::Arc::new(tokio::sync::Semaphore::new(limit)), limit }
+    }
+
+    /// A place for a new connection (given back when dropped), or `None` at the limit.
+    pub fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.places.clone().try_acquire_owned().ok()
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}

@@ -568,7 +568,9 @@ async fn serve_metrics(listener: TcpListener, opts: NodeOptions, live: Arc<Live>
         )
     }
     let app = Router::new().route("/metrics", get(metrics)).with_state((opts, live));
-    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(async move { cancel.cancelled().await }).await {
+    let limits = shoal_dispatcher::httpd::HttpLimits::default();
+    let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
+    if let Err(e) = shoal_dispatcher::httpd::serve(listener, app, limits, stats, "metrics", cancel).await {
         warn!(error = %e, "metrics server failed");
     }
 }

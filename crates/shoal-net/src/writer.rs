@@ -51,7 +51,8 @@ enum Incoming {
 }
 
 async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
-    let mut reader = FrameReader::new(stream, peer, 256 << 20, cancel);
+    let mut reader =
+        FrameReader::new(stream, peer, 256 << 20, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
     let end = loop {
         let frame = match reader.next().await {
             Ok(f) => f,
@@ -127,11 +128,24 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     let (tx, mut rx) = mpsc::channel::<Incoming>(1024);
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
+    let limit = crate::listen::ConnectionLimit::new(n_builders);
     let accept = tokio::spawn(async move {
         loop {
             tokio::select! {
                 r = listener.accept() => match r {
-                    Ok((stream, peer)) => { tokio::spawn(read_connection(stream, peer, tx.clone(), accept_cancel.clone())); }
+                    Ok((stream, peer)) => {
+                        let Some(place) = limit.admit() else {
+                            drop(stream);
+                            warn!(%peer, limit = limit.limit(), "writer port at its connection limit: closed");
+                            let _ = tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
+                            continue;
+                        };
+                        let (tx, c) = (tx.clone(), accept_cancel.clone());
+                        tokio::spawn(async move {
+                            read_connection(stream, peer, tx, c).await;
+                            drop(place);
+                        });
+                    }
                     Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(StdDuration::from_millis(50)).await; }
                 },
                 _ = accept_cancel.cancelled() => return,

@@ -11,6 +11,7 @@ use shoal_core::Instant;
 use shoal_core::frame::{self, Flags, FrameHeader};
 use shoal_core::ledger::Ledger;
 use shoal_net::builder::run_builder;
+use shoal_net::live::Live;
 use shoal_net::source::run_source_node;
 use shoal_net::writer::run_writer;
 use tokio::io::AsyncWriteExt;
@@ -206,5 +207,46 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
         w.rejected_connections
     );
     assert!(w.rejected_connections.values().all(|&n| n == 1));
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// A connection flood on a builder's data port stops at its limit (sources + 256): the
+/// connections beyond are closed at once and counted, the real source's connection keeps
+/// its data flowing, nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_flood_on_the_data_port_stops_at_its_limit() {
+    let out = temp_dir("flood");
+    let mut cfg = small_config(2, 1, 1.0, &out);
+    let (wl, mut bls) = bind_all(&mut cfg).await;
+    let addr = bls[0].local_addr().unwrap();
+    let live = live();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live.clone(), never()));
+    let sources = tokio::spawn(run_source_node(cfg.clone(), vec![0, 1], clock(), live.clone(), never()));
+    // The source's connection is in (data arrives) before the flood.
+    let waiting = std::time::Instant::now();
+    while Live::get(&live.fragments_received) == 0 {
+        assert!(waiting.elapsed() < std::time::Duration::from_secs(120), "no data reached the builder");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Room for 2 + 256; one is the source's: 257 flood connections fit, 41 do not.
+    let mut flood = Vec::new();
+    for _ in 0..298 {
+        flood.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let waiting = std::time::Instant::now();
+    while Live::get(&live.rejected_connections) < 41 {
+        assert!(waiting.elapsed() < std::time::Duration::from_secs(120), "the flood was not refused");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let sources = sources.await.unwrap().unwrap();
+    let b = builder.await.unwrap().unwrap();
+    let w = writer.await.unwrap().unwrap();
+    drop(flood);
+    assert!(w.error.is_none());
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(ledger.lost(), 0, "the source's data must all arrive: {ledger:?}");
+    assert_eq!(b.node.rejected_connections.get("connection_limit"), Some(&41), "{:?}", b.node.rejected_connections);
     std::fs::remove_dir_all(&out).unwrap();
 }

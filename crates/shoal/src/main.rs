@@ -158,6 +158,10 @@ struct DispatcherArgs {
     /// Largest accepted payload (MiB); larger lengths close the connection.
     #[arg(long, default_value_t = 64)]
     max_payload_mb: u32,
+    /// Most clients connected at once; beyond, a connection is closed at once and counted
+    /// (a flood cannot take every descriptor of the process)
+    #[arg(long, default_value_t = 4096)]
+    max_clients: usize,
     /// Exit when the process that started this one exits, even killed (`shoal run`).
     #[arg(long)]
     exit_with_parent: bool,
@@ -430,6 +434,7 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
             ..Default::default()
         },
         max_payload: args.max_payload_mb.saturating_mul(1 << 20).min(i32::MAX as u32),
+        max_clients: args.max_clients.max(1),
     };
     shoal_net::demo::raise_fd_limit();
     let cancel = ctrl_c_token();
