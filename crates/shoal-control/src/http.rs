@@ -35,7 +35,16 @@ struct AppState {
     commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
     dispatcher: std::net::SocketAddr,
+    /// Places for live views (WebSockets): an upgraded connection is no longer the HTTP
+    /// server's to limit.
+    websockets: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most live views at once (each a task and a descriptor).
+const MAX_WEBSOCKETS: usize = 64;
+/// A live view that does not take a status push within this long is closed (a client
+/// that never reads holds its place for nothing).
+const WEBSOCKET_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 const INDEX_HTML: &str = include_str!("../ui/index.html");
 const APP_JS: &str = include_str!("../ui/app.js");
@@ -99,7 +108,14 @@ async fn run_record(State(s): State<AppState>, Path(n): Path<u64>) -> Response {
 }
 
 async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
-    upgrade.on_upgrade(move |socket| push_status(socket, s.shared))
+    let Ok(place) = s.websockets.clone().try_acquire_owned() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("at most {MAX_WEBSOCKETS} live views at once"))
+            .into_response();
+    };
+    upgrade.on_upgrade(move |socket| async move {
+        push_status(socket, s.shared).await;
+        drop(place);
+    })
 }
 
 async fn push_status(mut socket: WebSocket, shared: Arc<Shared>) {
@@ -109,8 +125,9 @@ async fn push_status(mut socket: WebSocket, shared: Arc<Shared>) {
             Ok(t) => t,
             Err(_) => return,
         };
-        if socket.send(Message::Text(text.into())).await.is_err() {
-            return;
+        match tokio::time::timeout(WEBSOCKET_SEND_TIMEOUT, socket.send(Message::Text(text.into()))).await {
+            Ok(Ok(())) => {}
+            _ => return,
         }
         // At most four pushes a second, at least one every two seconds.
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -166,7 +183,13 @@ pub async fn serve(
         .route("/api/runs/{n}", get(run_record))
         .route("/api/ws", get(ws))
         .route("/metrics", get(metrics))
-        .with_state(AppState { shared, commands, state_dir, dispatcher });
+        .with_state(AppState {
+            shared,
+            commands,
+            state_dir,
+            dispatcher,
+            websockets: Arc::new(tokio::sync::Semaphore::new(MAX_WEBSOCKETS)),
+        });
     let limits = shoal_dispatcher::httpd::HttpLimits::default();
     let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
     shoal_dispatcher::httpd::serve(listener, app, limits, stats, "run control", cancel).await

@@ -266,3 +266,50 @@ fn a_builder_hung_for_10_s_costs_counted_data_and_the_run_goes_on() {
     );
     no_process_left(&dir);
 }
+
+/// Hostile clients on run control's HTTP port during a run: live views (WebSockets) that
+/// never read, up to and past their limit, and a slowloris; the API keeps answering and
+/// the run ends normally with nothing lost.
+#[test]
+fn hostile_clients_on_run_controls_http_port_do_not_stall_it() {
+    let c = Cluster::start("hostile-http", 8);
+    // Each view from its own address: the HTTP server's limit per peer (32 connections
+    // until their upgrade) is not what this test is about.
+    let upgrade = |ui: &str, k: u8| {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&std::net::SocketAddr::from(([127, 0, 3, k], 0)).into()).unwrap();
+        sock.connect(&ui.parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+        let mut s: TcpStream = sock.into();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            s,
+            "GET /api/ws HTTP/1.1\r\nHost: {ui}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).unwrap();
+        (s, String::from_utf8_lossy(&head).to_string())
+    };
+    // 64 live views that never read what they are sent: all accepted ...
+    let views: Vec<_> = (1..=64).map(|k| upgrade(&c.ui, k)).collect();
+    assert!(
+        views.iter().all(|(_, head)| head == "HTTP/1.1 101"),
+        "{:?}",
+        views.iter().map(|v| &v.1).collect::<Vec<_>>()
+    );
+    // ... the 65th is refused, and the API still answers.
+    let (_, head) = upgrade(&c.ui, 65);
+    assert_eq!(head, "HTTP/1.1 503");
+    let mut slow = TcpStream::connect(&c.ui).unwrap();
+    slow.write_all(b"GET /api/status HTTP/1.1\r\nX-Slow: a").unwrap();
+    assert!(status(&c.ui).is_some_and(|s| s["state"] == "RUNNING"));
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    // No data connection suffered (lateness would be the machine's load, not the clients').
+    let b = &record["ledger"]["buckets"];
+    assert_eq!((b["lost_in_transport"].as_u64(), b["send_failed"].as_u64()), (Some(0), Some(0)), "{b}");
+    assert!(record["departures"].as_array().unwrap().is_empty());
+    drop((views, slow));
+    no_process_left(&dir);
+}
