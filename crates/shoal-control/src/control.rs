@@ -161,7 +161,11 @@ pub struct RunRecord {
     pub departures: Vec<DepartureRecord>,
     pub slices_complete: u64,
     pub slices_incomplete: u64,
+    /// Events the builders selected and sent to the writer ...
     pub events: u64,
+    /// ... and those the writer(s) stored: fewer when a writer died during the run with
+    /// events not yet on disk (a Parquet file is whole only once closed).
+    pub events_stored: u64,
     pub reports: Vec<NodeReport>,
 }
 
@@ -612,6 +616,7 @@ impl Controller {
             slices_complete: reports.iter().map(|r| r.slices_complete).sum(),
             slices_incomplete: reports.iter().map(|r| r.slices_incomplete).sum(),
             events: reports.iter().filter(|r| r.role == "builder").map(|r| r.events).sum(),
+            events_stored: reports.iter().filter(|r| r.role == "writer").map(|r| r.events).sum(),
             reports,
         }
     }

@@ -47,10 +47,8 @@ impl Drop for Cluster {
             let _ = self.child.wait();
         }
         // Processes restarted by run control are in their own groups: the OFF at the
-        // end (or their parent watch) ends them; a failed test leaves the directory.
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        // end (or their parent watch) ends them. The directory goes with a passed test
+        // (`no_process_left`); a failed one leaves it to look at.
     }
 }
 
@@ -173,6 +171,7 @@ fn no_process_left(dir: &Path) {
     let file = dir.join("cluster.toml");
     let out = Command::new("pgrep").args(["-f", file.to_str().unwrap()]).output().unwrap();
     assert!(out.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&out.stdout));
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
@@ -311,5 +310,46 @@ fn hostile_clients_on_run_controls_http_port_do_not_stall_it() {
     assert_eq!((b["lost_in_transport"].as_u64(), b["send_failed"].as_u64()), (Some(0), Some(0)), "{b}");
     assert!(record["departures"].as_array().unwrap().is_empty());
     drop((views, slow));
+    no_process_left(&dir);
+}
+
+#[test]
+fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
+    let c = Cluster::start("kill-writer", 12);
+    std::thread::sleep(Duration::from_secs(3));
+    let (old, killed) = c.signal("writer", "KILL");
+    c.wait_for("the writer started again", |s| {
+        Cluster::process(s, "writer")["pid"].as_u64().is_some_and(|pid| pid as u32 != old)
+    });
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let d = record["departures"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0]["name"], "writer");
+    let rejoined = d[0]["rejoined_unix_ns"].as_u64().expect("the writer rejoined");
+    // The first file is kept; the restarted writer wrote a second one.
+    let data = dir.join("data");
+    let size = |name: &str| std::fs::metadata(data.join(name)).map(|m| m.len());
+    let first = size("run000001.events.parquet").expect("the first file is kept");
+    let second = size("run000001.events.part2.parquet").expect("a second file");
+    // The second is a whole Parquet file (the restarted writer closed it at the end).
+    let tail = std::fs::read(data.join("run000001.events.part2.parquet")).unwrap();
+    assert!(tail.ends_with(b"PAR1"), "the second file has no Parquet footer");
+    let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
+    assert!(writer["error"].is_null(), "{writer}");
+    // What died with the first writer is said: events selected, fewer stored.
+    let (events, stored) = (record["events"].as_u64().unwrap(), record["events_stored"].as_u64().unwrap());
+    assert!(stored <= events, "{events} selected, {stored} stored");
+    println!(
+        "fault writer SIGKILL: started again and sent START {:.2} s after the kill; first file {} bytes \
+         (footer: {}), second file {} bytes; events selected {}, stored {}; ledger {}",
+        rejoined.saturating_sub(killed) as f64 * 1e-9,
+        first,
+        std::fs::read(data.join("run000001.events.parquet")).unwrap().ends_with(b"PAR1"),
+        second,
+        events,
+        stored,
+        record["ledger"]
+    );
     no_process_left(&dir);
 }
