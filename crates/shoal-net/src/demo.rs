@@ -264,7 +264,11 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     summary.memory_planned_mb = plan.total() >> 20;
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
-    std::fs::write(&path, serde_json::to_vec_pretty(&summary)?)?;
+    if let Err(e) = std::fs::write(&path, serde_json::to_vec_pretty(&summary)?) {
+        // The run happened; say so on the terminal even when its file cannot be written.
+        warn!(path = %path.display(), error = %e, "cannot write the run's summary");
+        summary.summary_path = PathBuf::from(format!("not written: {e}"));
+    }
     Ok(summary)
 }
 

@@ -35,6 +35,11 @@ pub struct WriterReport {
     /// Builders that ended their stream cleanly.
     pub builders_ended: usize,
     pub error: Option<String>,
+    /// Events received and not stored: the disk failed (full, gone); the writer kept
+    /// taking the builders' streams, so the builders were not held up.
+    pub events_not_stored: u64,
+    /// Raw records (saved and late fragments) received and not stored, likewise.
+    pub raw_not_stored: u64,
     /// Raw data saved by the builders (none: no alert and no late fragment).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raw: Option<RawFileStats>,
@@ -195,15 +200,20 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
     let mut ended = BTreeSet::new();
+    // Once the disk thread has failed, what arrives is counted and dropped.
+    let mut disk_failed = false;
     info!(path = %path.display(), n_builders, "writer started");
     while ended.len() < n_builders {
         tokio::select! {
             m = rx.recv() => match m {
                 Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
                     report.slices += 1;
-                    *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                    if disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).await.is_err() {
-                        break; // the disk thread failed; its error is reported below
+                    let n = events.len() as u64;
+                    *report.events_per_builder.entry(builder).or_default() += n;
+                    if disk_failed || disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).await.is_err() {
+                        // The disk thread failed (its error is reported below).
+                        disk_failed = true;
+                        report.events_not_stored += n;
                     }
                 }
                 Some(Incoming::Raw(r)) => {
@@ -212,8 +222,9 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                             Ok(a) => report.alerts.push(a),
                             Err(e) => warn!(builder = r.builder, error = %e, "unreadable alert report"),
                         }
-                    } else if disk_tx.send(DiskWork::Raw(r)).await.is_err() {
-                        break;
+                    } else if disk_failed || disk_tx.send(DiskWork::Raw(r)).await.is_err() {
+                        disk_failed = true;
+                        report.raw_not_stored += 1;
                     }
                 }
                 Some(Incoming::Ended { builder }) => { ended.insert(builder); }
@@ -238,7 +249,16 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
         Ok(Err(e)) => report.error = Some(format!("writing {}: {e}", path.display())),
         Err(_) => report.error = Some("writer disk thread panicked".into()),
     }
-    std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?)?;
+    if report.error.is_some() {
+        // What the failed file held is gone too (a Parquet file is whole only once closed).
+        let received: u64 = report.events_per_builder.values().sum();
+        report.events_not_stored = received;
+        warn!(error = ?report.error, events_not_stored = received, raw_not_stored = report.raw_not_stored, "the writer could not store the run");
+    }
+    if let Err(e) = std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?) {
+        warn!(path = %summary_path.display(), error = %e, "cannot write the writer's summary");
+        report.error.get_or_insert_with(|| format!("writing {}: {e}", summary_path.display()));
+    }
     info!(events = report.file.events, path = %path.display(), "writer finished");
     Ok(report)
 }

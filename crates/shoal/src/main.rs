@@ -474,6 +474,13 @@ fn exit_code(s: &RunSummary, min_complete: Option<f64>) -> ExitCode {
             return ExitCode::from(3);
         }
     }
+    if let Some(e) = &s.writer.error {
+        eprintln!(
+            "error: the run's output was not stored ({e}): {} events and {} raw records lost",
+            s.writer.events_not_stored, s.writer.raw_not_stored
+        );
+        return ExitCode::from(4);
+    }
     ExitCode::SUCCESS
 }
 

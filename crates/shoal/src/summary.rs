@@ -124,7 +124,16 @@ pub fn table(s: &RunSummary) -> String {
                 if s.ledger.balanced { " (balanced)" } else { " (NOT BALANCED)" }
             ),
         ),
-        ("output", format!("{} ({} bytes)", s.writer.file.path.display(), s.writer.file.bytes)),
+        (
+            "output",
+            match &s.writer.error {
+                None => format!("{} ({} bytes)", s.writer.file.path.display(), s.writer.file.bytes),
+                Some(e) => format!(
+                    "NOT STORED: {e} ({} events, {} raw records lost)",
+                    s.writer.events_not_stored, s.writer.raw_not_stored
+                ),
+            },
+        ),
         ("raw data", raw(s)),
         (
             "memory",
