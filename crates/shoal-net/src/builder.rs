@@ -76,6 +76,10 @@ pub struct BuilderReport {
     pub events: u64,
     /// Time the filter spent processing, seconds.
     pub filter_busy_s: f64,
+    /// Slices assembled but never filtered: the filter's queue was full (a filter slower
+    /// than the load), or still held at the end of the drain. Their fragments were
+    /// delivered; their events are lost.
+    pub slices_not_filtered: u64,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
     /// Pull: requests for a source that had not greeted this builder (asked again later).
@@ -284,6 +288,7 @@ pub async fn run_builder(
     let slice_clock = cfg.slice_clock()?;
     let writer_addr = cfg.writer_addr()?;
     let filter_cfg = cfg.builder.filter.clone();
+    let least_per_slice = StdDuration::from_millis(cfg.builder.fault_filter_ms_per_slice);
     shoal_trigger::build(&filter_cfg).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
     let n_sources = cfg.run.sources;
     let max_payload = cfg.max_payload();
@@ -399,7 +404,12 @@ pub async fn run_builder(
         }
         failed
     });
-    let (out_tx, out_rx) = std::sync::mpsc::channel::<SliceOutcome<FragmentData>>();
+    // Bounded in bytes by the assembler's memory budget and in slices here: a filter
+    // slower than the load must not build a backlog of small slices without end.
+    let (out_tx, out_rx) = std::sync::mpsc::sync_channel::<SliceOutcome<FragmentData>>(FILTER_QUEUE_SLICES);
+    let abandon = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let filter_abandon = abandon.clone();
+    let mut not_filtered = 0u64;
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let filter_live = live.clone();
     let filter_link = writer_link.clone();
@@ -407,7 +417,8 @@ pub async fn run_builder(
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
-            let job = FilterJob { id, cfg: filter_cfg, slice_clock, tap_events };
+            let job =
+                FilterJob { id, cfg: filter_cfg, slice_clock, tap_events, least_per_slice, abandon: filter_abandon };
             filter_loop(job, out_rx, released_tx, filter_link, filter_live)
         })
         .expect("spawn filter thread");
@@ -485,7 +496,7 @@ pub async fn run_builder(
                 break;
             }
         }
-        forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
+        not_filtered += forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
             break;
@@ -500,7 +511,7 @@ pub async fn run_builder(
     let connections = accept_task.await.unwrap_or(0);
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
-    forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
+    not_filtered += forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
     drop(out_tx);
     // Open alerts close with what they have; the spool ships the rest before the writer
     // hears this builder's end of stream.
@@ -510,9 +521,26 @@ pub async fn run_builder(
         let _ = s.spool.send(SpoolWork::Finish);
         s.saver.stats()
     });
-    let (events, busy) = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"))
-        .await
-        .expect("join filter thread");
+    // The filter finishes its queue within half the drain time; what is left then is
+    // abandoned (counted), so that the builder answers STOP in time.
+    let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
+    let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
+    let (events, busy, abandoned) = match tokio::time::timeout(filter_drain, &mut joining).await {
+        Ok(r) => r,
+        Err(_) => {
+            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+            joining.await
+        }
+    }
+    .expect("join filter thread");
+    not_filtered += abandoned;
+    if not_filtered > 0 {
+        warn!(
+            builder = id,
+            slices = not_filtered,
+            "slices processed but not filtered: the filter is slower than the load"
+        );
+    }
     let spool = match spool_thread {
         Some(t) => Some(
             tokio::task::spawn_blocking(move || t.join().expect("spool thread panicked"))
@@ -550,6 +578,7 @@ pub async fn run_builder(
         hits: measured.hits,
         events,
         filter_busy_s: busy,
+        slices_not_filtered: not_filtered,
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
         udp,
@@ -757,10 +786,11 @@ fn forward(
     node: &mut BuilderNode<FragmentData>,
     saving: &mut Option<Saving>,
     sampler: &mut RawSampler,
-    out: &std::sync::mpsc::Sender<SliceOutcome<FragmentData>>,
+    out: &std::sync::mpsc::SyncSender<SliceOutcome<FragmentData>>,
     live: &Live,
     clock: WallClock,
-) {
+) -> u64 {
+    let mut not_filtered = 0;
     if let Some(s) = saving.as_mut() {
         s.drain();
     }
@@ -787,12 +817,21 @@ fn forward(
             Live::add(&live.slices_incomplete, 1);
         }
         let bytes = o.bytes;
-        if out.send(o).is_err() {
+        match out.try_send(o) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::TrySendError::Full(_)) => {
+                not_filtered += 1;
+                node.handle_released(bytes);
+            }
             // The filter thread is gone (it only ends after we drop the sender).
-            node.handle_released(bytes);
+            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => node.handle_released(bytes),
         }
     }
+    not_filtered
 }
+
+/// Most slices waiting for the filter.
+const FILTER_QUEUE_SLICES: usize = 64;
 
 /// What the filter thread is told.
 struct FilterJob {
@@ -801,6 +840,10 @@ struct FilterJob {
     slice_clock: SliceClock,
     /// Offer every slice's events to the `SHL_EVT` tap.
     tap_events: bool,
+    /// Fault injection (`builder.fault_filter_ms_per_slice`): least time per slice.
+    least_per_slice: StdDuration,
+    /// Set at the end of the drain: skip what is still queued (counted).
+    abandon: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn filter_loop(
@@ -809,13 +852,19 @@ fn filter_loop(
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
-) -> (u64, f64) {
-    let FilterJob { id, cfg, slice_clock, tap_events } = job;
+) -> (u64, f64, u64) {
+    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon } = job;
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
+    let mut abandoned = 0;
     for o in rx {
         let (slice, bytes) = (o.slice, o.bytes);
+        if abandon.load(std::sync::atomic::Ordering::Relaxed) {
+            abandoned += 1;
+            let _ = released.send(bytes);
+            continue;
+        }
         let slice_start = slice_clock.start_of(slice);
         let data = SliceData {
             slice,
@@ -825,6 +874,10 @@ fn filter_loop(
         };
         let t = std::time::Instant::now();
         let selected = filter.process(&data);
+        if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
+            // Fault injection: a filter slower than the load.
+            std::thread::sleep(rest);
+        }
         busy += t.elapsed();
         events += selected.len() as u64;
         Live::add(&live.events, selected.len() as u64);
@@ -846,5 +899,5 @@ fn filter_loop(
         let _ = released.send(bytes);
     }
     filter.cleanup();
-    (events, busy.as_secs_f64())
+    (events, busy.as_secs_f64(), abandoned)
 }

@@ -294,6 +294,9 @@ pub struct BuilderConfig {
     /// After the run, most time to wait for sources to finish, milliseconds.
     pub drain_timeout_ms: u64,
     pub filter: FilterConfig,
+    /// Fault injection: the filter takes at least this long per slice, ms (0: off). A
+    /// filter too slow for the load, for the fault matrix (docs/reliability.md).
+    pub fault_filter_ms_per_slice: u64,
 }
 
 impl Default for BuilderConfig {
@@ -307,6 +310,7 @@ impl Default for BuilderConfig {
             max_payload_mb: 16,
             drain_timeout_ms: 15_000,
             filter: FilterConfig::default(),
+            fault_filter_ms_per_slice: 0,
         }
     }
 }

@@ -157,6 +157,14 @@ pub fn table(s: &RunSummary) -> String {
     for a in &s.writer.alerts {
         let _ = writeln!(o, "  {:<15} {}", "alert", a.describe());
     }
+    let not_filtered: u64 = s.builder_reports.iter().map(|b| b.slices_not_filtered).sum();
+    if not_filtered > 0 {
+        let _ = writeln!(
+            o,
+            "  warning: {not_filtered} slices were assembled but not filtered (the filter is slower than the load): \
+             their fragments were delivered, their events lost"
+        );
+    }
     if s.slices_skipped > 0 {
         let _ = writeln!(
             o,

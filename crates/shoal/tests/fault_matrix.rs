@@ -54,6 +54,11 @@ impl Drop for Cluster {
 
 impl Cluster {
     fn start(name: &str, seconds: u32) -> Cluster {
+        Self::start_with(name, seconds, "")
+    }
+
+    /// `builder` is added to the run configuration's `[builder]` table.
+    fn start_with(name: &str, seconds: u32, builder: &str) -> Cluster {
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -75,7 +80,7 @@ impl Cluster {
             "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"direct\"\n\
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
-             [config.builder]\ndrain_timeout_ms = 4000\nwall_timeout_ms = 1500\n\
+             [config.builder]\ndrain_timeout_ms = 4000\nwall_timeout_ms = 1500\n{builder}\n\
              [config.writer]\nout_dir = \"{}\"\n",
             addrs.join(", "),
             free_port(),
@@ -350,6 +355,29 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
         events,
         stored,
         record["ledger"]
+    );
+    no_process_left(&dir);
+}
+
+/// A filter 2x too slow for the load (each builder gets a slice every 200 ms, its filter
+/// takes 400 ms) for 20 s: the filter queue is bounded by the builder's memory, what does
+/// not fit is dropped and counted, the run ends with every fragment accounted.
+#[test]
+fn a_filter_too_slow_for_the_load_costs_counted_fragments_not_memory() {
+    let c = Cluster::start_with("slow-filter", 20, "fault_filter_ms_per_slice = 400\nmemory_budget_mb = 4");
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let b = &record["ledger"]["buckets"];
+    let dropped = b["dropped_overload"].as_u64().unwrap();
+    assert!(dropped > 0, "the queue must overflow the builders' memory: {b}");
+    assert!(record["departures"].as_array().unwrap().is_empty(), "{}", record["departures"]);
+    let builders: Vec<_> = record["reports"].as_array().unwrap().iter().filter(|r| r["role"] == "builder").collect();
+    assert_eq!(builders.len(), 2, "both builders reported");
+    let not_filtered: u64 = builders.iter().map(|b| b["detail"]["slices_not_filtered"].as_u64().unwrap()).sum();
+    println!(
+        "fault slow filter (400 ms per 200-ms slice, 4 MiB per builder): {} complete, {} incomplete; \
+         dropped_overload {}; slices not filtered {}; ledger {}",
+        record["slices_complete"], record["slices_incomplete"], dropped, not_filtered, record["ledger"]
     );
     no_process_left(&dir);
 }
