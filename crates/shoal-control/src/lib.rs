@@ -217,7 +217,9 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
             file.cluster.dispatcher_http.clone(),
             "--exit-with-parent".into(),
         ];
-        dispatcher_child = Some(spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?);
+        let first = spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?;
+        dispatcher_child =
+            Some(keep_dispatcher(first, binary.clone(), args, logs.join("dispatcher.log"), file.cluster.restarts));
     }
     wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
     let mut listener_client = ChClient::connect(dispatcher).await?;
@@ -357,9 +359,9 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     // Everyone was told OFF; give them a moment to exit, then make sure.
     exits.finish(Duration::from_secs(10)).await;
     listen_task.abort();
-    if let Some(mut d) = dispatcher_child {
-        let _ = d.start_kill();
-        let _ = d.wait().await;
+    if let Some(d) = dispatcher_child {
+        d.cancel();
+        let _ = d.task.await;
     }
     http_cancel.cancel();
     let status = shared.snapshot();
@@ -403,6 +405,59 @@ fn brief_table(b: &status::RunBrief, state_dir: &std::path::Path) -> String {
         o.push_str(&format!("  {k:<10} {v}\n"));
     }
     o
+}
+
+/// The dispatcher run control started, started again if it dies (up to `limit` times):
+/// every client (run control's own, the nodes' agents) reconnects and subscribes again by
+/// itself, and the data path does not go through it.
+struct KeptDispatcher {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KeptDispatcher {
+    fn cancel(&self) {
+        self.stop.cancel();
+    }
+}
+
+fn keep_dispatcher(
+    mut child: Child,
+    binary: std::path::PathBuf,
+    args: Vec<String>,
+    log: std::path::PathBuf,
+    limit: u32,
+) -> KeptDispatcher {
+    let stop = CancellationToken::new();
+    let watching = stop.clone();
+    let task = tokio::spawn(async move {
+        let mut restarts = 0;
+        loop {
+            let status = tokio::select! {
+                st = child.wait() => st,
+                _ = watching.cancelled() => {
+                    let _ = child.start_kill();
+                    let _ = child.wait().await;
+                    return;
+                }
+            };
+            let failed = status.as_ref().map_or(true, |st| !st.success());
+            if !failed || restarts >= limit {
+                eprintln!("the dispatcher exited ({status:?}); not starting it again");
+                return;
+            }
+            restarts += 1;
+            eprintln!("the dispatcher exited ({status:?}); starting it again ({restarts} of {limit})");
+            match spawn_logged(&binary, &args, &log, true) {
+                Ok(c) => child = c,
+                Err(e) => {
+                    eprintln!("the dispatcher could not be started again: {e:#}");
+                    return;
+                }
+            }
+        }
+    });
+    KeptDispatcher { stop, task }
 }
 
 /// Follows the launched children: one that exits on its own is marked inactive.

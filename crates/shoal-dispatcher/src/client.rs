@@ -3,7 +3,9 @@
 //!
 //! Like the KM3NeT Python clients, it keeps its subscription list locally and sends the
 //! whole list (`_Subscri`, replace semantics) followed by `_Always` on every change and
-//! after every reconnect.
+//! after every reconnect (with its nickname). A reconnection is cancel-safe: the new
+//! connection becomes the client's only once it has been greeted, so a call dropped
+//! half-way (a `select!`) never leaves a connection without its subscription.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -13,6 +15,17 @@ use shoal_core::controlhost::{Message, MessageDecoder, Mode, Tag, encode_prefix}
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
+
+/// Whether the peer has closed the connection (a FIN or a reset is waiting), seen
+/// without reading: a peek that does not wait.
+fn peer_closed(stream: &TcpStream) -> bool {
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    match socket2::SockRef::from(stream).peek(&mut byte) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
 
 /// Client errors.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +45,8 @@ pub struct ChClient {
     stream: Option<TcpStream>,
     decoder: MessageDecoder,
     subs: Vec<(Tag, Mode)>,
+    /// Sent as `_MyId` again after a reconnect.
+    nickname: Option<String>,
     /// Connection attempts before an operation gives up (with backoff 50 ms .. 2 s).
     pub max_attempts: u32,
     /// Reconnections so far.
@@ -50,6 +65,7 @@ impl ChClient {
             stream: None,
             decoder: MessageDecoder::new(u32::MAX >> 1),
             subs: Vec::new(),
+            nickname: None,
             max_attempts: 20,
             reconnects: 0,
         };
@@ -63,7 +79,14 @@ impl ChClient {
             let mut attempt = 0;
             let s = loop {
                 attempt += 1;
-                match TcpStream::connect(self.addr).await {
+                let greeted = match TcpStream::connect(self.addr).await {
+                    Ok(mut s) => {
+                        let _ = s.set_nodelay(true);
+                        self.greet(&mut s).await.map(|()| s)
+                    }
+                    Err(e) => Err(e),
+                };
+                match greeted {
                     Ok(s) => break s,
                     Err(e) if attempt >= self.max_attempts => {
                         return Err(ClientError::Unreachable { addr: self.addr, attempts: attempt, source: e });
@@ -75,20 +98,50 @@ impl ChClient {
                     }
                 }
             };
-            let _ = s.set_nodelay(true);
             self.decoder = MessageDecoder::new(u32::MAX >> 1);
             self.stream = Some(s);
-            if !self.subs.is_empty() {
-                self.send_subscription().await?;
-            }
         }
         Ok(self.stream.as_mut().expect("just connected"))
+    }
+
+    /// Nickname and subscription on a new connection, before it is the client's.
+    async fn greet(&self, s: &mut TcpStream) -> std::io::Result<()> {
+        if let Some(nick) = &self.nickname {
+            s.write_all(&encode_prefix(Tag::MY_ID, nick.len())).await?;
+            s.write_all(nick.as_bytes()).await?;
+        }
+        if !self.subs.is_empty() {
+            let text = self.subscription_text();
+            for (tag, payload) in [(Tag::SUBSCRIBE, text.as_bytes()), (Tag::ALWAYS, &b""[..])] {
+                s.write_all(&encode_prefix(tag, payload.len())).await?;
+                s.write_all(payload).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn subscription_text(&self) -> String {
+        let mut text = String::new();
+        for (t, m) in &self.subs {
+            text.push(' ');
+            text.push(m.letter());
+            text.push(' ');
+            text.push_str(&t.to_string());
+        }
+        text
     }
 
     async fn write_message(&mut self, tag: Tag, payload: &[u8]) -> Result<(), ClientError> {
         let prefix = encode_prefix(tag, payload.len());
         let mut last_err = None;
         for _ in 0..3 {
+            if self.stream.as_ref().is_some_and(peer_closed) {
+                // The dispatcher went away (it was restarted): a write would still be
+                // taken by our socket and then lost. Reconnect first.
+                warn!("the dispatcher closed the connection; reconnecting");
+                self.stream = None;
+                self.reconnects += 1;
+            }
             self.ensure_connected().await?;
             let s = self.stream.as_mut().expect("connected");
             let mut buf = Buf::chain(&prefix[..], payload);
@@ -106,13 +159,7 @@ impl ChClient {
     }
 
     async fn send_subscription(&mut self) -> Result<(), ClientError> {
-        let mut text = String::new();
-        for (t, m) in &self.subs {
-            text.push(' ');
-            text.push(m.letter());
-            text.push(' ');
-            text.push_str(&t.to_string());
-        }
+        let text = self.subscription_text();
         let s = self.stream.as_mut().expect("connected");
         for (tag, payload) in [(Tag::SUBSCRIBE, text.as_bytes()), (Tag::ALWAYS, &b""[..])] {
             let prefix = encode_prefix(tag, payload.len());
@@ -146,6 +193,7 @@ impl ChClient {
 
     /// Names this connection (`_MyId`); the dispatcher announces it as `Born`.
     pub async fn set_nickname(&mut self, nick: &str) -> Result<(), ClientError> {
+        self.nickname = Some(nick.to_string());
         self.write_message(Tag::MY_ID, nick.as_bytes()).await
     }
 

@@ -160,6 +160,8 @@ async fn client_reconnects_and_resubscribes() {
     let mut sub = ChClient::connect(addr).await.unwrap();
     sub.subscribe("RC_CMD", Mode::All).await.unwrap();
     wait_until(&h, "subscriber", |s| subscribed(s, "a RC_CMD") == 1).await;
+    // A publisher connected to the old dispatcher, as run control's is.
+    let mut p = ChClient::connect(addr).await.unwrap();
     // Stop the dispatcher and start a new one on the same port.
     cancel.cancel();
     core.await.unwrap();
@@ -181,9 +183,11 @@ async fn client_reconnects_and_resubscribes() {
     let (h2, _core2) =
         spawn_dispatcher(l2.expect("port free again"), DispatcherConfig::default(), cancel2.clone()).unwrap();
     wait_until(&h2, "resubscribed", |s| subscribed(s, "a RC_CMD") == 1).await;
-    let mut p = ChClient::connect(addr).await.unwrap();
+    // Its first message after the restart is not lost in the dead connection (our socket
+    // would take the write and the peer never see it).
     p.publish("RC_CMD", b"START 42").await.unwrap();
-    let (m, reconnects) = recv.await.unwrap();
+    let (m, reconnects) =
+        tokio::time::timeout(Duration::from_secs(60), recv).await.expect("the first message was lost").unwrap();
     assert_eq!(&m.payload[..], b"START 42");
     assert!(reconnects >= 1);
     cancel2.cancel();

@@ -38,6 +38,7 @@ struct Cluster {
     child: std::process::Child,
     dir: PathBuf,
     ui: String,
+    dispatcher: String,
 }
 
 impl Drop for Cluster {
@@ -63,10 +64,10 @@ impl Cluster {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let (sources, builders) = (3u32, 2u32);
+        let dispatcher = format!("127.0.0.1:{}", free_port());
         let mut text = format!(
-            "[cluster]\nname = \"{name}\"\ndispatcher = \"127.0.0.1:{}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
+            "[cluster]\nname = \"{name}\"\ndispatcher = \"{dispatcher}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
              reply_timeout_ms = 5000\nstats_interval_ms = 500\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
-            free_port(),
             dir.join("state").display()
         );
         for b in 0..builders {
@@ -106,7 +107,7 @@ impl Cluster {
             }
         });
         let ui = rx.recv_timeout(Duration::from_secs(120)).expect("shoal run printed its UI address");
-        let c = Cluster { child, dir, ui };
+        let c = Cluster { child, dir, ui, dispatcher };
         c.wait_for("the cluster RUNNING", |s| s["state"] == "RUNNING");
         c
     }
@@ -378,6 +379,55 @@ fn a_filter_too_slow_for_the_load_costs_counted_fragments_not_memory() {
         "fault slow filter (400 ms per 200-ms slice, 4 MiB per builder): {} complete, {} incomplete; \
          dropped_overload {}; slices not filtered {}; ledger {}",
         record["slices_complete"], record["slices_incomplete"], dropped, not_filtered, record["ledger"]
+    );
+    no_process_left(&dir);
+}
+
+/// The dispatcher killed mid-run: the data path does not go through it and keeps going;
+/// run control starts it again, every client reconnects, and the run is stopped and
+/// recorded normally.
+#[test]
+fn the_dispatcher_killed_mid_run_is_restarted_and_control_comes_back() {
+    let c = Cluster::start("kill-dispatcher", 12);
+    std::thread::sleep(Duration::from_secs(3));
+    let find = || {
+        let out =
+            Command::new("pgrep").args(["-f", &format!("dispatcher --listen {}", c.dispatcher)]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+            .collect::<Vec<_>>()
+    };
+    let old = find();
+    assert_eq!(old.len(), 1, "one dispatcher: {old:?}");
+    let killed = unix_ns();
+    assert!(Command::new("kill").args(["-KILL", &old[0].to_string()]).status().unwrap().success());
+    // Started again: a new process listening on the same address.
+    let waiting = Instant::now();
+    while find().iter().all(|p| *p == old[0]) || TcpStream::connect(&c.dispatcher).is_err() {
+        assert!(waiting.elapsed() < Duration::from_secs(60), "the dispatcher was not started again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let listening = unix_ns();
+    // Control works again: fresh statistics reach run control through the new dispatcher.
+    let seen = c.wait_for("statistics through the new dispatcher", |s| {
+        s["processes"].as_array().unwrap().iter().all(|p| p["last_reply"].is_string() || p["stats"].is_object())
+    });
+    assert_eq!(seen["state"], "RUNNING");
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    assert!(record["departures"].as_array().unwrap().is_empty(), "nobody left: {}", record["departures"]);
+    assert!(
+        record["missing_reports"].as_array().unwrap().is_empty(),
+        "every report came: {}",
+        record["missing_reports"]
+    );
+    let b = &record["ledger"]["buckets"];
+    assert_eq!((b["lost_in_transport"].as_u64(), b["send_failed"].as_u64()), (Some(0), Some(0)), "{b}");
+    println!(
+        "fault dispatcher SIGKILL: listening again {:.2} s after the kill; run stopped and recorded with every report; ledger {}",
+        listening.saturating_sub(killed) as f64 * 1e-9,
+        record["ledger"]
     );
     no_process_left(&dir);
 }
