@@ -74,6 +74,23 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
     );
 }
 
+/// The fault matrix's network row: TCP through 1% random loss on every switch port toward
+/// a host. TCP recovers every segment; the run's ledger balances and the slices are whole.
+#[test]
+fn a_tcp_scenario_through_1pct_loss_delivers_everything() {
+    if let Some(why) = shoal_testbed::netns::loss_unavailable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let Some(s) = run_small_scenario(&Small { loss_pct: 1.0, ..Small::tcp("delayed:2", "l") }) else { return };
+    assert!(s["injected_drops"].as_u64().unwrap() > 0, "the loss rule dropped packets: {s}");
+    assert!(s["tcp_retransmitted"].as_u64().unwrap() > 0, "TCP retransmitted: {s}");
+    eprintln!(
+        "TCP through 1% loss: {} packets dropped, {} segments retransmitted, {} timeouts; every fragment delivered",
+        s["injected_drops"], s["tcp_retransmitted"], s["tcp_timeouts"]
+    );
+}
+
 struct Small {
     policy: &'static str,
     tag: &'static str,
