@@ -16,8 +16,8 @@ const RUNTIME_BYTES: u64 = 64 << 20;
 const PER_SOURCE_BYTES: u64 = 64 << 10;
 /// Per connection of an embedded run: read and write buffers in user space.
 const PER_CONNECTION_BYTES: u64 = 64 << 10;
-/// The writer's queues: 256 batches of events or raw records on their way to disk.
-const WRITER_BYTES: u64 = 256 << 20;
+/// The writer's queue on its way to disk (bounded in bytes, `writer::DISK_QUEUE_KIB`).
+const WRITER_BYTES: u64 = (crate::writer::DISK_QUEUE_KIB as u64) << 10;
 
 /// What a process runs.
 #[derive(Clone, Debug, Default)]

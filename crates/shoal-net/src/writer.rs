@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
 use shoal_core::frame::Flags;
@@ -93,13 +94,28 @@ async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<I
     }
 }
 
-/// Slices and raw records waiting for the disk thread.
+/// Slices and raw records waiting for the disk thread ...
 const DISK_QUEUE: usize = 256;
+/// ... and their bytes, KiB: the writer's share of its process's memory budget
+/// (`crate::budget`: 256 MiB). A disk slower than the network holds up the builders'
+/// connections (they queue at the builders, counted there) instead of growing this.
+pub const DISK_QUEUE_KIB: usize = 256 << 10;
 
-/// What the disk thread writes.
+/// What the disk thread writes, with its room in the queue (given back once written).
 enum DiskWork {
-    Events(u32, u64, u64, Vec<Event>),
-    Raw(RawRecord),
+    Events(u32, u64, u64, Vec<Event>, tokio::sync::OwnedSemaphorePermit),
+    Raw(RawRecord, tokio::sync::OwnedSemaphorePermit),
+}
+
+/// Room in the disk queue for `bytes`, waiting while it is full.
+async fn room(queue: &Arc<tokio::sync::Semaphore>, bytes: usize) -> tokio::sync::OwnedSemaphorePermit {
+    let kib = bytes.div_ceil(1024).clamp(1, DISK_QUEUE_KIB) as u32;
+    queue.clone().acquire_many_owned(kib).await.expect("the queue's semaphore is never closed")
+}
+
+/// Memory an event batch takes in the queue (its hits dominate).
+fn events_bytes(events: &[Event]) -> usize {
+    events.iter().map(|e| 64 + e.hits.len() * std::mem::size_of::<shoal_core::event::EventHit>()).sum()
 }
 
 /// `<dir>/<stem>.<ext>`, or, if that exists (a writer started again during the same run,
@@ -162,14 +178,17 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     // Bounded: a disk slower than the network holds up the builders' connections (they
     // queue at the builders, counted there) instead of growing the writer's memory.
     let (disk_tx, mut disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
+    let queue_room = Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB));
     let raw_path = name("raw", "parquet");
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
         let mut raw: Option<RawFileWriter> = None;
         let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
         while let Some(work) = disk_rx.blocking_recv() {
             match work {
-                DiskWork::Events(builder, slice, start, events) => file.write_slice(builder, slice, start, &events)?,
-                DiskWork::Raw(r) => {
+                DiskWork::Events(builder, slice, start, events, _room) => {
+                    file.write_slice(builder, slice, start, &events)?
+                }
+                DiskWork::Raw(r, _room) => {
                     if r.kind == RawKind::AlertOpened {
                         let name = shoal_core::alert::Alert::parse(&r.body)
                             .map(|a| a.name)
@@ -210,7 +229,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                     report.slices += 1;
                     let n = events.len() as u64;
                     *report.events_per_builder.entry(builder).or_default() += n;
-                    if disk_failed || disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events)).await.is_err() {
+                    let permit = room(&queue_room, events_bytes(&events)).await;
+                    if disk_failed
+                        || disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events, permit)).await.is_err()
+                    {
                         // The disk thread failed (its error is reported below).
                         disk_failed = true;
                         report.events_not_stored += n;
@@ -222,7 +244,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                             Ok(a) => report.alerts.push(a),
                             Err(e) => warn!(builder = r.builder, error = %e, "unreadable alert report"),
                         }
-                    } else if disk_failed || disk_tx.send(DiskWork::Raw(r)).await.is_err() {
+                    } else if disk_failed || {
+                        let permit = room(&queue_room, r.body.len()).await;
+                        disk_tx.send(DiskWork::Raw(r, permit)).await.is_err()
+                    } {
                         disk_failed = true;
                         report.raw_not_stored += 1;
                     }
