@@ -45,7 +45,7 @@ pub struct DispatcherConfig {
 
 impl Default for DispatcherConfig {
     fn default() -> Self {
-        Self { router: RouterConfig::default(), max_payload: 64 << 20, max_clients: 4096 }
+        Self { router: RouterConfig::default(), max_payload: 64 << 20, max_clients: 16_000 }
     }
 }
 

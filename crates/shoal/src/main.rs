@@ -160,7 +160,7 @@ struct DispatcherArgs {
     max_payload_mb: u32,
     /// Most clients connected at once; beyond, a connection is closed at once and counted
     /// (a flood cannot take every descriptor of the process)
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 16_000)]
     max_clients: usize,
     /// Exit when the process that started this one exits, even killed (`shoal run`).
     #[arg(long)]
