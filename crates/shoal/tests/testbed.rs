@@ -100,7 +100,8 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool");
         return;
     }
-    let prefix = format!("tp{}", std::process::id() % 10_000);
+    // Its own tag: tests run at once, each with its own namespaces.
+    let prefix = prefix_for("x");
     let (core, b1) = (format!("{prefix}-core"), format!("{prefix}-b1"));
     let ip = |args: &[&str]| Command::new("ip").args(args).output().unwrap();
     let cutter = std::thread::spawn(move || {
@@ -126,7 +127,7 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
         assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));
         Some(cut.elapsed())
     });
-    let s = run_small_scenario(&Small { load_s: 10.0, ..Small::tcp("delayed:2", "p") });
+    let s = run_small_scenario(&Small { load_s: 10.0, ..Small::tcp("delayed:2", "x") });
     let cut = cutter.join().unwrap();
     let Some(s) = s else { return };
     let cut = cut.expect("the partition happened during the run");
@@ -140,6 +141,11 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
         s["network_delay_p99_us"],
         s["network_delay_max_us"]
     );
+}
+
+/// The namespace prefix of the test with `tag` (one letter, unique per test).
+fn prefix_for(tag: &str) -> String {
+    format!("t{tag}{}", std::process::id() % 10_000)
 }
 
 struct Small {
@@ -166,8 +172,8 @@ fn run_small_scenario(small: &Small) -> Option<serde_json::Value> {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool: {why}");
         return None;
     }
-    // Two tests may run at once: each has its own namespace prefix.
-    let prefix = format!("t{tag}{}", std::process::id() % 10_000);
+    // Tests run at once: each has its own namespace prefix (a tag of its own).
+    let prefix = prefix_for(tag);
     let dir = std::env::temp_dir().join(format!("shoal-testbed-test-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let scenario = dir.join("small.toml");
