@@ -227,15 +227,14 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
             m = rx.recv() => match m {
                 Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
                     report.slices += 1;
-                    let n = events.len() as u64;
-                    *report.events_per_builder.entry(builder).or_default() += n;
+                    *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
                     let permit = room(&queue_room, events_bytes(&events)).await;
+                    // After a disk failure (reported below, with every event received as
+                    // not stored) what comes is taken and dropped.
                     if disk_failed
                         || disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events, permit)).await.is_err()
                     {
-                        // The disk thread failed (its error is reported below).
                         disk_failed = true;
-                        report.events_not_stored += n;
                     }
                 }
                 Some(Incoming::Raw(r)) => {

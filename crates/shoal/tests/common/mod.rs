@@ -1,0 +1,192 @@
+//! Helpers shared by the `shoal run` integration tests: a cluster of a writer, 2 builders
+//! and 3 single-source processes on loopback, started, watched and ended like a user would.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn unix_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+pub fn http_get(addr: &str, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+pub fn status(ui: &str) -> Option<serde_json::Value> {
+    http_get(ui, "/api/status").and_then(|b| serde_json::from_str(&b).ok())
+}
+
+/// A `shoal run` of 2 builders and 3 single-source processes, killed as a group if the
+/// test fails half-way.
+pub struct Cluster {
+    pub child: std::process::Child,
+    pub dir: PathBuf,
+    pub ui: String,
+    pub dispatcher: String,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").args(["-KILL", &format!("-{}", self.child.id())]).status();
+            let _ = self.child.wait();
+        }
+        // Processes restarted by run control are in their own groups: the OFF at the
+        // end (or their parent watch) ends them. The directory goes with a passed test
+        // (`no_process_left`); a failed one leaves it to look at.
+    }
+}
+
+impl Cluster {
+    /// A run of `seconds` with the builders' default timeouts for these tests.
+    pub fn start(name: &str, seconds: u32) -> Cluster {
+        Self::start_with(name, seconds, "wall_timeout_ms = 1500")
+    }
+
+    /// `builder` is added to the run configuration's `[builder]` table.
+    pub fn start_with(name: &str, seconds: u32, builder: &str) -> Cluster {
+        let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (sources, builders) = (3u32, 2u32);
+        let dispatcher = format!("127.0.0.1:{}", free_port());
+        let mut text = format!(
+            "[cluster]\nname = \"{name}\"\ndispatcher = \"{dispatcher}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
+             reply_timeout_ms = 10000\nstats_interval_ms = 500\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
+            dir.join("state").display()
+        );
+        for b in 0..builders {
+            text += &format!("[[process]]\nname = \"builder{b}\"\nrole = \"builder\"\nids = [{b}]\n");
+        }
+        for s in 0..sources {
+            text += &format!("[[process]]\nname = \"source{s}\"\nrole = \"source\"\nids = [{s}]\n");
+        }
+        let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
+        text += &format!(
+            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"direct\"\n\
+             builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
+             [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
+             [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
+             [config.writer]\nout_dir = \"{}\"\n",
+            addrs.join(", "),
+            free_port(),
+            dir.join("data").display()
+        );
+        let file = dir.join("cluster.toml");
+        std::fs::write(&file, &text).unwrap();
+        let mut child = shoal()
+            .args(["run", file.to_str().unwrap(), "--seconds", &seconds.to_string(), "--http", "127.0.0.1:0"])
+            .current_dir(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("run control UI: http://") {
+                    let _ = tx.send(rest.trim_end_matches('/').to_string());
+                }
+            }
+        });
+        let ui = rx.recv_timeout(Duration::from_secs(120)).expect("shoal run printed its UI address");
+        let c = Cluster { child, dir, ui, dispatcher };
+        c.wait_for("the cluster RUNNING", |s| s["state"] == "RUNNING");
+        c
+    }
+
+    pub fn wait_for(&self, what: &str, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let waiting = Instant::now();
+        loop {
+            if let Some(s) = status(&self.ui)
+                && ok(&s)
+            {
+                return s;
+            }
+            assert!(waiting.elapsed() < Duration::from_secs(120), "waited 120 s for {what}: {:?}", status(&self.ui));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn pid(&self, name: &str) -> u32 {
+        let s = status(&self.ui).unwrap();
+        let p = s["processes"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap();
+        p["pid"].as_u64().unwrap_or_else(|| panic!("no pid for {name}: {p}")) as u32
+    }
+
+    pub fn process<'a>(s: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+        s["processes"].as_array().unwrap().iter().find(|p| p["name"] == name).unwrap()
+    }
+
+    /// Sends `signal` to the process `name`; returns its pid and when (UNIX ns).
+    pub fn signal(&self, name: &str, signal: &str) -> (u32, u64) {
+        let pid = self.pid(name);
+        let at = unix_ns();
+        assert!(Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap().success());
+        (pid, at)
+    }
+
+    /// SIGKILL to `name`, then waits until run control has started it again; returns when
+    /// it was killed (UNIX ns).
+    pub fn kill_and_await_restart(&self, name: &str) -> u64 {
+        let (old, killed) = self.signal(name, "KILL");
+        self.wait_for(&format!("{name} started again"), |s| {
+            Cluster::process(s, name)["pid"].as_u64().is_some_and(|pid| pid as u32 != old)
+        });
+        killed
+    }
+
+    /// Waits for `shoal run` to end by itself; returns the run record.
+    pub fn finish(mut self) -> (serde_json::Value, PathBuf) {
+        let waiting = Instant::now();
+        let st = loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(waiting.elapsed() < Duration::from_secs(240), "shoal run did not end");
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert!(st.success(), "shoal run exited {st}");
+        let path = self.dir.join("state").join("runs").join("run000001.json");
+        let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        (record, self.dir.clone())
+    }
+}
+
+/// Every fragment in a bucket, nothing unaccounted, nothing received beyond what was sent.
+pub fn assert_accounted(record: &serde_json::Value) {
+    let l = &record["ledger"];
+    assert_eq!(l["balanced"], true, "{l}");
+    assert_eq!(l["unaccounted"], 0, "{l}");
+    assert_eq!(l["excess_received"], 0, "{l}");
+}
+
+/// Nothing of the cluster runs any more (every process was launched with this directory's
+/// cluster file); the directory goes.
+pub fn no_process_left(dir: &Path) {
+    let file = dir.join("cluster.toml");
+    let out = Command::new("pgrep").args(["-f", file.to_str().unwrap()]).output().unwrap();
+    assert!(out.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&out.stdout));
+    std::fs::remove_dir_all(dir).unwrap();
+}
