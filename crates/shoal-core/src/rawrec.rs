@@ -52,14 +52,7 @@ impl RawKind {
 /// A decoded record: a view into its frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRecord {
-    pub builder: u32,
-    /// 0: late-data stream; otherwise the builder's alert number.
-    pub record: u32,
-    pub kind: RawKind,
-    pub source: SourceId,
-    pub slice: SliceNumber,
-    pub slice_start: Instant,
-    pub hit_count: u32,
+    pub head: RawHead,
     /// What follows the prefix.
     pub body: Bytes,
 }
@@ -152,7 +145,7 @@ impl RawRecord {
         if kind != RawKind::Fragment && f.header.hit_count != 0 {
             return Err(RawError::DescriptionWithHits);
         }
-        Ok(RawRecord {
+        let head = RawHead {
             builder: word(0),
             record: word(4),
             kind,
@@ -160,8 +153,8 @@ impl RawRecord {
             slice: f.header.slice,
             slice_start: f.header.slice_start,
             hit_count: f.header.hit_count,
-            body: p.slice(PREFIX_LEN..),
-        })
+        };
+        Ok(RawRecord { head, body: p.slice(PREFIX_LEN..) })
     }
 }
 
@@ -185,7 +178,8 @@ mod tests {
         let (f, used) = frame::decode(&bytes, 1 << 20).unwrap();
         assert_eq!(used, bytes.len());
         let r = RawRecord::from_frame(&f).unwrap();
-        assert_eq!((r.builder, r.record, r.kind, r.source, r.slice, r.hit_count), (3, 2, RawKind::Fragment, 17, 99, 1));
+        let h = r.head;
+        assert_eq!((h.builder, h.record, h.kind, h.source, h.slice, h.hit_count), (3, 2, RawKind::Fragment, 17, 99, 1));
         assert_eq!(&r.body[..], &body);
     }
 

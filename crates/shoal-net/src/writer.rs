@@ -189,11 +189,11 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                     file.write_slice(builder, slice, start, &events)?
                 }
                 DiskWork::Raw(r, _room) => {
-                    if r.kind == RawKind::AlertOpened {
+                    if r.head.kind == RawKind::AlertOpened {
                         let name = shoal_core::alert::Alert::parse(&r.body)
                             .map(|a| a.name)
                             .unwrap_or_else(|_| "unnamed".into());
-                        names.insert((r.builder, r.record), name);
+                        names.insert((r.head.builder, r.head.record), name);
                         continue;
                     }
                     let w = match raw.as_mut() {
@@ -201,13 +201,13 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                         None => raw.insert(RawFileWriter::create(&raw_path, run)?),
                     };
                     w.write(&RawRow {
-                        builder: r.builder,
-                        alert: r.record,
-                        alert_name: names.get(&(r.builder, r.record)).map(String::as_str),
-                        slice: r.slice,
-                        source: r.source,
-                        slice_start_ns: r.slice_start.as_nanos(),
-                        hit_count: r.hit_count,
+                        builder: r.head.builder,
+                        alert: r.head.record,
+                        alert_name: names.get(&(r.head.builder, r.head.record)).map(String::as_str),
+                        slice: r.head.slice,
+                        source: r.head.source,
+                        slice_start_ns: r.head.slice_start.as_nanos(),
+                        hit_count: r.head.hit_count,
                         payload: &r.body,
                     })?;
                 }
@@ -238,10 +238,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                     }
                 }
                 Some(Incoming::Raw(r)) => {
-                    if r.kind == RawKind::AlertClosed {
+                    if r.head.kind == RawKind::AlertClosed {
                         match serde_json::from_slice::<AlertReport>(&r.body) {
                             Ok(a) => report.alerts.push(a),
-                            Err(e) => warn!(builder = r.builder, error = %e, "unreadable alert report"),
+                            Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
                         }
                     } else if disk_failed || {
                         let permit = room(&queue_room, r.body.len()).await;
