@@ -499,6 +499,21 @@ pub async fn run_builder(
         not_filtered += forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
+            // Pull: the manager hears the clean end after the last credits, on the same
+            // connection: what it assigned meanwhile (past the end of the run) is not
+            // handed on to the others.
+            if let Some(out) = &routes.dfm {
+                let end = FrameHeader {
+                    flags: Flags::END_OF_STREAM,
+                    source: id,
+                    hit_count: 0,
+                    slice: 0,
+                    slice_start: Instant::ZERO,
+                    send_time: Instant::ZERO,
+                    payload_len: 0,
+                };
+                let _ = out.send(shoal_core::frame::encode(&end, &[]));
+            }
             break;
         }
     }

@@ -4,7 +4,8 @@
 //! Each builder connection starts with the builder's hello (the slices it holds); then the
 //! manager writes assignments and reads returned credits and heartbeats. A connection that
 //! closes is a builder that left: it gets no more assignments and its unprocessed slices go
-//! to the others. The manager ends when every slice of the run is assigned and processed
+//! to the others. A builder whose sources all ended says so first (an end-of-stream
+//! frame): what it still holds then is past the end of the run and goes to nobody. The manager ends when every slice of the run is assigned and processed
 //! (or at `cancel`). Restarted mid-run, it rebuilds its state from the hellos of the
 //! builders reconnecting to it.
 
@@ -15,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration as StdDuration;
 
 use bytes::Bytes;
+use shoal_core::frame::Flags;
 use shoal_core::node::{DataFlowManager, DfmConfig, DfmEvent, DfmStats};
 use shoal_core::pullmsg::PullMessage;
 use shoal_core::{BuilderId, Duration, Instant};
@@ -42,8 +44,18 @@ pub struct DfmReport {
 }
 
 enum FromBuilder {
-    Message { conn: u64, msg: PullMessage },
-    Closed { conn: u64, rejected: bool },
+    Message {
+        conn: u64,
+        msg: PullMessage,
+    },
+    /// The builder's end of stream: every source ended its stream to it.
+    Ended {
+        conn: u64,
+    },
+    Closed {
+        conn: u64,
+        rejected: bool,
+    },
 }
 
 async fn read_builder(
@@ -65,8 +77,13 @@ async fn read_builder(
                     return;
                 }
             }
+            Ok(None) if frame.header.flags == Flags::END_OF_STREAM && frame.payload.is_empty() => {
+                if tx.send(FromBuilder::Ended { conn }).is_err() {
+                    return;
+                }
+            }
             Ok(_) => {
-                reader.reject("unexpected_frame", "only builder hellos and credits are expected");
+                reader.reject("unexpected_frame", "only builder hellos, credits and an end of stream are expected");
                 break true;
             }
             Err(e) => {
@@ -144,6 +161,9 @@ pub async fn run_dfm(
                 DfmEvent::BuilderLeft { builder, reassigned, silent } => {
                     warn!(builder, reassigned, silent, "builder left; its slices go to the others")
                 }
+                DfmEvent::BuilderEnded { builder, dropped } => {
+                    info!(builder, dropped, "builder ended (its sources did); assignments it had not taken are dropped")
+                }
             }
         }
         if dfm.is_done() {
@@ -188,6 +208,13 @@ pub async fn run_dfm(
                         }
                     }
                     FromBuilder::Message { .. } => {}
+                    FromBuilder::Ended { conn } => {
+                        if let Some(&b) = builder_of.get(&conn)
+                            && conn_of.get(&b) == Some(&conn)
+                        {
+                            dfm.handle_builder_ended(now, b);
+                        }
+                    }
                     FromBuilder::Closed { conn, rejected } => {
                         writers.remove(&conn);
                         report.rejected_connections += u64::from(rejected);

@@ -49,6 +49,13 @@ struct Chain {
 }
 
 async fn start(name: &str, policy: &str) -> Chain {
+    start_with(name, policy, None).await
+}
+
+/// `told_late`: the manager's own [`Live`], through which the test tells it the end slice
+/// as run control does, after the sources have ended (its configuration then has no run
+/// length: it assigns as the clock passes until told).
+async fn start_with(name: &str, policy: &str, told_late: Option<Arc<Live>>) -> Chain {
     let out = temp_dir(name);
     let mut cfg = small_config(4, 2, 2.0, &out);
     cfg.run.policy = policy.into();
@@ -61,7 +68,14 @@ async fn start(name: &str, policy: &str) -> Chain {
     let live = live();
     let writer_stop = CancellationToken::new();
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, writer_stop.clone()));
-    let dfm = tokio::spawn(run_dfm(cfg.clone(), dl, clock, live.clone(), never()));
+    let dfm = match told_late {
+        None => tokio::spawn(run_dfm(cfg.clone(), dl, clock, live.clone(), never())),
+        Some(dfm_live) => {
+            let mut until_told = cfg.clone();
+            until_told.run.seconds = 0.0;
+            tokio::spawn(run_dfm(until_told, dl, clock, dfm_live, never()))
+        }
+    };
     let builders = bls
         .into_iter()
         .enumerate()
@@ -97,6 +111,35 @@ async fn a_restarted_data_flow_manager_loses_no_slice() {
     assert!(ledger.is_balanced(), "{ledger:?}");
     assert_eq!(ledger.get(Bucket::Delivered), ledger.produced, "no slice lost: {ledger:?}");
     assert!(d.done, "the restarted manager saw every slice processed");
+    std::fs::remove_dir_all(&c.out).unwrap();
+}
+
+/// Under run control the manager hears the end slice only after the sources have drained;
+/// meanwhile it assigns slices past the end as the clock passes. Builders whose sources all
+/// ended say so (an end of stream) before closing: they are not builders that left, and
+/// nothing they were assigned past the end is handed to the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builders_that_end_before_the_manager_knows_the_end_hand_nothing_on() {
+    let dfm_live = live();
+    let c = start_with("pull-end-late", "pull:4:hold=100", Some(dfm_live.clone())).await;
+    let s = c.sources.await.unwrap().unwrap();
+    let mut btallies = BTreeMap::new();
+    for b in c.builders {
+        let r = b.await.unwrap().unwrap();
+        btallies.insert(r.node.id, r.node.tally.clone());
+    }
+    // Run control's STOP reaches the manager last.
+    let slices = c.cfg.slices().unwrap().unwrap();
+    let end = c.cfg.run.start_slice.unwrap() + slices;
+    dfm_live.end_slice.store(end, Ordering::Relaxed);
+    let d = c.dfm.await.unwrap().unwrap();
+    c.writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&s.tallies, &btallies);
+    assert!(ledger.is_balanced(), "{ledger:?}");
+    assert_eq!(ledger.get(Bucket::Delivered), ledger.produced, "{ledger:?}");
+    assert!(d.done, "{d:?}");
+    assert_eq!((d.stats.builders_left, d.stats.reassigned, d.stats.expired), (0, 0, 0), "{d:?}");
+    assert_eq!(d.stats.assigned - d.stats.assigned_past_end, slices, "every slice of the run once: {d:?}");
     std::fs::remove_dir_all(&c.out).unwrap();
 }
 

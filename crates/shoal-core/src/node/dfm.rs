@@ -78,6 +78,10 @@ pub enum DfmEvent {
     Started { builders: u32, claimed: u64, unclaimed: u64 },
     /// A builder left; its unprocessed slices are assigned again.
     BuilderLeft { builder: BuilderId, reassigned: u64, silent: bool },
+    /// A builder ended cleanly (every source ended its stream to it); `dropped`
+    /// assignments reached it after that and were never processed (at the end of a run:
+    /// slices past the end, assigned before run control told the manager the end).
+    BuilderEnded { builder: BuilderId, dropped: u64 },
 }
 
 /// What the manager counted.
@@ -207,6 +211,21 @@ impl DataFlowManager {
         self.assign(now);
     }
 
+    /// `builder` ended cleanly: every source ended its stream to it, so no fragment can
+    /// reach it any more and, the sources having closed, none can be asked for elsewhere.
+    /// It takes no more assignments, and what it still holds is not handed on: nothing of
+    /// it could be built (at the end of a run these are slices at or past the end).
+    pub fn handle_builder_ended(&mut self, now: Instant, builder: BuilderId) {
+        let Some(b) = self.builders.get_mut(&builder) else { return };
+        if !b.alive {
+            return;
+        }
+        b.alive = false;
+        let dropped = std::mem::take(&mut b.assigned).len() as u64;
+        self.events.push_back(DfmEvent::BuilderEnded { builder, dropped });
+        self.assign(now);
+    }
+
     /// Run control ends the run: `end` is the first slice not to assign.
     pub fn handle_end_slice(&mut self, now: Instant, end: SliceNumber) {
         let previous = self.cfg.end_slice.unwrap_or(SliceNumber::MAX);
@@ -216,6 +235,11 @@ impl DataFlowManager {
             (end..self.next_slice.min(previous)).filter(|s| !ready.contains(s)).count() as u64;
         self.cfg.end_slice = Some(self.cfg.end_slice.map_or(end, |e| e.min(end)));
         self.ready.retain(|&(s, _)| s < end);
+        // Those past the end still held are never produced, so never processed: their
+        // credits come back now (a builder leaving later does not hand them on).
+        for b in self.builders.values_mut() {
+            b.assigned.retain(|&s| s < end);
+        }
         self.assign(now);
     }
 
@@ -465,6 +489,35 @@ mod tests {
         let left: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
         assert!(left.contains(&DfmEvent::BuilderLeft { builder: 0, reassigned: 4, silent: true }), "{left:?}");
         assert!(drain(&mut d).is_empty(), "nobody left to assign to");
+    }
+
+    #[test]
+    fn at_the_end_of_a_run_nothing_past_the_end_is_handed_on() {
+        // Both builders' sources end at slice 4 (STOP has not reached the manager yet):
+        // slices 4 and 5 went out meanwhile and will never be produced.
+        let mut d = DataFlowManager::new(cfg(2, 8), at(0));
+        d.handle_hello(at(0), 0, [], []);
+        d.handle_hello(at(0), 1, [], []);
+        d.handle_timeout(at(60));
+        assert_eq!(drain(&mut d), [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0), (5, 1)]);
+        for s in 0..4 {
+            d.handle_done(at(61), (s % 2) as BuilderId, s);
+        }
+        // Builder 1 ends cleanly holding slice 5: dropped, not handed to builder 0.
+        d.handle_builder_ended(at(62), 1);
+        let events: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
+        assert_eq!(events.last(), Some(&DfmEvent::BuilderEnded { builder: 1, dropped: 1 }));
+        d.handle_builder_left(at(62), 1);
+        assert!(drain(&mut d).is_empty());
+        // Run control's end slice frees builder 0's credit for slice 4; leaving later
+        // hands nothing on either.
+        d.handle_end_slice(at(63), 4);
+        assert_eq!(d.assigned_to(0), 0);
+        assert!(d.is_done());
+        d.handle_builder_left(at(64), 0);
+        assert_eq!(d.stats().reassigned, 0);
+        assert_eq!(d.stats().assigned_past_end, 2);
+        assert!(drain(&mut d).is_empty());
     }
 
     #[test]
