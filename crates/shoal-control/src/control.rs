@@ -41,6 +41,9 @@ pub enum Incoming {
     Report(Box<NodeReport>),
     /// The dispatcher announced that a client left.
     Left(String),
+    /// The listener's connection to the dispatcher was broken and is back: replies and
+    /// reports sent meanwhile are lost.
+    ListenerReconnected,
     /// A launched process exited; its exit status.
     Exited(String, String),
 }
@@ -49,8 +52,15 @@ pub enum Incoming {
 pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::UnboundedSender<Incoming>) {
     let mut last_stats: HashMap<String, NodeStats> = HashMap::new();
     loop {
-        let msg = match client.next_message().await {
-            Ok(m) => m,
+        let msg = match client.next_message_or_reconnect().await {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                shared.update(|s| s.warn("run control's listener reconnected to the dispatcher"));
+                if incoming.send(Incoming::ListenerReconnected).is_err() {
+                    return;
+                }
+                continue;
+            }
             Err(e) => {
                 warn!(error = %e, "run control lost the dispatcher");
                 shared.update(|s| s.note(format!("lost the dispatcher: {e}")));
@@ -338,6 +348,9 @@ impl Controller {
             ClusterEvent::RejoinFailed { name, error } => {
                 self.shared.update(|s| s.note(format!("{name} could not rejoin the run: {error}")))
             }
+            ClusterEvent::AskedAgain { name, command } => {
+                self.shared.update(|s| s.warn(format!("{command} sent again to {name} (its answer was not seen)")))
+            }
             ClusterEvent::Back { name, state } => self.shared.update(|s| s.note(format!("{name} is back ({state})"))),
             ClusterEvent::Inactive { name, reason } => {
                 self.shared.update(|s| s.note(format!("{name} inactive: {reason}")))
@@ -411,9 +424,12 @@ impl Controller {
             }
             Incoming::Report(r) => {
                 if self.control.run().is_some_and(|a| a.run == r.run) {
+                    // A process asked again repeats its report: keep one per process.
+                    self.reports.retain(|old| old.name != r.name);
                     self.reports.push(*r);
                 }
             }
+            Incoming::ListenerReconnected => self.control.handle_answers_missed(),
             Incoming::Left(name) => self.control.handle_left(t, &name),
             Incoming::Exited(name, how) => self.control.handle_exited(t, &name, &how),
         }

@@ -117,6 +117,18 @@ impl ClusterStatus {
     pub fn note(&mut self, text: impl Into<String>) {
         let text = text.into();
         tracing::info!("{text}");
+        self.keep(text);
+    }
+
+    /// A note that is also a warning in run control's log (something went wrong and was
+    /// repaired: an operator looking at the log later wants to see it).
+    pub fn warn(&mut self, text: impl Into<String>) {
+        let text = text.into();
+        tracing::warn!("{text}");
+        self.keep(text);
+    }
+
+    fn keep(&mut self, text: String) {
         self.log.push_back(format!("{} {text}", humantime::format_rfc3339_seconds(std::time::SystemTime::now())));
         while self.log.len() > 200 {
             self.log.pop_front();

@@ -260,6 +260,12 @@ pub enum ClusterEvent {
         run: u64,
         start_slice: SliceNumber,
     },
+    /// A command went again to a process whose answer was not seen: it announced itself
+    /// in the state before the command, or run control's connection was broken.
+    AskedAgain {
+        name: String,
+        command: &'static str,
+    },
     /// A process could not be brought back into the run (it refused a catch-up command).
     RejoinFailed {
         name: String,
@@ -318,6 +324,9 @@ struct Sequence {
     steps: VecDeque<Step>,
     /// The step waiting for answers: who, what, until when.
     waiting: BTreeSet<usize>,
+    /// The command of the step waiting for answers (sent again to a process that shows
+    /// it has not seen it).
+    step: Option<Command>,
     step_command: &'static str,
     step_timeout: Duration,
     deadline: Option<Instant>,
@@ -431,8 +440,17 @@ impl ClusterControl {
             self.events.push_back(ClusterEvent::Announced { name: p.name.clone(), state: reply.state });
         }
         if let Phase::Busy(seq) = &mut self.phase
-            && seq.waiting.remove(&i)
+            && seq.waiting.contains(&i)
         {
+            let step = seq.step.clone().expect("a step waits for answers");
+            if reply.error.is_none() && step.result_state().is_some_and(|s| s != reply.state) {
+                // Not an answer: the process announced itself again (it reconnected to
+                // the dispatcher) in the state before the command, which it never saw.
+                self.events.push_back(ClusterEvent::AskedAgain { name: reply.name.clone(), command: step.name() });
+                self.transmits.push_back(Outgoing { target: reply.name.clone(), command: step });
+                return true;
+            }
+            seq.waiting.remove(&i);
             if let Some(e) = &reply.error {
                 seq.refusals.push(Refusal { name: reply.name.clone(), error: e.clone() });
             }
@@ -491,6 +509,20 @@ impl ClusterControl {
         }
         p.catching_up = Some(reply.state);
         self.transmits.push_back(Outgoing { target: p.name.clone(), command });
+    }
+
+    /// Answers may have been lost (run control's own connection to the dispatcher was
+    /// broken and is back): the command of the step in progress goes again to every
+    /// process not yet heard from. A process answers a repeat of the command it carried
+    /// out last by repeating its answer, so nothing is done twice.
+    pub fn handle_answers_missed(&mut self) {
+        let Phase::Busy(seq) = &self.phase else { return };
+        let Some(step) = &seq.step else { return };
+        for &i in &seq.waiting {
+            let name = self.processes[i].name.clone();
+            self.events.push_back(ClusterEvent::AskedAgain { name: name.clone(), command: step.name() });
+            self.transmits.push_back(Outgoing { target: name, command: step.clone() });
+        }
     }
 
     /// The process left the dispatcher.
@@ -622,6 +654,7 @@ impl ClusterControl {
             command,
             steps,
             waiting: BTreeSet::new(),
+            step: None,
             step_command: "",
             step_timeout: Duration::ZERO,
             deadline: None,
@@ -693,6 +726,7 @@ impl ClusterControl {
                     }
                     if !seq.waiting.is_empty() {
                         seq.step_command = command.name();
+                        seq.step = Some(command);
                         seq.step_timeout = timeout;
                         seq.deadline = Some(now + timeout);
                         return;

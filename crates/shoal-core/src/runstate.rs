@@ -146,6 +146,23 @@ pub enum Command {
 pub struct CommandParseError(pub String);
 
 impl Command {
+    /// The state a process is in once it has carried out this command (`None` for
+    /// STATUS, which changes nothing). Run control tells an answer from an announcement
+    /// by it: a process that re-announces itself in another state has not seen the
+    /// command (it was sent while the process was reconnecting to the dispatcher).
+    pub fn result_state(&self) -> Option<RunState> {
+        Some(match self {
+            Command::Init => RunState::Standby,
+            Command::Configure(_) => RunState::Ready,
+            Command::Start { .. } | Command::Continue => RunState::Running,
+            Command::Pause => RunState::Paused,
+            Command::Stop { .. } => RunState::Ready,
+            Command::Reset => RunState::Idle,
+            Command::Off => RunState::Off,
+            Command::Status => return None,
+        })
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Command::Init => "INIT",
@@ -253,11 +270,13 @@ pub struct RunControl {
     config: Option<String>,
     run: Option<u64>,
     last_run: Option<u64>,
+    /// The last command carried out (STATUS aside), to recognise it sent again.
+    last_applied: Option<Command>,
 }
 
 impl RunControl {
     pub fn new(now: Instant) -> Self {
-        Self { state: RunState::Idle, since: now, config: None, run: None, last_run: None }
+        Self { state: RunState::Idle, since: now, config: None, run: None, last_run: None, last_applied: None }
     }
 
     pub fn state(&self) -> RunState {
@@ -285,9 +304,17 @@ impl RunControl {
         self.clone().handle_command(self.since, cmd.clone())
     }
 
+    /// Whether `cmd` is the command carried out last, sent again because its answer was
+    /// not seen: the process answers again with its state and does nothing else (a
+    /// STOP is not refused for being in READY, a START not for the run number).
+    pub fn is_repeat(&self, cmd: &Command) -> bool {
+        *cmd != Command::Status && self.last_applied.as_ref() == Some(cmd)
+    }
+
     /// Applies a command; on success returns the new state.
     pub fn handle_command(&mut self, now: Instant, cmd: Command) -> Result<RunState, TransitionError> {
         use RunState::*;
+        let applied = (cmd != Command::Status).then(|| cmd.clone());
         let not_allowed = TransitionError::NotAllowed { state: self.state, command: cmd.name() };
         let next = match (self.state, cmd) {
             (state, Command::Status) => return Ok(state),
@@ -320,6 +347,7 @@ impl RunControl {
         };
         self.state = next;
         self.since = now;
+        self.last_applied = applied;
         Ok(next)
     }
 }
@@ -328,6 +356,28 @@ impl RunControl {
 mod tests {
     use super::*;
     use RunState::*;
+
+    #[test]
+    fn the_command_carried_out_last_is_recognised_when_sent_again() {
+        let mut rc = RunControl::new(Instant::ZERO);
+        let stop = Command::Stop { end_slice: Some(40) };
+        for c in [Command::Init, Command::Configure("x".into()), Command::Start { run: 3, start_slice: Some(9) }] {
+            assert!(!rc.is_repeat(&c));
+            rc.handle_command(Instant::ZERO, c.clone()).unwrap();
+            assert!(rc.is_repeat(&c));
+        }
+        rc.handle_command(Instant::ZERO, Command::Status).unwrap();
+        assert!(rc.is_repeat(&Command::Start { run: 3, start_slice: Some(9) }), "STATUS changes nothing");
+        assert!(!rc.is_repeat(&Command::Status));
+        rc.handle_command(Instant::ZERO, stop.clone()).unwrap();
+        assert!(rc.is_repeat(&stop));
+        assert!(!rc.is_repeat(&Command::Stop { end_slice: Some(41) }), "another end slice is another command");
+        // Carried out again it would be refused: the repeat is what lets it be answered.
+        assert!(rc.check(&stop).is_err());
+        // A refused command does not replace the last one.
+        assert!(rc.handle_command(Instant::ZERO, Command::Pause).is_err());
+        assert!(rc.is_repeat(&stop));
+    }
 
     fn commands() -> Vec<Command> {
         vec![

@@ -24,6 +24,9 @@ enum Behaviour {
     HangsIn(&'static str),
     /// Refuses this command with an error.
     Refuses(&'static str),
+    /// Misses this command once (it was reconnecting to the dispatcher), then announces
+    /// its state again as a reconnected process does, and answers from then on.
+    MissesOnce(&'static str),
 }
 
 struct Process {
@@ -92,6 +95,11 @@ impl Harness {
             p.received.push((now, out.command.clone()));
             self.deliveries.push((name.clone(), out.command.name()));
             let delay = match &p.behaviour {
+                Behaviour::MissesOnce(c) if *c == out.command.name() => {
+                    p.behaviour = Behaviour::Answers { delay: ms(3) };
+                    self.in_flight.push((now + ms(5), Reply { name, state: p.rc.state(), error: None }));
+                    continue;
+                }
                 Behaviour::Silent => continue,
                 Behaviour::HangsIn(c) if *c == out.command.name() => continue,
                 Behaviour::Answers { delay } => *delay,
@@ -99,6 +107,8 @@ impl Harness {
             };
             let error = match (&p.behaviour, &out.command) {
                 (Behaviour::Refuses(c), cmd) if *c == cmd.name() => Some("not today".to_string()),
+                // Sent again after its answer was lost: answered again, not carried out.
+                (_, cmd) if p.rc.is_repeat(cmd) => None,
                 (_, cmd) => p.rc.handle_command(now, cmd.clone()).err().map(|e| e.to_string()),
             };
             self.in_flight.push((now + delay, Reply { name, state: p.rc.state(), error }));
@@ -486,6 +496,54 @@ fn a_process_restarted_during_a_run_rejoins_it_and_its_absence_is_recorded() {
 }
 
 #[test]
+fn a_command_a_process_missed_while_reconnecting_is_sent_again_when_it_announces_itself() {
+    let mut h = Harness::new(&sector(&[("b1", Behaviour::MissesOnce("STOP"))]), |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    h.after(ms(2000));
+    h.command(ClusterCommand::Stop).unwrap();
+    let stop = h.done(ClusterCommand::Stop);
+    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    let stops = h.procs["b1"].received.iter().filter(|(_, c)| c.name() == "STOP").count();
+    assert_eq!(stops, 2, "STOP went again after b1 announced itself RUNNING");
+    assert_eq!(h.state("b1"), RunState::Ready);
+    assert!(h.ctl.processes().iter().all(|p| p.active));
+    assert!(
+        h.events.iter().any(|(_, e)| matches!(e, ClusterEvent::AskedAgain { name, command: "STOP" } if name == "b1"))
+    );
+    // Not by waiting out the deadline: the announcement is what brought the STOP again.
+    let builders_asked = h.first_received("b0", "STOP").unwrap();
+    assert!(h.done_at(ClusterCommand::Stop) < builders_asked + ms(1000));
+}
+
+#[test]
+fn answers_lost_while_run_control_was_away_are_asked_for_again_and_answered_again() {
+    let mut h = Harness::new(&sector(&[]), |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    h.after(ms(2000));
+    h.ctl.handle_command(h.now, ClusterCommand::Stop, || unreachable!()).unwrap();
+    h.drain();
+    assert_eq!(h.state("s0"), RunState::Ready, "the sources carried out STOP");
+    // ... but their answers were lost: run control's listener was reconnecting.
+    h.in_flight.clear();
+    h.ctl.handle_answers_missed();
+    h.settle();
+    let stop = h.done(ClusterCommand::Stop);
+    assert!(stop[0].is_ok(), "a repeat is answered, not refused: {:?}", stop[0]);
+    for s in ["s0", "s1", "s2"] {
+        let stops: Vec<_> = h.procs[s].received.iter().filter(|(_, c)| c.name() == "STOP").collect();
+        assert_eq!(stops.len(), 2, "{s}");
+        assert_eq!(stops[0].1, stops[1].1, "the same STOP, end slice and all");
+    }
+    assert!(h.ctl.processes().iter().all(|p| p.active && p.state == Some(RunState::Ready)));
+    // Only those waited for are asked: the builders had not been sent STOP yet.
+    assert_eq!(h.procs["b0"].received.iter().filter(|(_, c)| c.name() == "STOP").count(), 1);
+}
+
+#[test]
 fn a_rejoin_stops_at_a_refusal_and_says_so() {
     let mut h = Harness::new(&sector(&[]), |_| {});
     for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
@@ -536,6 +594,7 @@ fn behaviour() -> impl Strategy<Value = Behaviour> {
         1 => Just(Behaviour::Silent),
         1 => prop::sample::select(vec!["INIT", "CONFIGURE", "START", "STOP"]).prop_map(Behaviour::HangsIn),
         1 => prop::sample::select(vec!["CONFIGURE", "START"]).prop_map(Behaviour::Refuses),
+        1 => prop::sample::select(vec!["INIT", "CONFIGURE", "START", "STOP"]).prop_map(Behaviour::MissesOnce),
     ]
 }
 

@@ -6,6 +6,11 @@
 //! after every reconnect (with its nickname). A reconnection is cancel-safe: the new
 //! connection becomes the client's only once it has been greeted, so a call dropped
 //! half-way (a `select!`) never leaves a connection without its subscription.
+//!
+//! A message published while the client is away is lost (ControlHost keeps nothing), so
+//! the greeting can end with a *hello* of the client's choosing ([`ChClient::set_hello`]):
+//! a run-controlled process re-announces its state with it, and run control sends again
+//! what the process missed.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -47,6 +52,13 @@ pub struct ChClient {
     subs: Vec<(Tag, Mode)>,
     /// Sent as `_MyId` again after a reconnect.
     nickname: Option<String>,
+    /// Published at the end of every greeting after a reconnect.
+    hello: Option<(Tag, Vec<u8>)>,
+    /// A connection was made before (the next one is a reconnection).
+    connected_once: bool,
+    /// A reconnection completed that [`ChClient::next_message_or_reconnect`] has not
+    /// reported yet.
+    reconnected: bool,
     /// Connection attempts before an operation gives up (with backoff 50 ms .. 2 s).
     pub max_attempts: u32,
     /// Reconnections so far.
@@ -66,6 +78,9 @@ impl ChClient {
             decoder: MessageDecoder::new(u32::MAX >> 1),
             subs: Vec::new(),
             nickname: None,
+            hello: None,
+            connected_once: false,
+            reconnected: false,
             max_attempts: 20,
             reconnects: 0,
         };
@@ -82,6 +97,15 @@ impl ChClient {
                 let greeted = match TcpStream::connect(self.addr).await {
                     Ok(mut s) => {
                         let _ = s.set_nodelay(true);
+                        // A client that only reads (run control's listener) would wait
+                        // forever on a connection whose dispatcher vanished without a FIN
+                        // or a reset (its host died, or the handshake landed in a dying
+                        // listener): keepalive probes find it out within seconds.
+                        let probes = socket2::TcpKeepalive::new()
+                            .with_time(Duration::from_secs(2))
+                            .with_interval(Duration::from_secs(1))
+                            .with_retries(3);
+                        let _ = socket2::SockRef::from(&s).set_tcp_keepalive(&probes);
                         self.greet(&mut s).await.map(|()| s)
                     }
                     Err(e) => Err(e),
@@ -100,6 +124,8 @@ impl ChClient {
             };
             self.decoder = MessageDecoder::new(u32::MAX >> 1);
             self.stream = Some(s);
+            self.reconnected |= self.connected_once;
+            self.connected_once = true;
         }
         Ok(self.stream.as_mut().expect("just connected"))
     }
@@ -117,6 +143,17 @@ impl ChClient {
                 s.write_all(payload).await?;
             }
         }
+        if let Some((tag, payload)) = &self.hello {
+            s.write_all(&encode_prefix(*tag, payload.len())).await?;
+            s.write_all(payload).await?;
+        }
+        Ok(())
+    }
+
+    /// The message published at the end of the greeting on every reconnection (after
+    /// the nickname and the subscription), replacing the one set before.
+    pub fn set_hello(&mut self, name: &str, payload: &[u8]) -> Result<(), ClientError> {
+        self.hello = Some((tag(name)?, payload.to_vec()));
         Ok(())
     }
 
@@ -205,8 +242,18 @@ impl ChClient {
     /// dispatcher goes away; a protocol error is returned and the connection reset.
     pub async fn next_message(&mut self) -> Result<Message, ClientError> {
         loop {
+            if let Some(m) = self.next_message_or_reconnect().await? {
+                return Ok(m);
+            }
+        }
+    }
+
+    /// Like [`ChClient::next_message`], but `None` once after every reconnection (by
+    /// any call): what was published to us while we were away is lost.
+    pub async fn next_message_or_reconnect(&mut self) -> Result<Option<Message>, ClientError> {
+        loop {
             match self.decoder.next_message() {
-                Ok(Some(m)) => return Ok(m),
+                Ok(Some(m)) => return Ok(Some(m)),
                 Ok(None) => {}
                 Err(e) => {
                     self.stream = None;
@@ -214,6 +261,10 @@ impl ChClient {
                 }
             }
             self.ensure_connected().await?;
+            // Here or in an earlier call (a publish, a read that was dropped).
+            if std::mem::take(&mut self.reconnected) {
+                return Ok(None);
+            }
             let s = self.stream.as_mut().expect("connected");
             let buf = self.decoder.buffer_mut();
             buf.reserve(16 * 1024);

@@ -193,6 +193,50 @@ async fn client_reconnects_and_resubscribes() {
     cancel2.cancel();
 }
 
+/// What a client published while it was away is lost, so after a reconnection it says
+/// hello (a run-controlled process: its state) and its reader is told it was away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnected_client_says_hello_and_its_reader_learns_it_was_away() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    let (h, core) = spawn_dispatcher(l, DispatcherConfig::default(), cancel.clone()).unwrap();
+    let mut a = ChClient::connect(addr).await.unwrap();
+    a.set_nickname("a").await.unwrap();
+    a.subscribe("X", Mode::All).await.unwrap();
+    a.set_hello("HELLO", b"a RUNNING ok").unwrap();
+    wait_until(&h, "a subscribed", |s| subscribed(s, "a X") == 1).await;
+    cancel.cancel();
+    core.await.unwrap();
+    let mut l2 = None;
+    for _ in 0..200 {
+        match TcpListener::bind(addr).await {
+            Ok(l) => {
+                l2 = Some(l);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let cancel2 = CancellationToken::new();
+    let (h2, _core2) =
+        spawn_dispatcher(l2.expect("port free again"), DispatcherConfig::default(), cancel2.clone()).unwrap();
+    let mut watcher = ChClient::connect(addr).await.unwrap();
+    watcher.subscribe("HELLO", Mode::All).await.unwrap();
+    wait_until(&h2, "watcher", |s| subscribed(s, "a HELLO") == 1).await;
+    // a finds its connection gone, reconnects, greets: nickname, subscription, hello.
+    let first = tokio::time::timeout(Duration::from_secs(60), a.next_message_or_reconnect()).await.unwrap().unwrap();
+    assert!(first.is_none(), "the reader is told of the reconnection: {first:?}");
+    assert_eq!(a.reconnects, 1);
+    let hello = tokio::time::timeout(Duration::from_secs(60), watcher.next_message()).await.unwrap().unwrap();
+    assert_eq!(&hello.payload[..], b"a RUNNING ok");
+    // Subscribed again before the hello went out: what follows reaches it.
+    watcher.publish("X", b"STOP 42").await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(60), a.next_message_or_reconnect()).await.unwrap().unwrap();
+    assert_eq!(&m.expect("a message").payload[..], b"STOP 42");
+    cancel2.cancel();
+}
+
 /// A connection flood stops at `max_clients`: the connections beyond are closed at once and
 /// counted; the clients already in keep publishing and receiving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

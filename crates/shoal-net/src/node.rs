@@ -153,6 +153,9 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
     info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
     let mut config: Option<Config> = None;
     let mut running: Option<RunningData> = None;
+    // The end-of-run report of the command carried out last: a repeat of that command
+    // (run control did not see the answer) is answered again, not carried out again.
+    let mut last_report: Option<Vec<u8>> = None;
     let mut tick = tokio::time::interval(opts.stats_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -173,10 +176,19 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                         continue;
                     }
                 };
+                if agent.run_control().is_repeat(&command) {
+                    info!(name = %opts.name, command = command.name(), "asked again: answering again");
+                    if let Some(report) = &last_report {
+                        agent.publish(RC_REPORT, report).await?;
+                    }
+                    agent.repeat_answer().await?;
+                    continue;
+                }
                 if let Err(e) = agent.check(&command) {
                     agent.refuse(&e.to_string()).await?;
                     continue;
                 }
+                let mut report_sent = None;
                 match &command {
                     Command::Configure(text) => match check_config(&opts, text) {
                         Ok(c) => config = Some(c),
@@ -204,7 +216,9 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                                 _ => None,
                             };
                             let report = stop_data(&opts, r, config.as_ref(), end_slice, &live, clock).await;
-                            agent.publish(RC_REPORT, &serde_json::to_vec(&report)?).await?;
+                            let report = serde_json::to_vec(&report)?;
+                            agent.publish(RC_REPORT, &report).await?;
+                            report_sent = Some(report);
                         }
                         live.paused.store(false, Ordering::Relaxed);
                     }
@@ -212,6 +226,9 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                     Command::Init | Command::Status => {}
                 }
                 let applied = agent.commit(command).await?;
+                if applied.result.is_ok() && applied.command != Command::Status {
+                    last_report = report_sent;
+                }
                 if applied.result.is_ok_and(|s| s == RunState::Off) {
                     info!(name = %opts.name, "OFF: exiting");
                     return Ok(());

@@ -7,7 +7,9 @@
 //!   `RESET`, `OFF`).
 //! - Replies go out on tag [`RC_REPLY`] as `<name> <STATE> ok` or
 //!   `<name> <STATE> error <reason>` (the state is unchanged after an error). On connect the
-//!   agent announces itself with `<name> IDLE ok`.
+//!   agent announces itself with `<name> IDLE ok`, and after every reconnection to the
+//!   dispatcher with its current state: a command published while it was away is lost,
+//!   and run control sends it again when the announced state shows it was not seen.
 //!
 //! The decisions are shoal-core's [`RunControl`]; this module only moves text.
 
@@ -74,7 +76,17 @@ impl RcAgent {
 
     async fn reply(&mut self, error: Option<String>) -> Result<(), ClientError> {
         let reply = Reply { name: self.name.clone(), state: self.rc.state(), error };
+        // After a reconnection the process announces its state again (see `set_hello`):
+        // run control sends again a command it missed while away.
+        let announce = Reply { error: None, ..reply.clone() };
+        self.client.set_hello(RC_REPLY, announce.to_text().as_bytes())?;
         self.client.publish(RC_REPLY, reply.to_text().as_bytes()).await
+    }
+
+    /// Answers a command again without doing it: run control sent again the command the
+    /// process carried out last because it did not see the answer.
+    pub async fn repeat_answer(&mut self) -> Result<(), ClientError> {
+        self.reply(None).await
     }
 
     /// Also receive alerts (`ALERT`, every one: lossless), for a builder's burst saver.

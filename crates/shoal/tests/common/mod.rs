@@ -97,7 +97,8 @@ impl Cluster {
             .args(["run", file.to_str().unwrap(), "--seconds", &seconds.to_string(), "--http", "127.0.0.1:0"])
             .current_dir(&dir)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            // Run control's own log, beside the processes' (a failed test leaves them).
+            .stderr(std::fs::File::create(dir.join("run-control.log")).unwrap())
             .process_group(0)
             .spawn()
             .unwrap();
