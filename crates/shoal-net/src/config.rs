@@ -226,6 +226,11 @@ pub struct SourceConfig {
     /// replay them in turn (same bytes, new slice numbers), so that a benchmark of the
     /// network path is not limited by the random generator.
     pub replay_pool: u32,
+    /// Saturation (benchmarks): produce the next slice as soon as the transport has taken
+    /// the previous one instead of at the slice clock's pace, so the data path sets the
+    /// rate. The run is `run.seconds / run.slice_ms` slices however long they take. With
+    /// `generator = "fixed"` this is the studies' throughput-versus-size measurement.
+    pub saturate: bool,
     /// Most bytes queued towards one builder before fragments are dropped (counted).
     /// The ANTARES board has 64 MB for buffering.
     pub queue_limit_mb: u64,
@@ -261,6 +266,7 @@ impl Default for SourceConfig {
             fixed_bytes: 30_000,
             bursts: BurstConfig::default(),
             replay_pool: 0,
+            saturate: false,
             queue_limit_mb: 64,
             max_lag_ms: 5_000,
             held_limit_bytes: None,
@@ -493,6 +499,7 @@ impl Config {
         c.max_lag = (s.max_lag_ms > 0).then(|| Duration::from_millis(s.max_lag_ms));
         c.stall_limit_slices = s.stall_limit_slices.max(1);
         c.drain_timeout = Duration::from_millis(s.drain_timeout_ms);
+        c.saturate = s.saturate;
         Ok(c)
     }
 

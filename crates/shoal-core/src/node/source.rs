@@ -54,6 +54,12 @@ pub struct SourceNodeConfig {
     pub drain_timeout: Duration,
     /// Keep a log of every piece handed to the transport (parity tests, studies).
     pub record_transmits: bool,
+    /// Saturation (benchmarks): the next slice is produced as soon as the transport has
+    /// taken every fragment of the previous ones, not when the slice clock says, so the
+    /// data path, not the generator, sets the rate. Slice numbers then run ahead of the
+    /// clock; policies that send by the clock (delayed transmission's slots) still wait
+    /// for it, rate shapers (token bucket) and direct sending do not.
+    pub saturate: bool,
 }
 
 impl SourceNodeConfig {
@@ -74,6 +80,7 @@ impl SourceNodeConfig {
             stall_limit_slices: 2,
             drain_timeout: Duration::from_secs(10),
             record_transmits: false,
+            saturate: false,
         }
     }
 }
@@ -341,7 +348,21 @@ impl SourceNode {
     /// late), tick slots after data taking, release stalls, end the drain.
     pub fn handle_timeout<W: Workload + ?Sized>(&mut self, now: Instant, workload: &W) {
         let clock = self.cfg.slice_clock;
-        if self.phase == Phase::Producing {
+        if self.phase == Phase::Producing && self.cfg.saturate {
+            // Only when everything produced has been taken: one slice in the node at a
+            // time, the transport's buffers keep the wire busy meanwhile.
+            if !self.ends_before(self.next_slice) && self.queued() == 0 && !self.paused {
+                let slice = self.next_slice;
+                for i in 0..self.hosted.len() {
+                    self.produce(i, slice, now, workload);
+                }
+                self.report.slices += 1;
+                self.next_slice += 1;
+            }
+            if self.ends_before(self.next_slice) {
+                self.start_drain(now);
+            }
+        } else if self.phase == Phase::Producing {
             while !self.ends_before(self.next_slice) && now >= clock.end_of(self.next_slice) {
                 let slice = self.next_slice;
                 if self.cfg.max_lag.is_some_and(|lag| now >= clock.end_of(slice) + lag) {
@@ -502,7 +523,19 @@ impl SourceNode {
             Phase::Producing => Instant::MAX,
             Phase::Draining { deadline } => deadline,
         };
-        let mut wake = deadline.min(self.cfg.slice_clock.end_of(self.next_slice));
+        let next_due = match self.phase {
+            // Saturating: due at once when the node is empty, else when the transport
+            // reports the last fragment taken (an input, not a time).
+            Phase::Producing if self.cfg.saturate => {
+                if self.queued() == 0 && !self.paused {
+                    Instant::ZERO
+                } else {
+                    Instant::MAX
+                }
+            }
+            _ => self.cfg.slice_clock.end_of(self.next_slice),
+        };
+        let mut wake = deadline.min(next_due);
         for h in &self.hosted {
             wake = wake.min(h.shaper.poll_timeout().unwrap_or(Instant::MAX));
             wake = wake.min(h.stall.map_or(Instant::MAX, |s| s.1));
@@ -847,6 +880,37 @@ mod tests {
         let r = node.report();
         assert_eq!((r.slices, r.late_slice_ends), (2, 1));
         assert!(r.tallies.values().all(|t| t.produced == 2 && t.unaccounted() == 0 && t.unsent == 0));
+    }
+
+    #[test]
+    fn saturation_produces_the_next_slice_when_the_transport_took_the_last() {
+        let mut c = cfg(vec![0, 1], 2, "direct");
+        c.slices = Some(3);
+        c.saturate = true;
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        // Due at once, long before the first slice ends on the clock.
+        assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
+        let t = Instant::from_nanos(MS / 10);
+        for slice in 0..3u64 {
+            node.handle_timeout(t, &Fixed(60));
+            let tx = drain(&mut node, t);
+            assert_eq!(tx.len(), 2, "one fragment per hosted source");
+            assert!(tx.iter().all(|x| x.slice == slice));
+            // Nothing more while the transport holds this slice, whatever the time.
+            node.handle_timeout(Instant::from_nanos(1000 * MS), &Fixed(60));
+            assert!(drain(&mut node, t).is_empty());
+            assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
+            node.handle_sent(t, 0, slice);
+            assert_ne!(node.poll_timeout(), Some(Instant::ZERO), "half taken");
+            node.handle_sent(t, 1, slice);
+            if slice < 2 {
+                assert_eq!(node.poll_timeout(), Some(Instant::ZERO), "all taken: the next one is due");
+            }
+        }
+        node.handle_timeout(t, &Fixed(60));
+        let r = node.report();
+        assert_eq!((r.slices, r.late_slice_ends, r.slices_skipped), (3, 0, 0));
+        assert!(!node.is_producing(), "three slices, then the drain");
     }
 
     #[test]
