@@ -19,6 +19,9 @@ pub struct CutoffConfig {
     pub tail: u32,
 }
 
+/// Saturation: slices a node holds at most, produced and not yet taken by the transport.
+pub const SATURATION_SLICES: usize = 4;
+
 /// What a source node is told at start.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SourceNodeConfig {
@@ -54,8 +57,9 @@ pub struct SourceNodeConfig {
     pub drain_timeout: Duration,
     /// Keep a log of every piece handed to the transport (parity tests, studies).
     pub record_transmits: bool,
-    /// Saturation (benchmarks): the next slice is produced as soon as the transport has
-    /// taken every fragment of the previous ones, not when the slice clock says, so the
+    /// Saturation (benchmarks): slices are produced as soon as the transport has taken
+    /// enough of the earlier ones ([`SATURATION_SLICES`] held at most), not when the slice
+    /// clock says, so the
     /// data path, not the generator, sets the rate. Slice numbers then run ahead of the
     /// clock; policies that send by the clock (delayed transmission's slots) still wait
     /// for it, rate shapers (token bucket) and direct sending do not.
@@ -349,9 +353,11 @@ impl SourceNode {
     pub fn handle_timeout<W: Workload + ?Sized>(&mut self, now: Instant, workload: &W) {
         let clock = self.cfg.slice_clock;
         if self.phase == Phase::Producing && self.cfg.saturate {
-            // Only when everything produced has been taken: one slice in the node at a
-            // time, the transport's buffers keep the wire busy meanwhile.
-            if !self.ends_before(self.next_slice) && self.queued() == 0 && !self.paused {
+            // A few slices ahead of the transport and no more: enough that a shaper
+            // always has the next fragment when its tokens come (with one slice at a
+            // time a token bucket waited a driver round trip per fragment and missed its
+            // rate by up to half), few enough to bound the memory and the drift.
+            while !self.ends_before(self.next_slice) && self.queued() < self.saturation_depth() && !self.paused {
                 let slice = self.next_slice;
                 for i in 0..self.hosted.len() {
                     self.produce(i, slice, now, workload);
@@ -527,7 +533,7 @@ impl SourceNode {
             // Saturating: due at once when the node is empty, else when the transport
             // reports the last fragment taken (an input, not a time).
             Phase::Producing if self.cfg.saturate => {
-                if self.queued() == 0 && !self.paused {
+                if self.queued() < self.saturation_depth() && !self.paused {
                     Instant::ZERO
                 } else {
                     Instant::MAX
@@ -555,6 +561,11 @@ impl SourceNode {
     /// Whether the node still produces slices.
     pub fn is_producing(&self) -> bool {
         self.phase == Phase::Producing
+    }
+
+    /// Saturation: most fragments held before the next slice is produced.
+    fn saturation_depth(&self) -> usize {
+        SATURATION_SLICES * self.hosted.len()
     }
 
     /// Fragments produced and not yet reported sent, failed or dropped.
@@ -883,34 +894,44 @@ mod tests {
     }
 
     #[test]
-    fn saturation_produces_the_next_slice_when_the_transport_took_the_last() {
+    fn saturation_keeps_a_few_slices_ahead_of_the_transport_whatever_the_clock() {
         let mut c = cfg(vec![0, 1], 2, "direct");
-        c.slices = Some(3);
+        c.slices = Some(SATURATION_SLICES as u64 + 2);
         c.saturate = true;
         let mut node = SourceNode::new(c, Instant::ZERO);
         // Due at once, long before the first slice ends on the clock.
         assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
         let t = Instant::from_nanos(MS / 10);
-        for slice in 0..3u64 {
-            node.handle_timeout(t, &Fixed(60));
-            let tx = drain(&mut node, t);
-            assert_eq!(tx.len(), 2, "one fragment per hosted source");
-            assert!(tx.iter().all(|x| x.slice == slice));
-            // Nothing more while the transport holds this slice, whatever the time.
-            node.handle_timeout(Instant::from_nanos(1000 * MS), &Fixed(60));
-            assert!(drain(&mut node, t).is_empty());
-            assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
-            node.handle_sent(t, 0, slice);
-            assert_ne!(node.poll_timeout(), Some(Instant::ZERO), "half taken");
-            node.handle_sent(t, 1, slice);
-            if slice < 2 {
-                assert_eq!(node.poll_timeout(), Some(Instant::ZERO), "all taken: the next one is due");
-            }
+        node.handle_timeout(t, &Fixed(60));
+        let tx = drain(&mut node, t);
+        assert_eq!(tx.len(), 2 * SATURATION_SLICES, "the window: two hosted sources");
+        // Nothing more while the transport holds them, however late it is.
+        node.handle_timeout(Instant::from_nanos(1000 * MS), &Fixed(60));
+        assert!(drain(&mut node, t).is_empty());
+        assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
+        // One fragment taken: the next slice is due and produced (the window is in
+        // fragments; a slice may overfill it by the rest of itself) ...
+        node.handle_sent(t, 0, 0);
+        assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
+        node.handle_timeout(t, &Fixed(60));
+        let next = drain(&mut node, t);
+        assert_eq!(next.len(), 2);
+        assert!(next.iter().all(|x| x.slice == SATURATION_SLICES as u64));
+        // ... and then nothing until more is taken.
+        node.handle_timeout(t, &Fixed(60));
+        assert!(drain(&mut node, t).is_empty());
+        node.handle_sent(t, 1, 0);
+        for x in tx.iter().chain(&next).filter(|x| x.slice > 0) {
+            node.handle_sent(t, x.source, x.slice);
+        }
+        node.handle_timeout(t, &Fixed(60));
+        for x in drain(&mut node, t) {
+            node.handle_sent(t, x.source, x.slice);
         }
         node.handle_timeout(t, &Fixed(60));
         let r = node.report();
-        assert_eq!((r.slices, r.late_slice_ends, r.slices_skipped), (3, 0, 0));
-        assert!(!node.is_producing(), "three slices, then the drain");
+        assert_eq!((r.slices, r.late_slice_ends, r.slices_skipped), (SATURATION_SLICES as u64 + 2, 0, 0));
+        assert!(!node.is_producing(), "every slice made, then the drain");
     }
 
     #[test]
