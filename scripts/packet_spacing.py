@@ -10,7 +10,7 @@ spacing. Four cases: with and without shaping (`direct`; a token bucket `tbf:RAT
 with a regular 1 kHz trigger (1 ms slices, one fragment each) and free-running
 (`source.saturate`: the next fragment as soon as the transport takes the last).
 
-usage (root): scripts/packet_spacing.py SHOAL_BINARY OUT_DIR
+usage (root; needs tcpdump, Debian package tcpdump): scripts/packet_spacing.py SHOAL_BINARY OUT_DIR
 Writes OUT_DIR/packet-spacing.{csv,md,png}.
 """
 import csv

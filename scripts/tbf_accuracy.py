@@ -14,7 +14,7 @@ bytes (shoal's default), each run about 3 s of data; medians of N runs. 1x3 is n
 produces its next slice only when the previous one is taken, so one source's buckets to
 three builders take turns instead of each running at its rate.
 
-usage (root): scripts/tbf_accuracy.py SHOAL_BINARY OUT_DIR [--repeats N]
+usage (root; needs iperf3 and ethtool): scripts/tbf_accuracy.py SHOAL_BINARY OUT_DIR [--repeats N]
 Writes OUT_DIR/tbf-accuracy.{csv,md}. Exit 1 if a shoal run loses a fragment.
 """
 import csv
