@@ -327,7 +327,6 @@ struct Sequence {
     /// The command of the step waiting for answers (sent again to a process that shows
     /// it has not seen it).
     step: Option<Command>,
-    step_command: &'static str,
     step_timeout: Duration,
     deadline: Option<Instant>,
     refusals: Vec<Refusal>,
@@ -442,12 +441,12 @@ impl ClusterControl {
         if let Phase::Busy(seq) = &mut self.phase
             && seq.waiting.contains(&i)
         {
-            let step = seq.step.clone().expect("a step waits for answers");
+            let step = seq.step.as_ref().expect("a step waits for answers");
             if reply.error.is_none() && step.result_state().is_some_and(|s| s != reply.state) {
                 // Not an answer: the process announced itself again (it reconnected to
                 // the dispatcher) in the state before the command, which it never saw.
                 self.events.push_back(ClusterEvent::AskedAgain { name: reply.name.clone(), command: step.name() });
-                self.transmits.push_back(Outgoing { target: reply.name.clone(), command: step });
+                self.transmits.push_back(Outgoing { target: reply.name.clone(), command: step.clone() });
                 return true;
             }
             seq.waiting.remove(&i);
@@ -655,7 +654,6 @@ impl ClusterControl {
             steps,
             waiting: BTreeSet::new(),
             step: None,
-            step_command: "",
             step_timeout: Duration::ZERO,
             deadline: None,
             refusals: Vec::new(),
@@ -725,7 +723,6 @@ impl ClusterControl {
                         self.transmits.push_back(Outgoing { target: p.name.clone(), command: command.clone() });
                     }
                     if !seq.waiting.is_empty() {
-                        seq.step_command = command.name();
                         seq.step = Some(command);
                         seq.step_timeout = timeout;
                         seq.deadline = Some(now + timeout);
@@ -768,7 +765,8 @@ impl ClusterControl {
             }
             Phase::Busy(seq) => {
                 if seq.deadline.is_some_and(|d| now >= d) {
-                    let reason = InactiveReason::NoAnswer { command: seq.step_command, within: seq.step_timeout };
+                    let command = seq.step.as_ref().map_or("", Command::name);
+                    let reason = InactiveReason::NoAnswer { command, within: seq.step_timeout };
                     for i in std::mem::take(&mut seq.waiting) {
                         let p = &mut self.processes[i];
                         seq.no_answer.push(p.name.clone());

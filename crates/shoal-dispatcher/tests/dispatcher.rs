@@ -151,6 +151,24 @@ async fn bad_input_closes_only_that_connection() {
     cancel.cancel();
 }
 
+/// A new dispatcher on `addr` once the old one has let the port go (bounded).
+async fn restart_on(addr: std::net::SocketAddr) -> (DispatcherHandle, CancellationToken) {
+    let mut listener = None;
+    for _ in 0..200 {
+        match TcpListener::bind(addr).await {
+            Ok(l) => {
+                listener = Some(l);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let cancel = CancellationToken::new();
+    let (h, _core) =
+        spawn_dispatcher(listener.expect("port free again"), DispatcherConfig::default(), cancel.clone()).unwrap();
+    (h, cancel)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_reconnects_and_resubscribes() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -169,19 +187,7 @@ async fn client_reconnects_and_resubscribes() {
         let m = sub.next_message().await.unwrap();
         (m, sub.reconnects)
     });
-    let mut l2 = None;
-    for _ in 0..200 {
-        match TcpListener::bind(addr).await {
-            Ok(l) => {
-                l2 = Some(l);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-    let cancel2 = CancellationToken::new();
-    let (h2, _core2) =
-        spawn_dispatcher(l2.expect("port free again"), DispatcherConfig::default(), cancel2.clone()).unwrap();
+    let (h2, cancel2) = restart_on(addr).await;
     wait_until(&h2, "resubscribed", |s| subscribed(s, "a RC_CMD") == 1).await;
     // Its first message after the restart is not lost in the dead connection (our socket
     // would take the write and the peer never see it).
@@ -208,19 +214,7 @@ async fn a_reconnected_client_says_hello_and_its_reader_learns_it_was_away() {
     wait_until(&h, "a subscribed", |s| subscribed(s, "a X") == 1).await;
     cancel.cancel();
     core.await.unwrap();
-    let mut l2 = None;
-    for _ in 0..200 {
-        match TcpListener::bind(addr).await {
-            Ok(l) => {
-                l2 = Some(l);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-    let cancel2 = CancellationToken::new();
-    let (h2, _core2) =
-        spawn_dispatcher(l2.expect("port free again"), DispatcherConfig::default(), cancel2.clone()).unwrap();
+    let (h2, cancel2) = restart_on(addr).await;
     let mut watcher = ChClient::connect(addr).await.unwrap();
     watcher.subscribe("HELLO", Mode::All).await.unwrap();
     wait_until(&h2, "watcher", |s| subscribed(s, "a HELLO") == 1).await;

@@ -163,6 +163,19 @@ pub(crate) async fn write_queued(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedR
     let _ = w.shutdown().await;
 }
 
+/// Builder `id`'s end of stream (to the writer, and in pull to the data-flow manager).
+fn end_of_stream(id: u32, now: Instant) -> FrameHeader {
+    FrameHeader {
+        flags: Flags::END_OF_STREAM,
+        source: id,
+        hit_count: 0,
+        slice: 0,
+        slice_start: Instant::ZERO,
+        send_time: now,
+        payload_len: 0,
+    }
+}
+
 /// Pull: the connection to the data-flow manager, reconnecting until `cancel`.
 async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
     let mut delay = StdDuration::from_millis(20);
@@ -503,16 +516,7 @@ pub async fn run_builder(
             // connection: what it assigned meanwhile (past the end of the run) is not
             // handed on to the others.
             if let Some(out) = &routes.dfm {
-                let end = FrameHeader {
-                    flags: Flags::END_OF_STREAM,
-                    source: id,
-                    hit_count: 0,
-                    slice: 0,
-                    slice_start: Instant::ZERO,
-                    send_time: Instant::ZERO,
-                    payload_len: 0,
-                };
-                let _ = out.send(shoal_core::frame::encode(&end, &[]));
+                let _ = out.send(frame::encode(&end_of_stream(id, clock.now()), &[]));
             }
             break;
         }
@@ -568,15 +572,7 @@ pub async fn run_builder(
         unreachable!("the filter and spool threads have ended and dropped their handles");
     };
     // End of stream to the writer, then close the link.
-    let eos = FrameHeader {
-        flags: Flags::END_OF_STREAM,
-        source: id,
-        hit_count: 0,
-        slice: 0,
-        slice_start: Instant::ZERO,
-        send_time: clock.now(),
-        payload_len: 0,
-    };
+    let eos = end_of_stream(id, clock.now());
     link.send(Chunk::frame(id, u64::MAX, frame::encode_header(&eos, &[]), bytes::Bytes::new()));
     wclosing.cancel();
     let link_task = link.close();

@@ -352,26 +352,11 @@ impl SourceNode {
     /// late), tick slots after data taking, release stalls, end the drain.
     pub fn handle_timeout<W: Workload + ?Sized>(&mut self, now: Instant, workload: &W) {
         let clock = self.cfg.slice_clock;
-        if self.phase == Phase::Producing && self.cfg.saturate {
-            // A few slices ahead of the transport and no more: enough that a shaper
-            // always has the next fragment when its tokens come (with one slice at a
-            // time a token bucket waited a driver round trip per fragment and missed its
-            // rate by up to half), few enough to bound the memory and the drift.
-            while !self.ends_before(self.next_slice) && self.queued() < self.saturation_depth() && !self.paused {
+        if self.phase == Phase::Producing {
+            while !self.ends_before(self.next_slice) && self.next_slice_due(now) {
                 let slice = self.next_slice;
-                for i in 0..self.hosted.len() {
-                    self.produce(i, slice, now, workload);
-                }
-                self.report.slices += 1;
-                self.next_slice += 1;
-            }
-            if self.ends_before(self.next_slice) {
-                self.start_drain(now);
-            }
-        } else if self.phase == Phase::Producing {
-            while !self.ends_before(self.next_slice) && now >= clock.end_of(self.next_slice) {
-                let slice = self.next_slice;
-                if self.cfg.max_lag.is_some_and(|lag| now >= clock.end_of(slice) + lag) {
+                // Saturating, slice numbers run ahead of the clock: lag means nothing.
+                if !self.cfg.saturate && self.cfg.max_lag.is_some_and(|lag| now >= clock.end_of(slice) + lag) {
                     // Too far behind: a real board would have sent this slice long ago;
                     // skipping it keeps the node within `max_lag` of real time.
                     self.report.slices_skipped += 1;
@@ -381,7 +366,7 @@ impl SourceNode {
                     self.next_slice += 1;
                     continue;
                 }
-                if now >= clock.end_of(slice + 1) {
+                if !self.cfg.saturate && now >= clock.end_of(slice + 1) {
                     self.report.late_slice_ends += 1;
                 }
                 for i in 0..self.hosted.len() {
@@ -529,11 +514,11 @@ impl SourceNode {
             Phase::Producing => Instant::MAX,
             Phase::Draining { deadline } => deadline,
         };
+        // Saturating, the next slice is due at once when there is room for it, else when
+        // the transport reports fragments taken (an input, not a time).
         let next_due = match self.phase {
-            // Saturating: due at once when the node is empty, else when the transport
-            // reports the last fragment taken (an input, not a time).
             Phase::Producing if self.cfg.saturate => {
-                if self.queued() < self.saturation_depth() && !self.paused {
+                if self.next_slice_due(Instant::ZERO) {
                     Instant::ZERO
                 } else {
                     Instant::MAX
@@ -563,9 +548,16 @@ impl SourceNode {
         self.phase == Phase::Producing
     }
 
-    /// Saturation: most fragments held before the next slice is produced.
-    fn saturation_depth(&self) -> usize {
-        SATURATION_SLICES * self.hosted.len()
+    /// Whether the next slice is to be produced at `now`: when it has ended on the slice
+    /// clock or, saturating, when the node holds fewer than [`SATURATION_SLICES`] slices'
+    /// fragments (a few slices ahead of the transport: enough that a shaper always has
+    /// the next fragment when its tokens come, few enough to bound memory and drift).
+    fn next_slice_due(&self, now: Instant) -> bool {
+        if self.cfg.saturate {
+            !self.paused && self.queued() < SATURATION_SLICES * self.hosted.len()
+        } else {
+            now >= self.cfg.slice_clock.end_of(self.next_slice)
+        }
     }
 
     /// Fragments produced and not yet reported sent, failed or dropped.
