@@ -20,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import saturated_demo  # noqa: E402
+
 NS = "spacingbench"
 FRAGMENT = 30_000
 TBF = "tbf:400Mbit:20000"
@@ -36,25 +39,8 @@ def ns(*args, **kw):
 
 
 def config(policy, saturate):
-    seconds = 0.5 if saturate else 2.0
-    return f"""[run]
-sources = 1
-builders = 1
-slice_ms = 1
-seconds = {seconds}
-policy = "{policy}"
-[source]
-generator = "fixed"
-fixed_bytes = {FRAGMENT}
-saturate = {"true" if saturate else "false"}
-[builder]
-max_active = 1000000
-wall_timeout_ms = 30000
-[builder.filter]
-name = "none"
-[saver]
-enabled = false
-"""
+    # Triggered: 2 s of 1 ms slices; free-running: 500 fragments.
+    return saturated_demo.config(1, 1, FRAGMENT, 500 if saturate else 2000, policy, saturate=saturate)
 
 
 def read_pcap(path):

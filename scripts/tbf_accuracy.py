@@ -14,7 +14,7 @@ bytes (shoal's default), each run about 3 s of data; medians of N runs. 1x3 is n
 produces its next slice only when the previous one is taken, so one source's buckets to
 three builders take turns instead of each running at its rate.
 
-usage (root; needs iperf3 and ethtool): scripts/tbf_accuracy.py SHOAL_BINARY OUT_DIR [--repeats N]
+usage (root; needs iperf3 and ethtool): scripts/tbf_accuracy.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick]
 Writes OUT_DIR/tbf-accuracy.{csv,md}. Exit 1 if a shoal run loses a fragment.
 """
 import csv
@@ -24,8 +24,10 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import saturated_demo  # noqa: E402
 
 NS = "tbfbench"
 RATES_MBIT = [1, 10, 100, 500, 1000, 2000, 4000]
@@ -49,35 +51,10 @@ def burst_bytes(rate_mbit):
 def shoal_run(shoal, sources, builders, rate_mbit):
     rate_bps = rate_mbit * 1e6 / 8
     slices = max(100, int(rate_bps * SECONDS / FRAGMENT))
-    cfg = f"""[run]
-sources = {sources}
-builders = {builders}
-slice_ms = 1
-seconds = {slices / 1000}
-policy = "tbf:{rate_mbit}Mbit:{burst_bytes(rate_mbit)}"
-[source]
-generator = "fixed"
-fixed_bytes = {FRAGMENT}
-saturate = true
-[builder]
-max_active = 1000000
-wall_timeout_ms = 60000
-memory_budget_mb = 1024
-[builder.filter]
-name = "none"
-[saver]
-enabled = false
-"""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "cfg.toml")
-        with open(path, "w") as f:
-            f.write(cfg)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = ns(shoal, "demo", "--config", path, "--out", os.path.join(d, "out"), "--json", check=False)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if out.returncode != 0:
-            raise RuntimeError(f"shoal demo failed: {out.stderr[-2000:]}")
-        r = json.loads(out.stdout)
+    cfg = saturated_demo.config(sources, builders, FRAGMENT, slices, f"tbf:{rate_mbit}Mbit:{burst_bytes(rate_mbit)}")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = saturated_demo.run(shoal, cfg, prefix=("ip", "netns", "exec", NS))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     # Per source-builder pair: direct assignment sends slice s of every source to builder
     # s mod B, so each builder's bytes came from `sources` buckets.
@@ -86,8 +63,7 @@ enabled = false
         span = (b["last_arrival_ns"] - b["first_arrival_ns"]) / 1e9
         per_frag = b["bytes"] / b["fragments"]
         rates.append((b["bytes"] - sources * per_frag) * 8 / span / 1e6 / sources)
-    ledger = r["ledger"]
-    ok = ledger["balanced"] and ledger["unaccounted"] == 0 and r["slices_incomplete"] == 0
+    ok = saturated_demo.accounted(r)
     total_gb = sum(b["bytes"] for b in r["builder_reports"]) / 1e9
     return statistics.mean(rates), ok, cpu / total_gb
 
@@ -117,6 +93,9 @@ def main():
         return 2
     shoal, out_dir = os.path.abspath(sys.argv[1]), sys.argv[2]
     repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 3
+    global RATES_MBIT, TOPOLOGIES
+    if "--quick" in sys.argv:
+        RATES_MBIT, TOPOLOGIES = [10, 100], [(1, 1)]
     os.makedirs(out_dir, exist_ok=True)
     sh("ip", "netns", "del", NS, check=False)
     sh("ip", "netns", "add", NS)

@@ -23,8 +23,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import saturated_demo  # noqa: E402
 
 SIZES = [1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000]
 TOPOLOGIES = [(1, 1), (3, 1), (1, 3), (6, 1), (8, 8)]
@@ -44,39 +46,9 @@ def free_port():
 
 def shoal_run(shoal, sources, builders, size, policy="direct"):
     slices = max(200, min(MAX_SLICES, TARGET_BYTES // (size * sources)))
-    cfg = f"""[run]
-sources = {sources}
-builders = {builders}
-slice_ms = 1
-seconds = {slices / 1000}
-policy = "{policy}"
-[source]
-generator = "fixed"
-fixed_bytes = {size}
-saturate = true
-[builder]
-# Free-running sources are not held together by a clock: the assembly window is opened
-# so that the drift between them costs memory (peak RSS reported), not data.
-max_active = 1000000
-wall_timeout_ms = 30000
-memory_budget_mb = {min(4096, 8000 // builders)}
-[builder.filter]
-name = "none"
-[saver]
-enabled = false
-"""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "cfg.toml")
-        with open(path, "w") as f:
-            f.write(cfg)
-        out = subprocess.run([shoal, "demo", "--config", path, "--out", os.path.join(d, "out"), "--json"],
-                             capture_output=True, text=True, timeout=600)
-        if out.returncode != 0:
-            raise RuntimeError(f"shoal demo failed ({out.returncode}): {out.stderr[-2000:]}")
-        r = json.loads(out.stdout)
-    ledger = r["ledger"]
-    ok = ledger["balanced"] and ledger["unaccounted"] == 0 and r["slices_incomplete"] == 0
-    return r["mbytes_per_s"], ok, r["peak_rss_mb"]
+    r = saturated_demo.run(shoal, saturated_demo.config(sources, builders, size, slices, policy,
+                                                        builder_budget_mb=min(4096, 8000 // builders)))
+    return r["mbytes_per_s"], saturated_demo.accounted(r), r["peak_rss_mb"]
 
 
 def iperf_run(sources, builders, size):
