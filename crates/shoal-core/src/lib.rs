@@ -25,6 +25,8 @@
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
 //!   manager ([`node::DataFlowManager`]), and the [`node::Workload`] interface.
+//! - [`probe`]: the switch buffer probe's datagrams and the analysis of a flood
+//!   ([`probe::analyse_flood`], [`probe::classify`]).
 //! - [`pullmsg`]: the pull control messages (hello, request, assignment, credit) as
 //!   frames, with their checked decoder.
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
@@ -46,6 +48,7 @@ pub mod frame;
 pub mod hit;
 pub mod ledger;
 pub mod node;
+pub mod probe;
 pub mod pullmsg;
 pub mod rawrec;
 pub mod runstate;

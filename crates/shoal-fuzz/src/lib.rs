@@ -30,6 +30,39 @@ pub fn frame_stream(data: &[u8]) {
     let _ = shoal_core::frame::decode_header(data, MAX_PAYLOAD);
 }
 
+/// Datagrams at a `shoal probe-switch` receiver, cut at lengths taken from the bytes: each
+/// decoded, the calibration, data and END ones collected with arrival times taken from the
+/// bytes too, then the flood analysed and classified as the receiver does.
+pub fn probe(data: &[u8]) {
+    use shoal_core::probe::{Arrival, ProbeMessage, analyse_flood, base_delays, classify};
+    let (mut calibration, mut flood, mut ends) = (Vec::new(), Vec::new(), std::collections::BTreeMap::new());
+    let mut rest = data;
+    let mut arrival_ns = 0u64;
+    while let Some((&n, tail)) = rest.split_first() {
+        let take = usize::from(n).min(tail.len());
+        arrival_ns = arrival_ns.wrapping_add(u64::from(n) << 20);
+        let arrival = |s: shoal_core::probe::Stamp| Arrival {
+            sender: s.sender,
+            seq: s.seq,
+            send_ns: s.send_ns,
+            arrival_ns,
+            frame_bytes: take as u32 + 42,
+        };
+        match ProbeMessage::decode(&tail[..take]) {
+            Ok(ProbeMessage::Calib(s)) => calibration.push(arrival(s)),
+            Ok(ProbeMessage::Data(s)) => flood.push(arrival(s)),
+            Ok(ProbeMessage::End(e)) => {
+                ends.insert(e.sender, e);
+            }
+            _ => {}
+        }
+        rest = &tail[take..];
+    }
+    if let Ok(e) = analyse_flood(&flood, &base_delays(&calibration), &ends) {
+        let _ = classify(e, e);
+    }
+}
+
 /// A writer's `EVENTS` payload.
 pub fn events(data: &[u8]) {
     let _ = shoal_core::event::decode_events(data);
@@ -116,7 +149,7 @@ pub fn alerts(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 7] = [
+pub const TARGETS: [(&str, Target); 8] = [
     ("frame_stream", frame_stream),
     ("events", events),
     ("datagrams", datagrams),
@@ -124,4 +157,5 @@ pub const TARGETS: [(&str, Target); 7] = [
     ("run_control", run_control),
     ("config", config),
     ("alerts", alerts),
+    ("probe", probe),
 ];

@@ -17,6 +17,9 @@
 //! stops the same role functions, publishes statistics and its end-of-run report, and
 //! serves Prometheus `/metrics`.
 //!
+//! [`probe`] is `shoal probe-switch` on real sockets: paced UDP floods, kernel receive
+//! timestamps.
+//!
 //! Every process divides one memory budget among its queues at start, or refuses to start
 //! with what would fit ([`budget::plan`]).
 //!
@@ -35,6 +38,7 @@ pub mod listen;
 pub mod live;
 pub use shoal_dispatcher::lograte;
 pub mod node;
+pub mod probe;
 pub mod rcagent;
 pub mod source;
 pub mod spool;

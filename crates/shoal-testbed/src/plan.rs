@@ -196,6 +196,59 @@ impl Plan {
         Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion, loss_ppm: 0 })
     }
 
+    /// One switch, `senders` hosts on links of `sender_mbps` and one receiver behind a port
+    /// of `port_mbps` whose output buffer is `port_queue`: what `shoal probe-switch` floods.
+    /// Senders are `Source(i)`, the receiver `Builder(0)`; the senders' links are meant to
+    /// be faster than the port, so that their own queues stay empty and every drop is the
+    /// port's.
+    pub fn star(
+        prefix: &str,
+        senders: u32,
+        sender_mbps: f64,
+        port_mbps: f64,
+        port_queue: Queue,
+    ) -> Result<Plan, String> {
+        if !(2..=500).contains(&senders) {
+            return Err(format!("{senders} senders: 2 to 500"));
+        }
+        if prefix.is_empty() || prefix.len() > 6 || !prefix.chars().all(|c| c.is_ascii_alphanumeric()) {
+            return Err(format!("testbed prefix {prefix:?}: 1 to 6 letters or digits"));
+        }
+        let switch = format!("{prefix}-sw");
+        let host_queue = Queue::Packets(1000);
+        let mut plan = Plan {
+            prefix: prefix.to_string(),
+            hosts: Vec::new(),
+            switches: vec![switch.clone()],
+            links: Vec::new(),
+            congestion: Congestion::Cubic,
+            loss_ppm: 0,
+        };
+        let mut attach = |netns: String, role: HostRole, addr: Ipv4Addr, port: String, mbps: f64, queue: Queue| {
+            plan.hosts.push(Host { netns: netns.clone(), role, addr });
+            plan.links.push(Link {
+                a_netns: netns,
+                a_dev: "eth0".into(),
+                a_egress: Shaping { mbps, queue: host_queue },
+                b_netns: switch.clone(),
+                b_dev: port,
+                b_egress: Shaping { mbps, queue },
+            });
+        };
+        for i in 0..senders {
+            attach(
+                format!("{prefix}-s{i}"),
+                HostRole::Source(i),
+                source_addr(i),
+                format!("s{i}"),
+                sender_mbps,
+                host_queue,
+            );
+        }
+        attach(format!("{prefix}-r"), HostRole::Builder(0), builder_addr(0), "r".into(), port_mbps, port_queue);
+        Ok(plan)
+    }
+
     /// The same testbed with `ppm` packets per million lost on every switch port toward a
     /// host.
     pub fn with_loss_ppm(mut self, ppm: u32) -> Plan {
@@ -360,6 +413,19 @@ mod tests {
         assert!(p.namespace_script("x1-core").contains("bfifo limit 108000"));
         assert!(Plan::new(&sc, "bad-prefix", Congestion::Reno).is_err());
         assert!(Plan::new(&scenario(1200, 10), "tb", Congestion::Reno).unwrap_err().contains("1023"));
+    }
+
+    #[test]
+    fn a_star_puts_the_probed_buffer_on_the_receivers_port_only() {
+        let p = Plan::star("pb", 3, 200.0, 20.0, Queue::Bytes(108_000)).unwrap();
+        assert_eq!((p.hosts.len(), p.switches.len(), p.links.len()), (4, 1, 4));
+        let sw = p.namespace_script("pb-sw");
+        assert!(sw.contains("dev r root handle 1: tbf rate 20000kbit "), "{sw}");
+        assert!(sw.contains("dev r parent 1:1 handle 10: bfifo limit 108000"), "{sw}");
+        assert!(sw.contains("dev s2 root handle 1: tbf rate 200000kbit "), "{sw}");
+        assert_eq!(sw.matches("bfifo").count(), 1, "only the probed port: {sw}");
+        assert_eq!(p.host(HostRole::Builder(0)).unwrap().netns, "pb-r");
+        assert!(Plan::star("pb", 1, 200.0, 20.0, Queue::Packets(100)).is_err());
     }
 
     #[test]

@@ -24,6 +24,7 @@ use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
 mod alert;
+mod probe;
 mod replay;
 use shoal_control as run;
 mod sim;
@@ -108,6 +109,9 @@ enum Command {
     Testbed(testbed::TestbedArgs),
     /// Run a scenario on the simulator and on the testbed and compare them (root).
     Validate(testbed::ValidateArgs),
+    /// Measure a switch port's output buffer by flooding it from synchronised senders:
+    /// its size in packets and bytes, and which of the two it limits.
+    ProbeSwitch(probe::ProbeArgs),
 }
 
 #[derive(Parser)]
@@ -318,6 +322,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Sim(args) => tokio::task::spawn_blocking(move || sim::command(args)).await?,
         Command::Testbed(args) => with_ctrl_c_ignored(move || testbed::command(args)).await,
         Command::Validate(args) => with_ctrl_c_ignored(move || testbed::validate(args)).await,
+        // Ctrl-C stops a sender or receiver at once, but lets the testbed be torn down.
+        Command::ProbeSwitch(args) if args.builds_a_testbed() => {
+            with_ctrl_c_ignored(move || probe::command(args)).await
+        }
+        Command::ProbeSwitch(args) => tokio::task::spawn_blocking(move || probe::command(args)).await?,
         Command::Config => {
             print!("{}", toml::to_string(&Config::default())?);
             Ok(ExitCode::SUCCESS)
