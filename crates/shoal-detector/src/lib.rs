@@ -283,6 +283,12 @@ pub enum Generator {
 }
 
 impl Generator {
+    /// Whether a fragment costs real computing (simulated hits: milliseconds per slice,
+    /// ten times more in a burst), as opposed to copying or repeating bytes made before.
+    pub fn computes_hits(&self) -> bool {
+        matches!(self, Generator::Physics(_) | Generator::Noise(_))
+    }
+
     pub fn generate(&self, source: SourceId, slice: u64) -> GeneratedFragment {
         match self {
             Generator::Physics(g) => g.generate(source as usize, slice),

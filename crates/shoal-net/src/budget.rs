@@ -66,6 +66,27 @@ pub fn fragment_bytes(cfg: &Config) -> Result<u64, ConfigError> {
     Ok(HEADER_LEN as u64 + bytes / n.max(1))
 }
 
+/// What each source node may hold computed ahead ([`crate::prefetch`]), out of its share
+/// of the budget (`node_limit`): its sources' slices for `source.generate_ahead_ms`, twice
+/// over for bursts, at most a quarter of its share and [`crate::prefetch::MAX_BYTES`]; 0
+/// (computed at the slice end) when that is less than two slices, where a tight budget
+/// leaves no room to be ahead.
+fn prefetch_limit(cfg: &Config, hosting: &Hosting, fragment_bytes: u64, node_limit: u64) -> u64 {
+    let ahead = crate::prefetch::ahead_slices(cfg).unwrap_or(0);
+    let largest = hosting.source_nodes.iter().copied().max().unwrap_or(0);
+    let slice = largest.saturating_mul(fragment_bytes);
+    let limit = slice.saturating_mul(ahead).saturating_mul(2).min(crate::prefetch::MAX_BYTES).min(node_limit / 4);
+    if ahead == 0 || limit < slice.saturating_mul(2) { 0 } else { limit }
+}
+
+/// A process's memory plan: the budget's division, and the part of each source node's
+/// share that holds slices computed ahead (the rest bounds its backlog).
+#[derive(Clone, Debug)]
+pub struct ProcessPlan {
+    pub memory: MemoryPlan,
+    pub prefetch_limit: u64,
+}
+
 fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand {
     let saver = if cfg.saver.enabled { cfg.saver.max_mb << 20 } else { 0 };
     let mut fixed = vec![("runtime", RUNTIME_BYTES)];
@@ -93,7 +114,7 @@ fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand 
 /// Plans the process's memory, or refuses with why and what would fit. `hosting_for(n)`
 /// says what the process would host with `n` sources in the run (to find the largest `n`
 /// that fits).
-pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<MemoryPlan, ConfigError> {
+pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<ProcessPlan, ConfigError> {
     let frag = fragment_bytes(cfg)?;
     let with_sources = |n: u32| {
         let mut c = cfg.clone();
@@ -101,7 +122,10 @@ pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<Memory
         demand(&c, &hosting_for(n), frag).plan()
     };
     let refusal = match with_sources(cfg.run.sources) {
-        Ok(plan) => return Ok(plan),
+        Ok(memory) => {
+            let prefetch_limit = prefetch_limit(cfg, &hosting_for(cfg.run.sources), frag, memory.source_node_limit);
+            return Ok(ProcessPlan { memory, prefetch_limit });
+        }
         Err(r) => r,
     };
     let fit = largest_fitting(u64::from(cfg.run.sources), |n| with_sources(n as u32).is_ok());
@@ -159,14 +183,16 @@ pub fn hosting_for_role(cfg: &Config, role: crate::node::Role, sources: u32) -> 
 }
 
 /// Applies a plan to the configuration: each source node holds at most its share.
-pub fn apply(cfg: &mut Config, plan: &MemoryPlan) {
-    if plan.source_node_limit > 0 {
-        cfg.source.held_limit_bytes = Some(plan.source_node_limit);
+pub fn apply(cfg: &mut Config, plan: &ProcessPlan) {
+    if plan.memory.source_node_limit > 0 {
+        cfg.source.held_limit_bytes = Some(plan.memory.source_node_limit - plan.prefetch_limit);
     }
+    cfg.source.prefetch_limit_bytes = Some(plan.prefetch_limit);
 }
 
 /// One line for the log.
-pub fn describe(plan: &MemoryPlan) -> String {
+pub fn describe(plan: &ProcessPlan) -> String {
+    let plan = &plan.memory;
     let shares = plan.shares.iter().map(|(n, b)| format!("{n} ({})", mib(*b))).collect::<Vec<_>>().join(", ");
     format!("memory budget {}: {shares}; {} planned", mib(plan.budget), mib(plan.total()))
 }

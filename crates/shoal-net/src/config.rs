@@ -238,10 +238,19 @@ pub struct SourceConfig {
     /// a machine too slow for the configured load stays this close to real time instead
     /// of falling behind without end. 0: never skip.
     pub max_lag_ms: u64,
+    /// How far ahead of its slice ends a source node computes its fragments, on a thread of
+    /// its own (ms; `crate::prefetch`): a slice costly to generate (a burst) is ready at
+    /// its end instead of holding the runtime. 0: computed at each slice end, in the
+    /// source's task.
+    pub generate_ahead_ms: u64,
     /// Most bytes a source process holds (set at start from the memory budget; not a
     /// file setting).
     #[serde(skip)]
     pub held_limit_bytes: Option<u64>,
+    /// Most payload a source node holds computed ahead of its slice ends (set at start
+    /// from the memory budget: `crate::prefetch`; not a file setting).
+    #[serde(skip)]
+    pub prefetch_limit_bytes: Option<u64>,
     /// Burst rate cutoff: during a burst send only the first/last few slices.
     pub cutoff: bool,
     pub cutoff_head: u32,
@@ -269,7 +278,9 @@ impl Default for SourceConfig {
             saturate: false,
             queue_limit_mb: 64,
             max_lag_ms: 5_000,
+            generate_ahead_ms: 250,
             held_limit_bytes: None,
+            prefetch_limit_bytes: None,
             cutoff: false,
             cutoff_head: 4,
             cutoff_tail: 4,

@@ -77,6 +77,11 @@ pub struct RunSummary {
     pub shaping_delay: DelayStats,
     pub rejected_connections: BTreeMap<String, u64>,
     pub late_slice_ends: u64,
+    /// The latest slice end (ms late) and when it was (s into the run), over every node.
+    #[serde(default)]
+    pub worst_late_ms: f64,
+    #[serde(default)]
+    pub worst_late_at_s: f64,
     /// Slices skipped by the most-behind source node (reached more than
     /// `source.max_lag_ms` late: the machine could not generate the load in real time).
     pub slices_skipped: u64,
@@ -219,10 +224,12 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let mut tallies: BTreeMap<SourceId, SourceTally> = BTreeMap::new();
     let mut slices_produced = 0;
     let (mut late_slice_ends, mut slices_skipped, mut dropped_over_memory) = (0, 0, 0);
+    let mut worst_late = (0u64, 0u64);
     for n in nodes {
         let r = n.await??;
         slices_produced = slices_produced.max(r.slices);
         late_slice_ends += r.late_slice_ends;
+        worst_late = worst_late.max((r.worst_late_ns, r.worst_late_into_run_ns));
         slices_skipped = slices_skipped.max(r.slices_skipped);
         dropped_over_memory += r.dropped_over_memory;
         tallies.extend(r.tallies);
@@ -259,9 +266,11 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
     summary.dfm = dfm;
     summary.slices_skipped = slices_skipped;
+    summary.worst_late_ms = worst_late.0 as f64 / 1e6;
+    summary.worst_late_at_s = worst_late.1 as f64 / 1e9;
     summary.dropped_over_memory = dropped_over_memory;
-    summary.memory_budget_mb = plan.budget >> 20;
-    summary.memory_planned_mb = plan.total() >> 20;
+    summary.memory_budget_mb = plan.memory.budget >> 20;
+    summary.memory_planned_mb = plan.memory.total() >> 20;
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
     if let Err(e) = std::fs::write(&path, serde_json::to_vec_pretty(&summary)?) {
@@ -327,6 +336,8 @@ fn summarize(
         shaping_delay: DelayStats::from_histogram(&shaping),
         rejected_connections: rejected,
         late_slice_ends,
+        worst_late_ms: 0.0,
+        worst_late_at_s: 0.0,
         slices_skipped: 0,
         dropped_over_memory: 0,
         memory_budget_mb: 0,

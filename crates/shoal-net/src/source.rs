@@ -11,9 +11,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration as StdDuration;
 
-use shoal_core::node::{SourceEvent, SourceNode, SourceNodeReport, SourceTotals, SourceTransmit};
+use shoal_core::node::{
+    GeneratedFragment, SourceEvent, SourceNode, SourceNodeReport, SourceTotals, SourceTransmit, Workload,
+};
 use shoal_core::shaping::PullRequest;
+use shoal_core::slice::SliceNumber;
 use shoal_core::{Duration, Instant, SourceId};
+use shoal_detector::Generator;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -22,6 +26,7 @@ use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, Transport};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
+use crate::prefetch::{self, Prefetch};
 use crate::udp::UdpLink;
 use shoal_core::datagram::SenderStats;
 
@@ -52,7 +57,7 @@ pub async fn run_source(
 ) -> Result<SourceReport, ConfigError> {
     let mut node_cfg = cfg.source_node()?;
     node_cfg.record_transmits = record_transmits;
-    let workload = cfg.workload()?;
+    let generator = cfg.workload()?;
     let addrs = (0..cfg.run.builders).map(|b| cfg.builder_addr(b)).collect::<Result<Vec<_>, _>>()?;
     let backoff = Backoff {
         min: StdDuration::from_millis(cfg.source.reconnect_min_ms.max(1)),
@@ -95,7 +100,22 @@ pub async fn run_source(
     drop(report_tx);
     drop(options);
 
+    let sources = node_cfg.sources.clone();
     let mut node = SourceNode::new(node_cfg, clock.now());
+    // Slices computed ahead, off the runtime's workers (crate::prefetch); or, with
+    // `source.generate_ahead_ms = 0`, in this task at each slice end.
+    let limit = cfg.source.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES);
+    // Only hits computed for each slice are worth a thread: a fixed or replayed fragment
+    // costs a copy, and 75 threads handing them over slowed the full-shape run from 548 to
+    // 319 MB/s.
+    let workload = match prefetch::ahead_slices(cfg)? {
+        _ if limit == 0 || !generator.computes_hits() => SourceWorkload::AtSliceEnd(generator),
+        0 => SourceWorkload::AtSliceEnd(generator),
+        ahead => SourceWorkload::Ahead(
+            Prefetch::new(generator, sources, node.next_slice(), ahead, limit)
+                .map_err(|e| ConfigError::Invalid(format!("starting the generator thread: {e}")))?,
+        ),
+    };
     let mut seen = SourceTotals::default();
     info!(sources = ?node.config().sources, first_slice = node.first_slice(), slices = ?node.config().slices,
         policy = %node.config().policy, "source node started");
@@ -149,6 +169,18 @@ pub async fn run_source(
         }
     }
     sync_live(&node, &live, &mut seen);
+    if let SourceWorkload::Ahead(p) = &workload
+        && let generated = p.stats()
+        && generated.generated_inline > 0
+    {
+        // Once per node, so debug: the run's late slice ends already say it was starved.
+        tracing::debug!(
+            inline = generated.generated_inline,
+            ahead = generated.generated_ahead,
+            "the generator thread fell behind: the node computed {} fragments itself (CPU starved)",
+            generated.generated_inline
+        );
+    }
     let mut report = node.report();
     // Every report has come, so every link task has ended (or was aborted above).
     for t in tasks {
@@ -159,6 +191,21 @@ pub async fn run_source(
         }
     }
     Ok(report)
+}
+
+/// Where a source node's fragments are computed.
+enum SourceWorkload {
+    Ahead(Prefetch<Generator>),
+    AtSliceEnd(Generator),
+}
+
+impl Workload for SourceWorkload {
+    fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
+        match self {
+            SourceWorkload::Ahead(p) => p.generate(source, slice),
+            SourceWorkload::AtSliceEnd(g) => g.generate(source, slice),
+        }
+    }
 }
 
 /// A source's link to one builder, on the run's transport.

@@ -174,7 +174,12 @@ pub fn table(s: &RunSummary) -> String {
         );
     }
     if s.late_slice_ends > 0 {
-        let _ = writeln!(o, "  warning: the generator reached {} slice ends late (CPU overloaded)", s.late_slice_ends);
+        let _ = writeln!(
+            o,
+            "  warning: sources reached {} slice ends more than a slice late, the worst {:.1} ms late {:.1} s into the \
+             run: the machine was short of CPU then",
+            s.late_slice_ends, s.worst_late_ms, s.worst_late_at_s
+        );
     }
     o
 }

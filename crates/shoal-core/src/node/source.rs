@@ -161,6 +161,12 @@ pub struct SourceNodeReport {
     pub bytes_produced: u64,
     /// Slice ends reached late by more than one slice (the driver was starved of CPU).
     pub late_slice_ends: u64,
+    /// The latest of those: how late (ns), and when, counted from the node's first slice
+    /// (ns of slice time), so that an operator can hold it against the machine's load.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub worst_late_ns: u64,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub worst_late_into_run_ns: u64,
     /// Slices not produced because the node reached their end more than
     /// [`SourceNodeConfig::max_lag`] late (per node, not per source).
     #[cfg_attr(feature = "serde", serde(default))]
@@ -368,6 +374,13 @@ impl SourceNode {
                 }
                 if !self.cfg.saturate && now >= clock.end_of(slice + 1) {
                     self.report.late_slice_ends += 1;
+                    let late = now.saturating_duration_since(clock.end_of(slice)).as_nanos() as u64;
+                    if late > self.report.worst_late_ns {
+                        self.report.worst_late_ns = late;
+                        self.report.worst_late_into_run_ns =
+                            clock.end_of(slice).saturating_duration_since(clock.start_of(self.first_slice)).as_nanos()
+                                as u64;
+                    }
                 }
                 for i in 0..self.hosted.len() {
                     self.produce(i, slice, now, workload);
@@ -882,6 +895,8 @@ mod tests {
         assert!(node.is_closed());
         let r = node.report();
         assert_eq!((r.slices, r.late_slice_ends), (2, 1));
+        // Slice 0 ended at 10 ms and was taken at 25 ms: 15 ms late, 10 ms into the run.
+        assert_eq!((r.worst_late_ns, r.worst_late_into_run_ns), (15 * MS, 10 * MS));
         assert!(r.tallies.values().all(|t| t.produced == 2 && t.unaccounted() == 0 && t.unsent == 0));
     }
 
