@@ -243,6 +243,10 @@ pub struct SourceConfig {
     /// its end instead of holding the runtime. 0: computed at each slice end, in the
     /// source's task.
     pub generate_ahead_ms: u64,
+    /// One connection per hosted source and builder instead of one per builder shared by
+    /// the process's sources: what boards that each connect to every builder look like to
+    /// a builder (connection scaling, `scripts/conn_scaling.py`).
+    pub connection_per_source: bool,
     /// Most bytes a source process holds (set at start from the memory budget; not a
     /// file setting).
     #[serde(skip)]
@@ -279,6 +283,7 @@ impl Default for SourceConfig {
             queue_limit_mb: 64,
             max_lag_ms: 5_000,
             generate_ahead_ms: 250,
+            connection_per_source: false,
             held_limit_bytes: None,
             prefetch_limit_bytes: None,
             cutoff: false,

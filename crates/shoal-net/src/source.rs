@@ -1,5 +1,6 @@
 //! The source process's driver: a [`SourceNode`] (every decision) on one [`Link`] per
-//! builder (the bytes).
+//! builder (the bytes), or with `source.connection_per_source` one per hosted source and
+//! builder, as boards that each hold their own connections.
 //!
 //! The loop sleeps until the node's next timeout or a link report, feeds the node the
 //! time, run control's end slice and pause flag, and hands the node's transmits to the
@@ -72,31 +73,41 @@ pub async fn run_source(
         None => LinkOptions::default(),
     };
     let transport = cfg.transport()?;
-    let links: Vec<DataLink> = addrs
-        .iter()
-        .enumerate()
-        .map(|(b, addr)| match transport {
-            Transport::Tcp => DataLink::Tcp(Link::spawn_with(
-                b as u32,
-                *addr,
-                clock,
-                backoff,
-                report_tx.clone(),
-                closing.clone(),
-                options.clone(),
-            )),
-            Transport::Udp => DataLink::Udp(UdpLink::spawn(
-                b as u32,
-                *addr,
-                clock,
-                cfg.udp_config(),
-                cfg.run.run_number as u32,
-                (cfg.udp.socket_buffer_mb << 20) as usize,
-                report_tx.clone(),
-                options.clone(),
-            )),
-        })
-        .collect();
+    let spawn = |b: usize, options: LinkOptions| match transport {
+        Transport::Tcp => DataLink::Tcp(Link::spawn_with(
+            b as u32,
+            addrs[b],
+            clock,
+            backoff,
+            report_tx.clone(),
+            closing.clone(),
+            options,
+        )),
+        Transport::Udp => DataLink::Udp(UdpLink::spawn(
+            b as u32,
+            addrs[b],
+            clock,
+            cfg.udp_config(),
+            cfg.run.run_number as u32,
+            (cfg.udp.socket_buffer_mb << 20) as usize,
+            report_tx.clone(),
+            options,
+        )),
+    };
+    let links = if cfg.source.connection_per_source {
+        let per_source = node_cfg
+            .sources
+            .iter()
+            .map(|&s| {
+                // Each connection greets its builder for its own source only.
+                let options = LinkOptions { hello: vec![s], requests: options.requests.clone() };
+                (s, (0..addrs.len()).map(|b| spawn(b, options.clone())).collect())
+            })
+            .collect();
+        Links::PerSource(per_source)
+    } else {
+        Links::Shared((0..addrs.len()).map(|b| spawn(b, options.clone())).collect())
+    };
     drop(report_tx);
     drop(options);
 
@@ -156,7 +167,7 @@ pub async fn run_source(
     // and keep collecting reports until every link task has finished (bounded: a link to an
     // unreachable peer gives up once `closing` is set).
     closing.cancel();
-    let tasks: Vec<_> = links.into_iter().map(DataLink::close).collect();
+    let tasks: Vec<_> = links.into_all().map(DataLink::close).collect();
     let collect = async {
         while let Some(r) = reports.recv().await {
             handle_report(&mut node, r, clock.now());
@@ -208,6 +219,30 @@ impl Workload for SourceWorkload {
     }
 }
 
+/// The node's links: one per builder shared by its sources, or one per source and builder.
+enum Links {
+    Shared(Vec<DataLink>),
+    PerSource(std::collections::HashMap<SourceId, Vec<DataLink>>),
+}
+
+impl Links {
+    fn to(&self, source: SourceId, builder: usize) -> &DataLink {
+        match self {
+            Links::Shared(links) => &links[builder],
+            // The node transmits only for the sources it hosts, each of which has links.
+            Links::PerSource(links) => &links[&source][builder],
+        }
+    }
+
+    fn into_all(self) -> impl Iterator<Item = DataLink> {
+        let all: Vec<DataLink> = match self {
+            Links::Shared(links) => links,
+            Links::PerSource(links) => links.into_values().flatten().collect(),
+        };
+        all.into_iter()
+    }
+}
+
 /// A source's link to one builder, on the run's transport.
 enum DataLink {
     Tcp(Link),
@@ -245,9 +280,9 @@ impl LinkTask {
     }
 }
 
-fn pump(node: &mut SourceNode, links: &[DataLink], now: Instant, live: &Live, seen: &mut SourceTotals) {
+fn pump(node: &mut SourceNode, links: &Links, now: Instant, live: &Live, seen: &mut SourceTotals) {
     while let Some(t) = node.poll_transmit(now) {
-        links[t.dest as usize].send(chunk(t));
+        links.to(t.source, t.dest as usize).send(chunk(t));
     }
     while let Some(e) = node.poll_event() {
         match e {

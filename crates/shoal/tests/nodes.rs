@@ -111,3 +111,75 @@ fn ids_that_do_not_fit_the_role_are_refused() {
         assert!(err.contains("--ids"), "{role}: {err}");
     }
 }
+
+/// `source.connection_per_source`: one source process hosting three sources opens a
+/// connection per source to the builder (as three boards would), and every fragment
+/// arrives.
+#[test]
+fn a_connection_per_source_when_asked() {
+    let dir = std::env::temp_dir().join(format!("shoal-nodes-per-source-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (b0, w) = (free_port(), free_port());
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let start_slice = now_ns / 10_000_000 + 100;
+    let toml = format!(
+        r#"
+[run]
+run_number = 43
+seconds = 0.5
+sources = 3
+builders = 1
+policy = "direct"
+builder_addrs = ["127.0.0.1:{b0}"]
+writer_addr = "127.0.0.1:{w}"
+start_slice = {start_slice}
+
+[source]
+generator = "fixed"
+fixed_bytes = 1000
+connection_per_source = true
+
+[builder]
+max_active = 100000
+wall_timeout_ms = 600000
+
+[builder.filter]
+name = "none"
+
+[writer]
+out_dir = "{out}"
+"#,
+        out = dir.display()
+    );
+    let base = dir.join("cluster.toml");
+    std::fs::write(&base, &toml).unwrap();
+    let spawn = |role: &str, ids: &str| {
+        let mut c = shoal();
+        c.args(["node", "--role", role, "--config"]).arg(&base).args(["--ids", ids]);
+        c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap()
+    };
+    let writer = shoal()
+        .args(["node", "--role", "writer", "--config"])
+        .arg(&base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let builder = spawn("builder", "0");
+    let source = spawn("source", "0,1,2");
+    let reports: Vec<serde_json::Value> = [source, builder, writer]
+        .into_iter()
+        .map(|child| {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "a node failed: {:?}", out.status);
+            serde_json::from_slice(&out.stdout).unwrap()
+        })
+        .collect();
+    let produced: u64 =
+        reports[0]["tallies"].as_object().unwrap().values().map(|t| t["produced"].as_u64().unwrap()).sum();
+    assert_eq!(produced, 3 * 50, "3 sources x 0.5 s of 10 ms slices");
+    assert_eq!(reports[1]["tally"]["delivered"].as_u64().unwrap(), produced);
+    assert_eq!(reports[1]["connections"], 3, "one connection per source: {:#}", reports[1]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
