@@ -26,28 +26,37 @@ iperf() { # streams -> MB/s
   iperf3 -c 127.0.0.1 -p "$port" -t "$SECS" -P "$1" -J | jq '.end.sum_received.bits_per_second / 8 / 1e6'
 }
 
+# 100 builders in one process: each builder's default 512 MiB would make the plan 50 GiB,
+# which the memory budget refuses (half of this machine); 64 MiB each holds a slice's
+# 300 fragments many times over.
+live_cfg="$tmp/live.toml"
+printf '[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
 pool_cfg="$tmp/pool.toml"
-printf '[source]\nreplay_pool = 16\n' >"$pool_cfg"
+printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n' >"$pool_cfg"
 nofilter_cfg="$tmp/nofilter.toml"
-printf '[source]\nreplay_pool = 16\n[builder.filter]\nname = "none"\n' >"$nofilter_cfg"
+printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n[builder.filter]\nname = "none"\n' >"$nofilter_cfg"
 demo() { # extra args -> "MBps complete_pct late_slice_ends"
   "$SHOAL" demo --seconds "$SECS" --sources 300 --builders 100 --policy delayed:8 \
-    --out "$tmp/out" --json "$@" 2>/dev/null |
+    --out "$tmp/out" --json "$@" 2>"$tmp/stderr" |
     jq -r '[.mbytes_per_s, (100 * .slices_complete / (.slices_complete + .slices_incomplete)), .ledger.unaccounted] | @tsv'
 }
 
+check() { # the run's summary came and its ledger balanced, or stop with why
+  [ -n "${mb:-}" ] || { echo "shoal demo failed in run $1:"; tail -5 "$tmp/stderr"; exit 1; }
+  [ "$un" = 0 ] || { echo "ledger unbalanced in run $1"; exit 1; }
+}
 declare -a i1 i8 live pool livec poolc nof nofc
 for r in $(seq "$REPS"); do
   i1+=("$(iperf 1)")
   i8+=("$(iperf 8)")
-  read -r mb pct un < <(demo)
-  [ "$un" = 0 ] || { echo "ledger unbalanced in run $r"; exit 1; }
+  mb=""; read -r mb pct un < <(demo --config "$live_cfg") || true
+  check "$r"
   live+=("$mb"); livec+=("$pct")
-  read -r mb pct un < <(demo --config "$pool_cfg")
-  [ "$un" = 0 ] || { echo "ledger unbalanced in run $r"; exit 1; }
+  mb=""; read -r mb pct un < <(demo --config "$pool_cfg") || true
+  check "$r"
   pool+=("$mb"); poolc+=("$pct")
-  read -r mb pct un < <(demo --config "$nofilter_cfg")
-  [ "$un" = 0 ] || { echo "ledger unbalanced in run $r"; exit 1; }
+  mb=""; read -r mb pct un < <(demo --config "$nofilter_cfg") || true
+  check "$r"
   nof+=("$mb"); nofc+=("$pct")
 done
 m() { printf '%s\n' "$@" | median; }
