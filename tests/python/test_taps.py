@@ -33,8 +33,8 @@ def decode_events(payload: bytes) -> list[int]:
     """Event ids of an EVENTS payload; checks that the records fill it exactly."""
     ids, at = [], 0
     while at < len(payload):
-        event_id, _mask, n_hits = struct.unpack_from("<III", payload, at)
-        at += 12 + 11 * n_hits
+        event_id, _mask, _overlays, n_hits = struct.unpack_from("<IIII", payload, at)
+        at += 16 + 11 * n_hits
         ids.append(event_id)
     assert at == len(payload)
     return ids
