@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Connection scaling (issue 15, part 4; docs/benchmarks.md "Connection scaling"): one
+builder process receiving from 1, 10, 100, 1,000 and 10,000 TCP connections, its CPU per
+GB and the rate it sustained.
+
+Each point is a real cluster of `shoal node` processes on loopback: a writer, one builder
+(`--ids 0`), and source processes hosting N sources with `source.connection_per_source`,
+so the builder holds N data connections (at most 2,500 per source process: the
+per-process limit is 20,000 descriptors). Sources saturate (`source.saturate`): each
+produces its next fixed-size fragment as soon as its connection has taken the last one,
+so the data path sets the rate; every source sends the same number of bytes in total.
+
+Measured:
+  - the builder's CPU (user + system, from wait4's rusage of its process) per GB it
+    received, and per fragment;
+  - its rate: bytes received / (last arrival - first arrival), from its own report;
+  - the senders' CPU beside it (they share the 2 cores: the rate is this machine's, with
+    senders and builder on the same cores, not the builder's alone).
+Every run's ledger is checked: every fragment produced was delivered.
+With --syscalls (perf), the builder runs under `perf stat` counting its system calls
+(all; recvfrom, the socket reads; epoll_wait) and context switches, per fragment: where
+the CPU per GB goes as connections grow.
+
+usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
+         [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
+Writes OUT_DIR/conn-scaling.{csv,md} (medians of R runs per count).
+"""
+import csv
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PER_PROCESS = 2500
+SYSCALLS = ["raw_syscalls:sys_enter", "syscalls:sys_enter_recvfrom", "syscalls:sys_enter_epoll_wait",
+            "context-switches"]
+
+
+def arg(name, default):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(n, fragment, slices, out):
+    b, w = free_port(), free_port()
+    return f"""[run]
+run_number = 1
+sources = {n}
+builders = 1
+slice_ms = 1
+seconds = {slices / 1000}
+policy = "direct"
+builder_addrs = ["127.0.0.1:{b}"]
+writer_addr = "127.0.0.1:{w}"
+
+[source]
+generator = "fixed"
+fixed_bytes = {fragment}
+saturate = true
+connection_per_source = true
+
+[builder]
+max_active = 1000000
+wall_timeout_ms = 600000
+memory_budget_mb = 2048
+
+[builder.filter]
+name = "none"
+
+[saver]
+enabled = false
+
+[writer]
+out_dir = "{out}"
+"""
+
+
+def wait_rusage(p, timeout):
+    """(returncode, user+system seconds, peak resident MB) of a child, waited for at most
+    `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid == p.pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return p.returncode, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+        time.sleep(0.05)
+    p.kill()
+    raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
+
+
+def one_run(shoal, n, fragment, mb, syscalls=False):
+    slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
+    with tempfile.TemporaryDirectory(prefix="connscale") as d:
+        path = os.path.join(d, "cfg.toml")
+        with open(path, "w") as f:
+            f.write(config(n, fragment, slices, os.path.join(d, "out")))
+        counts = os.path.join(d, "perf.csv")
+        node = lambda role, ids=None, prefix=(): subprocess.Popen(
+            [*prefix, shoal, "node", "--role", role, "--config", path] + (["--ids", ids] if ids else []),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        writer = node("writer")
+        perf = ["perf", "stat", "-x,", "-o", counts, "-e", ",".join(SYSCALLS), "--"] if syscalls else []
+        builder = node("builder", "0", perf)
+        groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
+        sources = [node("source", ",".join(map(str, range(lo, hi)))) for lo, hi in groups]
+        try:
+            source_cpu, produced = 0.0, 0
+            for s in sources:
+                out = s.stdout.read()
+                rc, cpu, _ = wait_rusage(s, 900)
+                if rc != 0:
+                    raise RuntimeError(f"a source process failed ({rc})")
+                source_cpu += cpu
+                produced += sum(t["produced"] for t in json.loads(out)["tallies"].values())
+            out = builder.stdout.read()
+            rc, builder_cpu, builder_rss_mb = wait_rusage(builder, 900)
+            if rc != 0:
+                raise RuntimeError(f"the builder failed ({rc})")
+            report = json.loads(out)
+            writer.stdout.read()
+            wait_rusage(writer, 120)
+            events = {}
+            if syscalls:
+                for line in open(counts):
+                    f = line.strip().split(",")
+                    if len(f) > 2 and f[2] in SYSCALLS and f[0].isdigit():
+                        events[f[2].split(":")[-1].replace("sys_enter_", "").replace("sys_enter", "syscalls")] = int(f[0])
+        finally:
+            for p in [writer, builder, *sources]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    delivered = report["tally"]["delivered"]
+    if delivered != produced or report["connections"] != n:
+        raise RuntimeError(f"{n} connections: produced {produced}, delivered {delivered}, "
+                           f"connections {report['connections']}")
+    gb = report["bytes"] / 1e9
+    span_s = (report["last_arrival_ns"] - report["first_arrival_ns"]) / 1e9
+    per_fragment = {f"{k}_per_fragment": v / delivered for k, v in events.items()}
+    return {
+        **per_fragment,
+        "connections": n, "fragment_bytes": fragment, "slices": slices, "gb": gb,
+        "builder_cpu_s": builder_cpu, "builder_cpu_s_per_gb": builder_cpu / gb,
+        "builder_cpu_us_per_fragment": 1e6 * builder_cpu / delivered,
+        "mbytes_per_s": report["bytes"] / 1e6 / span_s if span_s > 0 else float("nan"),
+        "sender_cpu_s_per_gb": source_cpu / gb,
+        "builder_peak_rss_mb": builder_rss_mb,
+    }
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    shoal, out_dir = sys.argv[1], sys.argv[2]
+    counts = [int(c) for c in arg("--counts", "1,10,100,1000,10000").split(",")]
+    fragment = int(arg("--fragment", "4096"))
+    mb = float(arg("--mb-per-point", "1000"))
+    repeats = int(arg("--repeats", "3"))
+    os.makedirs(out_dir, exist_ok=True)
+    runs = []
+    for r in range(repeats):
+        for n in counts:
+            row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv)
+            row["repeat"] = r
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    keys = ["builder_cpu_s_per_gb", "builder_cpu_us_per_fragment", "mbytes_per_s", "sender_cpu_s_per_gb"]
+    extra = [k for k in runs[0] if k.endswith("_per_fragment") and k not in keys]
+    with open(os.path.join(out_dir, "conn-scaling.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(runs[0].keys()))
+        w.writeheader()
+        w.writerows(runs)
+    medians = {n: {k: statistics.median(x[k] for x in runs if x["connections"] == n) for k in keys + extra}
+               for n in counts}
+    base = medians.get(10)
+    with open(os.path.join(out_dir, "conn-scaling.md"), "w") as f:
+        f.write(f"{fragment}-byte fragments, {mb:.0f} MB per point, median of {repeats}\n\n")
+        f.write("| connections | builder core-s per GB | vs 10 | builder us per fragment | MB/s | senders' core-s per GB |"
+                + "".join(f" {k.replace('_', ' ')} |" for k in extra) + "\n")
+        f.write("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "\n")
+        for n in counts:
+            m = medians[n]
+            ratio = f"{m['builder_cpu_s_per_gb'] / base['builder_cpu_s_per_gb']:.2f}" if base else "-"
+            f.write(f"| {n} | {m['builder_cpu_s_per_gb']:.2f} | {ratio} | {m['builder_cpu_us_per_fragment']:.2f} "
+                    f"| {m['mbytes_per_s']:.0f} | {m['sender_cpu_s_per_gb']:.2f} |"
+                    + "".join(f" {m[k]:.2f} |" for k in extra) + "\n")
+    print(open(os.path.join(out_dir, "conn-scaling.md")).read())
+
+
+if __name__ == "__main__":
+    main()
