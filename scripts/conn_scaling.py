@@ -23,7 +23,8 @@ the CPU per GB goes as connections grow.
 
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
-Writes OUT_DIR/conn-scaling.{csv,md} (medians of R runs per count).
+Writes OUT_DIR/conn-scaling.{csv,md} (medians of R runs per count);
+`scripts/conn_scaling.py --table OUT_DIR` writes the table again from the CSV.
 """
 import csv
 import json
@@ -159,7 +160,64 @@ def one_run(shoal, n, fragment, mb, syscalls=False):
     }
 
 
+def write_table(runs, out_dir):
+    """OUT_DIR/conn-scaling.md: medians per connection count, from the runs' rows."""
+    counts = sorted({x["connections"] for x in runs})
+    keys = ["builder_cpu_s_per_gb", "builder_cpu_us_per_fragment", "mbytes_per_s", "builder_peak_rss_mb",
+            "sender_cpu_s_per_gb"]
+    extra = [k for k in runs[0] if k.endswith("_per_fragment") and k not in keys]
+    medians = {n: {k: statistics.median(float(x[k]) for x in runs if x["connections"] == n) for k in keys + extra}
+               for n in counts}
+    base = medians.get(10)
+    repeats = len(runs) // len(counts)
+    fragment, mb = runs[0]["fragment_bytes"], float(runs[0]["gb"]) * 1e3
+    with open(os.path.join(out_dir, "conn-scaling.md"), "w") as f:
+        f.write(f"{fragment}-byte fragments, about {mb:.0f} MB per point, median of {repeats}\n\n")
+        f.write("| connections | builder core-s per GB | vs 10 | builder us per fragment | MB/s | builder peak RSS MB "
+                "| senders' core-s per GB |" + "".join(f" {k.replace('_', ' ')} |" for k in extra) + "\n")
+        f.write("|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "\n")
+        for n in counts:
+            m = medians[n]
+            ratio = f"{m['builder_cpu_s_per_gb'] / base['builder_cpu_s_per_gb']:.2f}" if base else "-"
+            f.write(f"| {n} | {m['builder_cpu_s_per_gb']:.2f} | {ratio} | {m['builder_cpu_us_per_fragment']:.2f} "
+                    f"| {m['mbytes_per_s']:.0f} | {m['builder_peak_rss_mb']:.0f} | {m['sender_cpu_s_per_gb']:.2f} |"
+                    + "".join(f" {m[k]:.2f} |" for k in extra) + "\n")
+    print(open(os.path.join(out_dir, "conn-scaling.md")).read())
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    # Every run, not only the medians: the spread is the finding.
+    fig, (cpu, rss) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [x["connections"] for x in runs]
+    cpu.scatter(xs, [float(x["builder_cpu_s_per_gb"]) for x in runs], s=14, alpha=0.6, label="one run")
+    cpu.plot(counts, [medians[n]["builder_cpu_s_per_gb"] for n in counts], "o-", color="C1", label="median")
+    if base:
+        cpu.axhline(1.2 * base["builder_cpu_s_per_gb"], ls="--", color="grey", label="goal: 1.2 x the 10-connection median")
+    cpu.set_ylabel("builder CPU, core-s per GB")
+    rss.scatter(xs, [float(x["builder_peak_rss_mb"]) for x in runs], s=14, alpha=0.6, color="C2")
+    rss.set_ylabel("builder peak RSS, MB")
+    for ax in (cpu, rss):
+        ax.set_xscale("log")
+        ax.set_xlabel("connections to the builder")
+        ax.grid(True, which="both", alpha=0.3)
+    cpu.legend(fontsize=7)
+    fig.suptitle(f"one builder, {fragment}-byte fragments, saturating sources (loopback, 2 cores)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "conn-scaling.png"), dpi=110)
+
+
 def main():
+    if "--table" in sys.argv:
+        # Tables again from a run's CSV: scripts/conn_scaling.py --table OUT_DIR
+        out_dir = sys.argv[sys.argv.index("--table") + 1]
+        with open(os.path.join(out_dir, "conn-scaling.csv")) as f:
+            runs = [{k: (int(v) if k in ("connections", "fragment_bytes") else v) for k, v in r.items()}
+                    for r in csv.DictReader(f)]
+        return write_table(runs, out_dir)
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     shoal, out_dir = sys.argv[1], sys.argv[2]
@@ -175,27 +233,11 @@ def main():
             row["repeat"] = r
             runs.append(row)
             print(json.dumps(row), flush=True)
-    keys = ["builder_cpu_s_per_gb", "builder_cpu_us_per_fragment", "mbytes_per_s", "sender_cpu_s_per_gb"]
-    extra = [k for k in runs[0] if k.endswith("_per_fragment") and k not in keys]
     with open(os.path.join(out_dir, "conn-scaling.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(runs[0].keys()))
         w.writeheader()
         w.writerows(runs)
-    medians = {n: {k: statistics.median(x[k] for x in runs if x["connections"] == n) for k in keys + extra}
-               for n in counts}
-    base = medians.get(10)
-    with open(os.path.join(out_dir, "conn-scaling.md"), "w") as f:
-        f.write(f"{fragment}-byte fragments, {mb:.0f} MB per point, median of {repeats}\n\n")
-        f.write("| connections | builder core-s per GB | vs 10 | builder us per fragment | MB/s | senders' core-s per GB |"
-                + "".join(f" {k.replace('_', ' ')} |" for k in extra) + "\n")
-        f.write("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "\n")
-        for n in counts:
-            m = medians[n]
-            ratio = f"{m['builder_cpu_s_per_gb'] / base['builder_cpu_s_per_gb']:.2f}" if base else "-"
-            f.write(f"| {n} | {m['builder_cpu_s_per_gb']:.2f} | {ratio} | {m['builder_cpu_us_per_fragment']:.2f} "
-                    f"| {m['mbytes_per_s']:.0f} | {m['sender_cpu_s_per_gb']:.2f} |"
-                    + "".join(f" {m[k]:.2f} |" for k in extra) + "\n")
-    print(open(os.path.join(out_dir, "conn-scaling.md")).read())
+    write_table(runs, out_dir)
 
 
 if __name__ == "__main__":
