@@ -252,6 +252,12 @@ impl GeneratorKind {
     pub const ALL: [GeneratorKind; 4] =
         [GeneratorKind::Physics, GeneratorKind::Noise, GeneratorKind::Fixed, GeneratorKind::Bursts];
 
+    /// Whether a fragment costs real computing (simulated hits: milliseconds per slice,
+    /// ten times more in a burst), as opposed to copying or sizing bytes.
+    pub fn computes_hits(self) -> bool {
+        matches!(self, GeneratorKind::Physics | GeneratorKind::Noise)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             GeneratorKind::Physics => "physics",
@@ -283,12 +289,6 @@ pub enum Generator {
 }
 
 impl Generator {
-    /// Whether a fragment costs real computing (simulated hits: milliseconds per slice,
-    /// ten times more in a burst), as opposed to copying or repeating bytes made before.
-    pub fn computes_hits(&self) -> bool {
-        matches!(self, Generator::Physics(_) | Generator::Noise(_))
-    }
-
     pub fn generate(&self, source: SourceId, slice: u64) -> GeneratedFragment {
         match self {
             Generator::Physics(g) => g.generate(source as usize, slice),

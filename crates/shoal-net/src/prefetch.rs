@@ -33,8 +33,13 @@ use shoal_core::slice::SliceNumber;
 pub const MAX_BYTES: u64 = 64 << 20;
 
 /// `source.generate_ahead_ms` in slices of the run (0: no computing ahead; else at least
-/// one).
+/// one). Only hits computed for each slice are worth a thread: a fixed or replayed fragment
+/// costs a copy, and 75 threads handing them over slowed the full-shape run from 548 to
+/// 319 MB/s. The memory plan asks here too, so such a node keeps its whole share.
 pub fn ahead_slices(cfg: &crate::config::Config) -> Result<SliceNumber, crate::config::ConfigError> {
+    if cfg.source.replay_pool > 0 || !cfg.source.generator.computes_hits() {
+        return Ok(0);
+    }
     let slice = (cfg.slice_clock()?.length().as_nanos() as u64).max(1);
     Ok((cfg.source.generate_ahead_ms.saturating_mul(1_000_000)).div_ceil(slice))
 }

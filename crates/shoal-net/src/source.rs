@@ -116,16 +116,12 @@ pub async fn run_source(
     // Slices computed ahead, off the runtime's workers (crate::prefetch); or, with
     // `source.generate_ahead_ms = 0`, in this task at each slice end.
     let limit = cfg.source.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES);
-    // Only hits computed for each slice are worth a thread: a fixed or replayed fragment
-    // costs a copy, and 75 threads handing them over slowed the full-shape run from 548 to
-    // 319 MB/s.
     let workload = match prefetch::ahead_slices(cfg)? {
-        _ if limit == 0 || !generator.computes_hits() => SourceWorkload::AtSliceEnd(generator),
-        0 => SourceWorkload::AtSliceEnd(generator),
-        ahead => SourceWorkload::Ahead(
+        ahead if ahead > 0 && limit > 0 => SourceWorkload::Ahead(
             Prefetch::new(generator, sources, node.next_slice(), ahead, limit)
                 .map_err(|e| ConfigError::Invalid(format!("starting the generator thread: {e}")))?,
         ),
+        _ => SourceWorkload::AtSliceEnd(generator),
     };
     let mut seen = SourceTotals::default();
     info!(sources = ?node.config().sources, first_slice = node.first_slice(), slices = ?node.config().slices,
