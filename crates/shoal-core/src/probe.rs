@@ -208,6 +208,20 @@ pub struct Arrival {
     pub frame_bytes: u32,
 }
 
+impl Arrival {
+    /// A received datagram's stamp, its arrival time, and its frame length on the wire from
+    /// the UDP payload length.
+    pub fn of(stamp: Stamp, arrival_ns: u64, payload_bytes: usize) -> Arrival {
+        Arrival {
+            sender: stamp.sender,
+            seq: stamp.seq,
+            send_ns: stamp.send_ns,
+            arrival_ns,
+            frame_bytes: (payload_bytes as u32).saturating_add(FRAME_OVERHEAD),
+        }
+    }
+}
+
 /// Per sender, the smallest arrival-minus-send time of its calibration datagrams: the path
 /// delay with empty queues plus the offset between its clock and the receiver's.
 pub fn base_delays(calibration: &[Arrival]) -> BTreeMap<u16, i64> {

@@ -41,16 +41,9 @@ pub fn probe(data: &[u8]) {
     while let Some((&n, tail)) = rest.split_first() {
         let take = usize::from(n).min(tail.len());
         arrival_ns = arrival_ns.wrapping_add(u64::from(n) << 20);
-        let arrival = |s: shoal_core::probe::Stamp| Arrival {
-            sender: s.sender,
-            seq: s.seq,
-            send_ns: s.send_ns,
-            arrival_ns,
-            frame_bytes: take as u32 + 42,
-        };
         match ProbeMessage::decode(&tail[..take]) {
-            Ok(ProbeMessage::Calib(s)) => calibration.push(arrival(s)),
-            Ok(ProbeMessage::Data(s)) => flood.push(arrival(s)),
+            Ok(ProbeMessage::Calib(s)) => calibration.push(Arrival::of(s, arrival_ns, take)),
+            Ok(ProbeMessage::Data(s)) => flood.push(Arrival::of(s, arrival_ns, take)),
             Ok(ProbeMessage::End(e)) => {
                 ends.insert(e.sender, e);
             }

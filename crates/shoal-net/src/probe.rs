@@ -316,23 +316,11 @@ fn one_flood(socket: &UdpSocket, opts: &ProbeOptions, round: u16, payload: u16) 
         match ProbeMessage::decode(&buf[..n]) {
             Ok(ProbeMessage::Calib(s)) if s.round == round => {
                 record.calibration_received += 1;
-                calibration.push(Arrival {
-                    sender: s.sender,
-                    seq: s.seq,
-                    send_ns: s.send_ns,
-                    arrival_ns,
-                    frame_bytes: n as u32 + FRAME_OVERHEAD,
-                });
+                calibration.push(Arrival::of(s, arrival_ns, n));
             }
             Ok(ProbeMessage::Data(s)) if s.round == round => {
                 record.data_received += 1;
-                data.push(Arrival {
-                    sender: s.sender,
-                    seq: s.seq,
-                    send_ns: s.send_ns,
-                    arrival_ns,
-                    frame_bytes: n as u32 + FRAME_OVERHEAD,
-                });
+                data.push(Arrival::of(s, arrival_ns, n));
             }
             Ok(ProbeMessage::End(e)) if e.round == round => {
                 record.ends_received += u64::from(ends.insert(e.sender, e).is_none());

@@ -9,7 +9,7 @@
 //! ledger, but not delivered.)
 
 use std::net::TcpListener;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -19,15 +19,43 @@ fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))
 }
 
-#[test]
-fn source_builder_writer_as_separate_processes() {
-    let dir = std::env::temp_dir().join(format!("shoal-nodes-{}", std::process::id()));
+/// An empty directory for one test's files.
+fn test_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("shoal-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (b0, b1, w) = (free_port(), free_port(), free_port());
-    // All processes agree on the first slice: one second from now (10 ms slices).
+    dir
+}
+
+/// The slice every process starts at, agreed with no message: one second from now (10 ms
+/// slices).
+fn start_slice() -> u64 {
     let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    let start_slice = now_ns / 10_000_000 + 100;
+    now_ns / 10_000_000 + 100
+}
+
+/// `shoal node --role ROLE --config BASE [--ids IDS]`, its report on stdout.
+fn spawn_node(base: &std::path::Path, role: &str, ids: &str) -> Child {
+    let mut c = shoal();
+    c.args(["node", "--role", role, "--config"]).arg(base);
+    if !ids.is_empty() {
+        c.args(["--ids", ids]);
+    }
+    c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap()
+}
+
+/// A node's report, once it has ended successfully.
+fn report(child: Child) -> serde_json::Value {
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "a node failed: {:?}", out.status);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn source_builder_writer_as_separate_processes() {
+    let dir = test_dir("nodes");
+    let (b0, b1, w) = (free_port(), free_port(), free_port());
+    let start_slice = start_slice();
     let toml = format!(
         r#"
 [run]
@@ -58,14 +86,7 @@ out_dir = "{out}"
     );
     let base = dir.join("cluster.toml");
     std::fs::write(&base, &toml).unwrap();
-    let spawn = |role: &str, ids: &str| {
-        let mut c = shoal();
-        c.args(["node", "--role", role, "--config"]).arg(&base);
-        if !ids.is_empty() {
-            c.args(["--ids", ids]);
-        }
-        c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap()
-    };
+    let spawn = |role: &str, ids: &str| spawn_node(&base, role, ids);
     // Sources reconnect with backoff until the listeners exist: no start order is needed.
     let writer = spawn("writer", "");
     let builder0 = spawn("builder", "0");
@@ -73,12 +94,7 @@ out_dir = "{out}"
     let source_a = spawn("source", "0,1");
     let source_b = spawn("source", "2");
 
-    let mut reports = Vec::new();
-    for child in [source_a, source_b, builder0, builder1, writer] {
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "a node failed: {:?}", out.status);
-        reports.push(serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap());
-    }
+    let reports: Vec<_> = [source_a, source_b, builder0, builder1, writer].into_iter().map(report).collect();
     let produced: u64 = reports[..2]
         .iter()
         .flat_map(|r| r["tallies"].as_object().unwrap().values())
@@ -117,12 +133,9 @@ fn ids_that_do_not_fit_the_role_are_refused() {
 /// arrives.
 #[test]
 fn a_connection_per_source_when_asked() {
-    let dir = std::env::temp_dir().join(format!("shoal-nodes-per-source-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = test_dir("nodes-per-source");
     let (b0, w) = (free_port(), free_port());
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    let start_slice = now_ns / 10_000_000 + 100;
+    let start_slice = start_slice();
     let toml = format!(
         r#"
 [run]
@@ -154,28 +167,10 @@ out_dir = "{out}"
     );
     let base = dir.join("cluster.toml");
     std::fs::write(&base, &toml).unwrap();
-    let spawn = |role: &str, ids: &str| {
-        let mut c = shoal();
-        c.args(["node", "--role", role, "--config"]).arg(&base).args(["--ids", ids]);
-        c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap()
-    };
-    let writer = shoal()
-        .args(["node", "--role", "writer", "--config"])
-        .arg(&base)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let builder = spawn("builder", "0");
-    let source = spawn("source", "0,1,2");
-    let reports: Vec<serde_json::Value> = [source, builder, writer]
-        .into_iter()
-        .map(|child| {
-            let out = child.wait_with_output().unwrap();
-            assert!(out.status.success(), "a node failed: {:?}", out.status);
-            serde_json::from_slice(&out.stdout).unwrap()
-        })
-        .collect();
+    let writer = spawn_node(&base, "writer", "");
+    let builder = spawn_node(&base, "builder", "0");
+    let source = spawn_node(&base, "source", "0,1,2");
+    let reports: Vec<_> = [source, builder, writer].into_iter().map(report).collect();
     let produced: u64 =
         reports[0]["tallies"].as_object().unwrap().values().map(|t| t["produced"].as_u64().unwrap()).sum();
     assert_eq!(produced, 3 * 50, "3 sources x 0.5 s of 10 ms slices");
