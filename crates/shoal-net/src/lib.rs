@@ -41,6 +41,7 @@ pub mod node;
 pub mod prefetch;
 pub mod probe;
 pub mod rcagent;
+pub mod schedstat;
 pub mod source;
 pub mod spool;
 pub mod tap;

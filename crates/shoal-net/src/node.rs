@@ -99,6 +99,10 @@ pub struct NodeReport {
     pub network_delay: Option<DelayStatsRecord>,
     /// The data path failed (the error) instead of ending normally.
     pub error: Option<String>,
+    /// CPU this process ran and waited for over the run (absent where the kernel keeps no
+    /// scheduler statistics).
+    #[serde(default)]
+    pub cpu: Option<crate::schedstat::CpuUse>,
     pub detail: serde_json::Value,
 }
 
@@ -122,6 +126,9 @@ struct RunningData {
     run: u64,
     task: JoinHandle<NodeReport>,
     cancel: CancellationToken,
+    /// When data taking started, and this process's scheduler times then.
+    started: std::time::Instant,
+    sched_at_start: Option<crate::schedstat::SchedTimes>,
 }
 
 /// Runs a run-controlled process until `OFF` (or `cancel`, e.g. Ctrl-C, which stops a
@@ -355,6 +362,8 @@ async fn start_data(
         .with_context(|| format!("creating {}", cfg.writer.out_dir.display()))?;
     let cancel = CancellationToken::new();
     let name = opts.name.clone();
+    let started = std::time::Instant::now();
+    let sched_at_start = crate::schedstat::SchedTimes::of_this_process();
     let base = NodeReport { name: name.clone(), role: opts.role.name().into(), run, ..Default::default() };
     let task = match opts.role {
         Role::Source => {
@@ -426,7 +435,7 @@ async fn start_data(
         }
     };
     info!(name = %name, run, ?start_slice, "data taking started");
-    Ok(RunningData { run, task, cancel })
+    Ok(RunningData { run, task, cancel, started, sched_at_start })
 }
 
 /// Ends the data path: sources stop producing before `end_slice` (at once if `None`) and
@@ -456,7 +465,7 @@ async fn stop_data(
         (Role::Builder, Some(c), _) => StdDuration::from_millis(c.builder.drain_timeout_ms),
         (Role::Writer, Some(_), _) | (_, None, _) => StdDuration::from_secs(5),
     };
-    let RunningData { run, mut task, cancel } = r;
+    let RunningData { run, mut task, cancel, started, sched_at_start } = r;
     let result = if guard.is_zero() {
         cancel.cancel();
         task.await
@@ -471,7 +480,10 @@ async fn stop_data(
         }
     };
     live.end_slice.store(0, Ordering::Relaxed);
-    match result {
+    let cpu = sched_at_start
+        .zip(crate::schedstat::SchedTimes::of_this_process())
+        .map(|(a, b)| crate::schedstat::CpuUse::between(a, b, started.elapsed()));
+    let report = match result {
         Ok(report) => report,
         Err(e) => NodeReport {
             name: opts.name.clone(),
@@ -480,7 +492,8 @@ async fn stop_data(
             error: Some(format!("data path panicked: {e}")),
             ..Default::default()
         },
-    }
+    };
+    NodeReport { cpu, ..report }
 }
 
 fn snapshot(
