@@ -70,6 +70,17 @@ pub struct BuilderReport {
     pub net_delay_us: Histogram<u64>,
     #[serde(skip)]
     pub shaping_delay_us: Histogram<u64>,
+    /// The largest network delay of the fragments that arrived in each second of the
+    /// run, counted from the first arrival (µs): when a tail came, at start-up or
+    /// throughout.
+    pub network_delay_max_by_second_us: Vec<u64>,
+    /// The network delay without the start-up transient: fragments of the slices that end
+    /// [`shoal_core::node::STEADY_AFTER`] or later after the run's first slice (new
+    /// connections, cold processes and the first wake-ups are not the network's steady
+    /// state; the simulator's `network_delay_steady_*` leave out the same slices).
+    pub network_delay_steady: DelayStats,
+    #[serde(skip)]
+    pub net_delay_steady_us: Histogram<u64>,
     pub connections: u64,
     /// Hits in the accepted fragments (the filter's input).
     pub hits: u64,
@@ -446,7 +457,16 @@ pub async fn run_builder(
     } else {
         drop(dfm_in_tx);
     }
-    let mut measured = Measured { net: new_histogram(), shaping: new_histogram(), hits: 0 };
+    let mut measured = Measured {
+        net: new_histogram(),
+        shaping: new_histogram(),
+        hits: 0,
+        first_arrival: None,
+        max_by_second: Vec::new(),
+        steady: new_histogram(),
+        steady_from: cfg.run.start_slice.map(|first| shoal_core::node::steady_from(first, slice_clock)),
+        slice_clock,
+    };
     let mut routes = Routes::default();
     let mut heartbeat = tokio::time::interval(StdDuration::from_millis(500));
     info!(builder = id, n_sources, pull = pull.is_some(), "builder started");
@@ -585,6 +605,9 @@ pub async fn run_builder(
         shaping_delay: DelayStats::from_histogram(&measured.shaping),
         net_delay_us: measured.net,
         shaping_delay_us: measured.shaping,
+        network_delay_max_by_second_us: measured.max_by_second,
+        network_delay_steady: DelayStats::from_histogram(&measured.steady),
+        net_delay_steady_us: measured.steady,
         connections,
         hits: measured.hits,
         events,
@@ -612,6 +635,25 @@ struct Measured {
     net: Histogram<u64>,
     shaping: Histogram<u64>,
     hits: u64,
+    first_arrival: Option<Instant>,
+    max_by_second: Vec<u64>,
+    /// Delays from `steady_from` on (the run's first slice plus the warm-up; without a
+    /// start slice, counted from the first fragment's).
+    steady: Histogram<u64>,
+    steady_from: Option<SliceNumber>,
+    slice_clock: shoal_core::slice::SliceClock,
+}
+
+impl Measured {
+    /// Keeps the largest delay per second of arrival (bounded: a second is one entry).
+    fn record_by_second(&mut self, arrival: Instant, us: u64) {
+        let first = *self.first_arrival.get_or_insert(arrival);
+        let second = (arrival.saturating_duration_since(first).as_secs()) as usize;
+        if second >= self.max_by_second.len() {
+            self.max_by_second.resize(second + 1, 0);
+        }
+        self.max_by_second[second] = self.max_by_second[second].max(us);
+    }
 }
 
 /// Pull: where a source's requests go.
@@ -743,6 +785,11 @@ fn on_frame(
     if let Some(d) = o.network_delay {
         let us = (d.as_micros() as u64).max(1);
         let _ = measured.net.record(us);
+        measured.record_by_second(arrival, us);
+        let clock = measured.slice_clock;
+        if a.slice >= *measured.steady_from.get_or_insert_with(|| shoal_core::node::steady_from(a.slice, clock)) {
+            let _ = measured.steady.record(us);
+        }
         live.record_delay(us);
     }
     if let Some(d) = o.shaping_delay {

@@ -36,3 +36,28 @@ pub use source::{
     TransmitKind, TransmitRecord,
 };
 pub use workload::{GeneratedFragment, Workload};
+
+use crate::Duration;
+use crate::slice::{SliceClock, SliceNumber};
+
+/// How long after the first slice of a run delays count as steady state: the first
+/// second has new connections, cold processes and first wake-ups in it, which a
+/// comparison of networks (simulator against testbed) leaves out on both sides.
+pub const STEADY_AFTER: Duration = Duration::from_secs(1);
+
+/// The first slice whose delays count as steady state, for a run that starts at `first`.
+pub fn steady_from(first: SliceNumber, clock: SliceClock) -> SliceNumber {
+    let len = clock.length().as_nanos().max(1);
+    first + STEADY_AFTER.as_nanos().div_ceil(len) as u64
+}
+
+#[cfg(test)]
+mod steady_tests {
+    #[test]
+    fn steady_state_starts_a_second_of_slices_later() {
+        let ms = |n| crate::slice::SliceClock::new(crate::Duration::from_millis(n));
+        assert_eq!(super::steady_from(500, ms(10)), 600);
+        assert_eq!(super::steady_from(0, ms(300)), 4);
+        assert_eq!(super::steady_from(7, ms(1000)), 8);
+    }
+}

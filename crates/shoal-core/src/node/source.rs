@@ -167,6 +167,13 @@ pub struct SourceNodeReport {
     pub worst_late_ns: u64,
     #[cfg_attr(feature = "serde", serde(default))]
     pub worst_late_into_run_ns: u64,
+    /// Every slice end produced on time or late: how many, and the sum of how late the
+    /// driver called (ns). Their mean is the host's wake-up latency after a slice end, which
+    /// the simulator models for software sources (shoal-sim `wake`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slice_end_lag_count: u64,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slice_end_lag_sum_ns: u64,
     /// Slices not produced because the node reached their end more than
     /// [`SourceNodeConfig::max_lag`] late (per node, not per source).
     #[cfg_attr(feature = "serde", serde(default))]
@@ -371,6 +378,11 @@ impl SourceNode {
                     }
                     self.next_slice += 1;
                     continue;
+                }
+                if !self.cfg.saturate {
+                    self.report.slice_end_lag_count += 1;
+                    self.report.slice_end_lag_sum_ns +=
+                        now.saturating_duration_since(clock.end_of(slice)).as_nanos() as u64;
                 }
                 if !self.cfg.saturate && now >= clock.end_of(slice + 1) {
                     self.report.late_slice_ends += 1;
@@ -895,6 +907,8 @@ mod tests {
         assert!(node.is_closed());
         let r = node.report();
         assert_eq!((r.slices, r.late_slice_ends), (2, 1));
+        // Slices 0 and 1 ended at 10 and 20 ms, both produced at 25 ms.
+        assert_eq!((r.slice_end_lag_count, r.slice_end_lag_sum_ns), (2, 20 * MS));
         // Slice 0 ended at 10 ms and was taken at 25 ms: 15 ms late, 10 ms into the run.
         assert_eq!((r.worst_late_ns, r.worst_late_into_run_ns), (15 * MS, 10 * MS));
         assert!(r.tallies.values().all(|t| t.produced == 2 && t.unaccounted() == 0 && t.unsent == 0));
