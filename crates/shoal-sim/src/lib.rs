@@ -10,6 +10,8 @@
 //!   propagation delay, drop-tail queue in packets or bytes, bit error rate); switches
 //!   forward by destination.
 //! - [`tcp`]: a NewReno TCP model; [`udp`]: datagrams split into IP fragments.
+//! - [`wake::WakeLatency`]: how late software sources wake after a slice ends (off for
+//!   hardware boards).
 //!
 //! Everything random comes from the scenario's seed (the network's PCG stream, the workloads'
 //! per (seed, source, slice) draws): the same scenario and seed give identical results.
@@ -21,3 +23,4 @@ pub mod report;
 pub mod scenario;
 pub mod sim;
 pub mod tcp;
+pub mod wake;

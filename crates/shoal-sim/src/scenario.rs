@@ -143,6 +143,12 @@ pub struct Traffic {
     pub queue_limit_mb: u64,
     /// The source node's stall limit (as `source.stall_limit_slices`).
     pub stall_limit_slices: u32,
+    /// Software sources wake late (crate::wake): a constant phase per source, uniform in
+    /// [0, wake_phase_us) ...
+    pub wake_phase_us: f64,
+    /// ... plus an exponential delay with this mean per wake-up. Both 0 (the default):
+    /// hardware boards, in lockstep.
+    pub wake_jitter_us: f64,
 }
 
 impl Default for Traffic {
@@ -167,6 +173,8 @@ impl Default for Traffic {
             generator: None,
             queue_limit_mb: 64,
             stall_limit_slices: 2,
+            wake_phase_us: 0.0,
+            wake_jitter_us: 0.0,
         }
     }
 }
@@ -243,6 +251,14 @@ impl Scenario {
         }
         if !(self.traffic.load_s.is_finite() && self.traffic.load_s > 0.0 && self.traffic.relax_s >= 0.0) {
             return Err("traffic.load_s must be positive and relax_s non-negative".into());
+        }
+        for (name, v) in [
+            ("traffic.wake_phase_us", self.traffic.wake_phase_us),
+            ("traffic.wake_jitter_us", self.traffic.wake_jitter_us),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be zero or positive"));
+            }
         }
         if !(0.0..=1.0).contains(&self.topology.shore_ber) {
             return Err("topology.shore_ber must be in [0, 1]".into());

@@ -167,6 +167,9 @@ struct SourceApp {
     host: NodeId,
     node: SourceNode,
     wake: Option<Instant>,
+    /// With wake latency: the timer last drawn for (due, when the host wakes for it), so
+    /// that arming the same timer again does not draw again.
+    late: Option<(Instant, Instant)>,
 }
 
 struct BuilderApp {
@@ -214,6 +217,11 @@ pub struct SimSummary {
     pub network_delay_avg_us: f64,
     pub network_delay_p99_us: f64,
     pub network_delay_max_us: f64,
+    /// The same without the first second of slices
+    /// ([`shoal_core::node::STEADY_AFTER`]), as the runtime's builders report it.
+    pub network_delay_steady_avg_us: f64,
+    pub network_delay_steady_p99_us: f64,
+    pub network_delay_steady_max_us: f64,
     pub shaping_delay_avg_us: f64,
     pub shaping_delay_p99_us: f64,
     pub shaping_delay_max_us: f64,
@@ -293,6 +301,8 @@ struct World {
     source_of_host: HashMap<NodeId, u32>,
     control_packets: u64,
     nack: Option<Nack>,
+    /// How late each source host wakes (zero: hardware boards in lockstep).
+    wake_latency: crate::wake::WakeLatency,
 }
 
 /// Timers are scheduled lazily: at most one pending event per timer, unless it moved
@@ -446,7 +456,12 @@ impl World {
                 // The drain ends with the simulation: load_s of slices, then relax_s.
                 c.drain_timeout = Duration::from_secs_f64(tr.relax_s);
                 c.record_transmits = opts.log_transmits;
-                SourceApp { host: source_hosts[s as usize], node: SourceNode::new(c, Instant::ZERO), wake: None }
+                SourceApp {
+                    host: source_hosts[s as usize],
+                    node: SourceNode::new(c, Instant::ZERO),
+                    wake: None,
+                    late: None,
+                }
             })
             .collect();
         let asm_cfg = AssemblerConfig {
@@ -509,6 +524,12 @@ impl World {
             dfm,
             source_of_host,
             control_packets: 0,
+            wake_latency: crate::wake::WakeLatency::new(
+                n_sources,
+                sc.traffic.wake_phase_us,
+                sc.traffic.wake_jitter_us,
+                sc.seed,
+            ),
             nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
                 cfg: udp_cfg,
                 senders: HashMap::new(),
@@ -539,11 +560,20 @@ impl World {
             }
             Ev::SliceTick(slice) => {
                 let mut open = false;
+                let late = !self.wake_latency.is_zero();
                 for s in 0..self.sources.len() as u32 {
                     let node = &mut self.sources[s as usize].node;
-                    if node.poll_timeout().is_some_and(|t| t <= now) {
-                        node.handle_timeout(now, &self.workload);
-                        self.to_pump.push(s);
+                    if let Some(due) = node.poll_timeout().filter(|&t| t <= now) {
+                        if late {
+                            // A software host sees the slice end when it wakes.
+                            let at = self.late_wake(s, due);
+                            if let Some(t) = rearm(&mut self.sources[s as usize].wake, Some(at)) {
+                                self.q.schedule(t, Ev::SourceWake(s));
+                            }
+                        } else {
+                            node.handle_timeout(now, &self.workload);
+                            self.to_pump.push(s);
+                        }
                     }
                     open |= !self.sources[s as usize].node.is_closed();
                 }
@@ -665,11 +695,29 @@ impl World {
     /// Schedules the source node's next timeout, unless it falls on a slice boundary (the
     /// slice tick wakes it then).
     fn arm_source(&mut self, s: u32) {
-        let src = &mut self.sources[s as usize];
         let clock = self.slice_clock;
-        let due = src.node.poll_timeout().filter(|&t| clock.start_of(clock.slice_at(t)) != t);
+        let due = self.sources[s as usize].node.poll_timeout().filter(|&t| clock.start_of(clock.slice_at(t)) != t);
+        // Every timer of a software host fires late, the slice tick's (above) and these.
+        let due = match due {
+            Some(t) if !self.wake_latency.is_zero() => Some(self.late_wake(s, t)),
+            other => other,
+        };
+        let src = &mut self.sources[s as usize];
         if let Some(t) = rearm(&mut src.wake, due) {
             self.q.schedule(t, Ev::SourceWake(s));
+        }
+    }
+
+    /// When source `s`'s host wakes for a timer due at `due`: drawn once per timer.
+    fn late_wake(&mut self, s: u32, due: Instant) -> Instant {
+        let src = &mut self.sources[s as usize];
+        match src.late {
+            Some((d, at)) if d == due => at,
+            _ => {
+                let at = due + self.wake_latency.draw(s);
+                src.late = Some((due, at));
+                at
+            }
         }
     }
 
@@ -1037,12 +1085,17 @@ impl World {
         let ledger = Ledger::combine(&sources, &builders);
 
         let mut net_delays: Vec<u64> = Vec::new();
+        let mut steady: Vec<u64> = Vec::new();
         let mut shaping: Vec<u64> = Vec::new();
+        let steady_from = shoal_core::node::steady_from(0, self.slice_clock);
         for r in &self.records {
             if r.sent_ns > 0 {
                 shaping.push(r.sent_ns - r.ready_ns);
                 if r.arrived_ns > 0 {
                     net_delays.push(r.arrived_ns - r.sent_ns);
+                    if r.slice >= steady_from {
+                        steady.push(r.arrived_ns - r.sent_ns);
+                    }
                 }
             }
         }
@@ -1056,6 +1109,7 @@ impl World {
             (avg / 1e3, p99 as f64 / 1e3, *v.last().expect("non-empty") as f64 / 1e3)
         };
         let (na, np, nm) = stats(&mut net_delays);
+        let (steady_avg, steady_p99, steady_max) = stats(&mut steady);
         let (sa, sp, sm) = stats(&mut shaping);
         let (mut segs, mut retx, mut tos) = (0, 0, 0);
         for c in &self.conns {
@@ -1089,6 +1143,9 @@ impl World {
             fragments_produced: self.records.len() as u64,
             fragments_arrived: arrived,
             network_delay_avg_us: na,
+            network_delay_steady_avg_us: steady_avg,
+            network_delay_steady_p99_us: steady_p99,
+            network_delay_steady_max_us: steady_max,
             network_delay_p99_us: np,
             network_delay_max_us: nm,
             shaping_delay_avg_us: sa,

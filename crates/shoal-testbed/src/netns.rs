@@ -48,7 +48,7 @@ pub fn unavailable() -> Option<String> {
     if !root {
         return Some("the testbed needs root (network namespaces, tc)".into());
     }
-    for tool in ["ip", "tc", "ethtool", "nstat"] {
+    for tool in ["ip", "tc", "ethtool"] {
         let found = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
             .unwrap_or(false);
@@ -131,37 +131,100 @@ fn allow_congestion_control(name: &str) -> anyhow::Result<()> {
     std::fs::write(path, &value).with_context(|| format!("allowing {name} in {path}"))
 }
 
-/// TCP counters of one namespace (`nstat`; a namespace starts from zero).
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+/// TCP counters of one namespace (a namespace starts from zero). Besides the segments
+/// sent, retransmitted and the timeouts, Linux's loss recovery says how it recovered:
+/// fast retransmits, tail-loss probes, and what turned out spurious (DSACKs received,
+/// reordering detected, undone timeouts), which a model without SACK, RACK or TLP does
+/// not have.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TcpCounters {
+    pub segments_out: u64,
     pub retransmitted_segments: u64,
     pub timeouts: u64,
-    pub segments_out: u64,
+    pub fast_retransmits: u64,
+    pub loss_probes: u64,
+    pub dsacks_received: u64,
+    pub reordering_detected: u64,
+    pub spurious_timeouts: u64,
 }
 
-pub fn tcp_counters(netns: &str) -> anyhow::Result<TcpCounters> {
-    let text = run(Command::new("ip").args([
-        "netns",
-        "exec",
-        netns,
-        "nstat",
-        "-asz",
-        "TcpRetransSegs",
-        "TcpExtTCPTimeouts",
-        "TcpOutSegs",
-    ]))?;
-    let mut c = TcpCounters::default();
-    for line in text.lines() {
-        let mut w = line.split_whitespace();
-        let (Some(name), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<u64>().ok())) else { continue };
-        match name {
-            "TcpRetransSegs" => c.retransmitted_segments = v,
-            "TcpExtTCPTimeouts" => c.timeouts = v,
-            "TcpOutSegs" => c.segments_out = v,
-            _ => {}
+impl TcpCounters {
+    /// Counts from `/proc/net/snmp` and `/proc/net/netstat` (a header line of names
+    /// followed by a line of values, per protocol).
+    fn parse(snmp: &str, netstat: &str) -> TcpCounters {
+        let mut values = std::collections::HashMap::new();
+        for text in [snmp, netstat] {
+            let lines: Vec<&str> = text.lines().collect();
+            for pair in lines.chunks(2) {
+                let [names, nums] = pair else { continue };
+                let (Some((proto, names)), Some((_, nums))) = (names.split_once(':'), nums.split_once(':')) else {
+                    continue;
+                };
+                for (name, v) in names.split_whitespace().zip(nums.split_whitespace()) {
+                    if let Ok(v) = v.parse::<u64>() {
+                        values.insert(format!("{proto}{name}"), v);
+                    }
+                }
+            }
+        }
+        let get = |k: &str| values.get(k).copied().unwrap_or(0);
+        TcpCounters {
+            segments_out: get("TcpOutSegs"),
+            retransmitted_segments: get("TcpRetransSegs"),
+            timeouts: get("TcpExtTCPTimeouts"),
+            fast_retransmits: get("TcpExtTCPFastRetrans"),
+            loss_probes: get("TcpExtTCPLossProbes"),
+            dsacks_received: get("TcpExtTCPDSACKRecv"),
+            reordering_detected: get("TcpExtTCPSACKReorder") + get("TcpExtTCPRenoReorder") + get("TcpExtTCPTSReorder"),
+            spurious_timeouts: get("TcpExtTCPSpuriousRTOs"),
         }
     }
-    Ok(c)
+
+    /// What was counted since `earlier` (counters only grow).
+    pub fn since(&self, earlier: &TcpCounters) -> TcpCounters {
+        TcpCounters {
+            segments_out: self.segments_out.saturating_sub(earlier.segments_out),
+            retransmitted_segments: self.retransmitted_segments.saturating_sub(earlier.retransmitted_segments),
+            timeouts: self.timeouts.saturating_sub(earlier.timeouts),
+            fast_retransmits: self.fast_retransmits.saturating_sub(earlier.fast_retransmits),
+            loss_probes: self.loss_probes.saturating_sub(earlier.loss_probes),
+            dsacks_received: self.dsacks_received.saturating_sub(earlier.dsacks_received),
+            reordering_detected: self.reordering_detected.saturating_sub(earlier.reordering_detected),
+            spurious_timeouts: self.spurious_timeouts.saturating_sub(earlier.spurious_timeouts),
+        }
+    }
+
+    pub fn add(&mut self, o: &TcpCounters) {
+        self.segments_out += o.segments_out;
+        self.retransmitted_segments += o.retransmitted_segments;
+        self.timeouts += o.timeouts;
+        self.fast_retransmits += o.fast_retransmits;
+        self.loss_probes += o.loss_probes;
+        self.dsacks_received += o.dsacks_received;
+        self.reordering_detected += o.reordering_detected;
+        self.spurious_timeouts += o.spurious_timeouts;
+    }
+}
+
+/// The TCP counters of a namespace, read by a thread that joins it (`setns`) and reads
+/// `/proc/thread-self/net`: microseconds, where `ip netns exec nstat` takes milliseconds
+/// per namespace, so a snapshot of every host at the start of a run is close to one instant.
+pub fn tcp_counters(netns: &str) -> anyhow::Result<TcpCounters> {
+    let path = format!("/run/netns/{netns}");
+    let ns = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> anyhow::Result<TcpCounters> {
+                // Only this short-lived thread changes its namespace.
+                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .with_context(|| format!("joining namespace {netns}"))?;
+                let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp")?;
+                let netstat = std::fs::read_to_string("/proc/thread-self/net/netstat")?;
+                Ok(TcpCounters::parse(&snmp, &netstat))
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("reading the counters of {netns} panicked"))?
+    })
 }
 
 /// Packets dropped by each shaped device of a namespace (its root token bucket counts
@@ -204,5 +267,27 @@ mod tests {
         let listing = "table bridge shoal_loss {\n\tchain fw {\n\t\ttype filter hook forward priority filter; policy accept;\n\t\toifname { \"b0\", \"b1\" } numgen random mod 1000000 < 1000 counter packets 17 bytes 25024 drop\n\t}\n}\n";
         assert_eq!(super::counted_packets(listing), 17);
         assert_eq!(super::counted_packets(""), 0);
+    }
+
+    #[test]
+    fn tcp_counters_are_read_by_name_and_differenced() {
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 1000 7\n";
+        let netstat = "TcpExt: TCPTimeouts TCPLossProbes TCPFastRetrans TCPDSACKRecv TCPSACKReorder TCPSpuriousRTOs\n\
+                       TcpExt: 2 3 4 5 6 1\nIpExt: InOctets\nIpExt: 99\n";
+        let c = super::TcpCounters::parse(snmp, netstat);
+        let want = super::TcpCounters {
+            segments_out: 1000,
+            retransmitted_segments: 7,
+            timeouts: 2,
+            fast_retransmits: 4,
+            loss_probes: 3,
+            dsacks_received: 5,
+            reordering_detected: 6,
+            spurious_timeouts: 1,
+        };
+        assert_eq!(c, want);
+        let earlier = super::TcpCounters { segments_out: 400, timeouts: 2, ..Default::default() };
+        let d = c.since(&earlier);
+        assert_eq!((d.segments_out, d.timeouts, d.retransmitted_segments), (600, 0, 7));
     }
 }

@@ -51,8 +51,8 @@ pub enum Verdict {
     Healthy,
     /// Some slices incomplete (under 1%), or TCP timeouts.
     Degraded,
-    /// More than 1% of the slices incomplete, or a 99th-percentile delay at the 200 ms
-    /// minimum retransmission timeout or beyond (incast collapse).
+    /// More than 1% of the slices incomplete, or a steady-state 99th-percentile delay at
+    /// the 200 ms minimum retransmission timeout or beyond (incast collapse).
     Collapsed,
 }
 
@@ -70,7 +70,7 @@ impl Verdict {
     }
 
     pub fn of_simulation(s: &SimSummary) -> Verdict {
-        Verdict::judge(s.slices_complete, s.slices_incomplete, s.network_delay_p99_us, s.tcp_timeouts)
+        Verdict::judge(s.slices_complete, s.slices_incomplete, s.network_delay_steady_p99_us, s.tcp_timeouts)
     }
 }
 
@@ -91,6 +91,26 @@ pub struct TestbedSummary {
     pub network_delay_avg_us: f64,
     pub network_delay_p99_us: f64,
     pub network_delay_max_us: f64,
+    /// The same without the first second of slices (the builders' `network_delay_steady`:
+    /// start-up is not the network's steady state; the simulator leaves out the same).
+    pub network_delay_steady_avg_us: f64,
+    pub network_delay_steady_p99_us: f64,
+    pub network_delay_steady_max_us: f64,
+    /// How late the source processes woke after a slice end, on average (their nodes'
+    /// `slice_end_lag`): the host's wake-up latency, whatever the policy. `shoal validate`
+    /// gives it to the simulator's wake-up model.
+    pub source_wake_lag_avg_us: f64,
+    /// Slice end to the fragment's send stamp. With `direct` this is only the hosts'
+    /// wake-up latency (timers, scheduling), which the simulator models as
+    /// `traffic.wake_phase_us` and `traffic.wake_jitter_us`; p50 and p99 are the largest
+    /// of the builders'.
+    pub shaping_delay_avg_us: f64,
+    pub shaping_delay_p50_us: f64,
+    pub shaping_delay_p99_us: f64,
+    /// Over the run only: counted from when data taking started (the `tcp_*` fields above
+    /// are these), and separately what connection set-up and configuration sent before.
+    pub tcp: netns::TcpCounters,
+    pub setup_tcp: netns::TcpCounters,
     pub tcp_segments: u64,
     pub tcp_retransmitted: u64,
     pub tcp_timeouts: u64,
@@ -112,9 +132,27 @@ pub struct TestbedSummary {
     pub cpu_idle_pct: f64,
     pub cpu_steal_pct: f64,
     pub starved: bool,
+    /// How long the processes waited for a CPU while runnable (their reports' scheduler
+    /// statistics).
+    pub cpu_wait: CpuWait,
     pub verdict: Verdict,
     /// Where the run record and the logs are.
     pub dir: PathBuf,
+}
+
+/// A run is starved when a process waited for a CPU this fraction of the run or more.
+pub const STARVED_WAIT_FRACTION: f64 = 0.1;
+
+/// The processes' wait for a CPU over a run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct CpuWait {
+    /// Processes that reported scheduler statistics.
+    pub processes: u32,
+    /// Wait summed over them (s).
+    pub total_s: f64,
+    /// The most any one waited, per second of the run, and which.
+    pub worst_fraction: f64,
+    pub worst_process: String,
 }
 
 /// The runtime configuration of a scenario on the testbed's addresses.
@@ -185,6 +223,10 @@ pub fn runtime_config(
     // No event traffic to the writer competes with the fragments (on the testbed, five
     // builders forwarding everything with `pass` overflowed the writer's port).
     cfg.builder.filter.name = "none".into();
+    // The burst saver's history and spool are for alerts, which the simulator does not
+    // have; on the testbed they are CPU and memory that 20 to 50 processes on two cores
+    // cannot spare.
+    cfg.saver.enabled = false;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -267,6 +309,52 @@ pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummar
     Ok(summary)
 }
 
+/// The network's counters at one moment: TCP per host namespace, queue drops per port,
+/// injected drops, CPU.
+#[derive(Clone, Debug, Default)]
+struct Counters {
+    tcp: netns::TcpCounters,
+    host_drops: std::collections::BTreeMap<String, u64>,
+    switch_drops: std::collections::BTreeMap<String, u64>,
+    injected: u64,
+    cpu: Option<(u64, u64, u64)>,
+}
+
+impl Counters {
+    fn read(plan: &Plan) -> anyhow::Result<Counters> {
+        let mut c = Counters { cpu: cpu_times(), ..Counters::default() };
+        for h in &plan.hosts {
+            c.tcp.add(&netns::tcp_counters(&h.netns)?);
+        }
+        for h in &plan.hosts {
+            for (dev, d) in netns::drops(&h.netns)? {
+                c.host_drops.insert(format!("{}/{dev}", h.netns), d);
+            }
+        }
+        for s in &plan.switches {
+            c.injected += netns::injected_drops(s)?;
+            for (dev, d) in netns::drops(s)? {
+                c.switch_drops.insert(format!("{s}/{dev}"), d);
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// Per-port drops counted since `before`.
+fn drops_since(
+    now: &std::collections::BTreeMap<String, u64>,
+    before: &std::collections::BTreeMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    now.iter()
+        .map(|(port, &d)| (port.clone(), d.saturating_sub(before.get(port).copied().unwrap_or(0))))
+        .filter(|&(_, d)| d > 0)
+        .collect()
+}
+
+/// What `shoal run` prints when the processes were told to start taking data.
+const RUNNING_MARK: &str = "running for ";
+
 fn run_on(
     plan: &Plan,
     sc: &Scenario,
@@ -275,23 +363,53 @@ fn run_on(
     seconds: f64,
 ) -> anyhow::Result<TestbedSummary> {
     let ctl = plan.host(HostRole::Control).expect("the plan has a control host");
-    let cpu_before = cpu_times();
-    let out = Command::new("ip")
+    let at_setup = Counters::read(plan)?;
+    let mut child = Command::new("ip")
         .args(["netns", "exec", &ctl.netns])
         .arg(&opts.shoal)
         .arg("run")
         .arg(cluster_path)
         .arg("--json")
+        // 20 to 50 processes share the machine's cores: one runtime worker each (a host
+        // of its own would have its own core) halves the time they wait for a CPU at 15 x 5
+        // (docs/validation.md). Set in the environment, it is left as it is.
+        .env("TOKIO_WORKER_THREADS", std::env::var("TOKIO_WORKER_THREADS").unwrap_or_else(|_| "1".into()))
         .stdin(Stdio::null())
-        .stderr(std::fs::File::create(opts.dir.join("run.log"))?)
-        .output()
+        .stdout(std::fs::File::create(opts.dir.join("run.json"))?)
+        .stderr(Stdio::piped())
+        .spawn()
         .context("running shoal run in the control namespace")?;
-    let cpu_after = cpu_times();
+    // Its log goes to run.log; the line that says data taking started is the moment the
+    // counters are read, so connection set-up and configuration are not counted as the
+    // run's (they were: 5 TCP timeouts per run at 15 x 5 came from start-up).
+    let stderr = child.stderr.take().expect("piped");
+    let mut log = std::fs::File::create(opts.dir.join("run.log"))?;
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let logger = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut started_tx = Some(started_tx);
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = writeln!(log, "{line}");
+            if line.starts_with(RUNNING_MARK)
+                && let Some(tx) = started_tx.take()
+            {
+                let _ = tx.send(());
+            }
+        }
+    });
+    // No start (the run failed before it): the set-up counters are the baseline.
+    let at_start = match started_rx.recv() {
+        Ok(()) => Counters::read(plan)?,
+        Err(_) => at_setup.clone(),
+    };
+    let status = child.wait().context("waiting for shoal run")?;
+    let _ = logger.join();
+    let at_end = Counters::read(plan)?;
     let state = opts.dir.join("state");
-    let last: u64 =
-        std::fs::read_to_string(state.join("last_run")).ok().and_then(|t| t.trim().parse().ok()).with_context(
-            || format!("shoal run left no run ({}); see {}", out.status, opts.dir.join("run.log").display()),
-        )?;
+    let last: u64 = std::fs::read_to_string(state.join("last_run"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .with_context(|| format!("shoal run left no run ({status}); see {}", opts.dir.join("run.log").display()))?;
     let record_path = state.join("runs").join(format!("run{last:06}.json"));
     let record: serde_json::Value = serde_json::from_slice(
         &std::fs::read(&record_path).with_context(|| format!("reading {}", record_path.display()))?,
@@ -299,6 +417,8 @@ fn run_on(
     let ledger: shoal_net::demo::LedgerSummary = serde_json::from_value(record["ledger"].clone())?;
     let reports = record["reports"].as_array().cloned().unwrap_or_default();
     let (mut n, mut sum, mut p99, mut max) = (0u64, 0.0f64, 0f64, 0f64);
+    let (mut st_n, mut st_sum, mut st_p99, mut st_max) = (0u64, 0.0f64, 0f64, 0f64);
+    let (mut lag_n, mut lag_sum, mut lag_p50, mut lag_p99) = (0u64, 0.0f64, 0f64, 0f64);
     let mut udp = UdpLosses::default();
     for r in reports.iter().filter(|r| r["role"] == "builder") {
         let d = &r["network_delay"];
@@ -307,38 +427,50 @@ fn run_on(
         sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
         p99 = p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
         max = max.max(d["max_us"].as_f64().unwrap_or(0.0));
+        let d = &r["detail"]["network_delay_steady"];
+        let c = d["count"].as_u64().unwrap_or(0);
+        st_n += c;
+        st_sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
+        st_p99 = st_p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
+        st_max = st_max.max(d["max_us"].as_f64().unwrap_or(0.0));
+        let s = &r["detail"]["shaping_delay"];
+        let c = s["count"].as_u64().unwrap_or(0);
+        lag_n += c;
+        lag_sum += s["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
+        lag_p50 = lag_p50.max(s["p50_us"].as_f64().unwrap_or(0.0));
+        lag_p99 = lag_p99.max(s["p99_us"].as_f64().unwrap_or(0.0));
         let streams = &r["detail"]["udp"]["streams"];
         udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
         udp.recovered += streams["recovered_datagrams"].as_u64().unwrap_or(0);
         udp.lost += streams["lost_datagrams"].as_u64().unwrap_or(0);
     }
-    let mut tcp = netns::TcpCounters::default();
-    let mut host_drops = 0;
-    let mut by_port = std::collections::BTreeMap::new();
-    for h in &plan.hosts {
-        let c = netns::tcp_counters(&h.netns)?;
-        tcp.retransmitted_segments += c.retransmitted_segments;
-        tcp.timeouts += c.timeouts;
-        tcp.segments_out += c.segments_out;
-        for (dev, d) in netns::drops(&h.netns)? {
-            host_drops += d;
-            if d > 0 {
-                by_port.insert(format!("{}/{dev}", h.netns), d);
-            }
+    let (mut lag_count, mut lag_sum_ns) = (0u64, 0u64);
+    for r in reports.iter().filter(|r| r["role"] == "source") {
+        lag_count += r["detail"]["slice_end_lag_count"].as_u64().unwrap_or(0);
+        lag_sum_ns += r["detail"]["slice_end_lag_sum_ns"].as_u64().unwrap_or(0);
+    }
+    let mut cpu_wait = CpuWait::default();
+    for r in &reports {
+        let Ok(Some(cpu)) = serde_json::from_value::<Option<shoal_net::schedstat::CpuUse>>(r["cpu"].clone()) else {
+            continue;
+        };
+        cpu_wait.processes += 1;
+        cpu_wait.total_s += cpu.wait_s;
+        if cpu.wait_fraction() >= cpu_wait.worst_fraction {
+            cpu_wait.worst_fraction = cpu.wait_fraction();
+            cpu_wait.worst_process = r["name"].as_str().unwrap_or_default().to_string();
         }
     }
-    let mut switch_drops = 0;
-    let mut injected = 0;
-    for s in &plan.switches {
-        injected += netns::injected_drops(s)?;
-        for (dev, d) in netns::drops(s)? {
-            switch_drops += d;
-            if d > 0 {
-                by_port.insert(format!("{s}/{dev}"), d);
-            }
-        }
-    }
-    let (idle, steal) = match (cpu_before, cpu_after) {
+    let tcp = at_end.tcp.since(&at_start.tcp);
+    let setup_tcp = at_start.tcp.since(&at_setup.tcp);
+    let host = drops_since(&at_end.host_drops, &at_start.host_drops);
+    let switch = drops_since(&at_end.switch_drops, &at_start.switch_drops);
+    let host_drops: u64 = host.values().sum();
+    let switch_drops: u64 = switch.values().sum();
+    let mut by_port = host;
+    by_port.extend(switch);
+    let injected = at_end.injected.saturating_sub(at_start.injected);
+    let (idle, steal) = match (at_start.cpu, at_end.cpu) {
         (Some(a), Some(b)) if b.0 > a.0 => {
             let dt = (b.0 - a.0) as f64;
             (100.0 * (b.1 - a.1) as f64 / dt, 100.0 * (b.2 - a.2) as f64 / dt)
@@ -361,9 +493,18 @@ fn run_on(
         network_delay_avg_us: if n > 0 { sum / n as f64 } else { 0.0 },
         network_delay_p99_us: p99_us,
         network_delay_max_us: max,
+        network_delay_steady_avg_us: if st_n > 0 { st_sum / st_n as f64 } else { 0.0 },
+        network_delay_steady_p99_us: st_p99,
+        network_delay_steady_max_us: st_max,
+        source_wake_lag_avg_us: if lag_count > 0 { lag_sum_ns as f64 / lag_count as f64 / 1e3 } else { 0.0 },
+        shaping_delay_avg_us: if lag_n > 0 { lag_sum / lag_n as f64 } else { 0.0 },
+        shaping_delay_p50_us: lag_p50,
+        shaping_delay_p99_us: lag_p99,
         tcp_segments: tcp.segments_out,
         tcp_retransmitted: tcp.retransmitted_segments,
         tcp_timeouts: tcp.timeouts,
+        tcp,
+        setup_tcp,
         queue_drops: switch_drops,
         host_queue_drops: host_drops,
         drops_by_port: by_port,
@@ -374,10 +515,11 @@ fn run_on(
         ledger,
         cpu_idle_pct: idle,
         cpu_steal_pct: steal,
-        // Under 5% idle with both cores busy: the processes may have waited for a CPU,
-        // which a network delay then includes.
-        starved: idle < 5.0 || steal > 10.0,
-        verdict: Verdict::judge(slices_complete, slices_incomplete, p99_us, tcp.timeouts),
+        // Under 5% idle with both cores busy, or a process whose threads waited for a CPU
+        // more than a tenth of the run: delays then include waiting for a CPU.
+        starved: idle < 5.0 || steal > 10.0 || cpu_wait.worst_fraction > STARVED_WAIT_FRACTION,
+        cpu_wait,
+        verdict: Verdict::judge(slices_complete, slices_incomplete, st_p99, tcp.timeouts),
         dir: opts.dir.clone(),
     })
 }

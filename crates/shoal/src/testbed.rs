@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use shoal_sim::scenario::Scenario;
+use shoal_sim::sim::SimSummary;
 use shoal_testbed::netns;
 use shoal_testbed::plan::{Congestion, Plan};
 use shoal_testbed::run::{TestbedOptions, TestbedSummary, Verdict};
@@ -74,6 +75,17 @@ pub struct ValidateArgs {
     pub seconds: Option<f64>,
     #[arg(long, default_value = "shoal-testbed")]
     pub dir: PathBuf,
+    /// Print both summaries and the comparison as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The simulator's wake-up model of the testbed's software hosts: the constant phase
+    /// per source, uniform below this (tokio's timer wheel ticks every millisecond).
+    #[arg(long, default_value_t = 1000.0)]
+    pub wake_phase_us: f64,
+    /// ... and the mean of the exponential part (default: what the testbed's sources
+    /// measured, less half the phase).
+    #[arg(long)]
+    pub wake_jitter_us: Option<f64>,
 }
 
 fn load(path: &Path) -> anyhow::Result<Scenario> {
@@ -160,15 +172,41 @@ fn table(s: &TestbedSummary) -> String {
         (
             "net delay",
             format!(
-                "avg {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+                "avg {:.2} ms, p99 {:.2} ms, max {:.2} ms; after the first second avg {:.2} ms, p99 {:.2} ms, max \
+                 {:.2} ms",
                 s.network_delay_avg_us / 1e3,
                 s.network_delay_p99_us / 1e3,
-                s.network_delay_max_us / 1e3
+                s.network_delay_max_us / 1e3,
+                s.network_delay_steady_avg_us / 1e3,
+                s.network_delay_steady_p99_us / 1e3,
+                s.network_delay_steady_max_us / 1e3
+            ),
+        ),
+        (
+            "send lag",
+            format!(
+                "avg {:.2} ms, p50 {:.2} ms, p99 {:.2} ms (slice end to send stamp)",
+                s.shaping_delay_avg_us / 1e3,
+                s.shaping_delay_p50_us / 1e3,
+                s.shaping_delay_p99_us / 1e3
             ),
         ),
         (
             "tcp",
-            format!("{} segments, {} retransmitted, {} timeouts", s.tcp_segments, s.tcp_retransmitted, s.tcp_timeouts),
+            format!(
+                "{} segments, {} retransmitted, {} timeouts; {} fast retransmits, {} loss probes, {} DSACKs, \
+                 {} reorderings (during the run; set-up: {} segments, {} retransmitted, {} timeouts)",
+                s.tcp_segments,
+                s.tcp_retransmitted,
+                s.tcp_timeouts,
+                s.tcp.fast_retransmits,
+                s.tcp.loss_probes,
+                s.tcp.dsacks_received,
+                s.tcp.reordering_detected,
+                s.setup_tcp.segments_out,
+                s.setup_tcp.retransmitted_segments,
+                s.setup_tcp.timeouts
+            ),
         ),
         (
             "drops",
@@ -199,9 +237,12 @@ fn table(s: &TestbedSummary) -> String {
         (
             "cpu",
             format!(
-                "{:.0}% idle, {:.1}% steal{}",
+                "{:.0}% idle, {:.1}% steal; processes waited {:.2} s for a CPU, the most {} ({:.1}% of the run){}",
                 s.cpu_idle_pct,
                 s.cpu_steal_pct,
+                s.cpu_wait.total_s,
+                s.cpu_wait.worst_process,
+                100.0 * s.cpu_wait.worst_fraction,
                 if s.starved { " (STARVED: delays include waiting for a CPU)" } else { "" }
             ),
         ),
@@ -237,11 +278,109 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     if args.common.congestion == Congestion::Cubic {
         eprintln!("note: the simulator models NewReno; the testbed runs cubic");
     }
-    let sim = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
+    // Before the wake-up model: the scenario as written (hardware boards in lockstep unless
+    // it sets traffic.wake_*). After: the testbed's software hosts, with the phase of
+    // tokio's 1 ms timer wheel and the rest of the wake-up lag the testbed's sources
+    // measured.
+    let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
+    let mut hosts = same.clone();
+    hosts.traffic.wake_phase_us = args.wake_phase_us;
+    hosts.traffic.wake_jitter_us =
+        args.wake_jitter_us.unwrap_or((bed.source_wake_lag_avg_us - args.wake_phase_us / 2.0).max(0.0));
+    let sim = shoal_sim::sim::run(&hosts).map_err(anyhow::Error::msg)?.summary;
     let sim_verdict = Verdict::of_simulation(&sim);
+    let lockstep_verdict = Verdict::of_simulation(&lockstep);
+    let rows = comparison(&sim, &bed);
+    let before = comparison(&lockstep, &bed);
+    let verdicts_agree = sim_verdict == bed.verdict;
+    if args.json {
+        let rows: Vec<_> = rows
+            .iter()
+            .zip(&before)
+            .map(|(&(metric, s, b, tolerance, floor), &(_, l, _, _, _))| {
+                serde_json::json!({"metric": metric, "simulator": s, "simulator_lockstep": l, "testbed": b,
+                    "agree": agree(s, b, tolerance, floor), "agree_lockstep": agree(l, b, tolerance, floor)})
+            })
+            .collect();
+        let out = serde_json::json!({
+            "scenario": sc.name,
+            "congestion": args.common.congestion.name(),
+            "wake_phase_us": hosts.traffic.wake_phase_us,
+            "wake_jitter_us": hosts.traffic.wake_jitter_us,
+            "simulator": sim,
+            "simulator_verdict": sim_verdict,
+            "simulator_lockstep": lockstep,
+            "simulator_lockstep_verdict": lockstep_verdict,
+            "testbed": bed,
+            "rows": rows,
+            "verdicts_agree": verdicts_agree,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) });
+    }
+    println!(
+        "{} ({} x {}, {}, {}): simulator versus testbed",
+        sc.name,
+        bed.sources,
+        bed.builders,
+        sc.traffic.policy,
+        args.common.congestion.name()
+    );
+    println!(
+        "simulator with host wake-up latency: phase {:.0} us + jitter {:.0} us (lockstep: sources send at the \
+         same instant)",
+        hosts.traffic.wake_phase_us, hosts.traffic.wake_jitter_us
+    );
+    println!("| metric | simulator, lockstep | simulator, wake-up | testbed | agree |");
+    println!("| --- | ---: | ---: | ---: | --- |");
+    for ((name, s, b, tolerance, floor), (_, l, ..)) in rows.into_iter().zip(before) {
+        println!(
+            "| {name} | {l:.3} | {s:.3} | {b:.3} | {} |",
+            if agree(s, b, tolerance, floor) { "yes" } else { "no" }
+        );
+    }
+    println!(
+        "| verdict | {lockstep_verdict:?} | {sim_verdict:?} | {:?} | {} |",
+        bed.verdict,
+        if verdicts_agree { "yes" } else { "no" }
+    );
+    println!(
+        "testbed: {:.0}% CPU idle, {:.1}% steal, processes waited {:.2} s for a CPU (most: {}, {:.1}% of the run); \
+         {} drops in host queues; drops by port: {:?}",
+        bed.cpu_idle_pct,
+        bed.cpu_steal_pct,
+        bed.cpu_wait.total_s,
+        bed.cpu_wait.worst_process,
+        100.0 * bed.cpu_wait.worst_fraction,
+        bed.host_queue_drops,
+        bed.drops_by_port
+    );
+    println!(
+        "testbed TCP during the run: {} fast retransmits, {} loss probes, {} DSACKs received, {} reorderings, \
+         {} spurious timeouts",
+        bed.tcp.fast_retransmits,
+        bed.tcp.loss_probes,
+        bed.tcp.dsacks_received,
+        bed.tcp.reordering_detected,
+        bed.tcp.spurious_timeouts
+    );
+    if bed.starved {
+        println!(
+            "warning: the host starved the testbed ({:.0}% idle, {:.1}% steal, {} waited {:.1}% of the run for a \
+             CPU); do not use this run",
+            bed.cpu_idle_pct,
+            bed.cpu_steal_pct,
+            bed.cpu_wait.worst_process,
+            100.0 * bed.cpu_wait.worst_fraction
+        );
+    }
+    Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// (metric, simulator, testbed, relative tolerance, absolute floor), in the units shown.
+fn comparison(sim: &SimSummary, bed: &TestbedSummary) -> Vec<(&'static str, f64, f64, f64, f64)> {
     let retransmitted = |n: u64, of: u64| 100.0 * n as f64 / of.max(1) as f64;
-    // (metric, simulator, testbed, relative tolerance, absolute floor), in the units shown.
-    let rows = [
+    vec![
         (
             "slices complete (%)",
             pct(sim.slices_complete, sim.slices_incomplete),
@@ -249,8 +388,9 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             0.0,
             0.5,
         ),
-        ("net delay avg (ms)", sim.network_delay_avg_us / 1e3, bed.network_delay_avg_us / 1e3, 0.10, 0.1),
-        ("net delay p99 (ms)", sim.network_delay_p99_us / 1e3, bed.network_delay_p99_us / 1e3, 0.25, 0.5),
+        ("net delay avg (ms)", sim.network_delay_steady_avg_us / 1e3, bed.network_delay_steady_avg_us / 1e3, 0.10, 0.1),
+        ("net delay p99 (ms)", sim.network_delay_steady_p99_us / 1e3, bed.network_delay_steady_p99_us / 1e3, 0.25, 0.5),
+        ("send lag avg (ms)", sim.shaping_delay_avg_us / 1e3, bed.shaping_delay_avg_us / 1e3, 0.25, 0.2),
         (
             "TCP retransmitted (%)",
             100.0 * sim.tcp_retransmit_fraction,
@@ -260,33 +400,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         ),
         ("TCP timeouts", sim.tcp_timeouts as f64, bed.tcp_timeouts as f64, 0.5, 2.0),
         ("switch drops", sim.queue_drops as f64, bed.queue_drops as f64, 0.5, 10.0),
-    ];
-    println!(
-        "{} ({} x {}, {}, {}): simulator versus testbed",
-        sc.name,
-        bed.sources,
-        bed.builders,
-        sc.traffic.policy,
-        args.common.congestion.name()
-    );
-    println!("| metric | simulator | testbed | agree |");
-    println!("| --- | ---: | ---: | --- |");
-    for (name, s, b, tolerance, floor) in rows {
-        println!("| {name} | {s:.3} | {b:.3} | {} |", if agree(s, b, tolerance, floor) { "yes" } else { "no" });
-    }
-    let verdicts_agree = sim_verdict == bed.verdict;
-    println!("| verdict | {:?} | {:?} | {} |", sim_verdict, bed.verdict, if verdicts_agree { "yes" } else { "no" });
-    println!(
-        "testbed: {:.0}% CPU idle, {:.1}% steal; {} drops in host queues; drops by port: {:?}",
-        bed.cpu_idle_pct, bed.cpu_steal_pct, bed.host_queue_drops, bed.drops_by_port
-    );
-    if bed.starved {
-        println!(
-            "warning: the host starved the testbed ({:.0}% idle, {:.1}% steal); do not use this run",
-            bed.cpu_idle_pct, bed.cpu_steal_pct
-        );
-    }
-    Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
+    ]
 }
 
 fn pct(complete: u64, incomplete: u64) -> f64 {

@@ -231,6 +231,13 @@ wall_timeout_ms = 600000.0
     if transport == "tcp" {
         assert!(s["tcp_segments"].as_u64().unwrap() > 0, "the data crossed TCP in the namespaces");
     }
+    // Connection set-up (run control, the first connections) is counted apart from the
+    // run: the processes talked to the dispatcher before data taking started.
+    assert!(s["setup_tcp"]["segments_out"].as_u64().unwrap() > 0, "{s}");
+    // Every process reported how long it ran and waited for a CPU, and the sources how
+    // late they woke after slice ends (never early).
+    assert_eq!(s["cpu_wait"]["processes"].as_u64(), Some(9 + u64::from(policy.starts_with("pull"))), "{s}");
+    assert!(s["source_wake_lag_avg_us"].as_f64().unwrap() > 0.0, "{s}");
     // Each process ran in its own namespace: the cluster file says so, and the builders
     // were reached at their testbed addresses.
     let cluster = std::fs::read_to_string(dir.join("out").join("cluster.toml")).unwrap();
