@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Runs `shoal validate --json` over scenarios and congestion controls and writes the
+results (one JSON per run) and a markdown table for docs/validation.md.
+
+    sudo python3 scripts/validation_table.py target/release/shoal docs/bench/validation \
+        scenarios/testbed/*.toml --congestion reno cubic --seconds 5
+
+Needs root (the testbed). Each run records the host's CPU idle, steal and the processes'
+wait for a CPU; a starved run is marked, not left out, so the table shows it.
+"""
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+# Run records and logs of the last run (not kept).
+WORK_DIR = tempfile.mkdtemp(prefix="shoal-validation-")
+
+
+def run_one(shoal, scenario, cc, seconds, out_dir):
+    name = pathlib.Path(scenario).stem
+    out = out_dir / f"{name}-{cc}.json"
+    cmd = [shoal, "validate", scenario, "--congestion", cc, "--seconds", str(seconds), "--json",
+           "--dir", WORK_DIR]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    if p.returncode not in (0, 2) or not p.stdout.strip():
+        print(f"{name} {cc}: failed ({p.returncode}): {p.stderr.strip()[-500:]}", file=sys.stderr)
+        return None
+    out.write_text(p.stdout)
+    return json.loads(p.stdout)
+
+
+def fmt(v, digits=2):
+    return f"{v:.{digits}f}"
+
+
+def table(results):
+    head = ("| scenario | TCP | slices complete (%) | net delay avg (ms) | p99 (ms) | send lag (ms) | "
+            "switch drops | TCP timeouts | verdict | CPU idle / steal / worst wait |")
+    rows = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in results:
+        by = {row["metric"]: row for row in r["rows"]}
+        def cell(metric, digits=2):
+            x = by[metric]
+            mark = "" if x["agree"] else " **x**"
+            return f"{fmt(x['simulator_lockstep'], digits)} / {fmt(x['simulator'], digits)} / {fmt(x['testbed'], digits)}{mark}"
+        bed = r["testbed"]
+        v = f"{r['simulator_lockstep_verdict']} / {r['simulator_verdict']} / {bed['verdict']}"
+        v += " (agree)" if r["verdicts_agree"] else " **(differ)**"
+        cpu = (f"{bed['cpu_idle_pct']:.0f}% / {bed['cpu_steal_pct']:.1f}% / "
+               f"{100 * bed['cpu_wait']['worst_fraction']:.0f}%" + (" starved" if bed["starved"] else ""))
+        rows.append(f"| {r['scenario']} | {r['congestion']} | {cell('slices complete (%)', 1)} | "
+                    f"{cell('net delay avg (ms)')} | {cell('net delay p99 (ms)', 1)} | {cell('send lag avg (ms)')} | "
+                    f"{cell('switch drops', 0)} | {cell('TCP timeouts', 0)} | {v} | {cpu} |")
+    return "\n".join(rows) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shoal")
+    ap.add_argument("out_dir", type=pathlib.Path)
+    ap.add_argument("scenarios", nargs="+")
+    ap.add_argument("--congestion", nargs="+", default=["reno", "cubic"])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--table-only", action="store_true", help="rebuild the table from the JSON files")
+    a = ap.parse_args()
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for cc in a.congestion:
+        for sc in a.scenarios:
+            if a.table_only:
+                f = a.out_dir / f"{pathlib.Path(sc).stem}-{cc}.json"
+                r = json.loads(f.read_text()) if f.exists() else None
+            else:
+                r = run_one(a.shoal, sc, cc, a.seconds, a.out_dir)
+                print(f"{pathlib.Path(sc).stem} {cc}: done", file=sys.stderr, flush=True)
+            if r:
+                results.append(r)
+    (a.out_dir / "table.md").write_text(table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
