@@ -52,6 +52,10 @@ pub struct ClusterSettings {
     /// told OFF (a crash, a kill) are started again, at most this many times each per
     /// `shoal run`; during a run they rejoin it (0: never restart).
     pub restarts: u32,
+    /// Options for `ssh` before the host of every `launch = "ssh"` process, e.g.
+    /// `["-i", "/etc/shoal/id_ed25519", "-o", "UserKnownHostsFile=/etc/shoal/known_hosts"]`
+    /// (`-o BatchMode=yes` is always given: run control never waits for a password).
+    pub ssh_options: Vec<String>,
 }
 
 impl Default for ClusterSettings {
@@ -69,6 +73,7 @@ impl Default for ClusterSettings {
             binary: None,
             start_with_missing: false,
             restarts: 3,
+            ssh_options: Vec::new(),
         }
     }
 }

@@ -125,7 +125,10 @@ fn launch(
         Launch::External => Ok(None),
         Launch::Local => spawn_logged(binary, &args, &log, append).map(Some),
         Launch::Ssh => {
-            let mut ssh = vec!["-o".into(), "BatchMode=yes".into(), spec.host.clone(), binary.display().to_string()];
+            let mut ssh = vec!["-o".into(), "BatchMode=yes".into()];
+            ssh.extend(file.cluster.ssh_options.iter().cloned());
+            ssh.push(spec.host.clone());
+            ssh.push(binary.display().to_string());
             ssh.extend(args);
             spawn_logged(Path::new("ssh"), &ssh, &log, append).map(Some)
         }

@@ -11,8 +11,10 @@
 //! - [`plan`]: the layout as data ([`plan::Plan`]), tested without root;
 //! - [`netns`]: building and tearing it down, the kernel's counters;
 //! - [`run`]: one run ([`run::run`]) and its [`run::TestbedSummary`], and the
-//!   [`run::Verdict`] applied to both simulator and testbed.
+//!   [`run::Verdict`] applied to both simulator and testbed;
+//! - [`ssh`]: the `ssh` launch mode, an sshd per host namespace with keys made for the run.
 
 pub mod netns;
 pub mod plan;
 pub mod run;
+pub mod ssh;

@@ -14,6 +14,7 @@ use shoal_sim::sim::SimSummary;
 
 use crate::netns;
 use crate::plan::{CONTROL_ADDR, Congestion, HostRole, Plan, WRITER_ADDR};
+use crate::ssh::SshKeys;
 
 const BUILDER_PORT: u16 = 5601;
 const WRITER_PORT: u16 = 5700;
@@ -33,6 +34,20 @@ pub struct TestbedOptions {
     pub seconds: Option<f64>,
     /// Random loss on every switch port toward a host, packets per million.
     pub loss_ppm: u32,
+    /// How `shoal run` starts the processes in their namespaces.
+    pub launch: TestbedLaunch,
+}
+
+/// How the testbed's processes are started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TestbedLaunch {
+    /// `ip netns exec <namespace> shoal node ...` (run control's `netns` launch mode).
+    #[default]
+    Netns,
+    /// `ssh <address> shoal node ...` to an sshd in each host namespace (run control's
+    /// `ssh` launch mode, as on a farm of real machines).
+    Ssh,
 }
 
 /// The builders' datagram counts over a UDP run (zero over TCP).
@@ -140,6 +155,17 @@ pub struct TestbedSummary {
     pub dir: PathBuf,
 }
 
+impl std::str::FromStr for TestbedLaunch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "netns" => Ok(TestbedLaunch::Netns),
+            "ssh" => Ok(TestbedLaunch::Ssh),
+            other => Err(format!("launch mode {other:?}: netns or ssh")),
+        }
+    }
+}
+
 /// A run is starved when a process waited for a CPU this fraction of the run or more.
 pub const STARVED_WAIT_FRACTION: f64 = 0.1;
 
@@ -231,26 +257,34 @@ pub fn runtime_config(
     Ok(cfg)
 }
 
-/// The cluster file of a testbed run: every process in its own namespace.
-pub fn cluster_file(sc: &Scenario, plan: &Plan, opts: &TestbedOptions, seconds: f64) -> anyhow::Result<ClusterFile> {
+/// The cluster file of a testbed run: every process in its own namespace, started there
+/// by `ip netns exec`, or through the host's sshd at its address (`ssh`: the options to
+/// reach it).
+pub fn cluster_file(
+    sc: &Scenario,
+    plan: &Plan,
+    opts: &TestbedOptions,
+    seconds: f64,
+    ssh: Option<&SshKeys>,
+) -> anyhow::Result<ClusterFile> {
     let config = testbed_config(sc, plan, seconds)?;
-    let spec = |name: String, role: Role, ids: Vec<u32>, netns: &str| ProcessSpec {
+    let spec = |name: String, role: Role, ids: Vec<u32>, h: &crate::plan::Host| ProcessSpec {
         name,
         role,
         ids,
-        launch: Launch::Netns,
-        host: netns.to_string(),
+        launch: if ssh.is_some() { Launch::Ssh } else { Launch::Netns },
+        host: if ssh.is_some() { h.addr.to_string() } else { h.netns.clone() },
         metrics: None,
     };
     let mut processes = Vec::new();
     for h in &plan.hosts {
         match h.role {
-            HostRole::Source(i) => processes.push(spec(format!("source{i}"), Role::Source, vec![i], &h.netns)),
-            HostRole::Builder(j) => processes.push(spec(format!("builder{j}"), Role::Builder, vec![j], &h.netns)),
-            HostRole::Writer => processes.push(spec("writer".into(), Role::Writer, vec![], &h.netns)),
+            HostRole::Source(i) => processes.push(spec(format!("source{i}"), Role::Source, vec![i], h)),
+            HostRole::Builder(j) => processes.push(spec(format!("builder{j}"), Role::Builder, vec![j], h)),
+            HostRole::Writer => processes.push(spec("writer".into(), Role::Writer, vec![], h)),
             HostRole::Control => {
                 if config.policy()?.pull().is_some() {
-                    processes.push(spec("dfm".into(), Role::Dfm, vec![], &h.netns));
+                    processes.push(spec("dfm".into(), Role::Dfm, vec![], h));
                 }
             }
         }
@@ -267,6 +301,7 @@ pub fn cluster_file(sc: &Scenario, plan: &Plan, opts: &TestbedOptions, seconds: 
             state_dir: opts.dir.join("state"),
             seconds,
             binary: Some(opts.shoal.clone()),
+            ssh_options: ssh.map(SshKeys::client_options).unwrap_or_default(),
             ..ClusterSettings::default()
         },
         processes,
@@ -298,11 +333,19 @@ pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummar
         std::fs::remove_dir_all(&opts.dir).with_context(|| format!("clearing {}", opts.dir.display()))?;
     }
     std::fs::create_dir_all(&opts.dir)?;
-    let file = cluster_file(sc, &plan, opts, seconds)?;
+    let ssh = match opts.launch {
+        TestbedLaunch::Netns => None,
+        TestbedLaunch::Ssh => Some(SshKeys::make(&opts.dir.join("ssh"), &plan)?),
+    };
+    let file = cluster_file(sc, &plan, opts, seconds, ssh.as_ref())?;
     let cluster_path = opts.dir.join("cluster.toml");
     std::fs::write(&cluster_path, toml::to_string(&file)?)?;
     netns::up(&plan)?;
-    let result = run_on(&plan, sc, opts, &cluster_path, seconds);
+    let result = match &ssh {
+        Some(keys) => keys.start_daemons(&plan),
+        None => Ok(()),
+    }
+    .and_then(|()| run_on(&plan, sc, opts, &cluster_path, seconds));
     let removed = netns::down(&plan.prefix);
     let summary = result?;
     removed.context("tearing the testbed down")?;

@@ -9,7 +9,7 @@ use shoal_sim::scenario::Scenario;
 use shoal_sim::sim::SimSummary;
 use shoal_testbed::netns;
 use shoal_testbed::plan::{Congestion, Plan};
-use shoal_testbed::run::{TestbedOptions, TestbedSummary, Verdict};
+use shoal_testbed::run::{TestbedLaunch, TestbedOptions, TestbedSummary, Verdict};
 
 #[derive(clap::Args)]
 pub struct TestbedArgs {
@@ -58,6 +58,10 @@ pub enum TestbedCommand {
         /// `transport = "udp"` shoal's NACKs do.
         #[arg(long, default_value_t = 0.0)]
         loss_pct: f64,
+        /// How run control starts the processes: `netns` (ip netns exec) or `ssh` (an sshd
+        /// in every host namespace, keys made for the run; Debian openssh-server).
+        #[arg(long, default_value = "netns")]
+        launch: TestbedLaunch,
     },
     /// Remove the testbed's namespaces and whatever runs in them (idempotent).
     Down {
@@ -104,6 +108,7 @@ fn loss_ppm(pct: f64) -> anyhow::Result<u32> {
 fn options(common: &TestbedCommon, dir: PathBuf, seconds: Option<f64>) -> anyhow::Result<TestbedOptions> {
     Ok(TestbedOptions {
         loss_ppm: 0,
+        launch: TestbedLaunch::Netns,
         prefix: common.prefix.clone(),
         congestion: common.congestion,
         dir: std::path::absolute(dir)?,
@@ -138,9 +143,9 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
             println!("removed {n} namespaces");
             Ok(ExitCode::SUCCESS)
         }
-        TestbedCommand::Run { scenario, common, seconds, dir, json, loss_pct } => {
+        TestbedCommand::Run { scenario, common, seconds, dir, json, loss_pct, launch } => {
             let sc = load(&scenario)?;
-            let opts = TestbedOptions { loss_ppm: loss_ppm(loss_pct)?, ..options(&common, dir, seconds)? };
+            let opts = TestbedOptions { loss_ppm: loss_ppm(loss_pct)?, launch, ..options(&common, dir, seconds)? };
             let s = shoal_testbed::run::run(&sc, &opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);

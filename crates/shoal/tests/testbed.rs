@@ -16,6 +16,18 @@ fn a_small_scenario_runs_on_the_emulated_network_and_leaves_nothing_behind() {
     run_small_scenario(&Small::tcp("delayed:2", "b"));
 }
 
+/// The `ssh` launch mode for real: an sshd in every host namespace on the host's address,
+/// keys made for the run; `shoal run` starts every process with `ssh <address> shoal node`
+/// and the run is the same as with `ip netns exec`.
+#[test]
+fn the_ssh_launch_mode_starts_every_process_through_an_sshd_per_host() {
+    if let Some(why) = shoal_testbed::ssh::unavailable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    run_small_scenario(&Small { launch: "ssh", ..Small::tcp("delayed:2", "h") });
+}
+
 /// The same with credit-based pull: the data-flow manager runs on the control host, and
 /// every slice is assigned, requested and built across the emulated network.
 #[test]
@@ -49,6 +61,7 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
         fragment_bytes: 60_000,
         load_s: 3.0,
         loss_pct: 0.1,
+        launch: "netns",
     });
     let Some(s) = s else { return };
     let b = &s["ledger"]["buckets"];
@@ -156,18 +169,28 @@ struct Small {
     fragment_bytes: u32,
     load_s: f64,
     loss_pct: f64,
+    launch: &'static str,
 }
 
 impl Small {
     fn tcp(policy: &'static str, tag: &'static str) -> Small {
-        Small { policy, tag, transport: "tcp", slice_ms: 100.0, fragment_bytes: 20_000, load_s: 2.0, loss_pct: 0.0 }
+        Small {
+            policy,
+            tag,
+            transport: "tcp",
+            slice_ms: 100.0,
+            fragment_bytes: 20_000,
+            load_s: 2.0,
+            loss_pct: 0.0,
+            launch: "netns",
+        }
     }
 }
 
 /// Runs the scenario, checks what every run must satisfy, and returns the summary (None
 /// when the testbed cannot be built here).
 fn run_small_scenario(small: &Small) -> Option<serde_json::Value> {
-    let Small { policy, tag, transport, slice_ms, fragment_bytes, load_s, loss_pct } = *small;
+    let Small { policy, tag, transport, slice_ms, fragment_bytes, load_s, loss_pct, launch } = *small;
     if let Some(why) = shoal_testbed::netns::unavailable() {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool: {why}");
         return None;
@@ -202,7 +225,8 @@ wall_timeout_ms = 600000.0
     )
     .unwrap();
     let out = shoal()
-        .args(["testbed", "run", "--prefix", &prefix, "--json", "--loss-pct", &loss_pct.to_string(), "--dir"])
+        .args(["testbed", "run", "--prefix", &prefix, "--json", "--loss-pct", &loss_pct.to_string()])
+        .args(["--launch", launch, "--dir"])
         .arg(dir.join("out"))
         .arg(&scenario)
         .output()
@@ -242,7 +266,7 @@ wall_timeout_ms = 600000.0
     // were reached at their testbed addresses.
     let cluster = std::fs::read_to_string(dir.join("out").join("cluster.toml")).unwrap();
     let pull = policy.starts_with("pull");
-    assert_eq!(cluster.matches("launch = \"netns\"").count(), 9 + usize::from(pull), "{cluster}");
+    assert_eq!(cluster.matches(&format!("launch = \"{launch}\"")).count(), 9 + usize::from(pull), "{cluster}");
     if pull {
         // The manager, on the control host, assigned every slice once.
         let record = std::fs::read_to_string(dir.join("out/state/runs/run000001.json")).unwrap();
