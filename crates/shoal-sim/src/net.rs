@@ -39,6 +39,9 @@ pub struct PortSpec {
     pub queue_bytes: Option<u64>,
     /// Bit error rate.
     pub ber: f64,
+    /// Probability that a packet is lost on the way, whatever its size (the testbed's
+    /// injected random loss, `--loss-pct`, on every switch port toward a host).
+    pub loss: f64,
 }
 
 /// A packet in flight. `body` is the transport's business.
@@ -59,6 +62,8 @@ pub struct PortStats {
     pub bytes: u64,
     pub dropped: u64,
     pub damaged: u64,
+    /// Lost at random ([`PortSpec::loss`]).
+    pub lost: u64,
     pub max_queue: usize,
 }
 
@@ -229,6 +234,11 @@ impl<B> Network<B> {
                 p.stats.damaged += 1;
             }
         }
+        if p.spec.loss > 0.0 && self.rng.random::<f64>() < p.spec.loss {
+            p.stats.lost += 1;
+            self.start_tx(now, port, sched);
+            return;
+        }
         let delay = p.spec.delay;
         sched(now + delay, NetEvent::Arrive(port, packet));
         self.start_tx(now, port, sched);
@@ -270,7 +280,14 @@ mod tests {
     use crate::engine::EventQueue;
 
     fn spec(rate_bps: u64, delay_us: u64, queue: Option<usize>) -> PortSpec {
-        PortSpec { rate_bps, delay: Duration::from_micros(delay_us), queue_packets: queue, queue_bytes: None, ber: 0.0 }
+        PortSpec {
+            rate_bps,
+            delay: Duration::from_micros(delay_us),
+            queue_packets: queue,
+            queue_bytes: None,
+            ber: 0.0,
+            loss: 0.0,
+        }
     }
 
     /// Runs until idle; returns (arrival time, packet id) at hosts.
@@ -384,5 +401,26 @@ mod tests {
         let lost = 1.0 - got / f64::from(n);
         // Binomial sd = sqrt(p(1-p)/n) = 0.00224; allow 5 sd.
         assert!((lost - p).abs() < 5.0 * (p * (1.0 - p) / f64::from(n)).sqrt(), "lost {lost}, expected {p}");
+    }
+
+    #[test]
+    fn random_loss_drops_that_fraction_whatever_the_size_and_counts_it() {
+        let mut net = Network::new(7);
+        let a = net.add_host();
+        let b = net.add_host();
+        let lossy = PortSpec { loss: 0.01, ..spec(1_000_000_000, 0, None) };
+        let (ab, _) = net.link(a, b, lossy, lossy);
+        net.build_routes();
+        let mut q = EventQueue::new();
+        let n = 50_000u32;
+        for i in 0..n {
+            let pkt = Packet { src: a, dst: b, size: 64 + (i % 1400), damaged: false, body: i };
+            net.send(Instant::ZERO, a, pkt, &mut |t, e| q.schedule(t, e));
+        }
+        let got = run(&mut net, &mut q).len() as u64;
+        let lost = net.ports[ab].stats.lost;
+        assert_eq!(got + lost, u64::from(n), "every packet arrives or is counted lost");
+        // Binomial: 500 expected, sd 22; allow 5 sd.
+        assert!((lost as f64 - 500.0).abs() < 111.0, "lost {lost}");
     }
 }

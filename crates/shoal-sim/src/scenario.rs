@@ -60,6 +60,9 @@ pub struct Topology {
     pub queue_bytes: Option<u64>,
     /// Host (NIC/qdisc) queue in packets.
     pub host_queue_packets: usize,
+    /// Random loss on every switch port toward a host, packets per million (the testbed's
+    /// `--loss-pct`; loss where `shore_ber` damages by size).
+    pub host_port_loss_ppm: u32,
 }
 
 impl Default for Topology {
@@ -79,6 +82,7 @@ impl Default for Topology {
             queue_packets: Some(100),
             queue_bytes: None,
             host_queue_packets: 1000,
+            host_port_loss_ppm: 0,
         }
     }
 }
@@ -259,6 +263,9 @@ impl Scenario {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be zero or positive"));
             }
+        }
+        if self.topology.host_port_loss_ppm > 1_000_000 {
+            return Err("topology.host_port_loss_ppm must be at most 1000000".into());
         }
         if !(0.0..=1.0).contains(&self.topology.shore_ber) {
             return Err("topology.shore_ber must be in [0, 1]".into());

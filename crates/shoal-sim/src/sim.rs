@@ -237,6 +237,8 @@ pub struct SimSummary {
     pub slices_incomplete: u64,
     pub queue_drops: u64,
     pub damaged_packets: u64,
+    /// Packets lost at random on switch ports toward hosts (`topology.host_port_loss_ppm`).
+    pub injected_drops: u64,
     pub ledger: BTreeMap<String, u64>,
     pub ledger_produced: u64,
     pub ledger_unaccounted: i128,
@@ -363,6 +365,7 @@ impl World {
             queue_packets: t.queue_packets,
             queue_bytes: t.queue_bytes,
             ber,
+            loss: 0.0,
         };
         let host_q = |rate: f64, delay: f64| PortSpec {
             rate_bps: mbps(rate),
@@ -370,7 +373,10 @@ impl World {
             queue_packets: Some(t.host_queue_packets),
             queue_bytes: None,
             ber: 0.0,
+            loss: 0.0,
         };
+        // The testbed's injected loss: on every switch port toward a host.
+        let lossy = |spec: PortSpec| PortSpec { loss: t.host_port_loss_ppm as f64 / 1e6, ..spec };
         let central = net.add_switch();
         let mut source_hosts = Vec::new();
         let n_sectors = n_sources.div_ceil(t.boards_per_sector);
@@ -386,7 +392,12 @@ impl World {
             let first = sector * t.boards_per_sector;
             for _ in first..(first + t.boards_per_sector).min(n_sources) {
                 let h = net.add_host();
-                net.link(h, sw, host_q(t.board_mbps, t.board_delay_us), switch_q(t.board_mbps, t.board_delay_us, 0.0));
+                net.link(
+                    h,
+                    sw,
+                    host_q(t.board_mbps, t.board_delay_us),
+                    lossy(switch_q(t.board_mbps, t.board_delay_us, 0.0)),
+                );
                 source_hosts.push(h);
             }
         }
@@ -398,7 +409,7 @@ impl World {
                 h,
                 central,
                 host_q(t.builder_mbps, t.builder_delay_us),
-                switch_q(t.builder_mbps, t.builder_delay_us, 0.0),
+                lossy(switch_q(t.builder_mbps, t.builder_delay_us, 0.0)),
             );
             h
         });
@@ -409,7 +420,7 @@ impl World {
                 h,
                 central,
                 host_q(t.builder_mbps, t.builder_delay_us),
-                switch_q(t.builder_mbps, t.builder_delay_us, 0.0),
+                lossy(switch_q(t.builder_mbps, t.builder_delay_us, 0.0)),
             );
             builder_hosts.push(h);
         }
@@ -1167,6 +1178,7 @@ impl World {
             slices_incomplete: reports.iter().map(|r| r.slices_incomplete).sum(),
             queue_drops: self.net.ports.iter().map(|p| p.stats.dropped).sum(),
             damaged_packets: self.net.ports.iter().map(|p| p.stats.damaged).sum(),
+            injected_drops: self.net.ports.iter().map(|p| p.stats.lost).sum(),
             ledger: ledger.buckets().map(|(b, n)| (b.name().to_string(), n)).collect(),
             ledger_produced: ledger.produced,
             ledger_unaccounted: ledger.unaccounted(),
