@@ -19,11 +19,16 @@ import tempfile
 WORK_DIR = tempfile.mkdtemp(prefix="shoal-validation-")
 
 
-def run_one(shoal, scenario, cc, seconds, out_dir):
+def stem(scenario, cc, loss_pct):
     name = pathlib.Path(scenario).stem
-    out = out_dir / f"{name}-{cc}.json"
+    return f"{name}-{cc}" + (f"-loss{loss_pct:g}" if loss_pct else "")
+
+
+def run_one(shoal, scenario, cc, seconds, loss_pct, out_dir):
+    name = stem(scenario, cc, loss_pct)
+    out = out_dir / f"{name}.json"
     cmd = [shoal, "validate", scenario, "--congestion", cc, "--seconds", str(seconds), "--json",
-           "--dir", WORK_DIR]
+           "--loss-pct", str(loss_pct), "--dir", WORK_DIR]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     if p.returncode not in (0, 2) or not p.stdout.strip():
         print(f"{name} {cc}: failed ({p.returncode}): {p.stderr.strip()[-500:]}", file=sys.stderr)
@@ -38,8 +43,9 @@ def fmt(v, digits=2):
 
 def table(results):
     head = ("| scenario | TCP | slices complete (%) | net delay avg (ms) | p99 (ms) | send lag (ms) | "
-            "switch drops | TCP timeouts | verdict | CPU idle / steal / worst wait |")
-    rows = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+            "switch drops | TCP timeouts | testbed retransmitted: needed / spurious (DSACK) | verdict | "
+            "CPU idle / steal / worst wait |")
+    rows = [head, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for r in results:
         by = {row["metric"]: row for row in r["rows"]}
         def cell(metric, digits=2):
@@ -49,11 +55,19 @@ def table(results):
         bed = r["testbed"]
         v = f"{r['simulator_lockstep_verdict']} / {r['simulator_verdict']} / {bed['verdict']}"
         v += " (agree)" if r["verdicts_agree"] else " **(differ)**"
+        worst = bed["cpu_wait"]["worst_fraction"]
+        # The rule of shoal_testbed::run (STARVED_WAIT_FRACTION), also for older files.
+        starved = bed["cpu_idle_pct"] < 5 or bed["cpu_steal_pct"] > 10 or worst >= 0.5
         cpu = (f"{bed['cpu_idle_pct']:.0f}% / {bed['cpu_steal_pct']:.1f}% / "
-               f"{100 * bed['cpu_wait']['worst_fraction']:.0f}%" + (" starved" if bed["starved"] else ""))
-        rows.append(f"| {r['scenario']} | {r['congestion']} | {cell('slices complete (%)', 1)} | "
+               f"{100 * worst:.0f}%" + (" **starved**" if starved else ""))
+        loss = bed.get("loss_ppm", 0)
+        name = r["scenario"] + (f", {loss / 1e4:g}% loss" if loss else "")
+        tcp = bed["tcp"]
+        spurious = min(tcp["dsacks_received"], tcp["retransmitted_segments"])
+        retx = f"{tcp['retransmitted_segments'] - spurious} / {spurious}"
+        rows.append(f"| {name} | {r['congestion']} | {cell('slices complete (%)', 1)} | "
                     f"{cell('net delay avg (ms)')} | {cell('net delay p99 (ms)', 1)} | {cell('send lag avg (ms)')} | "
-                    f"{cell('switch drops', 0)} | {cell('TCP timeouts', 0)} | {v} | {cpu} |")
+                    f"{cell('switch drops', 0)} | {cell('TCP timeouts', 0)} | {retx} | {v} | {cpu} |")
     return "\n".join(rows) + "\n"
 
 
@@ -64,21 +78,23 @@ def main():
     ap.add_argument("scenarios", nargs="+")
     ap.add_argument("--congestion", nargs="+", default=["reno", "cubic"])
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--table-only", action="store_true", help="rebuild the table from the JSON files")
+    ap.add_argument("--loss-pct", type=float, nargs="+", default=[0.0],
+                    help="random loss on every switch port toward a host, percent (one run per value)")
+    ap.add_argument("--table-only", action="store_true", help="print the table from the JSON files")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    for cc in a.congestion:
-        for sc in a.scenarios:
-            if a.table_only:
-                f = a.out_dir / f"{pathlib.Path(sc).stem}-{cc}.json"
-                r = json.loads(f.read_text()) if f.exists() else None
-            else:
-                r = run_one(a.shoal, sc, cc, a.seconds, a.out_dir)
-                print(f"{pathlib.Path(sc).stem} {cc}: done", file=sys.stderr, flush=True)
-            if r:
-                results.append(r)
-    (a.out_dir / "table.md").write_text(table(results))
+    for loss in a.loss_pct:
+        for cc in a.congestion:
+            for sc in a.scenarios:
+                if a.table_only:
+                    f = a.out_dir / f"{stem(sc, cc, loss)}.json"
+                    r = json.loads(f.read_text()) if f.exists() else None
+                else:
+                    r = run_one(a.shoal, sc, cc, a.seconds, loss, a.out_dir)
+                    print(f"{stem(sc, cc, loss)}: done", file=sys.stderr, flush=True)
+                if r:
+                    results.append(r)
     print(table(results))
 
 
