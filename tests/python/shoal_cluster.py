@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -15,9 +16,24 @@ import urllib.request
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, outside the kernel's ephemeral range: a port from
+    that range (what binding port 0 gives) can be taken by an outgoing connection before the
+    process the test starts binds it. Random, so tests running at once rarely collide."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    first, last = (10000, lo - 1) if lo > 11000 else (hi + 1, 65535)
+    for _ in range(10000):
+        port = random.randint(first, last)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{last}")
 
 
 def on_free_ports(text: str) -> str:

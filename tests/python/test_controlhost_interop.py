@@ -13,13 +13,9 @@ import controlhost as ch
 import pytest
 from km3pipe.controlhost import Client as KClient
 
+from shoal_cluster import free_port
+
 TIMEOUT = 15
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -2,14 +2,13 @@
 //! (A separate process: client and server ends of 10,000 connections would not fit in one
 //! process's descriptor limit here.)
 
+mod common;
+use common::free_port;
+
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 struct Kill(Child);
 impl Drop for Kill {

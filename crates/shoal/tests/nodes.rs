@@ -8,12 +8,10 @@
 //! slice-count timeout, a source 330 ms late had 33 fragments counted `late`: in the
 //! ledger, but not delivered.)
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+use common::free_port;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use std::process::{Child, Command, Stdio};
 
 fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))

@@ -14,8 +14,28 @@ pub fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))
 }
 
+/// A loopback port nothing listens on, for a process the test starts to bind. Chosen
+/// outside the kernel's ephemeral range: a port from that range (what binding port 0
+/// gives) can be taken by any outgoing connection between the choice and the process's
+/// bind, and on a busy machine one was ("binding builder port ...: Address already in
+/// use"). Candidates are drawn at random so that tests running at once rarely try the same.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::hash::{BuildHasher, Hasher};
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut r = range.split_whitespace().filter_map(|v| v.parse::<u32>().ok());
+    let (lo, hi) = (r.next().unwrap_or(32768), r.next().unwrap_or(60999));
+    // Below the range if there is room there, above it otherwise.
+    let (first, last) = if lo > 11_000 { (10_000, lo - 1) } else { (hi + 1, 65_535) };
+    assert!(first < last, "no ports outside the ephemeral range {lo}-{hi}");
+    for _ in 0..10_000 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64);
+        let port = (first + (h.finish() % u64::from(last - first + 1)) as u32) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {first}-{last}")
 }
 
 pub fn unix_ns() -> u64 {
