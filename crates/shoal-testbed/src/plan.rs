@@ -105,7 +105,21 @@ pub struct Plan {
     /// rule in the switch's bridge: ../shared/testbed.md). Switch-to-switch links are
     /// lossless, so a packet meets it once on its way.
     pub loss_ppm: u32,
+    /// Bit error rate of the shore links (the scenario's `topology.shore_ber`), both
+    /// directions: a frame with a flipped bit fails its FCS and is dropped by the next hop,
+    /// so each frame is dropped with probability `1 - (1 - ber)^bits` by its length class
+    /// (an nft rule per class on the shore ports), as the simulator damages and discards it.
+    pub shore_ber: f64,
 }
+
+/// Frame length classes (bridge `meta length`: Ethernet header included, no FCS) and the
+/// length whose bit count sets each class's drop probability: ACKs and small control
+/// packets, three middle classes at their middle, full 1500-byte-MTU frames.
+const BER_CLASSES: [(u32, u32, u32); 5] =
+    [(0, 127, 66), (128, 599, 364), (600, 1199, 900), (1200, 1499, 1350), (1500, 1600, 1514)];
+
+/// nft's `numgen random mod` range for probabilities (parts per billion).
+const PPB: f64 = 1e9;
 
 /// The nft table of the injected loss in a switch namespace.
 pub const LOSS_TABLE: &str = "shoal_loss";
@@ -193,7 +207,7 @@ impl Plan {
         // (events, run control) is small next to the data.
         attach(ns("w".into()), HostRole::Writer, WRITER_ADDR, "w".into(), t.builder_mbps);
         attach(ns("ctl".into()), HostRole::Control, CONTROL_ADDR, "ctl".into(), t.builder_mbps);
-        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion, loss_ppm: 0 })
+        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion, loss_ppm: 0, shore_ber: t.shore_ber })
     }
 
     /// One switch, `senders` hosts on links of `sender_mbps` and one receiver behind a port
@@ -223,6 +237,7 @@ impl Plan {
             links: Vec::new(),
             congestion: Congestion::Cubic,
             loss_ppm: 0,
+            shore_ber: 0.0,
         };
         let mut attach = |netns: String, role: HostRole, addr: Ipv4Addr, port: String, mbps: f64, queue: Queue| {
             plan.hosts.push(Host { netns: netns.clone(), role, addr });
@@ -262,6 +277,52 @@ impl Plan {
             .iter()
             .filter(move |l| l.b_netns == switch && self.hosts.iter().any(|h| h.netns == l.a_netns))
             .map(|l| l.b_dev.as_str())
+    }
+
+    /// Ports of switch `switch` that lead to another switch (the shore links).
+    fn switch_ports<'a>(&'a self, switch: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        let is_switch = |n: &str| self.switches.iter().any(|s| s == n);
+        self.links.iter().filter(move |l| is_switch(&l.a_netns) && is_switch(&l.b_netns)).filter_map(move |l| {
+            if l.a_netns == switch {
+                Some(l.a_dev.as_str())
+            } else if l.b_netns == switch {
+                Some(l.b_dev.as_str())
+            } else {
+                None
+            }
+        })
+    }
+
+    /// The nft rules of switch `netns`: random loss toward hosts, bit errors on shore links.
+    fn loss_rules(&self, netns: &str) -> Vec<String> {
+        let mut rules = Vec::new();
+        let list = |ports: Vec<&str>| ports.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", ");
+        let hosts: Vec<&str> = self.host_ports(netns).collect();
+        if self.loss_ppm > 0 && !hosts.is_empty() {
+            // numgen draws per packet in the bridge's forward path: an independent loss
+            // with probability ppm / 1e6, counted by the rule (netem is not available).
+            rules.push(format!(
+                "oifname {{ {} }} numgen random mod 1000000 < {} counter drop",
+                list(hosts),
+                self.loss_ppm
+            ));
+        }
+        let shore: Vec<&str> = self.switch_ports(netns).collect();
+        if self.shore_ber > 0.0 && !shore.is_empty() {
+            let ports = list(shore);
+            for (lo, hi, len) in BER_CLASSES {
+                let bits = 8.0 * f64::from(shoal_sim::net::wire_size(len.saturating_sub(14)));
+                let p = 1.0 - (1.0 - self.shore_ber).powf(bits);
+                let ppb = (p * PPB).round() as u64;
+                if ppb > 0 {
+                    rules.push(format!(
+                        "oifname {{ {ports} }} meta length {lo}-{hi} numgen random mod {} < {ppb} counter drop",
+                        PPB as u64
+                    ));
+                }
+            }
+        }
+        rules
     }
 
     /// Every namespace of the testbed.
@@ -312,19 +373,13 @@ impl Plan {
         if let Some(h) = self.hosts.iter().find(|h| h.netns == netns) {
             let _ = writeln!(s, "ip addr add {}/15 dev eth0", h.addr);
         }
-        if is_switch && self.loss_ppm > 0 {
-            // numgen draws per packet in the bridge's forward path: an independent loss
-            // with probability ppm / 1e6, counted by the rule (netem is not available).
-            let ports: Vec<&str> = self.host_ports(netns).collect();
-            if !ports.is_empty() {
-                let _ = writeln!(
-                    s,
-                    "nft -f - <<'EOF'\ntable bridge {LOSS_TABLE} {{\n  chain fw {{\n    type filter hook forward priority 0;\n    \
-                     oifname {{ {} }} numgen random mod 1000000 < {} counter drop\n  }}\n}}\nEOF",
-                    ports.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
-                    self.loss_ppm
-                );
-            }
+        let rules = if is_switch { self.loss_rules(netns) } else { Vec::new() };
+        if !rules.is_empty() {
+            let _ = writeln!(
+                s,
+                "nft -f - <<'EOF'\ntable bridge {LOSS_TABLE} {{\n  chain fw {{\n    type filter hook forward priority 0;\n{}  }}\n}}\nEOF",
+                rules.iter().map(|r| format!("    {r}\n")).collect::<String>()
+            );
         }
         s
     }
@@ -443,5 +498,26 @@ mod tests {
         let rule = sector.lines().find(|l| l.contains("numgen")).unwrap();
         assert!(!rule.contains("uplink"), "switch-to-switch links stay lossless: {rule}");
         assert!(!p.namespace_script("tb-s0").contains("nft"), "hosts have no loss rule");
+    }
+
+    #[test]
+    fn shore_bit_errors_drop_frames_by_length_on_both_ends_of_each_shore_link() {
+        let mut sc = scenario(6, 2);
+        sc.topology.shore_ber = 1e-7;
+        let p = Plan::new(&sc, "tb", Congestion::Reno).unwrap();
+        let core = p.namespace_script("tb-core");
+        let sector = p.namespace_script("tb-sec1");
+        // A full frame: 1514 bytes on the bridge, 1538 on the simulator's wire (preamble,
+        // FCS, gap): 1 - (1 - 1e-7)^(8 x 1538) = 1,229,643 parts per billion.
+        assert!(
+            core.contains(r#"oifname { "sec0", "sec1" } meta length 1500-1600 numgen random mod 1000000000 < 1229643 counter drop"#),
+            "{core}"
+        );
+        assert!(sector.contains(r#"oifname { "uplink" } meta length 0-127 numgen"#), "{sector}");
+        assert_eq!(sector.matches("meta length").count(), 5, "{sector}");
+        assert!(!core.contains(r#""b0""#), "host ports keep no bit errors: {core}");
+        assert!(
+            !Plan::new(&scenario(6, 2), "tb", Congestion::Reno).unwrap().namespace_script("tb-core").contains("nft")
+        );
     }
 }

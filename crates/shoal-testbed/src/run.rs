@@ -132,9 +132,11 @@ pub struct TestbedSummary {
     /// Packets dropped by the switch output buffers, and by the hosts' own queues.
     pub queue_drops: u64,
     pub host_queue_drops: u64,
-    /// Packets the injected loss dropped (the nft rules' counters), and the rate asked for.
+    /// Packets the injected loss and the shore links' bit errors dropped (the nft rules'
+    /// counters), and the rates asked for.
     pub injected_drops: u64,
     pub loss_ppm: u32,
+    pub shore_ber: f64,
     /// `tcp` or `udp`.
     pub transport: String,
     /// UDP: datagrams the builders received, recovered by a NACK, and declared lost.
@@ -326,10 +328,10 @@ fn cpu_times() -> Option<(u64, u64, u64)> {
 /// Builds the testbed, runs the scenario on it, collects, and tears it down.
 pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummary> {
     let plan = Plan::new(sc, &opts.prefix, opts.congestion).map_err(anyhow::Error::msg)?.with_loss_ppm(opts.loss_ppm);
-    if opts.loss_ppm > 0
+    if (opts.loss_ppm > 0 || plan.shore_ber > 0.0)
         && let Some(why) = netns::loss_unavailable()
     {
-        bail!("cannot inject loss: {why}");
+        bail!("cannot inject loss or bit errors: {why}");
     }
     let seconds = opts.seconds.unwrap_or(sc.traffic.load_s);
     if opts.dir.exists() {
@@ -556,6 +558,7 @@ fn run_on(
         drops_by_port: by_port,
         injected_drops: injected,
         loss_ppm: plan.loss_ppm,
+        shore_ber: plan.shore_ber,
         transport: if sc.traffic.transport == "udp" { "udp".into() } else { "tcp".into() },
         udp,
         ledger,

@@ -220,8 +220,8 @@ fn table(s: &TestbedSummary) -> String {
         (
             "drops",
             format!(
-                "{} at switch ports, {} in host queues, {} injected ({} ppm)",
-                s.queue_drops, s.host_queue_drops, s.injected_drops, s.loss_ppm
+                "{} at switch ports, {} in host queues, {} injected ({} ppm toward hosts, shore BER {:e})",
+                s.queue_drops, s.host_queue_drops, s.injected_drops, s.loss_ppm, s.shore_ber
             ),
         ),
         (
@@ -412,7 +412,9 @@ fn comparison(sim: &SimSummary, bed: &TestbedSummary) -> Vec<(&'static str, f64,
         ),
         ("TCP timeouts", sim.tcp_timeouts as f64, bed.tcp_timeouts as f64, 0.5, 2.0),
         ("switch drops", sim.queue_drops as f64, bed.queue_drops as f64, 0.5, 10.0),
-        ("injected losses", sim.injected_drops as f64, bed.injected_drops as f64, 0.25, 10.0),
+        // Random loss plus bit errors (the simulator damages and discards, the testbed drops
+        // by frame length: what a failed FCS does).
+        ("injected losses", (sim.injected_drops + sim.damaged_packets) as f64, bed.injected_drops as f64, 0.25, 10.0),
     ]
 }
 
