@@ -65,6 +65,9 @@ pub struct ChClient {
     pub reconnects: u64,
 }
 
+/// How long one connection attempt may take before it is abandoned and made again.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
 pub fn tag(name: &str) -> Result<Tag, ClientError> {
     Tag::new(name.as_bytes()).ok_or_else(|| ClientError::BadTag(name.into()))
 }
@@ -92,9 +95,17 @@ impl ChClient {
         if self.stream.is_none() {
             let mut delay = Duration::from_millis(50);
             let mut attempt = 0;
+            let began = std::time::Instant::now();
             let s = loop {
                 attempt += 1;
-                let greeted = match TcpStream::connect(self.addr).await {
+                // A SYN that meets a dying dispatcher's full listen queue is dropped and
+                // the kernel retries it only after 1, 3, 7 ... s: give up sooner and try
+                // afresh, where a restarted dispatcher listens.
+                let connected = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(self.addr)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")),
+                };
+                let greeted = match connected {
                     Ok(mut s) => {
                         let _ = s.set_nodelay(true);
                         // A client that only reads (run control's listener) would wait
@@ -124,6 +135,11 @@ impl ChClient {
             };
             self.decoder = MessageDecoder::new(u32::MAX >> 1);
             self.stream = Some(s);
+            if self.connected_once {
+                // At the level of the "reconnecting" warning, so that the logs show
+                // how long a client was away from the dispatcher.
+                warn!(addr = %self.addr, attempts = attempt, after = ?began.elapsed(), "reconnected to the dispatcher");
+            }
             self.reconnected |= self.connected_once;
             self.connected_once = true;
         }
