@@ -49,21 +49,21 @@ pub fn unavailable() -> Option<String> {
         return Some("the testbed needs root (network namespaces, tc)".into());
     }
     for tool in ["ip", "tc", "ethtool"] {
-        let found = std::env::var_os("PATH")
-            .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
-            .unwrap_or(false);
-        if !found {
+        if !on_path(tool) {
             return Some(format!("`{tool}` is missing (Debian packages iproute2, ethtool)"));
         }
     }
     None
 }
 
+/// Whether `tool` is an executable file in a directory of `PATH`.
+pub(crate) fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
+}
+
 /// Why loss cannot be injected here, if it cannot: `nft` (Debian package nftables) missing.
 pub fn loss_unavailable() -> Option<String> {
-    let found =
-        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join("nft").is_file())).unwrap_or(false);
-    (!found).then(|| "`nft` is missing (Debian package nftables): loss is injected by an nft rule".into())
+    (!on_path("nft")).then(|| "`nft` is missing (Debian package nftables): loss is injected by an nft rule".into())
 }
 
 /// The testbed's namespaces that exist now.

@@ -400,6 +400,34 @@ fn drops_since(
         .collect()
 }
 
+/// Delay statistics of several builders (their reports' `count`, `mean_us`, `p50_us`,
+/// `p99_us`, `max_us`) pooled: the mean over all fragments, and the largest of the
+/// builders' percentiles and maxima (their histograms are not in the reports).
+#[derive(Clone, Copy, Debug, Default)]
+struct DelayPool {
+    count: u64,
+    sum_us: f64,
+    p50_us: f64,
+    p99_us: f64,
+    max_us: f64,
+}
+
+impl DelayPool {
+    fn add(&mut self, d: &serde_json::Value) {
+        let count = d["count"].as_u64().unwrap_or(0);
+        let get = |k: &str| d[k].as_f64().unwrap_or(0.0);
+        self.count += count;
+        self.sum_us += get("mean_us") * count as f64;
+        self.p50_us = self.p50_us.max(get("p50_us"));
+        self.p99_us = self.p99_us.max(get("p99_us"));
+        self.max_us = self.max_us.max(get("max_us"));
+    }
+
+    fn mean_us(&self) -> f64 {
+        if self.count > 0 { self.sum_us / self.count as f64 } else { 0.0 }
+    }
+}
+
 /// What `shoal run` prints when the processes were told to start taking data.
 const RUNNING_MARK: &str = "running for ";
 
@@ -464,29 +492,13 @@ fn run_on(
     )?;
     let ledger: shoal_net::demo::LedgerSummary = serde_json::from_value(record["ledger"].clone())?;
     let reports = record["reports"].as_array().cloned().unwrap_or_default();
-    let (mut n, mut sum, mut p99, mut max) = (0u64, 0.0f64, 0f64, 0f64);
-    let (mut st_n, mut st_sum, mut st_p99, mut st_max) = (0u64, 0.0f64, 0f64, 0f64);
-    let (mut lag_n, mut lag_sum, mut lag_p50, mut lag_p99) = (0u64, 0.0f64, 0f64, 0f64);
+    // Pooled over the builders: all delays, the steady state, the send lag.
+    let (mut net, mut steady, mut lag) = (DelayPool::default(), DelayPool::default(), DelayPool::default());
     let mut udp = UdpLosses::default();
     for r in reports.iter().filter(|r| r["role"] == "builder") {
-        let d = &r["network_delay"];
-        let c = d["count"].as_u64().unwrap_or(0);
-        n += c;
-        sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
-        p99 = p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
-        max = max.max(d["max_us"].as_f64().unwrap_or(0.0));
-        let d = &r["detail"]["network_delay_steady"];
-        let c = d["count"].as_u64().unwrap_or(0);
-        st_n += c;
-        st_sum += d["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
-        st_p99 = st_p99.max(d["p99_us"].as_f64().unwrap_or(0.0));
-        st_max = st_max.max(d["max_us"].as_f64().unwrap_or(0.0));
-        let s = &r["detail"]["shaping_delay"];
-        let c = s["count"].as_u64().unwrap_or(0);
-        lag_n += c;
-        lag_sum += s["mean_us"].as_f64().unwrap_or(0.0) * c as f64;
-        lag_p50 = lag_p50.max(s["p50_us"].as_f64().unwrap_or(0.0));
-        lag_p99 = lag_p99.max(s["p99_us"].as_f64().unwrap_or(0.0));
+        net.add(&r["network_delay"]);
+        steady.add(&r["detail"]["network_delay_steady"]);
+        lag.add(&r["detail"]["shaping_delay"]);
         let streams = &r["detail"]["udp"]["streams"];
         udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
         udp.recovered += streams["recovered_datagrams"].as_u64().unwrap_or(0);
@@ -527,7 +539,6 @@ fn run_on(
     };
     let slices_complete = record["slices_complete"].as_u64().unwrap_or(0);
     let slices_incomplete = record["slices_incomplete"].as_u64().unwrap_or(0);
-    let p99_us = p99;
     Ok(TestbedSummary {
         name: sc.name.clone(),
         congestion: opts.congestion,
@@ -538,16 +549,16 @@ fn run_on(
         seconds,
         slices_complete,
         slices_incomplete,
-        network_delay_avg_us: if n > 0 { sum / n as f64 } else { 0.0 },
-        network_delay_p99_us: p99_us,
-        network_delay_max_us: max,
-        network_delay_steady_avg_us: if st_n > 0 { st_sum / st_n as f64 } else { 0.0 },
-        network_delay_steady_p99_us: st_p99,
-        network_delay_steady_max_us: st_max,
+        network_delay_avg_us: net.mean_us(),
+        network_delay_p99_us: net.p99_us,
+        network_delay_max_us: net.max_us,
+        network_delay_steady_avg_us: steady.mean_us(),
+        network_delay_steady_p99_us: steady.p99_us,
+        network_delay_steady_max_us: steady.max_us,
         source_wake_lag_avg_us: if lag_count > 0 { lag_sum_ns as f64 / lag_count as f64 / 1e3 } else { 0.0 },
-        shaping_delay_avg_us: if lag_n > 0 { lag_sum / lag_n as f64 } else { 0.0 },
-        shaping_delay_p50_us: lag_p50,
-        shaping_delay_p99_us: lag_p99,
+        shaping_delay_avg_us: lag.mean_us(),
+        shaping_delay_p50_us: lag.p50_us,
+        shaping_delay_p99_us: lag.p99_us,
         tcp_segments: tcp.segments_out,
         tcp_retransmitted: tcp.retransmitted_segments,
         tcp_timeouts: tcp.timeouts,
@@ -568,7 +579,7 @@ fn run_on(
         // half the run: delays then include waiting for a CPU.
         starved: idle < 5.0 || steal > 10.0 || cpu_wait.worst_fraction > STARVED_WAIT_FRACTION,
         cpu_wait,
-        verdict: Verdict::judge(slices_complete, slices_incomplete, st_p99, tcp.timeouts),
+        verdict: Verdict::judge(slices_complete, slices_incomplete, steady.p99_us, tcp.timeouts),
         dir: opts.dir.clone(),
     })
 }

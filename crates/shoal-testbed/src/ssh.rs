@@ -24,10 +24,7 @@ pub fn unavailable() -> Option<String> {
         return Some(format!("{SSHD} is missing (Debian package openssh-server)"));
     }
     for tool in ["ssh", "ssh-keygen"] {
-        let found = std::env::var_os("PATH")
-            .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
-            .unwrap_or(false);
-        if !found {
+        if !crate::netns::on_path(tool) {
             return Some(format!("`{tool}` is missing (Debian package openssh-client)"));
         }
     }
