@@ -301,24 +301,93 @@ async fn write_loop(
     let _ = w.shutdown().await;
 }
 
+/// What the core task owns besides the router.
+struct Core {
+    router: Router,
+    conns: HashMap<ClientId, Conn>,
+    rejected: BTreeMap<String, u64>,
+    connections_total: u64,
+    paused_since: Option<Instant>,
+    backpressure: Duration,
+}
+
+impl Core {
+    fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Connected { id, peer, writer, close } => {
+                self.connections_total += 1;
+                self.router.handle_connect(id);
+                self.conns.insert(id, Conn { peer, writer, close, since: Instant::now() });
+            }
+            Event::Closed { id, reason } => {
+                if let Some(r) = reason {
+                    *self.rejected.entry(r.to_string()).or_default() += 1;
+                }
+                if let Some(c) = self.conns.remove(&id) {
+                    c.close.cancel();
+                }
+                self.router.handle_disconnect(id);
+            }
+            Event::Refused { reason } => *self.rejected.entry(reason.to_string()).or_default() += 1,
+            Event::Written { id, messages } => self.router.handle_written(id, messages),
+            Event::Snapshot(reply) => {
+                let bp = self.backpressure + self.paused_since.map_or(Duration::ZERO, |t| t.elapsed());
+                let _ = reply.send(snapshot(&self.router, &self.conns, &self.rejected, self.connections_total, bp));
+            }
+        }
+    }
+
+    /// A message from a reader. The events waiting are taken first: a connection's
+    /// `Connected` was sent before its reader existed, but the core may have looked at
+    /// the events just before it came, and a greeting (`_Subscri`, `_Always`) handled
+    /// for a connection the router does not know yet would be lost.
+    fn on_message(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, id: ClientId, m: Message) {
+        while let Ok(e) = events.try_recv() {
+            self.on_event(e);
+        }
+        self.router.handle_message(id, m);
+    }
+
+    fn flush(&mut self) {
+        while let Some(o) = self.router.poll_output() {
+            match o {
+                Output::Transmit { client, message } => {
+                    if let Some(c) = self.conns.get(&client) {
+                        let _ = c.writer.send(message);
+                    }
+                }
+                Output::Close { client, reason } => {
+                    warn!(client, ?reason, "closing client");
+                    if let Some(c) = self.conns.get(&client) {
+                        c.close.cancel();
+                    }
+                }
+            }
+        }
+    }
+}
+
 async fn run_core(
-    mut router: Router,
+    router: Router,
     mut events: mpsc::UnboundedReceiver<Event>,
     mut input: mpsc::Receiver<(ClientId, Message)>,
     cancel: CancellationToken,
 ) {
-    let mut conns: HashMap<ClientId, Conn> = HashMap::new();
-    let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
-    let mut connections_total = 0u64;
-    let mut paused_since: Option<Instant> = None;
-    let mut backpressure = Duration::ZERO;
+    let mut core = Core {
+        router,
+        conns: HashMap::new(),
+        rejected: BTreeMap::new(),
+        connections_total: 0,
+        paused_since: None,
+        backpressure: Duration::ZERO,
+    };
     loop {
-        let accepting = router.accepting();
-        match (accepting, paused_since) {
-            (false, None) => paused_since = Some(Instant::now()),
+        let accepting = core.router.accepting();
+        match (accepting, core.paused_since) {
+            (false, None) => core.paused_since = Some(Instant::now()),
             (true, Some(t)) => {
-                backpressure += t.elapsed();
-                paused_since = None;
+                core.backpressure += t.elapsed();
+                core.paused_since = None;
             }
             _ => {}
         }
@@ -326,39 +395,20 @@ async fn run_core(
             biased;
             _ = cancel.cancelled() => break,
             e = events.recv() => match e {
-                Some(Event::Connected { id, peer, writer, close }) => {
-                    connections_total += 1;
-                    router.handle_connect(id);
-                    conns.insert(id, Conn { peer, writer, close, since: Instant::now() });
-                }
-                Some(Event::Closed { id, reason }) => {
-                    if let Some(r) = reason {
-                        *rejected.entry(r.to_string()).or_default() += 1;
-                    }
-                    if let Some(c) = conns.remove(&id) {
-                        c.close.cancel();
-                    }
-                    router.handle_disconnect(id);
-                }
-                Some(Event::Refused { reason }) => *rejected.entry(reason.to_string()).or_default() += 1,
-                Some(Event::Written { id, messages }) => router.handle_written(id, messages),
-                Some(Event::Snapshot(reply)) => {
-                    let bp = backpressure + paused_since.map_or(Duration::ZERO, |t| t.elapsed());
-                    let _ = reply.send(snapshot(&router, &conns, &rejected, connections_total, bp));
-                }
+                Some(e) => core.on_event(e),
                 None => break,
             },
             m = input.recv(), if accepting => match m {
                 Some((id, m)) => {
-                    router.handle_message(id, m);
+                    core.on_message(&mut events, id, m);
                     // Take what else is waiting before flushing outputs, so that writers
                     // wake once per batch rather than once per message.
                     for _ in 0..255 {
-                        if !router.accepting() {
+                        if !core.router.accepting() {
                             break;
                         }
                         match input.try_recv() {
-                            Ok((id, m)) => router.handle_message(id, m),
+                            Ok((id, m)) => core.on_message(&mut events, id, m),
                             Err(_) => break,
                         }
                     }
@@ -366,23 +416,9 @@ async fn run_core(
                 None => break,
             },
         }
-        while let Some(o) = router.poll_output() {
-            match o {
-                Output::Transmit { client, message } => {
-                    if let Some(c) = conns.get(&client) {
-                        let _ = c.writer.send(message);
-                    }
-                }
-                Output::Close { client, reason } => {
-                    warn!(client, ?reason, "closing client");
-                    if let Some(c) = conns.get(&client) {
-                        c.close.cancel();
-                    }
-                }
-            }
-        }
+        core.flush();
     }
-    for c in conns.values() {
+    for c in core.conns.values() {
         c.close.cancel();
     }
 }
