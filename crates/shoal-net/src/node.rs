@@ -177,7 +177,10 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                     }
                 };
                 let command = match cmd {
-                    Ok(c) => c,
+                    Ok(c) => {
+                        info!(name = %opts.name, command = c.name(), "run-control command");
+                        c
+                    }
                     Err(e) => {
                         agent.refuse(&e.to_string()).await?;
                         continue;
