@@ -351,6 +351,9 @@ impl Controller {
             ClusterEvent::AskedAgain { name, command } => {
                 self.shared.update(|s| s.warn(format!("{command} sent again to {name} (its answer was not seen)")))
             }
+            ClusterEvent::Reminded { command, names } => self.shared.update(|s| {
+                s.note(format!("{command} sent again to {} not yet heard from: {}", names.len(), names.join(", ")))
+            }),
             ClusterEvent::Back { name, state } => self.shared.update(|s| s.note(format!("{name} is back ({state})"))),
             ClusterEvent::Inactive { name, reason } => {
                 self.shared.update(|s| s.note(format!("{name} inactive: {reason}")))

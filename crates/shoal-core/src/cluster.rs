@@ -20,6 +20,12 @@ use crate::runstate::{Command, Reply, Role, RunState};
 use crate::slice::{SliceClock, SliceNumber};
 use crate::{Duration, Instant};
 
+/// How long a step waits for answers before its command goes again to the processes not
+/// yet heard from ([`ClusterEvent::Reminded`]); the wait doubles each time.
+pub const ASK_AGAIN_FIRST: Duration = Duration::from_millis(500);
+/// The longest wait between two reminders.
+pub const ASK_AGAIN_MAX: Duration = Duration::from_secs(8);
+
 /// One process of the cluster file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterProcess {
@@ -266,6 +272,13 @@ pub enum ClusterEvent {
         name: String,
         command: &'static str,
     },
+    /// The step's command went again to the processes not yet heard from, after
+    /// [`ASK_AGAIN_FIRST`] and then twice as long each time (up to [`ASK_AGAIN_MAX`]): a
+    /// command can be lost without a trace; a slow answer (a drain) is also asked again.
+    Reminded {
+        command: &'static str,
+        names: Vec<String>,
+    },
     /// A process could not be brought back into the run (it refused a catch-up command).
     RejoinFailed {
         name: String,
@@ -329,6 +342,10 @@ struct Sequence {
     step: Option<Command>,
     step_timeout: Duration,
     deadline: Option<Instant>,
+    /// When the step's command goes again to the processes not yet heard from, and the
+    /// wait after that (doubling).
+    ask_again_at: Option<Instant>,
+    ask_again_after: Duration,
     refusals: Vec<Refusal>,
     no_answer: Vec<String>,
 }
@@ -656,6 +673,8 @@ impl ClusterControl {
             step: None,
             step_timeout: Duration::ZERO,
             deadline: None,
+            ask_again_at: None,
+            ask_again_after: ASK_AGAIN_FIRST,
             refusals: Vec::new(),
             no_answer: Vec::new(),
         });
@@ -692,6 +711,7 @@ impl ClusterControl {
     fn advance(&mut self, now: Instant) {
         let Phase::Busy(seq) = &mut self.phase else { return };
         seq.deadline = None;
+        seq.ask_again_at = None;
         while let Some(step) = seq.steps.pop_front() {
             match step {
                 Step::EndOfRun { end_slice } => {
@@ -726,6 +746,8 @@ impl ClusterControl {
                         seq.step = Some(command);
                         seq.step_timeout = timeout;
                         seq.deadline = Some(now + timeout);
+                        seq.ask_again_after = ASK_AGAIN_FIRST;
+                        seq.ask_again_at = Some(now + ASK_AGAIN_FIRST);
                         return;
                     }
                 }
@@ -764,6 +786,21 @@ impl ClusterControl {
                 }
             }
             Phase::Busy(seq) => {
+                if seq.ask_again_at.is_some_and(|t| now >= t)
+                    && let Some(step) = &seq.step
+                {
+                    // Nothing acknowledges a command on the dispatcher: one published while
+                    // a process was reconnecting, or before its subscription reached the new
+                    // dispatcher, is lost without a trace. A process answers a repeat of
+                    // what it carried out last by answering again, so asking again is safe.
+                    let names: Vec<String> = seq.waiting.iter().map(|&i| self.processes[i].name.clone()).collect();
+                    for name in &names {
+                        self.transmits.push_back(Outgoing { target: name.clone(), command: step.clone() });
+                    }
+                    self.events.push_back(ClusterEvent::Reminded { command: step.name(), names });
+                    seq.ask_again_after = (seq.ask_again_after * 2).min(ASK_AGAIN_MAX);
+                    seq.ask_again_at = Some(now + seq.ask_again_after);
+                }
                 if seq.deadline.is_some_and(|d| now >= d) {
                     let command = seq.step.as_ref().map_or("", Command::name);
                     let reason = InactiveReason::NoAnswer { command, within: seq.step_timeout };
@@ -790,7 +827,10 @@ impl ClusterControl {
     pub fn poll_timeout(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Discovering { deadline, next_ask } => Some((*deadline).min(*next_ask)),
-            Phase::Busy(seq) => seq.deadline,
+            Phase::Busy(seq) => match (seq.deadline, seq.ask_again_at) {
+                (Some(d), Some(a)) => Some(d.min(a)),
+                (d, a) => d.or(a),
+            },
             Phase::Idle => None,
         }
     }

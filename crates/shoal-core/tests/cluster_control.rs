@@ -27,6 +27,9 @@ enum Behaviour {
     /// Misses this command once (it was reconnecting to the dispatcher), then announces
     /// its state again as a reconnected process does, and answers from then on.
     MissesOnce(&'static str),
+    /// This command is lost on its way once, without a trace (published before the
+    /// process's subscription reached a restarted dispatcher), then answers from then on.
+    LosesOnce(&'static str),
 }
 
 struct Process {
@@ -98,6 +101,12 @@ impl Harness {
                 Behaviour::MissesOnce(c) if *c == out.command.name() => {
                     p.behaviour = Behaviour::Answers { delay: ms(3) };
                     self.in_flight.push((now + ms(5), Reply { name, state: p.rc.state(), error: None }));
+                    continue;
+                }
+                Behaviour::LosesOnce(c) if *c == out.command.name() => {
+                    p.received.pop();
+                    self.deliveries.pop();
+                    p.behaviour = Behaviour::Answers { delay: ms(3) };
                     continue;
                 }
                 Behaviour::Silent => continue,
@@ -646,4 +655,53 @@ proptest! {
             prop_assert!(h.first_received(name, "OFF").is_some(), "{} never got OFF", name);
         }
     }
+}
+
+#[test]
+fn a_command_lost_without_a_trace_is_sent_again_to_whoever_has_not_answered() {
+    let mut h = Harness::new(&sector(&[("s1", Behaviour::LosesOnce("STOP"))]), |_| {});
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    h.after(ms(2000));
+    h.command(ClusterCommand::Stop).unwrap();
+    let stop = h.done(ClusterCommand::Stop);
+    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    assert_eq!(h.state("s1"), RunState::Ready, "the STOP sent again was carried out");
+    assert!(h.ctl.processes().iter().all(|p| p.active), "nobody marked silent");
+    let reminded: Vec<_> = h
+        .events
+        .iter()
+        .filter_map(|(t, e)| match e {
+            ClusterEvent::Reminded { command: "STOP", names } => Some((*t, names.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reminded.len(), 1, "{reminded:?}");
+    assert_eq!(reminded[0].1, vec!["s1".to_string()], "only the process not heard from");
+    // Within the first reminder's wait, long before the answer deadline.
+    let sources_asked = h.first_received("s0", "STOP").unwrap();
+    assert_eq!(reminded[0].0, sources_asked + shoal_core::cluster::ASK_AGAIN_FIRST);
+}
+
+#[test]
+fn a_process_slow_to_answer_is_reminded_at_doubling_intervals_and_not_asked_to_act_twice() {
+    let mut h = Harness::new(&sector(&[("b0", Behaviour::Answers { delay: ms(3200) })]), |c| {
+        // Every answer of b0 takes 3.2 s: within the deadlines, slow enough for reminders.
+        c.reply_timeout = ms(4000);
+        c.builder_drain = ms(5000);
+    });
+    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        h.command(c).unwrap();
+    }
+    h.after(ms(2000));
+    h.command(ClusterCommand::Stop).unwrap();
+    let stop = h.done(ClusterCommand::Stop);
+    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    let asked: Vec<Instant> =
+        h.procs["b0"].received.iter().filter(|(_, c)| c.name() == "STOP").map(|(t, _)| *t).collect();
+    let first = asked[0];
+    // 0.5 s, then 1 s, then 2 s later: at +0.5, +1.5, +3.5 s; its answer came at +3.2 s.
+    assert_eq!(asked, vec![first, first + ms(500), first + ms(1500)], "reminders double");
+    assert_eq!(h.state("b0"), RunState::Ready, "the repeats were answered, not carried out again");
 }
