@@ -21,9 +21,13 @@ With --syscalls (perf), the builder runs under `perf stat` counting its system c
 (all; recvfrom, the socket reads; epoll_wait) and context switches, per fragment: where
 the CPU per GB goes as connections grow.
 
+With --receive epoll,io_uring every point is run once per receive path
+(`builder.receive`), interleaved, so the two are compared under the same machine load.
+
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
-Writes OUT_DIR/conn-scaling.{csv,md} (medians of R runs per count);
+         [--receive epoll[,io_uring]] [--name conn-scaling]
+Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path);
 `scripts/conn_scaling.py --table OUT_DIR` writes the table again from the CSV.
 """
 import csv
@@ -39,7 +43,7 @@ import time
 
 PER_PROCESS = 2500
 SYSCALLS = ["raw_syscalls:sys_enter", "syscalls:sys_enter_recvfrom", "syscalls:sys_enter_epoll_wait",
-            "context-switches"]
+            "syscalls:sys_enter_io_uring_enter", "context-switches"]
 
 
 def arg(name, default):
@@ -52,7 +56,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config(n, fragment, slices, out):
+def config(n, fragment, slices, out, receive="epoll"):
     b, w = free_port(), free_port()
     return f"""[run]
 run_number = 1
@@ -71,6 +75,7 @@ saturate = true
 connection_per_source = true
 
 [builder]
+receive = "{receive}"
 max_active = 1000000
 wall_timeout_ms = 600000
 memory_budget_mb = 2048
@@ -100,12 +105,12 @@ def wait_rusage(p, timeout):
     raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
 
 
-def one_run(shoal, n, fragment, mb, syscalls=False):
+def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll"):
     slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
     with tempfile.TemporaryDirectory(prefix="connscale") as d:
         path = os.path.join(d, "cfg.toml")
         with open(path, "w") as f:
-            f.write(config(n, fragment, slices, os.path.join(d, "out")))
+            f.write(config(n, fragment, slices, os.path.join(d, "out"), receive))
         counts = os.path.join(d, "perf.csv")
         node = lambda role, ids=None, prefix=(): subprocess.Popen(
             [*prefix, shoal, "node", "--role", role, "--config", path] + (["--ids", ids] if ids else []),
@@ -151,7 +156,7 @@ def one_run(shoal, n, fragment, mb, syscalls=False):
     per_fragment = {f"{k}_per_fragment": v / delivered for k, v in events.items()}
     return {
         **per_fragment,
-        "connections": n, "fragment_bytes": fragment, "slices": slices, "gb": gb,
+        "receive": receive, "connections": n, "fragment_bytes": fragment, "slices": slices, "gb": gb,
         "builder_cpu_s": builder_cpu, "builder_cpu_s_per_gb": builder_cpu / gb,
         "builder_cpu_us_per_fragment": 1e6 * builder_cpu / delivered,
         "mbytes_per_s": report["bytes"] / 1e6 / span_s if span_s > 0 else float("nan"),
@@ -160,29 +165,38 @@ def one_run(shoal, n, fragment, mb, syscalls=False):
     }
 
 
-def write_table(runs, out_dir):
-    """OUT_DIR/conn-scaling.md: medians per connection count, from the runs' rows."""
+def write_table(runs, out_dir, name="conn-scaling"):
+    """OUT_DIR/NAME.md: medians per receive path and connection count, from the runs' rows."""
+    for x in runs:
+        x.setdefault("receive", "epoll")
+    paths = sorted({x["receive"] for x in runs})
     counts = sorted({x["connections"] for x in runs})
     keys = ["builder_cpu_s_per_gb", "builder_cpu_us_per_fragment", "mbytes_per_s", "builder_peak_rss_mb",
             "sender_cpu_s_per_gb"]
     extra = [k for k in runs[0] if k.endswith("_per_fragment") and k not in keys]
-    medians = {n: {k: statistics.median(float(x[k]) for x in runs if x["connections"] == n) for k in keys + extra}
-               for n in counts}
-    base = medians.get(10)
-    repeats = len(runs) // len(counts)
-    fragment, mb = runs[0]["fragment_bytes"], float(runs[0]["gb"]) * 1e3
-    with open(os.path.join(out_dir, "conn-scaling.md"), "w") as f:
-        f.write(f"{fragment}-byte fragments, about {mb:.0f} MB per point, median of {repeats}\n\n")
-        f.write("| connections | builder core-s per GB | vs 10 | builder us per fragment | MB/s | builder peak RSS MB "
-                "| senders' core-s per GB |" + "".join(f" {k.replace('_', ' ')} |" for k in extra) + "\n")
-        f.write("|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "\n")
+    medians = {}
+    for path in paths:
         for n in counts:
-            m = medians[n]
+            rows = [x for x in runs if x["connections"] == n and x["receive"] == path]
+            if rows:
+                medians[path, n] = {k: statistics.median(float(x[k]) for x in rows if x.get(k) not in (None, ""))
+                                    for k in keys + extra if any(x.get(k) not in (None, "") for x in rows)}
+    repeats = len(runs) // len(medians)
+    fragment, mb = runs[0]["fragment_bytes"], float(runs[0]["gb"]) * 1e3
+    md = os.path.join(out_dir, f"{name}.md")
+    with open(md, "w") as f:
+        f.write(f"{fragment}-byte fragments, about {mb:.0f} MB per point, median of {repeats}\n\n")
+        f.write("| receive | connections | builder core-s per GB | vs 10 | builder us per fragment | MB/s "
+                "| builder peak RSS MB | senders' core-s per GB |" + "".join(f" {k.replace('_', ' ')} |" for k in extra)
+                + "\n")
+        f.write("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra) + "\n")
+        for (path, n), m in medians.items():
+            base = medians.get((path, 10))
             ratio = f"{m['builder_cpu_s_per_gb'] / base['builder_cpu_s_per_gb']:.2f}" if base else "-"
-            f.write(f"| {n} | {m['builder_cpu_s_per_gb']:.2f} | {ratio} | {m['builder_cpu_us_per_fragment']:.2f} "
+            f.write(f"| {path} | {n} | {m['builder_cpu_s_per_gb']:.2f} | {ratio} | {m['builder_cpu_us_per_fragment']:.2f} "
                     f"| {m['mbytes_per_s']:.0f} | {m['builder_peak_rss_mb']:.0f} | {m['sender_cpu_s_per_gb']:.2f} |"
-                    + "".join(f" {m[k]:.2f} |" for k in extra) + "\n")
-    print(open(os.path.join(out_dir, "conn-scaling.md")).read())
+                    + "".join(f" {m[k]:.2f} |" if k in m else " - |" for k in extra) + "\n")
+    print(open(md).read())
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -192,32 +206,44 @@ def write_table(runs, out_dir):
         return
     # Every run, not only the medians: the spread is the finding.
     fig, (cpu, rss) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [x["connections"] for x in runs]
-    cpu.scatter(xs, [float(x["builder_cpu_s_per_gb"]) for x in runs], s=14, alpha=0.6, label="one run")
-    cpu.plot(counts, [medians[n]["builder_cpu_s_per_gb"] for n in counts], "o-", color="C1", label="median")
-    if base:
-        cpu.axhline(1.2 * base["builder_cpu_s_per_gb"], ls="--", color="grey", label="goal: 1.2 x the 10-connection median")
+    for c, path in enumerate(paths):
+        mine = [x for x in runs if x["receive"] == path]
+        xs = [x["connections"] for x in mine]
+        ns = [n for n in counts if (path, n) in medians]
+        label = f" ({path})" if len(paths) > 1 else ""
+        cpu.scatter(xs, [float(x["builder_cpu_s_per_gb"]) for x in mine], s=14, alpha=0.5, color=f"C{2 * c}",
+                    label="one run" + label)
+        cpu.plot(ns, [medians[path, n]["builder_cpu_s_per_gb"] for n in ns], "o-", color=f"C{2 * c + 1}",
+                 label="median" + label)
+        rss.scatter(xs, [float(x["builder_peak_rss_mb"]) for x in mine], s=14, alpha=0.6, color=f"C{2 * c}",
+                    label=path)
+        base = medians.get((path, 10))
+        if base and c == 0:
+            cpu.axhline(1.2 * base["builder_cpu_s_per_gb"], ls="--", color="grey",
+                        label=f"goal: 1.2 x the 10-connection median{label}")
     cpu.set_ylabel("builder CPU, core-s per GB")
-    rss.scatter(xs, [float(x["builder_peak_rss_mb"]) for x in runs], s=14, alpha=0.6, color="C2")
     rss.set_ylabel("builder peak RSS, MB")
     for ax in (cpu, rss):
         ax.set_xscale("log")
         ax.set_xlabel("connections to the builder")
         ax.grid(True, which="both", alpha=0.3)
     cpu.legend(fontsize=7)
+    if len(paths) > 1:
+        rss.legend(fontsize=7)
     fig.suptitle(f"one builder, {fragment}-byte fragments, saturating sources (loopback, 2 cores)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "conn-scaling.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
 
 
 def main():
+    name = arg("--name", "conn-scaling")
     if "--table" in sys.argv:
-        # Tables again from a run's CSV: scripts/conn_scaling.py --table OUT_DIR
+        # Tables again from a run's CSV: scripts/conn_scaling.py --table OUT_DIR [--name NAME]
         out_dir = sys.argv[sys.argv.index("--table") + 1]
-        with open(os.path.join(out_dir, "conn-scaling.csv")) as f:
+        with open(os.path.join(out_dir, f"{name}.csv")) as f:
             runs = [{k: (int(v) if k in ("connections", "fragment_bytes") else v) for k, v in r.items()}
                     for r in csv.DictReader(f)]
-        return write_table(runs, out_dir)
+        return write_table(runs, out_dir, name)
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     shoal, out_dir = sys.argv[1], sys.argv[2]
@@ -225,19 +251,21 @@ def main():
     fragment = int(arg("--fragment", "4096"))
     mb = float(arg("--mb-per-point", "1000"))
     repeats = int(arg("--repeats", "3"))
+    paths = arg("--receive", "epoll").split(",")
     os.makedirs(out_dir, exist_ok=True)
     runs = []
     for r in range(repeats):
         for n in counts:
-            row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv)
-            row["repeat"] = r
-            runs.append(row)
-            print(json.dumps(row), flush=True)
-    with open(os.path.join(out_dir, "conn-scaling.csv"), "w", newline="") as f:
+            for path in paths:
+                row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv, path)
+                row["repeat"] = r
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(runs[0].keys()))
         w.writeheader()
         w.writerows(runs)
-    write_table(runs, out_dir)
+    write_table(runs, out_dir, name)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::clock::WallClock;
-use crate::config::{Config, ConfigError, Transport};
+use crate::config::{Config, ConfigError, ReceivePath, Transport};
 use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
 use crate::link::{Backoff, Chunk, Link, LinkReport};
@@ -249,7 +249,7 @@ async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, 
 /// "at its connection limit" warnings, at most one a second.
 static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(StdDuration::from_secs(1));
 
-/// Reads one source connection: validated frames go to the assembler task.
+/// Reads one source connection (epoll path): validated frames go to the assembler task.
 async fn read_connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -262,8 +262,40 @@ async fn read_connection(
     // Pull requests for the sources that greet us go back on this connection.
     let (requests, requests_rx) = mpsc::unbounded_channel();
     tokio::spawn(write_queued(write, requests_rx));
-    let mut reader =
+    let reader =
         FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
+    serve_frames(reader, requests, clock, tx).await;
+}
+
+/// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
+fn uring_connection(
+    peer: SocketAddr,
+    max_payload: u32,
+    clock: WallClock,
+    tx: mpsc::Sender<Incoming>,
+    cancel: CancellationToken,
+    place: tokio::sync::OwnedSemaphorePermit,
+) -> crate::uring::ConnectionTask {
+    Box::new(move |stream| {
+        Box::pin(async move {
+            let (requests, requests_rx) = mpsc::unbounded_channel();
+            tokio_uring::spawn(stream.clone().write_queued(requests_rx));
+            let reader = FrameReader::new(stream, peer, max_payload, cancel)
+                .first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
+            serve_frames(reader, requests, clock, tx).await;
+            drop(place);
+        })
+    })
+}
+
+/// Validates one connection's frames and passes them on; source hellos register the
+/// connection for pull requests (`requests`).
+async fn serve_frames<R: crate::framed::ReadSource>(
+    mut reader: FrameReader<R>,
+    requests: mpsc::UnboundedSender<Bytes>,
+    clock: WallClock,
+    tx: mpsc::Sender<Incoming>,
+) {
     let end = loop {
         let frame = match reader.next().await {
             Ok(f) => f,
@@ -357,6 +389,13 @@ pub async fn run_builder(
     let _end_tasks = readers.clone().drop_guard();
     let accept_cancel = readers.clone();
     let limit = crate::listen::ConnectionLimit::new(n_sources as usize);
+    let uring = match cfg.builder.receive {
+        ReceivePath::Epoll => None,
+        ReceivePath::IoUring => Some(
+            crate::uring::UringReceiver::start()
+                .map_err(|e| ConfigError::Invalid(format!("builder.receive = \"io_uring\": {e}")))?,
+        ),
+    };
     let accept_task = tokio::spawn(async move {
         let mut accepted = 0u64;
         loop {
@@ -374,6 +413,13 @@ pub async fn run_builder(
                         accepted += 1;
                         let _ = stream.set_nodelay(true);
                         let (tx, c) = (in_tx.clone(), accept_cancel.clone());
+                        if let Some(uring) = &uring {
+                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, tx, c, place)) {
+                                // Closed: the source reconnects, and its link counts it.
+                                warn!(%peer, "the io_uring receive thread is gone: connection closed");
+                            }
+                            continue;
+                        }
                         tokio::spawn(async move {
                             read_connection(stream, peer, max_payload, clock, tx, c).await;
                             drop(place);

@@ -319,6 +319,20 @@ pub struct BuilderConfig {
     /// Fault injection: the filter takes at least this long per slice, ms (0: off). A
     /// filter too slow for the load, for the fault matrix (docs/reliability.md).
     pub fault_filter_ms_per_slice: u64,
+    /// How TCP data connections are read: `epoll` (tokio, the default) or `io_uring`
+    /// (one thread with a tokio-uring runtime; see docs/benchmarks.md).
+    pub receive: ReceivePath,
+}
+
+/// A builder's receive path for TCP data connections (`builder.receive`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReceivePath {
+    /// tokio's readiness-based sockets: a reader task per connection.
+    #[default]
+    Epoll,
+    /// io_uring submissions on one thread of their own ([`crate::uring`]).
+    IoUring,
 }
 
 impl Default for BuilderConfig {
@@ -333,6 +347,7 @@ impl Default for BuilderConfig {
             drain_timeout_ms: 15_000,
             filter: FilterConfig::default(),
             fault_filter_ms_per_slice: 0,
+            receive: ReceivePath::Epoll,
         }
     }
 }

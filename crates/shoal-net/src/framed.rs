@@ -2,11 +2,32 @@
 
 use std::net::SocketAddr;
 
+use bytes::BytesMut;
 use shoal_core::frame::{Frame, StreamDecoder};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedReadHalf;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
+
+/// A byte stream a [`FrameReader`] reads from: a tokio socket (epoll), or an io_uring one
+/// ([`crate::uring`]).
+pub trait ReadSource {
+    /// Appends what arrives to `buf` (at least one byte, or 0 at the end of the stream).
+    fn read_into(&mut self, buf: &mut BytesMut) -> impl std::future::Future<Output = std::io::Result<usize>>;
+}
+
+impl ReadSource for TcpStream {
+    async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        self.read_buf(buf).await
+    }
+}
+
+impl ReadSource for OwnedReadHalf {
+    async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        self.read_buf(buf).await
+    }
+}
 
 /// How a connection ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -34,7 +55,7 @@ pub struct FrameReader<R = TcpStream> {
 /// of those held back (a flood of bad connections must not flood the log).
 static CLOSING: crate::lograte::LogRate = crate::lograte::LogRate::new(std::time::Duration::from_secs(1));
 
-impl<R: AsyncRead + Unpin> FrameReader<R> {
+impl<R: ReadSource> FrameReader<R> {
     pub fn new(stream: R, peer: SocketAddr, max_payload: u32, cancel: CancellationToken) -> Self {
         Self { stream, peer, dec: StreamDecoder::new(max_payload), cancel, first_by: None }
     }
@@ -67,7 +88,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.dec.buffer_mut().reserve(64 * 1024);
             let first_by = self.first_by;
             let n = tokio::select! {
-                r = self.stream.read_buf(self.dec.buffer_mut()) => r,
+                r = self.stream.read_into(self.dec.buffer_mut()) => r,
                 _ = self.cancel.cancelled() => return Err(ReadEnd::Cancelled),
                 _ = tokio::time::sleep_until(first_by.unwrap_or_else(tokio::time::Instant::now)), if first_by.is_some() => {
                     return Err(self.reject("no_frame_in_time", "no whole frame since the connection opened"));

@@ -46,4 +46,5 @@ pub mod source;
 pub mod spool;
 pub mod tap;
 pub mod udp;
+pub mod uring;
 pub mod writer;

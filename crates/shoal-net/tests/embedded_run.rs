@@ -44,6 +44,15 @@ async fn direct_policy() {
     run("direct", 5, 3).await;
 }
 
+/// The io_uring receive path: the same chain, every fragment accounted; with pull, the
+/// requests go back on the io_uring sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_uring_receive_path() {
+    for policy in ["direct", "pull:4"] {
+        run_with(policy, 5, 3, |c| c.builder.receive = shoal_net::config::ReceivePath::IoUring).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_policy() {
     run("delayed:2", 6, 3).await;
