@@ -20,7 +20,9 @@ async fn run_with(
     let mut cfg = small_config(sources, builders, 1.0, std::path::Path::new("."));
     cfg.run.policy = policy.into();
     adjust(&mut cfg);
-    let out = temp_dir(&format!("embedded-{}-{}", cfg.run.transport, policy.replace(':', "-")));
+    // Tests run in parallel: the directory names everything that tells two runs apart.
+    let receive = format!("{:?}", cfg.builder.receive).to_lowercase();
+    let out = temp_dir(&format!("embedded-{}-{}-{receive}", cfg.run.transport, policy.replace(':', "-")));
     cfg.writer.out_dir = out.clone();
     let s = run_embedded(cfg, live(), never()).await.unwrap();
     assert!(s.ledger.balanced, "{:?}", s.ledger);
