@@ -45,6 +45,7 @@ pub mod schedstat;
 pub mod source;
 pub mod spool;
 pub mod tap;
+pub mod timer;
 pub mod udp;
 pub mod uring;
 pub mod writer;

@@ -127,6 +127,9 @@ pub async fn run_source(
     info!(sources = ?node.config().sources, first_slice = node.first_slice(), slices = ?node.config().slices,
         policy = %node.config().policy, "source node started");
 
+    // Shaping waits are often under a millisecond: tokio's timer would round them up.
+    let timer = crate::timer::FineTimer::new()
+        .map_err(|e| ConfigError::Invalid(format!("creating the source's timer (timerfd): {e}")))?;
     while !node.is_closed() {
         let now = clock.now();
         let end = live.end_slice.load(Ordering::Relaxed);
@@ -141,7 +144,7 @@ pub async fn run_source(
         }
         let wake = node.poll_timeout().unwrap_or(Instant::MAX).min(now + Duration::from_secs(1));
         tokio::select! {
-            _ = tokio::time::sleep_until(clock.deadline(wake)) => {}
+            _ = timer.sleep_until(clock.deadline(wake).into_std()) => {}
             r = reports.recv() => if let Some(r) = r {
                 let now = clock.now();
                 handle_report(&mut node, r, now);
