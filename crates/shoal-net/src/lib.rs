@@ -20,6 +20,11 @@
 //! [`probe`] is `shoal probe-switch` on real sockets: paced UDP floods, kernel receive
 //! timestamps.
 //!
+//! Two pieces of the data path step outside tokio's defaults: sources wait for slice ends
+//! and tokens on a microsecond [`timer::FineTimer`] (tokio's timer counts milliseconds),
+//! and a builder can read its connections through io_uring ([`uring`],
+//! `builder.receive = "io_uring"`).
+//!
 //! Every process divides one memory budget among its queues at start, or refuses to start
 //! with what would fit ([`budget::plan`]).
 //!
