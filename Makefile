@@ -22,7 +22,7 @@ test: deps lint rust-test py-test
 # browser test of the run-control UI, iproute2 + ethtool + nftables (injected loss) for the
 # testbed tests (network namespaces; they skip when not root), the rest for the benchmarks'
 # peers.
-DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client
+DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -5,7 +5,14 @@ results (one JSON per run) and a markdown table for docs/validation.md.
     sudo python3 scripts/validation_table.py target/release/shoal docs/bench/validation \
         scenarios/testbed/*.toml --congestion reno cubic --seconds 5
 
-Needs root (the testbed). Each run records the host's CPU idle, steal and the processes'
+With --testbed-records DIR the testbed is not run again: each run is compared with the
+record of the same name in DIR (an earlier out_dir), so a change to the model (say
+--wake-phase-us 0) is measured against the same testbed runs, without root.
+
+    python3 scripts/validation_table.py target/release/shoal /tmp/phase0 scenarios/testbed/15x5-*.toml \
+        --testbed-records docs/bench/validation --wake-phase-us 0
+
+Needs root (the testbed) otherwise. Each run records the host's CPU idle, steal and the processes'
 wait for a CPU; a starved run is marked, not left out, so the table shows it.
 """
 import argparse
@@ -24,11 +31,16 @@ def stem(scenario, cc, loss_pct):
     return f"{name}-{cc}" + (f"-loss{loss_pct:g}" if loss_pct else "")
 
 
-def run_one(shoal, scenario, cc, seconds, loss_pct, out_dir):
+def run_one(shoal, scenario, cc, seconds, loss_pct, out_dir, records=None, model_args=()):
     name = stem(scenario, cc, loss_pct)
     out = out_dir / f"{name}.json"
     cmd = [shoal, "validate", scenario, "--congestion", cc, "--seconds", str(seconds), "--json",
-           "--loss-pct", str(loss_pct), "--dir", WORK_DIR]
+           "--loss-pct", str(loss_pct), "--dir", WORK_DIR, *model_args]
+    if records is not None:
+        record = records / f"{name}.json"
+        if not record.exists():
+            return None
+        cmd += ["--testbed-record", str(record)]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     if p.returncode not in (0, 2) or not p.stdout.strip():
         print(f"{name} {cc}: failed ({p.returncode}): {p.stderr.strip()[-500:]}", file=sys.stderr)
@@ -81,6 +93,9 @@ def main():
     ap.add_argument("--loss-pct", type=float, nargs="+", default=[0.0],
                     help="random loss on every switch port toward a host, percent (one run per value)")
     ap.add_argument("--table-only", action="store_true", help="print the table from the JSON files")
+    ap.add_argument("--testbed-records", type=pathlib.Path,
+                    help="compare with the testbed runs recorded in this directory instead of running them")
+    ap.add_argument("--wake-phase-us", type=float, help="the simulator's wake-up phase (shoal validate's default)")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -91,7 +106,10 @@ def main():
                     f = a.out_dir / f"{stem(sc, cc, loss)}.json"
                     r = json.loads(f.read_text()) if f.exists() else None
                 else:
-                    r = run_one(a.shoal, sc, cc, a.seconds, loss, a.out_dir)
+                    model = [] if a.wake_phase_us is None else ["--wake-phase-us", str(a.wake_phase_us)]
+                    r = run_one(a.shoal, sc, cc, a.seconds, loss, a.out_dir, a.testbed_records, model)
+                    if r is None and a.testbed_records is not None:
+                        continue
                     print(f"{stem(sc, cc, loss)}: done", file=sys.stderr, flush=True)
                 if r:
                     results.append(r)

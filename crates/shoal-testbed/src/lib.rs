@@ -12,9 +12,13 @@
 //! - [`netns`]: building and tearing it down, the kernel's counters;
 //! - [`run`]: one run ([`run::run`]) and its [`run::TestbedSummary`], and the
 //!   [`run::Verdict`] applied to both simulator and testbed;
-//! - [`ssh`]: the `ssh` launch mode, an sshd per host namespace with keys made for the run.
+//! - [`ssh`]: the `ssh` launch mode, an sshd per host namespace with keys made for the run;
+//! - [`delay`]: propagation delay without netem, a [`delay::DelayLine`] on a netfilter
+//!   queue in each sector switch, through the small [`nfqueue`] client.
 
+pub mod delay;
 pub mod netns;
+pub mod nfqueue;
 pub mod plan;
 pub mod run;
 pub mod ssh;

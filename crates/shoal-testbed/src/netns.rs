@@ -66,6 +66,20 @@ pub fn loss_unavailable() -> Option<String> {
     (!on_path("nft")).then(|| "`nft` is missing (Debian package nftables): loss is injected by an nft rule".into())
 }
 
+/// Why a propagation delay cannot be emulated here, if it cannot: `iptables` (Debian
+/// package iptables, for its NFQUEUE target) or `chrt` (util-linux, for the delay lines'
+/// real-time priority) missing.
+pub fn delay_unavailable() -> Option<String> {
+    if !on_path("iptables") {
+        return Some(
+            "`iptables` is missing (Debian package iptables): the delay lines take packets from its NFQUEUE \
+             target; or set topology.shore_delay_us = 0"
+                .into(),
+        );
+    }
+    (!on_path("chrt")).then(|| "`chrt` is missing (Debian package util-linux): delay lines run real-time".into())
+}
+
 /// The testbed's namespaces that exist now.
 pub fn existing(prefix: &str) -> anyhow::Result<Vec<String>> {
     let list = run(Command::new("ip").args(["netns", "list"]))?;
@@ -136,7 +150,7 @@ fn allow_congestion_control(name: &str) -> anyhow::Result<()> {
 /// fast retransmits, tail-loss probes, and what turned out spurious (DSACKs received,
 /// reordering detected, undone timeouts), which a model without SACK, RACK or TLP does
 /// not have.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TcpCounters {
     pub segments_out: u64,
     pub retransmitted_segments: u64,

@@ -110,6 +110,12 @@ pub struct Plan {
     /// so each frame is dropped with probability `1 - (1 - ber)^bits` by its length class
     /// (an nft rule per class on the shore ports), as the simulator damages and discards it.
     pub shore_ber: f64,
+    /// Propagation delay of each shore link (the scenario's `topology.shore_delay_us`),
+    /// both directions: every IPv4 packet a sector switch forwards crosses its shore link
+    /// once, so the sector switch hands it to a delay line ([`crate::delay`]) for this
+    /// long. The boards' and builders' links (a microsecond or so) are not delayed: that is
+    /// far below what the delay line can resolve.
+    pub shore_delay_us: f64,
 }
 
 /// Frame length classes (bridge `meta length`: Ethernet header included, no FCS) and the
@@ -207,7 +213,19 @@ impl Plan {
         // (events, run control) is small next to the data.
         attach(ns("w".into()), HostRole::Writer, WRITER_ADDR, "w".into(), t.builder_mbps);
         attach(ns("ctl".into()), HostRole::Control, CONTROL_ADDR, "ctl".into(), t.builder_mbps);
-        Ok(Plan { prefix: prefix.to_string(), hosts, switches, links, congestion, loss_ppm: 0, shore_ber: t.shore_ber })
+        if !(0.0..=1e6).contains(&t.shore_delay_us) {
+            return Err(format!("shore_delay_us = {}: 0 to 1 s", t.shore_delay_us));
+        }
+        Ok(Plan {
+            prefix: prefix.to_string(),
+            hosts,
+            switches,
+            links,
+            congestion,
+            loss_ppm: 0,
+            shore_ber: t.shore_ber,
+            shore_delay_us: t.shore_delay_us,
+        })
     }
 
     /// One switch, `senders` hosts on links of `sender_mbps` and one receiver behind a port
@@ -238,6 +256,7 @@ impl Plan {
             congestion: Congestion::Cubic,
             loss_ppm: 0,
             shore_ber: 0.0,
+            shore_delay_us: 0.0,
         };
         let mut attach = |netns: String, role: HostRole, addr: Ipv4Addr, port: String, mbps: f64, queue: Queue| {
             plan.hosts.push(Host { netns: netns.clone(), role, addr });
@@ -325,6 +344,13 @@ impl Plan {
         rules
     }
 
+    /// The switch namespaces that delay what they forward: the sector switches, when the
+    /// shore links have a propagation delay.
+    pub fn delay_switches(&self) -> impl Iterator<Item = &str> {
+        let delays = self.shore_delay_us > 0.0;
+        self.switches.iter().skip(1).filter(move |_| delays).map(String::as_str)
+    }
+
     /// Every namespace of the testbed.
     pub fn namespaces(&self) -> impl Iterator<Item = &str> {
         self.hosts.iter().map(|h| h.netns.as_str()).chain(self.switches.iter().map(String::as_str))
@@ -380,6 +406,16 @@ impl Plan {
                 "nft -f - <<'EOF'\ntable bridge {LOSS_TABLE} {{\n  chain fw {{\n    type filter hook forward priority 0;\n{}  }}\n}}\nEOF",
                 rules.iter().map(|r| format!("    {r}\n")).collect::<String>()
             );
+        }
+        if self.delay_switches().any(|d| d == netns) {
+            // Bridged IPv4 passes the ip FORWARD hook (br_netfilter) and waits in the
+            // delay line. No --queue-bypass: without its delay line a switch forwards
+            // nothing, rather than forwarding without the delay.
+            s.push_str(
+                "sysctl -qw net.bridge.bridge-nf-call-iptables=1
+",
+            );
+            let _ = writeln!(s, "iptables -w -A FORWARD -j NFQUEUE --queue-num {}", crate::delay::QUEUE_NUM);
         }
         s
     }
@@ -519,5 +555,26 @@ mod tests {
         assert!(
             !Plan::new(&scenario(6, 2), "tb", Congestion::Reno).unwrap().namespace_script("tb-core").contains("nft")
         );
+    }
+
+    #[test]
+    fn a_shore_delay_queues_what_each_sector_switch_forwards() {
+        let mut sc = scenario(6, 2);
+        sc.topology.shore_delay_us = 0.0;
+        let p = Plan::new(&sc, "tb", Congestion::Reno).unwrap();
+        assert_eq!(p.delay_switches().count(), 0);
+        assert!(!p.namespace_script("tb-sec0").contains("NFQUEUE"));
+        sc.topology.shore_delay_us = 300.0;
+        let p = Plan::new(&sc, "tb", Congestion::Reno).unwrap();
+        // Two sectors of five boards; the central switch forwards without delay, so a
+        // packet is delayed once per shore crossing, in each direction.
+        assert_eq!(p.delay_switches().collect::<Vec<_>>(), vec!["tb-sec0", "tb-sec1"]);
+        let sector = p.namespace_script("tb-sec1");
+        assert!(sector.contains("iptables -w -A FORWARD -j NFQUEUE --queue-num 0\n"), "{sector}");
+        assert!(!sector.contains("queue-bypass"), "{sector}");
+        assert!(!p.namespace_script("tb-core").contains("NFQUEUE"));
+        assert!(!p.namespace_script("tb-s0").contains("NFQUEUE"));
+        sc.topology.shore_delay_us = -1.0;
+        assert!(Plan::new(&sc, "tb", Congestion::Reno).is_err());
     }
 }

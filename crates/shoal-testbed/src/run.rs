@@ -12,6 +12,7 @@ use shoal_net::node::Role;
 use shoal_sim::scenario::Scenario;
 use shoal_sim::sim::SimSummary;
 
+use crate::delay::{DelayLineReport, DelayLines};
 use crate::netns;
 use crate::plan::{CONTROL_ADDR, Congestion, HostRole, Plan, WRITER_ADDR};
 use crate::ssh::SshKeys;
@@ -51,7 +52,7 @@ pub enum TestbedLaunch {
 }
 
 /// The builders' datagram counts over a UDP run (zero over TCP).
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct UdpLosses {
     pub datagrams: u64,
     pub recovered: u64,
@@ -59,7 +60,7 @@ pub struct UdpLosses {
 }
 
 /// How a run went, judged the same way for the simulator and the testbed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
     /// Every slice complete and no delay bound by TCP's retransmission timeout.
@@ -90,7 +91,8 @@ impl Verdict {
 }
 
 /// What a testbed run measured, with the simulator's field names where they mean the same.
-#[derive(Clone, Debug, serde::Serialize)]
+/// Read back by `shoal validate --testbed-record`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TestbedSummary {
     pub name: String,
     pub congestion: Congestion,
@@ -137,6 +139,12 @@ pub struct TestbedSummary {
     pub injected_drops: u64,
     pub loss_ppm: u32,
     pub shore_ber: f64,
+    /// Propagation delay of the shore links, and what each delay line (one per sector
+    /// switch) held, how late it let packets go, and what the kernel dropped before them.
+    #[serde(default)]
+    pub shore_delay_us: f64,
+    #[serde(default)]
+    pub delay_lines: Vec<DelayLineReport>,
     /// `tcp` or `udp`.
     pub transport: String,
     /// UDP: datagrams the builders received, recovered by a NACK, and declared lost.
@@ -175,7 +183,7 @@ impl std::str::FromStr for TestbedLaunch {
 pub const STARVED_WAIT_FRACTION: f64 = 0.5;
 
 /// The processes' wait for a CPU over a run.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct CpuWait {
     /// Processes that reported scheduler statistics.
     pub processes: u32,
@@ -328,11 +336,7 @@ fn cpu_times() -> Option<(u64, u64, u64)> {
 /// Builds the testbed, runs the scenario on it, collects, and tears it down.
 pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummary> {
     let plan = Plan::new(sc, &opts.prefix, opts.congestion).map_err(anyhow::Error::msg)?.with_loss_ppm(opts.loss_ppm);
-    if (opts.loss_ppm > 0 || plan.shore_ber > 0.0)
-        && let Some(why) = netns::loss_unavailable()
-    {
-        bail!("cannot inject loss or bit errors: {why}");
-    }
+    preflight(&plan)?;
     let seconds = opts.seconds.unwrap_or(sc.traffic.load_s);
     if opts.dir.exists() {
         std::fs::remove_dir_all(&opts.dir).with_context(|| format!("clearing {}", opts.dir.display()))?;
@@ -346,15 +350,35 @@ pub fn run(sc: &Scenario, opts: &TestbedOptions) -> anyhow::Result<TestbedSummar
     let cluster_path = opts.dir.join("cluster.toml");
     std::fs::write(&cluster_path, toml::to_string(&file)?)?;
     netns::up(&plan)?;
-    let result = match &ssh {
-        Some(keys) => keys.start_daemons(&plan),
-        None => Ok(()),
-    }
-    .and_then(|()| run_on(&plan, sc, opts, &cluster_path, seconds));
+    let result = (|| -> anyhow::Result<TestbedSummary> {
+        let delay_lines = DelayLines::start(&plan, &opts.shoal, &opts.dir)?;
+        if let Some(keys) = &ssh {
+            keys.start_daemons(&plan)?;
+        }
+        let mut summary = run_on(&plan, sc, opts, &cluster_path, seconds)?;
+        summary.delay_lines = delay_lines.stop()?;
+        Ok(summary)
+    })();
     let removed = netns::down(&plan.prefix);
     let summary = result?;
     removed.context("tearing the testbed down")?;
     Ok(summary)
+}
+
+/// Whether this machine can emulate what `plan` asks for: loss and bit errors need `nft`,
+/// a shore delay `iptables` (its NFQUEUE target).
+pub fn preflight(plan: &Plan) -> anyhow::Result<()> {
+    if (plan.loss_ppm > 0 || plan.shore_ber > 0.0)
+        && let Some(why) = netns::loss_unavailable()
+    {
+        bail!("cannot inject loss or bit errors: {why}");
+    }
+    if plan.shore_delay_us > 0.0
+        && let Some(why) = netns::delay_unavailable()
+    {
+        bail!("cannot delay the shore links by {} us: {why}", plan.shore_delay_us);
+    }
+    Ok(())
 }
 
 /// The network's counters at one moment: TCP per host namespace, queue drops per port,
@@ -570,6 +594,8 @@ fn run_on(
         injected_drops: injected,
         loss_ppm: plan.loss_ppm,
         shore_ber: plan.shore_ber,
+        shore_delay_us: plan.shore_delay_us,
+        delay_lines: Vec::new(),
         transport: if sc.traffic.transport == "udp" { "udp".into() } else { "tcp".into() },
         udp,
         ledger,

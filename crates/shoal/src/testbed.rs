@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use shoal_sim::scenario::Scenario;
 use shoal_sim::sim::SimSummary;
+use shoal_testbed::delay::DelayLines;
 use shoal_testbed::netns;
 use shoal_testbed::plan::{Congestion, Plan};
 use shoal_testbed::run::{TestbedLaunch, TestbedOptions, TestbedSummary, Verdict};
@@ -63,6 +64,14 @@ pub enum TestbedCommand {
         #[arg(long, default_value = "netns")]
         launch: TestbedLaunch,
     },
+    /// Hold every packet this namespace forwards for a constant delay (a netfilter queue;
+    /// started by the testbed in each sector switch when the shore links have a
+    /// propagation delay). Stops on SIGTERM and prints what it did as JSON.
+    #[command(hide = true)]
+    DelayLine {
+        #[arg(long)]
+        delay_us: f64,
+    },
     /// Remove the testbed's namespaces and whatever runs in them (idempotent).
     Down {
         #[arg(long, default_value = "tb")]
@@ -94,6 +103,24 @@ pub struct ValidateArgs {
     /// the testbed, `topology.host_port_loss_ppm` in the simulator.
     #[arg(long, default_value_t = 0.0)]
     pub loss_pct: f64,
+    /// Compare with a testbed run recorded earlier (the `--json` output of `shoal validate`
+    /// or of `shoal testbed run`) instead of running the testbed: a model change measured
+    /// against the same runs, without root. Its congestion control, loss, length and
+    /// delay are the record's.
+    #[arg(long, value_name = "JSON")]
+    pub testbed_record: Option<PathBuf>,
+}
+
+/// The testbed summary in a record of `shoal validate --json` or `shoal testbed run --json`.
+fn read_record(path: &Path) -> anyhow::Result<TestbedSummary> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let bed = match v.get_mut("testbed") {
+        Some(bed) => bed.take(),
+        None => v,
+    };
+    serde_json::from_value(bed).with_context(|| format!("{}: not a testbed summary", path.display()))
 }
 
 fn load(path: &Path) -> anyhow::Result<Scenario> {
@@ -128,7 +155,19 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
             let plan = Plan::new(&sc, &common.prefix, common.congestion)
                 .map_err(anyhow::Error::msg)?
                 .with_loss_ppm(loss_ppm(loss_pct)?);
+            shoal_testbed::run::preflight(&plan)?;
             netns::up(&plan)?;
+            // The delay lines outlive this command; `down` stops them with the rest.
+            let logs = std::env::temp_dir().join(format!("shoal-testbed-{}", plan.prefix));
+            std::fs::create_dir_all(&logs)?;
+            let shoal = std::env::current_exe().context("locating the shoal executable")?;
+            match DelayLines::start(&plan, &shoal, &logs) {
+                Ok(lines) => lines.detach(),
+                Err(e) => {
+                    let _ = netns::down(&plan.prefix);
+                    return Err(e);
+                }
+            }
             println!(
                 "testbed {} up: {} hosts, {} switches, {} links; `shoal testbed down --prefix {}` removes it",
                 sc.name,
@@ -137,9 +176,36 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
                 plan.links.len(),
                 plan.prefix
             );
+            if plan.shore_delay_us > 0.0 {
+                println!("  shore links delayed {} us (delay lines' logs in {})", plan.shore_delay_us, logs.display());
+            }
             for h in &plan.hosts {
                 println!("  {:<12} {:?} {}", h.netns, h.role, h.addr);
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        TestbedCommand::DelayLine { delay_us } => {
+            if !(0.0..=1e6).contains(&delay_us) {
+                anyhow::bail!("--delay-us {delay_us}: 0 to 1 s");
+            }
+            // SIGTERM (how the testbed stops a line) or SIGINT closes one end of a socket
+            // pair; the line waits on the other end beside its queue.
+            use std::os::fd::AsFd as _;
+            use tokio::signal::unix::{SignalKind, signal};
+            let (stop_tx, stop_rx) = std::os::unix::net::UnixStream::pair()?;
+            let runtime = tokio::runtime::Handle::current();
+            let _in_runtime = runtime.enter();
+            let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+            runtime.spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                drop(stop_tx);
+            });
+            let delay = std::time::Duration::from_secs_f64(delay_us / 1e6);
+            let report = shoal_testbed::delay::serve(delay, stop_rx.as_fd())?;
+            println!("{}", serde_json::to_string(&report)?);
             Ok(ExitCode::SUCCESS)
         }
         TestbedCommand::Down { prefix } => {
@@ -159,6 +225,26 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
             Ok(if s.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
         }
     }
+}
+
+/// The shore links' emulated delay and what the delay lines did.
+fn delay_lines(s: &TestbedSummary) -> String {
+    if s.shore_delay_us <= 0.0 {
+        return "none".into();
+    }
+    let packets: u64 = s.delay_lines.iter().map(|d| d.packets).sum();
+    let dropped: u64 = s.delay_lines.iter().map(|d| d.kernel_dropped).sum();
+    let worst = |f: fn(&shoal_testbed::delay::DelayLineReport) -> f64| s.delay_lines.iter().map(f).fold(0.0, f64::max);
+    format!(
+        "{} us each way; {} delay lines held {packets} packets (at most {} at once), let them go late by p50 {:.0} \
+         us, p99 {:.0} us, max {:.0} us (the worst line's); {dropped} dropped by the kernel before the lines",
+        s.shore_delay_us,
+        s.delay_lines.len(),
+        s.delay_lines.iter().map(|d| d.held_max).max().unwrap_or(0),
+        worst(|d| d.late_p50_us),
+        worst(|d| d.late_p99_us),
+        worst(|d| d.late_max_us),
+    )
 }
 
 fn table(s: &TestbedSummary) -> String {
@@ -191,6 +277,7 @@ fn table(s: &TestbedSummary) -> String {
                 s.network_delay_steady_max_us / 1e3
             ),
         ),
+        ("shore delay", delay_lines(s)),
         (
             "send lag",
             format!(
@@ -273,19 +360,33 @@ fn agree(sim: f64, bed: f64, tolerance: f64, floor: f64) -> bool {
 
 pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     let mut sc = load(&args.scenario)?;
-    let opts = TestbedOptions { loss_ppm: loss_ppm(args.loss_pct)?, ..options(&args.common, args.dir, args.seconds)? };
-    if let Some(s) = args.seconds {
-        sc.traffic.load_s = s;
-    }
-    let bed = shoal_testbed::run::run(&sc, &opts)?;
-    // The testbed emulates no propagation delay (no netem on this kernel): the simulator
-    // runs without it too, so the two describe the same network.
+    let bed = match &args.testbed_record {
+        Some(path) => {
+            let bed = read_record(path)?;
+            if bed.name != sc.name {
+                anyhow::bail!("{} records scenario {:?}, not {:?}", path.display(), bed.name, sc.name);
+            }
+            sc.traffic.load_s = bed.seconds;
+            bed
+        }
+        None => {
+            let opts =
+                TestbedOptions { loss_ppm: loss_ppm(args.loss_pct)?, ..options(&args.common, args.dir, args.seconds)? };
+            if let Some(s) = args.seconds {
+                sc.traffic.load_s = s;
+            }
+            shoal_testbed::run::run(&sc, &opts)?
+        }
+    };
+    // The testbed delays the shore links (a delay line in each sector switch) and no
+    // other link: the boards' and builders' microsecond or so is below what a delay line
+    // resolves. The simulator gets the same network.
     let mut same = sc.clone();
     same.topology.board_delay_us = 0.0;
-    same.topology.shore_delay_us = 0.0;
+    same.topology.shore_delay_us = bed.shore_delay_us;
     same.topology.builder_delay_us = 0.0;
-    same.topology.host_port_loss_ppm = opts.loss_ppm;
-    if args.common.congestion == Congestion::Cubic {
+    same.topology.host_port_loss_ppm = bed.loss_ppm;
+    if bed.congestion == Congestion::Cubic {
         eprintln!("note: the simulator models NewReno; the testbed runs cubic");
     }
     // Before the wake-up model: the scenario as written (hardware boards in lockstep unless
@@ -314,7 +415,8 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             .collect();
         let out = serde_json::json!({
             "scenario": sc.name,
-            "congestion": args.common.congestion.name(),
+            "congestion": bed.congestion.name(),
+            "testbed_record": args.testbed_record,
             "wake_phase_us": hosts.traffic.wake_phase_us,
             "wake_jitter_us": hosts.traffic.wake_jitter_us,
             "simulator": sim,
@@ -334,7 +436,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         bed.sources,
         bed.builders,
         sc.traffic.policy,
-        args.common.congestion.name()
+        bed.congestion.name()
     );
     println!(
         "simulator with host wake-up latency: phase {:.0} us + jitter {:.0} us (lockstep: sources send at the \
@@ -365,6 +467,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         bed.host_queue_drops,
         bed.drops_by_port
     );
+    println!("testbed shore delay: {}", delay_lines(&bed));
     println!(
         "testbed TCP during the run: {} fast retransmits, {} loss probes, {} DSACKs received, {} reorderings, \
          {} spurious timeouts",

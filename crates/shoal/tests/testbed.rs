@@ -11,9 +11,35 @@ fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))
 }
 
+/// With a 300 us propagation delay on both shore links: a delay line in each sector switch
+/// holds every packet it forwards. No fragment can arrive sooner than one shore crossing
+/// after it was sent, and the lines lose nothing.
 #[test]
 fn a_small_scenario_runs_on_the_emulated_network_and_leaves_nothing_behind() {
-    run_small_scenario(&Small::tcp("delayed:2", "b"));
+    if let Some(why) = shoal_testbed::netns::delay_unavailable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let Some(s) = run_small_scenario(&Small { shore_delay_us: 300.0, ..Small::tcp("delayed:2", "b") }) else {
+        return;
+    };
+    let lines = s["delay_lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 2, "one delay line per sector switch: {s}");
+    for line in lines {
+        assert_eq!(line["delay_us"], 300.0, "{line}");
+        assert_eq!(line["kernel_dropped"], 0, "{line}");
+        // Data one way and ACKs the other: thousands of packets at 20 kB per slice.
+        assert!(line["packets"].as_u64().unwrap() > 1_000, "{line}");
+    }
+    assert!(s["network_delay_avg_us"].as_f64().unwrap() >= 300.0, "{s}");
+    eprintln!(
+        "shore delay 300 us: {} and {} packets held, late by p99 {} and {} us; fragment delay avg {} us",
+        lines[0]["packets"],
+        lines[1]["packets"],
+        lines[0]["late_p99_us"],
+        lines[1]["late_p99_us"],
+        s["network_delay_avg_us"]
+    );
 }
 
 /// The `ssh` launch mode for real: an sshd in every host namespace on the host's address,
@@ -62,6 +88,7 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
         load_s: 3.0,
         loss_pct: 0.1,
         launch: "netns",
+        shore_delay_us: 0.0,
     });
     let Some(s) = s else { return };
     let b = &s["ledger"]["buckets"];
@@ -170,6 +197,7 @@ struct Small {
     load_s: f64,
     loss_pct: f64,
     launch: &'static str,
+    shore_delay_us: f64,
 }
 
 impl Small {
@@ -183,6 +211,7 @@ impl Small {
             load_s: 2.0,
             loss_pct: 0.0,
             launch: "netns",
+            shore_delay_us: 0.0,
         }
     }
 }
@@ -190,7 +219,7 @@ impl Small {
 /// Runs the scenario, checks what every run must satisfy, and returns the summary (None
 /// when the testbed cannot be built here).
 fn run_small_scenario(small: &Small) -> Option<serde_json::Value> {
-    let Small { policy, tag, transport, slice_ms, fragment_bytes, load_s, loss_pct, launch } = *small;
+    let Small { policy, tag, transport, slice_ms, fragment_bytes, load_s, loss_pct, launch, shore_delay_us } = *small;
     if let Some(why) = shoal_testbed::netns::unavailable() {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool: {why}");
         return None;
@@ -209,6 +238,7 @@ name = "testbed-6x2"
 sources = 6
 builders = 2
 boards_per_sector = 3
+shore_delay_us = {shore_delay_us:?}
 [traffic]
 policy = "{policy}"
 transport = "{transport}"
