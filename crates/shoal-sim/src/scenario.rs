@@ -194,6 +194,9 @@ pub struct TcpParams {
     pub sndbuf_bytes: u64,
     pub min_rto_ms: f64,
     pub delayed_ack_ms: f64,
+    /// Linux's loss recovery besides NewReno: tail-loss probes and RACK-style detection
+    /// after one duplicate ACK (crate::tcp). Off: NewReno as the RFCs have it.
+    pub rack_tlp: bool,
 }
 
 impl Default for TcpParams {
@@ -205,6 +208,7 @@ impl Default for TcpParams {
             sndbuf_bytes: 256 << 10,
             min_rto_ms: 200.0,
             delayed_ack_ms: 40.0,
+            rack_tlp: false,
         }
     }
 }

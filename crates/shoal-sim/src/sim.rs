@@ -229,6 +229,8 @@ pub struct SimSummary {
     pub tcp_retransmitted: u64,
     pub tcp_retransmit_fraction: f64,
     pub tcp_timeouts: u64,
+    /// Tail-loss probes sent (with `tcp.rack_tlp`).
+    pub tcp_loss_probes: u64,
     pub udp_ip_fragments_sent: u64,
     pub udp_fragments_sent: u64,
     pub udp_fragments_lost: u64,
@@ -432,6 +434,7 @@ impl World {
             rwnd: sc.tcp.rwnd_bytes,
             min_rto: Duration::from_nanos((sc.tcp.min_rto_ms * 1e6) as u64),
             delayed_ack: Duration::from_nanos((sc.tcp.delayed_ack_ms * 1e6) as u64),
+            rack_tlp: sc.tcp.rack_tlp,
             ..TcpConfig::default()
         };
         let tcp = sc.traffic.transport == "tcp";
@@ -1122,11 +1125,12 @@ impl World {
         let (na, np, nm) = stats(&mut net_delays);
         let (steady_avg, steady_p99, steady_max) = stats(&mut steady);
         let (sa, sp, sm) = stats(&mut shaping);
-        let (mut segs, mut retx, mut tos) = (0, 0, 0);
+        let (mut segs, mut retx, mut tos, mut probes) = (0, 0, 0, 0);
         for c in &self.conns {
             segs += c.tx.stats.segments;
             retx += c.tx.stats.retransmitted;
             tos += c.tx.stats.timeouts;
+            probes += c.tx.stats.loss_probes;
         }
         let arrived = self.records.iter().filter(|r| r.arrived_ns > 0).count() as u64;
         let udp_lost = if self.tcp { 0 } else { self.udp_frags_sent - arrived.min(self.udp_frags_sent) };
@@ -1166,6 +1170,7 @@ impl World {
             tcp_retransmitted: retx,
             tcp_retransmit_fraction: if segs > 0 { retx as f64 / segs as f64 } else { 0.0 },
             tcp_timeouts: tos,
+            tcp_loss_probes: probes,
             udp_ip_fragments_sent: self.udp_ip_sent,
             udp_fragments_sent: self.udp_frags_sent,
             udp_fragments_lost: udp_lost,

@@ -9,9 +9,16 @@
 //! second full segment or after the delayed-ACK timeout, at once when a segment is out of
 //! order or fills a hole, and advertises a fixed window.
 //!
-//! Differences from Linux (see docs/simulation.md): no SACK, no timestamps, no CUBIC (Linux
-//! default), no pacing, no TSO/GRO, a fixed receive window, no handshake or slow start after
-//! idle.
+//! With [`TcpConfig::rack_tlp`] the sender also recovers as Linux does by default (RFC 8985),
+//! to the extent a model without SACK blocks can: a tail-loss probe 2 SRTT after the last
+//! transmission (the next new segment, or the last one again), so a loss at the end of a
+//! burst is repaired without waiting for the 200 ms timeout; and a RACK-style loss
+//! detection that needs one duplicate ACK, not three: the first unacknowledged segment is
+//! lost once a quarter of the minimum RTT has passed after a later segment arrived.
+//!
+//! Differences from Linux (see docs/simulation.md): no SACK scoreboard (one hole repaired
+//! per round trip), no timestamps, no CUBIC (Linux default), no pacing, no TSO/GRO, a fixed
+//! receive window, no handshake or slow start after idle.
 
 use std::collections::BTreeMap;
 
@@ -30,6 +37,8 @@ pub struct TcpConfig {
     pub max_rto: Duration,
     /// Delayed-ACK timeout (Linux: 40 ms minimum).
     pub delayed_ack: Duration,
+    /// Tail-loss probes and RACK-style loss detection (Linux's defaults), besides NewReno.
+    pub rack_tlp: bool,
 }
 
 impl Default for TcpConfig {
@@ -42,6 +51,7 @@ impl Default for TcpConfig {
             initial_rto: Duration::from_secs(1),
             max_rto: Duration::from_secs(60),
             delayed_ack: Duration::from_millis(40),
+            rack_tlp: false,
         }
     }
 }
@@ -64,6 +74,8 @@ pub struct SenderStats {
     pub retransmitted: u64,
     pub timeouts: u64,
     pub fast_retransmits: u64,
+    /// Tail-loss probes sent (Linux's TCPLossProbes).
+    pub loss_probes: u64,
 }
 
 /// The sending side of one connection.
@@ -86,7 +98,17 @@ pub struct TcpSender {
     rto: Duration,
     /// (sequence that completes the sample, send time); cleared on retransmission.
     rtt_probe: Option<(u64, Instant)>,
+    /// The retransmission timeout.
     timer: Option<Instant>,
+    /// With `rack_tlp`: when the tail-loss probe goes, and the end of the flight when it
+    /// went (one probe per flight until that is acknowledged).
+    probe_at: Option<Instant>,
+    probe_high: Option<u64>,
+    probe_was_retransmission: bool,
+    /// With `rack_tlp`: when the first unacknowledged segment counts as lost after a
+    /// duplicate ACK.
+    rack_at: Option<Instant>,
+    min_rtt: Option<Duration>,
     pub stats: SenderStats,
 }
 
@@ -108,6 +130,11 @@ impl TcpSender {
             rto: cfg.initial_rto,
             rtt_probe: None,
             timer: None,
+            probe_at: None,
+            probe_high: None,
+            probe_was_retransmission: false,
+            rack_at: None,
+            min_rtt: None,
             stats: SenderStats::default(),
         }
     }
@@ -137,14 +164,16 @@ impl TcpSender {
         self.nxt - self.una
     }
 
-    /// When the retransmission timer fires, if armed.
+    /// When the next timer fires (retransmission timeout, tail-loss probe or RACK's loss
+    /// detection), if one is armed.
     pub fn timer(&self) -> Option<Instant> {
-        self.timer
+        [self.timer, self.probe_at, self.rack_at].into_iter().flatten().min()
     }
 
     /// Segments the windows allow now.
     pub fn poll_segments(&mut self, now: Instant, out: &mut Vec<Segment>) {
         let wnd = self.cwnd.min(self.cfg.rwnd);
+        let before = self.nxt;
         while self.nxt < self.app_end && self.flight() < wnd {
             let len = (self.app_end - self.nxt).min(self.mss()).min(wnd - self.flight());
             if len < self.mss() && self.nxt + len < self.app_end {
@@ -153,6 +182,56 @@ impl TcpSender {
             self.emit(now, self.nxt, len as u32, out);
             self.nxt += len;
         }
+        if self.nxt > before {
+            self.schedule_probe(now);
+        }
+    }
+
+    /// Linux's schedule of the tail-loss probe: 2 SRTT after the last transmission or ACK,
+    /// plus the minimum RTO when a single segment is in flight (its ACK may be delayed),
+    /// else plus 2 ms; never after the retransmission timeout. Not in recovery, not before
+    /// an RTT is known, one probe per flight.
+    fn schedule_probe(&mut self, now: Instant) {
+        self.probe_at = None;
+        if !self.cfg.rack_tlp || self.in_recovery || self.una >= self.nxt || self.probe_high.is_some() {
+            return;
+        }
+        let Some(srtt) = self.srtt else { return };
+        let extra = if self.flight() <= self.mss() { self.cfg.min_rto } else { Duration::from_millis(2) };
+        let at = now + srtt * 2 + extra;
+        self.probe_at = Some(self.timer.map_or(at, |rto| at.min(rto)));
+    }
+
+    /// The tail-loss probe: the next new segment if there is one (whatever the window),
+    /// else the last segment again.
+    fn send_probe(&mut self, now: Instant, out: &mut Vec<Segment>) {
+        self.stats.loss_probes += 1;
+        let mss = self.mss();
+        if self.nxt < self.app_end {
+            let len = (self.app_end - self.nxt).min(mss);
+            self.emit(now, self.nxt, len as u32, out);
+            self.nxt += len;
+            self.probe_was_retransmission = false;
+        } else {
+            let len = (self.nxt - self.una).min(mss);
+            self.emit(now, self.nxt - len, len as u32, out);
+            self.probe_was_retransmission = true;
+        }
+        self.probe_high = Some(self.nxt);
+        self.timer = Some(now + self.rto);
+    }
+
+    /// Fast retransmit of the first unacknowledged segment and NewReno fast recovery.
+    fn enter_recovery(&mut self, now: Instant, out: &mut Vec<Segment>) {
+        let mss = self.mss();
+        self.stats.fast_retransmits += 1;
+        self.ssthresh = (self.flight() / 2).max(2 * mss);
+        self.recover = self.nxt;
+        self.in_recovery = true;
+        self.probe_at = None;
+        self.rack_at = None;
+        self.emit(now, self.una, (self.nxt - self.una).min(mss) as u32, out);
+        self.cwnd = self.ssthresh + 3 * mss;
     }
 
     fn emit(&mut self, now: Instant, seq: u64, len: u32, out: &mut Vec<Segment>) {
@@ -173,6 +252,7 @@ impl TcpSender {
     }
 
     fn sample_rtt(&mut self, r: Duration) {
+        self.min_rtt = Some(self.min_rtt.map_or(r, |m| m.min(r)));
         match self.srtt {
             None => {
                 self.srtt = Some(r);
@@ -217,29 +297,63 @@ impl TcpSender {
                 self.cwnd += (mss * mss / self.cwnd).max(1);
             }
             self.dupacks = 0;
+            self.rack_at = None;
+            if let Some(high) = self.probe_high
+                && ack >= high
+            {
+                // The probe's flight is acknowledged. Had the probe repaired a loss (it was
+                // a retransmission), Linux reduces the window as after a fast recovery.
+                if self.probe_was_retransmission && !self.in_recovery {
+                    self.ssthresh = (self.cwnd / 2).max(2 * mss);
+                    self.cwnd = self.ssthresh;
+                }
+                self.probe_high = None;
+            }
             self.timer = (self.una < self.nxt).then(|| now + self.rto);
+            self.schedule_probe(now);
         } else if ack == self.una && self.nxt > self.una {
             self.dupacks += 1;
             if self.dupacks == 3 && !self.in_recovery && ack >= self.recover {
-                self.stats.fast_retransmits += 1;
-                self.ssthresh = (self.flight() / 2).max(2 * mss);
-                self.recover = self.nxt;
-                self.in_recovery = true;
-                self.emit(now, self.una, (self.nxt - self.una).min(mss) as u32, out);
-                self.cwnd = self.ssthresh + 3 * mss;
+                self.enter_recovery(now, out);
             } else if self.in_recovery {
                 self.cwnd += mss;
+            } else if self.cfg.rack_tlp
+                && self.rack_at.is_none()
+                && ack >= self.recover
+                && let Some(min_rtt) = self.min_rtt
+            {
+                // A later segment arrived: RACK's reordering window, then the hole is lost.
+                self.rack_at = Some(now + min_rtt / 4);
             }
         }
         self.poll_segments(now, out);
     }
 
-    /// The retransmission timer fired (call at or after [`TcpSender::timer`]).
+    /// A timer fired (call at or after [`TcpSender::timer`]).
     pub fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Segment>) {
+        if let Some(at) = self.rack_at
+            && now >= at
+        {
+            self.rack_at = None;
+            if !self.in_recovery && self.dupacks > 0 && self.una < self.nxt {
+                self.enter_recovery(now, out);
+            }
+        }
+        if let Some(at) = self.probe_at
+            && now >= at
+        {
+            self.probe_at = None;
+            if self.una < self.nxt && !self.in_recovery {
+                self.send_probe(now, out);
+            }
+        }
         if self.timer.is_none_or(|t| now < t) {
             return;
         }
         self.timer = None;
+        self.probe_at = None;
+        self.probe_high = None;
+        self.rack_at = None;
         if self.una >= self.nxt {
             return;
         }
@@ -403,6 +517,85 @@ mod tests {
         out.clear();
         s.poll_segments(t(1), &mut out);
         assert_eq!(s.timer(), Some(t(201)));
+    }
+
+    fn linux() -> TcpConfig {
+        TcpConfig { rack_tlp: true, ..Default::default() }
+    }
+
+    /// A sender with `n` segments acknowledged after a 1 ms RTT, then `k` more sent at 10 ms.
+    fn after_one_rtt(cfg: TcpConfig, k: u64) -> (TcpSender, Vec<Segment>) {
+        let mut s = TcpSender::new(cfg);
+        let mut out = Vec::new();
+        s.write(2 * 1460);
+        s.poll_segments(t(0), &mut out);
+        s.handle_ack(t(1), 2 * 1460, &mut out);
+        assert_eq!(s.timer(), None, "nothing in flight");
+        out.clear();
+        s.write(k * 1460);
+        s.poll_segments(t(10), &mut out);
+        assert_eq!(out.len() as u64, k);
+        out.clear();
+        (s, out)
+    }
+
+    #[test]
+    fn a_lost_tail_is_probed_after_two_rtts_not_a_timeout() {
+        let (mut s, mut out) = after_one_rtt(linux(), 4);
+        // 2 SRTT + 2 ms after the last transmission.
+        assert_eq!(s.timer(), Some(t(14)));
+        // The first two arrive; the last two (the tail) are lost: one ACK, no duplicate.
+        s.handle_ack(t(11), 4 * 1460, &mut out);
+        assert_eq!(s.timer(), Some(t(15)), "re-scheduled from the ACK");
+        s.handle_timeout(t(15), &mut out);
+        assert_eq!(out, [Segment { seq: 5 * 1460, len: 1460, retransmission: true }], "the last segment again");
+        assert_eq!((s.stats.loss_probes, s.stats.timeouts), (1, 0));
+        // The probe arrives out of order: one duplicate ACK, and RACK repairs the hole.
+        out.clear();
+        s.handle_ack(t(16), 4 * 1460, &mut out);
+        s.handle_timeout(s.timer().unwrap(), &mut out);
+        assert_eq!(out, [Segment { seq: 4 * 1460, len: 1460, retransmission: true }]);
+        out.clear();
+        s.handle_ack(t(17), 6 * 1460, &mut out);
+        assert_eq!(s.timer(), None);
+        assert_eq!((s.stats.fast_retransmits, s.stats.timeouts), (1, 0));
+        // NewReno alone waits for the retransmission timeout.
+        let (mut s, mut out) = after_one_rtt(TcpConfig::default(), 4);
+        s.handle_ack(t(11), 4 * 1460, &mut out);
+        assert_eq!(s.timer(), Some(t(211)));
+    }
+
+    #[test]
+    fn a_lone_lost_segment_is_probed_when_its_timeout_would_fire_and_halves_the_window() {
+        // As Linux: with one segment in flight the probe waits 2 SRTT + 200 ms (a delayed
+        // ACK may be coming), capped at the timeout, and then takes the timeout's place.
+        let (mut s, mut out) = after_one_rtt(linux(), 3);
+        s.handle_ack(t(11), 4 * 1460, &mut out);
+        assert_eq!(s.timer(), Some(t(211)));
+        s.handle_timeout(t(211), &mut out);
+        assert_eq!(out, [Segment { seq: 4 * 1460, len: 1460, retransmission: true }]);
+        assert_eq!((s.stats.loss_probes, s.stats.timeouts), (1, 0));
+        let cwnd = s.cwnd();
+        out.clear();
+        s.handle_ack(t(212), 5 * 1460, &mut out);
+        // Half of the window the ACK itself grew by one segment (slow start).
+        assert_eq!(s.cwnd(), (cwnd + 1460) / 2, "a probe that repaired a loss halves the window");
+    }
+
+    #[test]
+    fn one_duplicate_ack_and_a_quarter_rtt_make_a_fast_retransmit() {
+        let (mut s, mut out) = after_one_rtt(linux(), 2);
+        // The first is lost, the second arrives: one duplicate ACK.
+        s.handle_ack(Instant::from_nanos(11_000_000), 2 * 1460, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(s.timer(), Some(Instant::from_nanos(11_250_000)), "min RTT / 4 later");
+        s.handle_timeout(Instant::from_nanos(11_250_000), &mut out);
+        assert_eq!(out, [Segment { seq: 2 * 1460, len: 1460, retransmission: true }]);
+        assert_eq!((s.stats.fast_retransmits, s.stats.timeouts), (1, 0));
+        // NewReno needs three duplicates: one is not enough.
+        let (mut s, mut out) = after_one_rtt(TcpConfig::default(), 2);
+        s.handle_ack(t(11), 2 * 1460, &mut out);
+        assert_eq!(s.timer(), Some(t(210)));
     }
 
     #[test]
