@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--testbed-records", type=pathlib.Path,
                     help="compare with the testbed runs recorded in this directory instead of running them")
     ap.add_argument("--wake-phase-us", type=float, help="the simulator's wake-up phase (shoal validate's default)")
+    ap.add_argument("--tcp-model", choices=["linux", "newreno"], help="the simulator's TCP (shoal validate's default)")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -107,6 +108,7 @@ def main():
                     r = json.loads(f.read_text()) if f.exists() else None
                 else:
                     model = [] if a.wake_phase_us is None else ["--wake-phase-us", str(a.wake_phase_us)]
+                    model += [] if a.tcp_model is None else ["--tcp-model", a.tcp_model]
                     r = run_one(a.shoal, sc, cc, a.seconds, loss, a.out_dir, a.testbed_records, model)
                     if r is None and a.testbed_records is not None:
                         continue

@@ -1,0 +1,69 @@
+//! `shoal validate --testbed-record`: the simulator against a testbed run recorded earlier
+//! (tests/data/validate-6x2-record.json, a 6 x 2 run with a 300 us shore delay), without
+//! root. The simulator gets the network the testbed had, and a record of another scenario
+//! or a file that is not one is refused with a clear error.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+fn validate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("validate")
+        .arg(data("validate-6x2.toml"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_recorded_testbed_run_is_compared_with_the_network_it_had() {
+    let record = data("validate-6x2-record.json");
+    let out = validate(&["--json", "--testbed-record", record.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bed: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    assert_eq!(v["testbed"]["network_delay_steady_avg_us"], bed["network_delay_steady_avg_us"], "the record's run");
+    // The shore delay the testbed had: 300 us asked for, plus its lines' median lateness.
+    let lines = bed["delay_lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 2);
+    let late = lines.iter().map(|l| l["late_p50_us"].as_f64().unwrap()).sum::<f64>() / 2.0;
+    assert!(late > 0.0);
+    assert_eq!(v["simulated_shore_delay_us"].as_f64().unwrap(), 300.0 + late);
+    // The hosts' model: as late as the record's sources woke, Linux's loss recovery.
+    assert_eq!(v["tcp_model"], "linux");
+    assert_eq!(v["wake_phase_us"], 0.0);
+    assert_eq!(v["wake_jitter_us"], bed["source_wake_lag_avg_us"]);
+    let rows = v["rows"].as_array().unwrap();
+    assert!(rows.iter().any(|r| r["metric"] == "net delay avg (ms)"), "{v}");
+    assert!(rows.iter().all(|r| r["simulator"].is_number() && r["testbed"].is_number()), "{v}");
+    // Every fragment of 6 sources over 2 s of 10 ms slices crossed the simulated network.
+    assert_eq!(v["simulator"]["slices_complete"].as_u64(), Some(200), "{}", v["simulator"]);
+
+    let out = validate(&["--json", "--testbed-record", record.to_str().unwrap(), "--tcp-model", "newreno"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tcp_model"], "newreno");
+}
+
+#[test]
+fn a_record_of_another_scenario_or_no_record_at_all_is_refused() {
+    let dir = std::env::temp_dir().join(format!("shoal-validate-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let record = std::fs::read_to_string(data("validate-6x2-record.json")).unwrap();
+    let other = dir.join("other.json");
+    std::fs::write(&other, record.replace("\"validate-6x2\"", "\"another\"")).unwrap();
+    let out = validate(&["--testbed-record", other.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("records scenario \"another\""), "{err}");
+
+    let garbage = dir.join("garbage.json");
+    std::fs::write(&garbage, b"\x00\x01 not json").unwrap();
+    let out = validate(&["--testbed-record", garbage.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not JSON"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
