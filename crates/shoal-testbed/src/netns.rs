@@ -163,24 +163,9 @@ pub struct TcpCounters {
 }
 
 impl TcpCounters {
-    /// Counts from `/proc/net/snmp` and `/proc/net/netstat` (a header line of names
-    /// followed by a line of values, per protocol).
+    /// Counts from `/proc/net/snmp` and `/proc/net/netstat`.
     fn parse(snmp: &str, netstat: &str) -> TcpCounters {
-        let mut values = std::collections::HashMap::new();
-        for text in [snmp, netstat] {
-            let lines: Vec<&str> = text.lines().collect();
-            for pair in lines.chunks(2) {
-                let [names, nums] = pair else { continue };
-                let (Some((proto, names)), Some((_, nums))) = (names.split_once(':'), nums.split_once(':')) else {
-                    continue;
-                };
-                for (name, v) in names.split_whitespace().zip(nums.split_whitespace()) {
-                    if let Ok(v) = v.parse::<u64>() {
-                        values.insert(format!("{proto}{name}"), v);
-                    }
-                }
-            }
-        }
+        let values = snmp_values(&[snmp, netstat]);
         let get = |k: &str| values.get(k).copied().unwrap_or(0);
         TcpCounters {
             segments_out: get("TcpOutSegs"),
@@ -220,21 +205,77 @@ impl TcpCounters {
     }
 }
 
-/// The TCP counters of a namespace, read by a thread that joins it (`setns`) and reads
+/// The counters of `/proc/net/snmp`-style texts (a header line of names followed by a line
+/// of values, per protocol), as `<protocol><name>` -> value.
+fn snmp_values(texts: &[&str]) -> std::collections::HashMap<String, u64> {
+    let mut values = std::collections::HashMap::new();
+    for text in texts {
+        let lines: Vec<&str> = text.lines().collect();
+        for pair in lines.chunks(2) {
+            let [names, nums] = pair else { continue };
+            let (Some((proto, names)), Some((_, nums))) = (names.split_once(':'), nums.split_once(':')) else {
+                continue;
+            };
+            for (name, v) in names.split_whitespace().zip(nums.split_whitespace()) {
+                if let Ok(v) = v.parse::<u64>() {
+                    values.insert(format!("{proto}{name}"), v);
+                }
+            }
+        }
+    }
+    values
+}
+
+/// UDP counters of one namespace: what its sockets received, and what they dropped because
+/// a receive buffer was full (a process that did not read in time) or for another error.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct UdpCounters {
+    pub datagrams_in: u64,
+    pub receive_buffer_errors: u64,
+    pub in_errors: u64,
+}
+
+impl UdpCounters {
+    fn parse(snmp: &str) -> UdpCounters {
+        let values = snmp_values(&[snmp]);
+        let get = |k: &str| values.get(k).copied().unwrap_or(0);
+        UdpCounters {
+            datagrams_in: get("UdpInDatagrams"),
+            receive_buffer_errors: get("UdpRcvbufErrors"),
+            in_errors: get("UdpInErrors"),
+        }
+    }
+
+    pub fn since(&self, earlier: &UdpCounters) -> UdpCounters {
+        UdpCounters {
+            datagrams_in: self.datagrams_in.saturating_sub(earlier.datagrams_in),
+            receive_buffer_errors: self.receive_buffer_errors.saturating_sub(earlier.receive_buffer_errors),
+            in_errors: self.in_errors.saturating_sub(earlier.in_errors),
+        }
+    }
+
+    pub fn add(&mut self, o: &UdpCounters) {
+        self.datagrams_in += o.datagrams_in;
+        self.receive_buffer_errors += o.receive_buffer_errors;
+        self.in_errors += o.in_errors;
+    }
+}
+
+/// The TCP and UDP counters of a namespace, read by a thread that joins it (`setns`) and reads
 /// `/proc/thread-self/net`: microseconds, where `ip netns exec nstat` takes milliseconds
 /// per namespace, so a snapshot of every host at the start of a run is close to one instant.
-pub fn tcp_counters(netns: &str) -> anyhow::Result<TcpCounters> {
+pub fn counters(netns: &str) -> anyhow::Result<(TcpCounters, UdpCounters)> {
     let path = format!("/run/netns/{netns}");
     let ns = std::fs::File::open(&path).with_context(|| format!("opening {path}"))?;
     std::thread::scope(|scope| {
         scope
-            .spawn(|| -> anyhow::Result<TcpCounters> {
+            .spawn(|| -> anyhow::Result<(TcpCounters, UdpCounters)> {
                 // Only this short-lived thread changes its namespace.
                 nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
                     .with_context(|| format!("joining namespace {netns}"))?;
                 let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp")?;
                 let netstat = std::fs::read_to_string("/proc/thread-self/net/netstat")?;
-                Ok(TcpCounters::parse(&snmp, &netstat))
+                Ok((TcpCounters::parse(&snmp, &netstat), UdpCounters::parse(&snmp)))
             })
             .join()
             .map_err(|_| anyhow::anyhow!("reading the counters of {netns} panicked"))?
@@ -285,7 +326,8 @@ mod tests {
 
     #[test]
     fn tcp_counters_are_read_by_name_and_differenced() {
-        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 1000 7\n";
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 1000 7\n\
+                    Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors\nUdp: 500 1 4 9 3\n";
         let netstat = "TcpExt: TCPTimeouts TCPLossProbes TCPFastRetrans TCPDSACKRecv TCPSACKReorder TCPSpuriousRTOs\n\
                        TcpExt: 2 3 4 5 6 1\nIpExt: InOctets\nIpExt: 99\n";
         let c = super::TcpCounters::parse(snmp, netstat);
@@ -303,5 +345,8 @@ mod tests {
         let earlier = super::TcpCounters { segments_out: 400, timeouts: 2, ..Default::default() };
         let d = c.since(&earlier);
         assert_eq!((d.segments_out, d.timeouts, d.retransmitted_segments), (600, 0, 7));
+        let u = super::UdpCounters::parse(snmp);
+        assert_eq!(u, super::UdpCounters { datagrams_in: 500, receive_buffer_errors: 3, in_errors: 4 });
+        assert_eq!(u.since(&super::UdpCounters { datagrams_in: 100, ..u }).datagrams_in, 400);
     }
 }

@@ -128,6 +128,10 @@ pub struct TestbedSummary {
     /// are these), and separately what connection set-up and configuration sent before.
     pub tcp: netns::TcpCounters,
     pub setup_tcp: netns::TcpCounters,
+    /// The hosts' UDP counters over the run: datagrams their full receive buffers dropped
+    /// are lost inside a host, not in the network.
+    #[serde(default)]
+    pub udp_hosts: netns::UdpCounters,
     pub tcp_segments: u64,
     pub tcp_retransmitted: u64,
     pub tcp_timeouts: u64,
@@ -386,6 +390,7 @@ pub fn preflight(plan: &Plan) -> anyhow::Result<()> {
 #[derive(Clone, Debug, Default)]
 struct Counters {
     tcp: netns::TcpCounters,
+    udp: netns::UdpCounters,
     host_drops: std::collections::BTreeMap<String, u64>,
     switch_drops: std::collections::BTreeMap<String, u64>,
     injected: u64,
@@ -396,7 +401,9 @@ impl Counters {
     fn read(plan: &Plan) -> anyhow::Result<Counters> {
         let mut c = Counters { cpu: cpu_times(), ..Counters::default() };
         for h in &plan.hosts {
-            c.tcp.add(&netns::tcp_counters(&h.netns)?);
+            let (tcp, udp) = netns::counters(&h.netns)?;
+            c.tcp.add(&tcp);
+            c.udp.add(&udp);
         }
         for h in &plan.hosts {
             for (dev, d) in netns::drops(&h.netns)? {
@@ -547,6 +554,7 @@ fn run_on(
     }
     let tcp = at_end.tcp.since(&at_start.tcp);
     let setup_tcp = at_start.tcp.since(&at_setup.tcp);
+    let udp_hosts = at_end.udp.since(&at_start.udp);
     let host = drops_since(&at_end.host_drops, &at_start.host_drops);
     let switch = drops_since(&at_end.switch_drops, &at_start.switch_drops);
     let host_drops: u64 = host.values().sum();
@@ -588,6 +596,7 @@ fn run_on(
         tcp_timeouts: tcp.timeouts,
         tcp,
         setup_tcp,
+        udp_hosts,
         queue_drops: switch_drops,
         host_queue_drops: host_drops,
         drops_by_port: by_port,

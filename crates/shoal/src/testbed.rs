@@ -337,8 +337,9 @@ fn table(s: &TestbedSummary) -> String {
         (
             "udp",
             format!(
-                "{} datagrams received, {} recovered by a NACK, {} lost",
-                s.udp.datagrams, s.udp.recovered, s.udp.lost
+                "{} datagrams received, {} recovered by a NACK, {} lost; {} dropped by full socket receive buffers in \
+                 the hosts",
+                s.udp.datagrams, s.udp.recovered, s.udp.lost, s.udp_hosts.receive_buffer_errors
             ),
         ),
         (
