@@ -363,9 +363,7 @@ fn start_is_refused_with_processes_missing_and_no_run_number_is_taken() {
 #[test]
 fn start_with_missing_runs_without_the_silent_process_and_never_sends_it_start() {
     let mut h = Harness::new(&sector(&[("s1", Behaviour::Silent)]), |c| c.start_with_missing = true);
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
+    h.start_run();
     assert_eq!(h.state("s0"), RunState::Running);
     assert!(h.first_received("s1", "START").is_none());
     assert!(h.first_received("s1", "INIT").is_none(), "inactive processes are not commanded");
@@ -410,9 +408,7 @@ fn refusals_add_up_and_name_every_refuser() {
 #[test]
 fn off_during_a_run_stops_it_first_and_reaches_inactive_processes_too() {
     let mut h = Harness::new(&sector(&[("s2", Behaviour::HangsIn("START"))]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
+    h.start_run();
     assert!(!h.ctl.processes().iter().find(|p| p.name == "s2").unwrap().active);
     h.after(Duration::from_secs(2));
     h.command(ClusterCommand::Off).unwrap();
@@ -453,9 +449,7 @@ fn a_process_that_leaves_is_not_waited_for() {
 #[test]
 fn a_process_restarted_during_a_run_rejoins_it_and_its_absence_is_recorded() {
     let mut h = Harness::new(&sector(&[]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
+    h.start_run();
     let run = h.ctl.run().unwrap();
     h.after(ms(2000));
     // s1 dies: its part of the run is recorded.
@@ -507,13 +501,7 @@ fn a_process_restarted_during_a_run_rejoins_it_and_its_absence_is_recorded() {
 #[test]
 fn a_command_a_process_missed_while_reconnecting_is_sent_again_when_it_announces_itself() {
     let mut h = Harness::new(&sector(&[("b1", Behaviour::MissesOnce("STOP"))]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
-    h.after(ms(2000));
-    h.command(ClusterCommand::Stop).unwrap();
-    let stop = h.done(ClusterCommand::Stop);
-    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    h.run_then_stop();
     let stops = h.procs["b1"].received.iter().filter(|(_, c)| c.name() == "STOP").count();
     assert_eq!(stops, 2, "STOP went again after b1 announced itself RUNNING");
     assert_eq!(h.state("b1"), RunState::Ready);
@@ -529,9 +517,7 @@ fn a_command_a_process_missed_while_reconnecting_is_sent_again_when_it_announces
 #[test]
 fn answers_lost_while_run_control_was_away_are_asked_for_again_and_answered_again() {
     let mut h = Harness::new(&sector(&[]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
+    h.start_run();
     h.after(ms(2000));
     h.ctl.handle_command(h.now, ClusterCommand::Stop, || unreachable!()).unwrap();
     h.drain();
@@ -555,9 +541,7 @@ fn answers_lost_while_run_control_was_away_are_asked_for_again_and_answered_agai
 #[test]
 fn a_rejoin_stops_at_a_refusal_and_says_so() {
     let mut h = Harness::new(&sector(&[]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
+    h.start_run();
     h.ctl.handle_exited(h.now, "b1", "signal: 9 (SIGKILL)");
     let p = h.procs.get_mut("b1").unwrap();
     p.rc = RunControl::new(h.now);
@@ -586,6 +570,22 @@ fn commands_are_rejected_while_busy_discovering_or_out_of_turn() {
 }
 
 impl Harness {
+    /// INIT, CONFIGURE and START, each carried to its end (whatever its outcome).
+    fn start_run(&mut self) {
+        for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+            self.command(c).unwrap();
+        }
+    }
+
+    /// A run of 2 s: [`Harness::start_run`], then a STOP that must succeed.
+    fn run_then_stop(&mut self) {
+        self.start_run();
+        self.after(ms(2000));
+        self.command(ClusterCommand::Stop).unwrap();
+        let stop = self.done(ClusterCommand::Stop);
+        assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    }
+
     /// Delivers the replies due now, without moving time.
     fn settle_replies_only(&mut self) {
         let (due, later): (Vec<_>, Vec<_>) = self.in_flight.drain(..).partition(|(t, _)| *t <= self.now);
@@ -660,13 +660,7 @@ proptest! {
 #[test]
 fn a_command_lost_without_a_trace_is_sent_again_to_whoever_has_not_answered() {
     let mut h = Harness::new(&sector(&[("s1", Behaviour::LosesOnce("STOP"))]), |_| {});
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
-    h.after(ms(2000));
-    h.command(ClusterCommand::Stop).unwrap();
-    let stop = h.done(ClusterCommand::Stop);
-    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    h.run_then_stop();
     assert_eq!(h.state("s1"), RunState::Ready, "the STOP sent again was carried out");
     assert!(h.ctl.processes().iter().all(|p| p.active), "nobody marked silent");
     let reminded: Vec<_> = h
@@ -691,13 +685,7 @@ fn a_process_slow_to_answer_is_reminded_at_doubling_intervals_and_not_asked_to_a
         c.reply_timeout = ms(4000);
         c.builder_drain = ms(5000);
     });
-    for c in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-        h.command(c).unwrap();
-    }
-    h.after(ms(2000));
-    h.command(ClusterCommand::Stop).unwrap();
-    let stop = h.done(ClusterCommand::Stop);
-    assert!(stop[0].is_ok(), "{:?}", stop[0]);
+    h.run_then_stop();
     let asked: Vec<Instant> =
         h.procs["b0"].received.iter().filter(|(_, c)| c.name() == "STOP").map(|(t, _)| *t).collect();
     let first = asked[0];
