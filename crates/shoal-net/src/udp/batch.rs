@@ -100,17 +100,37 @@ impl BatchSocket {
     /// receive slot; each datagram a slice of it). Returns how many were appended.
     pub async fn recv(&mut self, out: &mut Vec<(SocketAddr, Bytes)>) -> io::Result<usize> {
         let mut meta = [RecvMeta::default(); quinn_udp::BATCH_SIZE];
-        let slot = self.slot;
-        if self.recv_buf.is_empty() {
-            self.recv_buf = vec![0; slot * quinn_udp::BATCH_SIZE];
-        }
         let n = {
-            let mut bufs: Vec<IoSliceMut<'_>> = self.recv_buf.chunks_mut(slot).map(IoSliceMut::new).collect();
+            let mut bufs = receive_slots(&mut self.recv_buf, self.slot);
             let (sock, state) = (&self.sock, &self.state);
             sock.async_io(Interest::READABLE, || state.recv(sock.into(), &mut bufs, &mut meta)).await?
         };
+        Ok(self.split(&meta[..n], out))
+    }
+
+    /// As [`BatchSocket::recv`], but only what is waiting now: 0 when nothing is.
+    pub fn try_recv(&mut self, out: &mut Vec<(SocketAddr, Bytes)>) -> io::Result<usize> {
+        let mut meta = [RecvMeta::default(); quinn_udp::BATCH_SIZE];
+        let n = {
+            let mut bufs = receive_slots(&mut self.recv_buf, self.slot);
+            let (sock, state) = (&self.sock, &self.state);
+            // Straight to the (non-blocking) socket: tokio's `try_io` would not even try
+            // before its reactor has seen the socket readable. A WouldBlock here leaves
+            // tokio's readiness as it was; the next `recv` clears it when it finds nothing.
+            match state.recv(sock.into(), &mut bufs, &mut meta) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(0),
+                Err(e) => return Err(e),
+            }
+        };
+        Ok(self.split(&meta[..n], out))
+    }
+
+    /// The datagrams of the filled slots.
+    fn split(&self, meta: &[RecvMeta], out: &mut Vec<(SocketAddr, Bytes)>) -> usize {
+        let slot = self.slot;
         let before = out.len();
-        for (i, m) in meta.iter().take(n).enumerate() {
+        for (i, m) in meta.iter().enumerate() {
             let len = m.len.min(slot);
             let chunk = Bytes::copy_from_slice(&self.recv_buf[i * slot..i * slot + len]);
             let stride = if m.stride == 0 { len.max(1) } else { m.stride };
@@ -121,8 +141,16 @@ impl BatchSocket {
                 at = end;
             }
         }
-        Ok(out.len() - before)
+        out.len() - before
     }
+}
+
+/// The receive slots of `buf`, allocated at the first receive.
+fn receive_slots(buf: &mut Vec<u8>, slot: usize) -> Vec<IoSliceMut<'_>> {
+    if buf.is_empty() {
+        *buf = vec![0; slot * quinn_udp::BATCH_SIZE];
+    }
+    buf.chunks_mut(slot).map(IoSliceMut::new).collect()
 }
 
 /// How many datagrams from the start of `ds` one GSO call can carry: a run of the first
@@ -189,10 +217,36 @@ mod tests {
         while got.len() < ds.len() {
             rx.recv(&mut got).await.unwrap();
         }
+        assert_eq!(rx.try_recv(&mut got).unwrap(), 0, "nothing more waits");
         assert_eq!(got.len(), ds.len());
         for ((addr, d), want) in got.iter().zip(&ds) {
             assert_eq!(*addr, from);
             assert_eq!(d, want);
         }
+    }
+
+    /// What is already in the socket is taken without waiting, in order; an empty socket
+    /// gives nothing at once. (Taking turns with `recv`, which waits when nothing has
+    /// arrived yet, so the test does not depend on when loopback delivers.)
+    #[tokio::test]
+    async fn waiting_datagrams_are_taken_without_waiting() {
+        let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let to = rx.local_addr().unwrap();
+        let mut rx = BatchSocket::new(rx, 1472).unwrap();
+        let mut got = Vec::new();
+        assert_eq!(rx.try_recv(&mut got).unwrap(), 0, "an empty socket");
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        // 30 x 1000 bytes: well within a default receive buffer.
+        for i in 0..30u8 {
+            tx.send_to(&[i; 1000], to).unwrap();
+        }
+        while got.len() < 30 {
+            if rx.try_recv(&mut got).unwrap() == 0 {
+                rx.recv(&mut got).await.unwrap();
+            }
+        }
+        assert_eq!(got.len(), 30);
+        assert!(got.iter().enumerate().all(|(i, (_, d))| d.len() == 1000 && d[0] == i as u8));
+        assert_eq!(rx.try_recv(&mut got).unwrap(), 0, "nothing more waits");
     }
 }
