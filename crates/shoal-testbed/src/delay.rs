@@ -47,8 +47,8 @@ const RECEIVE_BUFFER: usize = 16 << 20;
 /// The first line a delay line prints once it is bound and packets may flow.
 pub const READY: &str = "ready";
 
-/// Holds packets (anything: the queue's messages in [`serve`]) for a constant delay and
-/// gives them back in arrival order once it has passed.
+/// Holds packets (anything: their queue ids in [`serve`]) for a constant delay and gives
+/// them back in arrival order once it has passed.
 #[derive(Debug)]
 pub struct DelayLine<T> {
     delay_ns: u64,
