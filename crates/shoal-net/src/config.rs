@@ -117,8 +117,8 @@ pub struct UdpSettings {
     pub retransmit_mb: u64,
     /// ... and datagrams at most this old.
     pub retransmit_age_ms: u64,
-    /// A gap is asked for this long after it is seen, then every `nack_interval_us`, at most
-    /// `max_nacks` times.
+    /// A gap is asked for this long after it is seen, again `nack_interval_us` later and
+    /// then after twice as long each time, at most `max_nacks` times.
     pub nack_delay_us: u64,
     pub nack_interval_us: u64,
     pub max_nacks: u32,

@@ -299,7 +299,10 @@ impl DatagramReceiver {
                 continue;
             }
             m.nacks += 1;
-            m.next_nack = now + self.cfg.nack_interval;
+            // Each repeat waits twice as long as the one before: a source late to answer
+            // (a software host waiting for a CPU) is still heard before the datagram is
+            // declared lost, and an answer lost on the way is asked for again soon.
+            m.next_nack = now + self.cfg.nack_interval * (1u32 << (m.nacks - 1).min(16));
             due.push(seq);
         }
         for seq in given_up {
