@@ -75,13 +75,16 @@ impl Default for UdpConfig {
     /// repaired a millisecond or two after its gap when the source answers at once; a source
     /// up to about 70 ms late, waiting for a CPU, is still heard, and a datagram is declared
     /// lost 76 ms after its gap, before the reassembly limit); a retransmit buffer of 64 MiB
-    /// or 200 ms per stream (covers that budget with a wide margin at 1 Gbit/s: 25 MB);
-    /// reassembly given up after 100 ms, at most 64 MiB of it per source.
+    /// or 500 ms per stream (a datagram may wait in its host's queue and a stalled builder
+    /// see the gap late: with 200 ms, testbed runs whose processes stalled for 100-300 ms
+    /// had NACKs arrive too late to be answered, 4-22 datagrams per run; the byte limit
+    /// binds first above 1 Gbit/s); reassembly given up after 100 ms, at most 64 MiB of it
+    /// per source.
     fn default() -> Self {
         Self {
             max_payload: 1420,
             retransmit_bytes: 64 << 20,
-            retransmit_age: Duration::from_millis(200),
+            retransmit_age: Duration::from_millis(500),
             nack_delay: Duration::from_millis(1),
             nack_interval: Duration::from_millis(5),
             max_nacks: 4,
