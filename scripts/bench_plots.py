@@ -22,6 +22,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save(fig, ax, path, title, legend=True):
+    """The common finish of every plot: legend, title, layout, a 110-dpi png."""
+    if legend:
+        ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def tbf(bench):
     rows = list(csv.DictReader(open(os.path.join(bench, "tbf-accuracy.csv"))))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -37,10 +46,8 @@ def tbf(bench):
     ax.set_xlabel("assigned rate per source, Mbit/s")
     ax.set_ylabel("measured - assigned, %")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("token bucket: rate error (saturated sources, loopback namespace, 2 cores)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(bench, "tbf-accuracy.png"), dpi=110)
+    save(fig, ax, os.path.join(bench, "tbf-accuracy.png"),
+         "token bucket: rate error (saturated sources, loopback namespace, 2 cores)")
 
 
 def probe(bench):
@@ -55,10 +62,8 @@ def probe(bench):
     ax.set_ylabel("identified - configured size, %")
     ax.set_ylim(-6, 6)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("shoal probe-switch: buffer size found per configured port queue", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(bench, "probe-switch.png"), dpi=110)
+    save(fig, ax, os.path.join(bench, "probe-switch.png"),
+         "shoal probe-switch: buffer size found per configured port queue")
 
 
 def cpu(bench):
@@ -72,9 +77,8 @@ def cpu(bench):
     ax.invert_yaxis()
     ax.set_xlabel("core-seconds per GB delivered")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(f"full-shape run: CPU per stage ({p.get('mbytes_per_s', 0):.0f} MB/s, perf samples)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(bench, "cpu-profile.png"), dpi=110)
+    save(fig, ax, os.path.join(bench, "cpu-profile.png"),
+         f"full-shape run: CPU per stage ({p.get('mbytes_per_s', 0):.0f} MB/s, perf samples)", legend=False)
 
 
 def pubsub(docs):
@@ -95,10 +99,8 @@ def pubsub(docs):
     ax.set_yscale("log")
     ax.set_ylabel("messages published per s")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("one publisher, N subscribers: shoal dispatcher, Redis, NATS (median of 3)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(os.path.join(docs, "bench", "pubsub.png"), dpi=110)
+    save(fig, ax, os.path.join(docs, "bench", "pubsub.png"),
+         "one publisher, N subscribers: shoal dispatcher, Redis, NATS (median of 3)")
 
 
 def main():
