@@ -214,6 +214,20 @@ impl<T> SliceAssembler<T> {
         (admission, late)
     }
 
+    /// A fragment its source flagged late: data that reached the source after it had sent
+    /// its fragment of the slice (the source SDK). It never joins a slice (the source's
+    /// place in it is taken); it is counted late and its data given back for the late-data
+    /// side stream.
+    pub fn handle_late_fragment(&mut self, source: SourceId, data: T) -> (Admission, Option<T>) {
+        *self.tally.received.entry(source).or_default() += 1;
+        if source >= self.cfg.n_sources {
+            self.tally.unknown_source += 1;
+            return (Admission::UnknownSource, None);
+        }
+        self.tally.late += 1;
+        (Admission::Late, Some(data))
+    }
+
     /// Takes a fragment in, or says why not (with its data back where it still has it).
     #[allow(clippy::too_many_arguments)]
     fn admit(

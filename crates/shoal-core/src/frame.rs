@@ -49,8 +49,14 @@ impl Flags {
     /// The payload is a raw-data record (builder to writer): a fragment saved by the burst
     /// saver or the late-data side stream, or an alert's description ([`crate::rawrec`]).
     pub const RAW: Flags = Flags(1 << 9);
+    /// The payload is user data in no format shoal knows (the source SDK,
+    /// [`crate::ingest`]): `hit_count` is 0, builders store it and filters see no hits.
+    pub const OPAQUE: Flags = Flags(1 << 10);
+    /// Data the source received after it had sent its fragment of this slice (the source
+    /// SDK's late data): it never joins the slice; the builder's late/salvage path takes it.
+    pub const LATE: Flags = Flags(1 << 11);
     /// Every bit defined by v1; a frame with any other bit set is rejected.
-    pub const ALL: Flags = Flags(0b11_1111_1111);
+    pub const ALL: Flags = Flags(0b1111_1111_1111);
     /// The pull control bits.
     pub const CONTROL: Flags = Flags(0b1_1110_0000);
     pub const EMPTY: Flags = Flags(0);

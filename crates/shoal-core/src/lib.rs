@@ -22,6 +22,9 @@
 //!   slices, saved on an external [`alert::Alert`], and the late-data side stream.
 //! - [`rawrec`]: raw-data records (saved fragments, alert descriptions) as `RAW` frames.
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
+//! - [`ingest`]: fragments submitted by user code (the source SDK, input sockets): slice
+//!   assignment from the data's own time, refusals, back-pressure, late data, end of run,
+//!   and the input sockets' framing ([`ingest::wire`]).
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
 //!   manager ([`node::DataFlowManager`]), and the [`node::Workload`] interface.
@@ -46,6 +49,7 @@ pub mod datagram;
 pub mod event;
 pub mod frame;
 pub mod hit;
+pub mod ingest;
 pub mod ledger;
 pub mod node;
 pub mod probe;

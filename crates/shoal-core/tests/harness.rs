@@ -47,6 +47,7 @@ impl Workload for Tagged {
             waveform_count: 0,
             payload: Bytes::from(vec![Tagged::byte(source, slice); self.0]),
             burst: false,
+            opaque: false,
         }
     }
 }

@@ -229,6 +229,7 @@ impl NoiseGenerator {
             waveform_count: waveforms,
             payload: payload.freeze(),
             burst: false,
+            opaque: false,
         }
     }
 }

@@ -426,6 +426,7 @@ impl PhysicsGenerator {
                 waveform_count: waveforms,
                 payload: payload.freeze(),
                 burst,
+                opaque: false,
             },
             hits: out_hits,
             origins,

@@ -54,6 +54,7 @@ impl FixedPayload {
                 waveform_count: waveforms as u32,
                 payload: buf.freeze(),
                 burst: false,
+                opaque: false,
             },
         }
     }

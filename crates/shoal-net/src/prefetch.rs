@@ -263,7 +263,7 @@ mod tests {
         fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
             self.calls.fetch_add(1, Ordering::Relaxed);
             let payload = Bytes::from(format!("{source}:{slice}"));
-            GeneratedFragment { hit_count: 0, waveform_count: 0, payload, burst: false }
+            GeneratedFragment { hit_count: 0, waveform_count: 0, payload, burst: false, opaque: false }
         }
     }
 
@@ -324,6 +324,7 @@ mod tests {
                     waveform_count: 0,
                     payload: Bytes::from(format!("{source}:{slice}")),
                     burst: false,
+                    opaque: false,
                 }
             }
         }

@@ -1062,6 +1062,7 @@ impl World {
             cut_off: r.cut_off,
             send_time: Instant::ZERO,
             recovered,
+            late: false,
         };
         self.builders[builder as usize].node.handle_fragment(now, arrival, ());
     }

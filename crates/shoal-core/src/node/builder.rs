@@ -32,6 +32,8 @@ pub struct Arrival {
     pub send_time: Instant,
     /// It arrived only thanks to a retransmission (datagram transport).
     pub recovered: bool,
+    /// The source flagged it late ([`Flags::LATE`]): it never joins its slice.
+    pub late: bool,
 }
 
 impl Arrival {
@@ -43,6 +45,7 @@ impl Arrival {
             cut_off: h.flags.contains(Flags::CUT_OFF),
             send_time: h.send_time,
             recovered: false,
+            late: h.flags.contains(Flags::LATE),
         }
     }
 }
@@ -193,8 +196,11 @@ impl<T> BuilderNode<T> {
             network_delay = Some(now - a.send_time);
             shaping_delay = Some(a.send_time - self.cfg.slice_clock.end_of(a.slice));
         }
-        let (admission, late) =
-            self.asm.handle_fragment_returning(now, a.source, a.slice, a.wire_bytes, a.cut_off, a.recovered, data);
+        let (admission, late) = if a.late {
+            self.asm.handle_late_fragment(a.source, data)
+        } else {
+            self.asm.handle_fragment_returning(now, a.source, a.slice, a.wire_bytes, a.cut_off, a.recovered, data)
+        };
         if let Some(p) = self.pull.as_mut() {
             p.handle_arrival(now, a.source, a.slice);
         }
@@ -339,6 +345,7 @@ mod tests {
             cut_off: false,
             send_time: Instant::from_nanos(12_000_000),
             recovered: false,
+            late: false,
         }
     }
 

@@ -55,6 +55,10 @@ impl<T> SliceMap<T> {
         (i < self.slots.len()).then_some(i)
     }
 
+    pub(crate) fn contains(&self, slice: SliceNumber) -> bool {
+        self.index(slice).is_some_and(|i| self.slots[i].is_some())
+    }
+
     pub(crate) fn get_mut(&mut self, slice: SliceNumber) -> Option<&mut T> {
         let i = self.index(slice)?;
         self.slots[i].as_mut()

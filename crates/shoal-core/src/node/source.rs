@@ -64,6 +64,14 @@ pub struct SourceNodeConfig {
     /// clock; policies that send by the clock (delayed transmission's slots) still wait
     /// for it, rate shapers (token bucket) and direct sending do not.
     pub saturate: bool,
+    /// A slice is produced this long after its end on the host clock (the source SDK's
+    /// input latency: data of a slice reach the host a little after the slice ends on the
+    /// board; what comes later still goes out late, [`SourceNode::handle_late_fragment`]).
+    /// Zero for generators.
+    pub produce_delay: Duration,
+    /// Saturating, produce only the slices the input has data for
+    /// ([`SourceNode::handle_input_ready`]): submitted data, not the clock, sets the pace.
+    pub data_driven: bool,
 }
 
 impl SourceNodeConfig {
@@ -85,6 +93,8 @@ impl SourceNodeConfig {
             drain_timeout: Duration::from_secs(10),
             record_transmits: false,
             saturate: false,
+            produce_delay: Duration::ZERO,
+            data_driven: false,
         }
     }
 }
@@ -182,6 +192,13 @@ pub struct SourceNodeReport {
     /// [`SourceNodeConfig::held_limit_bytes`] already (also in the tallies' `dropped_at_source`).
     #[cfg_attr(feature = "serde", serde(default))]
     pub dropped_over_memory: u64,
+    /// Source SDK: late fragments (data for a slice already sent) produced, and those that
+    /// could not be routed (pull policies: the slice's builder is not known here; counted
+    /// in the tallies' `dropped_at_source`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub late_fragments: u64,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub late_unroutable: u64,
     /// Pull policies: requests received, and those for a fragment no longer held (a
     /// re-ask for one already handed out, or one evicted) or a source not hosted here.
     #[cfg_attr(feature = "serde", serde(default))]
@@ -272,6 +289,14 @@ pub struct SourceNode {
     in_transport: Vec<u64>,
     /// Bytes of every frame and undecided fragment held (bounded by `held_limit_bytes`).
     held_bytes: u64,
+    /// Late fragments waiting to be handed out whole, and those handed out and not yet
+    /// reported: per (source, slice), their destinations and lengths. A late frame goes
+    /// out only when the on-time frame of its (source, slice) has been reported, so a
+    /// transport report is never ambiguous.
+    late_frames: VecDeque<(usize, SliceNumber, PendingFrame)>,
+    late_in_flight: BTreeMap<(SourceId, SliceNumber), Vec<(BuilderId, u64)>>,
+    /// Data-driven production: the first slice the input has no complete data for.
+    input_ready_below: SliceNumber,
     /// Per builder, the frame whose pieces are being handed out: hosted sources share one
     /// connection per builder, so a frame cut into pieces (token bucket) owns it until its
     /// last piece and pieces of other frames wait in `deferred`.
@@ -340,6 +365,9 @@ impl SourceNode {
             totals: SourceTotals::default(),
             report: SourceNodeReport::default(),
             crc_cache: None,
+            late_frames: VecDeque::new(),
+            late_in_flight: BTreeMap::new(),
+            input_ready_below: 0,
         };
         if node.cfg.slices == Some(0) {
             node.start_drain(now);
@@ -369,7 +397,7 @@ impl SourceNode {
             while !self.ends_before(self.next_slice) && self.next_slice_due(now) {
                 let slice = self.next_slice;
                 // Saturating, slice numbers run ahead of the clock: lag means nothing.
-                if !self.cfg.saturate && self.cfg.max_lag.is_some_and(|lag| now >= clock.end_of(slice) + lag) {
+                if !self.cfg.saturate && self.cfg.max_lag.is_some_and(|lag| now >= self.due_at(slice) + lag) {
                     // Too far behind: a real board would have sent this slice long ago;
                     // skipping it keeps the node within `max_lag` of real time.
                     self.report.slices_skipped += 1;
@@ -382,11 +410,11 @@ impl SourceNode {
                 if !self.cfg.saturate {
                     self.report.slice_end_lag_count += 1;
                     self.report.slice_end_lag_sum_ns +=
-                        now.saturating_duration_since(clock.end_of(slice)).as_nanos() as u64;
+                        now.saturating_duration_since(self.due_at(slice)).as_nanos() as u64;
                 }
-                if !self.cfg.saturate && now >= clock.end_of(slice + 1) {
+                if !self.cfg.saturate && now >= self.due_at(slice + 1) {
                     self.report.late_slice_ends += 1;
-                    let late = now.saturating_duration_since(clock.end_of(slice)).as_nanos() as u64;
+                    let late = now.saturating_duration_since(self.due_at(slice)).as_nanos() as u64;
                     if late > self.report.worst_late_ns {
                         self.report.worst_late_ns = late;
                         self.report.worst_late_into_run_ns =
@@ -488,10 +516,134 @@ impl SourceNode {
         h.shaper.handle_request(now, req);
     }
 
+    /// Data-driven production ([`SourceNodeConfig::data_driven`]): the input has complete
+    /// data for every slice below `below`.
+    pub fn handle_input_ready(&mut self, below: SliceNumber) {
+        self.input_ready_below = self.input_ready_below.max(below);
+    }
+
+    /// Data for (`source`, `slice`) that came after the node produced that slice (the
+    /// source SDK, [`crate::ingest::Ingest::poll_late`]): it goes out whole, flagged
+    /// [`Flags::LATE`], to the slice's builder, outside the shaper's schedule (it is rare
+    /// and its slot has passed), and is accounted like any fragment. Pull policies do not
+    /// know the slice's builder at the source: the fragment is dropped at the source.
+    pub fn handle_late_fragment(
+        &mut self,
+        now: Instant,
+        source: SourceId,
+        slice: SliceNumber,
+        frag: GeneratedFragment,
+    ) {
+        let Some(i) = self.hosted_index(source) else { return };
+        self.hosted[i].tally.produced += 1;
+        self.totals.produced += 1;
+        self.report.late_fragments += 1;
+        self.report.bytes_produced += frag.payload.len() as u64;
+        let len = (HEADER_LEN + frag.payload.len()) as u64;
+        if self.cfg.policy.pull().is_some() || self.held_bytes + len > self.cfg.held_limit_bytes {
+            if self.cfg.policy.pull().is_some() {
+                self.report.late_unroutable += 1;
+            } else {
+                self.report.dropped_over_memory += 1;
+            }
+            self.hosted[i].tally.dropped_at_source += 1;
+            self.totals.dropped += 1;
+            return;
+        }
+        if self.phase == Phase::Closed {
+            // Too late for this run: its streams have ended.
+            self.hosted[i].tally.unsent += 1;
+            return;
+        }
+        let mut flags = Flags::LATE;
+        if frag.opaque {
+            flags = flags | Flags::OPAQUE;
+        }
+        let header = FrameHeader {
+            flags,
+            source,
+            hit_count: frag.hit_count,
+            slice,
+            slice_start: self.cfg.slice_clock.start_of(slice),
+            send_time: Instant::ZERO,
+            payload_len: 0,
+        };
+        let payload_len = u32::try_from(frag.payload.len()).expect("payload longer than u32::MAX");
+        let header =
+            Bytes::copy_from_slice(&frame::encode_header_with_crc(&header, payload_len, crc32c::crc32c(&frag.payload)));
+        self.held_bytes += len;
+        let f = PendingFrame { header, flags, payload: frag.payload, dest: None, dropped: false, handed: 0 };
+        self.late_frames.push_back((i, slice, f));
+        // Produced after the drain began: the drain waits for it like any queued frame.
+        self.check_closed(now);
+    }
+
+    /// The first late frame that may go now: its on-time frame is reported and its
+    /// builder's connection is between frames.
+    fn next_late(&mut self, now: Instant) -> Option<SourceTransmit> {
+        let n_builders = self.cfg.n_builders;
+        let pos = self.late_frames.iter().position(|(i, slice, _)| {
+            let dest = crate::slice::builder_for(*slice, n_builders) as usize;
+            self.open_frame[dest].is_none() && !self.hosted[*i].frames.contains(*slice)
+        })?;
+        let (i, slice, f) = self.late_frames.remove(pos).expect("position found");
+        let dest = crate::slice::builder_for(slice, n_builders);
+        let len = f.len();
+        let h = &mut self.hosted[i];
+        if self.in_transport[dest as usize] + len > self.cfg.queue_limit_bytes {
+            self.held_bytes -= len;
+            h.tally.dropped_at_source += 1;
+            self.totals.dropped += 1;
+            return None;
+        }
+        self.in_transport[dest as usize] += len;
+        self.late_in_flight.entry((h.id, slice)).or_default().push((dest, len));
+        if self.cfg.record_transmits {
+            let rec = TransmitRecord { at: now, source: h.id, dest, slice, bytes: len };
+            self.report.transmits.push(rec);
+        }
+        Some(SourceTransmit {
+            kind: TransmitKind::Data,
+            source: h.id,
+            dest,
+            slice,
+            flags: f.flags,
+            offset: 0,
+            frame_len: len,
+            last: true,
+            head: f.header,
+            body: f.payload,
+        })
+    }
+
+    fn handle_late_report(&mut self, now: Instant, i: usize, slice: SliceNumber, sent: bool) {
+        let h = &mut self.hosted[i];
+        let key = (h.id, slice);
+        let Some(v) = self.late_in_flight.get_mut(&key) else { return };
+        let (dest, len) = v.remove(0);
+        if v.is_empty() {
+            self.late_in_flight.remove(&key);
+        }
+        self.in_transport[dest as usize] -= len;
+        self.held_bytes -= len;
+        if sent {
+            h.sent_to[dest as usize] += 1;
+        } else {
+            h.tally.send_failed += 1;
+            self.totals.dropped += 1;
+        }
+        self.check_closed(now);
+    }
+
     /// The next piece to hand to the transport.
     pub fn poll_transmit(&mut self, now: Instant) -> Option<SourceTransmit> {
         if self.phase == Phase::Closed {
             return self.eos.pop_front();
+        }
+        if !self.late_frames.is_empty()
+            && let Some(t) = self.next_late(now)
+        {
+            return Some(t);
         }
         for dest in 0..if self.deferred_pieces > 0 { self.deferred.len() } else { 0 } {
             while let Some((i, tx)) = self.next_deferred(dest) {
@@ -549,7 +701,7 @@ impl SourceNode {
                     Instant::MAX
                 }
             }
-            _ => self.cfg.slice_clock.end_of(self.next_slice),
+            _ => self.due_at(self.next_slice),
         };
         let mut wake = deadline.min(next_due);
         for h in &self.hosted {
@@ -579,16 +731,25 @@ impl SourceNode {
     /// the next fragment when its tokens come, few enough to bound memory and drift).
     fn next_slice_due(&self, now: Instant) -> bool {
         if self.cfg.saturate {
-            !self.paused && self.queued() < SATURATION_SLICES * self.hosted.len()
+            !self.paused
+                && self.queued() < SATURATION_SLICES * self.hosted.len()
+                && (!self.cfg.data_driven || self.next_slice < self.input_ready_below)
         } else {
-            now >= self.cfg.slice_clock.end_of(self.next_slice)
+            now >= self.due_at(self.next_slice)
         }
+    }
+
+    /// When the node produces `slice`: its end on the slice clock plus the produce delay.
+    fn due_at(&self, slice: SliceNumber) -> Instant {
+        self.cfg.slice_clock.end_of(slice) + self.cfg.produce_delay
     }
 
     /// Fragments produced and not yet reported sent, failed or dropped.
     /// (Deferred pieces belong to frames counted here.)
     pub fn queued(&self) -> usize {
-        self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum()
+        self.hosted.iter().map(|h| h.frames.len() + h.undecided.len()).sum::<usize>()
+            + self.late_frames.len()
+            + self.late_in_flight.values().map(Vec::len).sum::<usize>()
     }
 
     /// Bytes of every fragment the node holds (see [`SourceNodeConfig::held_limit_bytes`]).
@@ -608,9 +769,15 @@ impl SourceNode {
     /// The node's report; fragments still held count as unsent.
     pub fn report(&self) -> SourceNodeReport {
         let mut r = self.report.clone();
-        for h in &self.hosted {
+        for (i, h) in self.hosted.iter().enumerate() {
             let mut t = h.tally.clone();
             t.unsent += (h.frames.len() + h.undecided.len()) as u64;
+            t.unsent += self.late_frames.iter().filter(|(j, _, _)| *j == i).count() as u64;
+            t.unsent += self
+                .late_in_flight
+                .range((h.id, 0)..=(h.id, SliceNumber::MAX))
+                .map(|(_, v)| v.len() as u64)
+                .sum::<u64>();
             for (b, &n) in h.sent_to.iter().enumerate().filter(|(_, n)| **n > 0) {
                 *t.sent.entry(b as BuilderId).or_default() += n;
             }
@@ -729,6 +896,9 @@ impl SourceNode {
         if frag.burst {
             flags = flags | Flags::BURST;
         }
+        if frag.opaque {
+            flags = flags | Flags::OPAQUE;
+        }
         let (hit_count, payload) = if cut {
             flags = flags | Flags::CUT_OFF;
             (0, Bytes::new())
@@ -821,6 +991,11 @@ impl SourceNode {
     fn handle_report(&mut self, now: Instant, source: SourceId, slice: SliceNumber, sent: bool) {
         let Some(i) = self.hosted_index(source) else { return };
         let h = &mut self.hosted[i];
+        if !h.frames.contains(slice) && self.late_in_flight.contains_key(&(source, slice)) {
+            self.handle_late_report(now, i, slice, sent);
+            return;
+        }
+        let h = &mut self.hosted[i];
         // End-of-stream markers are not held: nothing to account.
         let Some(f) = h.frames.remove(slice) else { return };
         let Some(dest) = f.dest else {
@@ -857,6 +1032,7 @@ mod tests {
                 waveform_count: 0,
                 payload: Bytes::from(vec![0u8; self.0]),
                 burst: false,
+                opaque: false,
             }
         }
     }
@@ -876,6 +1052,69 @@ mod tests {
 
     fn drain(node: &mut SourceNode, now: Instant) -> Vec<SourceTransmit> {
         std::iter::from_fn(|| node.poll_transmit(now)).collect()
+    }
+
+    fn opaque(payload: &'static [u8]) -> GeneratedFragment {
+        GeneratedFragment { payload: Bytes::from_static(payload), opaque: true, ..GeneratedFragment::empty() }
+    }
+
+    #[test]
+    fn late_fragments_go_out_whole_after_their_on_time_frame_and_are_accounted() {
+        let mut c = cfg(vec![0], 2, "direct");
+        c.slices = Some(2);
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let t = Instant::from_nanos(10 * MS);
+        node.handle_timeout(t, &Fixed(60));
+        assert_eq!(drain(&mut node, t).len(), 1);
+        node.handle_late_fragment(t, 0, 0, opaque(b"late data"));
+        assert!(drain(&mut node, t).is_empty(), "the on-time frame of (0, 0) is not reported yet");
+        node.handle_sent(t, 0, 0);
+        let tx = drain(&mut node, t);
+        assert_eq!(tx.len(), 1);
+        assert!(tx[0].flags.contains(Flags::LATE) && tx[0].flags.contains(Flags::OPAQUE));
+        assert_eq!((tx[0].dest, tx[0].slice, tx[0].last, &tx[0].body[..]), (0, 0, true, &b"late data"[..]));
+        let h = frame::decode(&[&tx[0].head[..], &tx[0].body[..]].concat(), 1 << 20).expect("a valid frame");
+        assert_eq!(h.0.payload.len(), 9);
+        assert_eq!(node.queued(), 1);
+        node.handle_sent(t, 0, 0);
+        assert_eq!(node.queued(), 0);
+        let r = node.report();
+        assert_eq!((r.tallies[&0].produced, r.tallies[&0].sent[&0], r.late_fragments), (2, 2, 1));
+        assert_eq!(node.in_transport(0), 0);
+    }
+
+    #[test]
+    fn a_late_fragment_under_pull_is_dropped_at_the_source_and_counted() {
+        let mut node = SourceNode::new(cfg(vec![0], 2, "pull:2"), Instant::ZERO);
+        node.handle_late_fragment(Instant::ZERO, 0, 0, opaque(b"x"));
+        let r = node.report();
+        assert_eq!((r.tallies[&0].produced, r.tallies[&0].dropped_at_source, r.late_unroutable), (1, 1, 1));
+    }
+
+    #[test]
+    fn the_produce_delay_shifts_every_slice_end() {
+        let mut c = cfg(vec![0], 1, "direct");
+        c.produce_delay = Duration::from_millis(3);
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        assert_eq!(node.poll_timeout(), Some(Instant::from_nanos(13 * MS)));
+        node.handle_timeout(Instant::from_nanos(12 * MS), &Fixed(6));
+        assert_eq!(node.next_slice(), 0);
+        node.handle_timeout(Instant::from_nanos(13 * MS), &Fixed(6));
+        assert_eq!(node.next_slice(), 1);
+    }
+
+    #[test]
+    fn data_driven_saturation_produces_only_what_the_input_has() {
+        let mut c = cfg(vec![0], 1, "direct");
+        (c.saturate, c.data_driven) = (true, true);
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        node.handle_timeout(Instant::ZERO, &Fixed(6));
+        assert_eq!(node.next_slice(), 0);
+        assert_eq!(node.poll_timeout(), Some(Instant::MAX), "waits for input, not a time");
+        node.handle_input_ready(2);
+        assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
+        node.handle_timeout(Instant::ZERO, &Fixed(6));
+        assert_eq!(node.next_slice(), 2);
     }
 
     #[test]
@@ -1082,7 +1321,7 @@ mod tests {
                 } else {
                     self.0.clone()
                 };
-                GeneratedFragment { hit_count: 16, waveform_count: 0, payload, burst: false }
+                GeneratedFragment { hit_count: 16, waveform_count: 0, payload, burst: false, opaque: false }
             }
         }
         let w = Mixed(Bytes::from(vec![7u8; 96]));

@@ -14,12 +14,16 @@ pub struct GeneratedFragment {
     pub payload: Bytes,
     /// The source was in a bioluminescence burst (the burst cutoff acts on it).
     pub burst: bool,
+    /// The payload is user data in no format shoal knows (submitted through the source
+    /// SDK, `crate::ingest`): sent with [`crate::frame::Flags::OPAQUE`], stored, not
+    /// filtered. `hit_count` is then 0.
+    pub opaque: bool,
 }
 
 impl GeneratedFragment {
     /// A fragment with no data (what a paused source sends).
     pub fn empty() -> Self {
-        Self { hit_count: 0, waveform_count: 0, payload: Bytes::new(), burst: false }
+        Self { hit_count: 0, waveform_count: 0, payload: Bytes::new(), burst: false, opaque: false }
     }
 }
 
