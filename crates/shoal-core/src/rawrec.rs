@@ -10,6 +10,7 @@
 //! | 0 fragment | the fragment's source | the fragment's | the fragment's payload, byte for byte |
 //! | 1 alert opened | the builder | 0 | the alert's text ([`crate::alert`]) |
 //! | 2 alert closed | the builder | 0 | the builder's report, JSON |
+//! | 3 slice data | the fragment's source | the fragment's | a processed slice's fragment, byte for byte (`builder.store_slices`: the run's complete data, record stream 0) |
 //!
 //! Byte-for-byte: a saved fragment's payload is exactly what the source sent, so a
 //! deterministic generator can check it.
@@ -29,6 +30,8 @@ pub enum RawKind {
     Fragment,
     AlertOpened,
     AlertClosed,
+    /// A fragment of a processed slice, stored whole (`builder.store_slices`).
+    SliceData,
 }
 
 impl RawKind {
@@ -37,6 +40,7 @@ impl RawKind {
             RawKind::Fragment => 0,
             RawKind::AlertOpened => 1,
             RawKind::AlertClosed => 2,
+            RawKind::SliceData => 3,
         }
     }
     fn from_code(c: u32) -> Option<Self> {
@@ -44,6 +48,7 @@ impl RawKind {
             0 => RawKind::Fragment,
             1 => RawKind::AlertOpened,
             2 => RawKind::AlertClosed,
+            3 => RawKind::SliceData,
             _ => return None,
         })
     }
@@ -142,7 +147,7 @@ impl RawRecord {
         }
         let word = |i: usize| u32::from_le_bytes(p[i..i + 4].try_into().expect("4 bytes"));
         let kind = RawKind::from_code(word(8)).ok_or(RawError::UnknownKind(word(8)))?;
-        if kind != RawKind::Fragment && f.header.hit_count != 0 {
+        if !matches!(kind, RawKind::Fragment | RawKind::SliceData) && f.header.hit_count != 0 {
             return Err(RawError::DescriptionWithHits);
         }
         let head = RawHead {

@@ -319,7 +319,12 @@ async fn serve_frames<R: crate::framed::ReadSource>(
         if h.flags.contains(Flags::RAW) {
             break reader.reject("unexpected_raw", "a RAW frame on a data port");
         }
-        if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
+        if h.flags.contains(Flags::OPAQUE) {
+            // User data in no format shoal knows (the source SDK): stored, not parsed.
+            if h.hit_count != 0 {
+                break reader.reject("opaque_with_hits", "an OPAQUE frame claims hits");
+            }
+        } else if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
             break reader.reject("bad_payload", &e.to_string());
         }
         if tx.send(Incoming::Frame { frame, arrival: clock.now() }).await.is_err() {
@@ -487,8 +492,15 @@ pub async fn run_builder(
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
-            let job =
-                FilterJob { id, cfg: filter_cfg, slice_clock, tap_events, least_per_slice, abandon: filter_abandon };
+            let job = FilterJob {
+                id,
+                cfg: filter_cfg,
+                slice_clock,
+                tap_events,
+                least_per_slice,
+                abandon: filter_abandon,
+                store_slices: cfg.builder.store_slices,
+            };
             filter_loop(job, out_rx, released_tx, filter_link, filter_live)
         })
         .expect("spawn filter thread");
@@ -948,6 +960,8 @@ struct FilterJob {
     least_per_slice: StdDuration,
     /// Set at the end of the drain: skip what is still queued (counted).
     abandon: Arc<std::sync::atomic::AtomicBool>,
+    /// `builder.store_slices`: every fragment of every processed slice to the writer.
+    store_slices: bool,
 }
 
 fn filter_loop(
@@ -957,7 +971,7 @@ fn filter_loop(
     link: Arc<Link>,
     live: Arc<Live>,
 ) -> (u64, f64, u64) {
-    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon } = job;
+    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon, store_slices } = job;
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
@@ -1000,6 +1014,30 @@ fn filter_loop(
             live.tap.offer(crate::tap::TAG_EVENTS, frame::encode(&header, &payload));
         }
         link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
+        if store_slices {
+            for f in &data.fragments {
+                let head = shoal_core::rawrec::RawHead {
+                    builder: id,
+                    record: 0,
+                    kind: shoal_core::rawrec::RawKind::SliceData,
+                    source: f.source,
+                    slice,
+                    slice_start,
+                    hit_count: f.hit_count,
+                };
+                // Header and prefix copied, the payload handed on as it is.
+                let (h, prefix) = head.encode_parts(&f.payload);
+                let head_bytes = Bytes::from([&h[..], &prefix[..]].concat());
+                link.send(Chunk {
+                    source: id,
+                    slice,
+                    first: true,
+                    last: true,
+                    head: head_bytes,
+                    body: f.payload.clone(),
+                });
+            }
+        }
         let _ = released.send(bytes);
     }
     filter.cleanup();

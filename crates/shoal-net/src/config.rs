@@ -267,6 +267,34 @@ pub struct SourceConfig {
     /// Reconnect backoff bounds.
     pub reconnect_min_ms: u64,
     pub reconnect_max_ms: u64,
+    /// Where the data come from: `""` (the generator above), `unix:PATH` (readout programs
+    /// write fragments in the input framing of docs/sdk.md to this stream socket) or
+    /// `udp:ADDR` (one fragment per datagram, sequence numbers per source). The source
+    /// SDK (Rust, C, Python) submits through the same path whatever this says.
+    pub input: String,
+    /// How data times are counted: `unix` (ns since 1970, a board on White Rabbit or GPS
+    /// time) or `run` (ns since the start of the run's first slice).
+    pub input_time_base: String,
+    /// A slice is sent this long after its end on the host clock, so data that reach the
+    /// host shortly after their slice ended still travel on time; later data go out as
+    /// late fragments (counted).
+    pub input_latency_ms: u64,
+    /// Most payload bytes of one source's fragment of one slice, MiB.
+    pub input_max_fragment_mb: u32,
+    /// Most payload bytes held by the input before back-pressure, MiB.
+    pub input_held_mb: u64,
+    /// A fragment more than this many seconds ahead of the slice being sent is refused
+    /// (a board clock gone wrong would otherwise fill memory).
+    pub input_max_ahead_s: f64,
+    /// When the input is full: `block` the caller (up to `input_block_ms`, then refuse,
+    /// counted) or `drop` at once (counted).
+    pub input_backpressure: String,
+    pub input_block_ms: u64,
+    /// `unix:` input: most clients connected at once (more are refused, counted).
+    pub input_max_clients: u32,
+    /// `unix:` input with `run.seconds = 0`: the run ends when every client that
+    /// connected has disconnected (after the first one).
+    pub input_end_on_disconnect: bool,
 }
 
 impl Default for SourceConfig {
@@ -293,6 +321,16 @@ impl Default for SourceConfig {
             drain_timeout_ms: 10_000,
             reconnect_min_ms: 50,
             reconnect_max_ms: 2_000,
+            input: String::new(),
+            input_time_base: "unix".into(),
+            input_latency_ms: 20,
+            input_max_fragment_mb: 16,
+            input_held_mb: 256,
+            input_max_ahead_s: 10.0,
+            input_backpressure: "block".into(),
+            input_block_ms: 1_000,
+            input_max_clients: 64,
+            input_end_on_disconnect: true,
         }
     }
 }
@@ -322,6 +360,10 @@ pub struct BuilderConfig {
     /// How TCP data connections are read: `epoll` (tokio, the default) or `io_uring`
     /// (one thread with a tokio-uring runtime; see docs/benchmarks.md).
     pub receive: ReceivePath,
+    /// Store every processed slice whole, each fragment's payload byte for byte, in the
+    /// writer's `run{N:06}.slices.parquet` (beside the filter's events): the run's raw
+    /// data, for data the filters cannot read (opaque SDK payloads) or a run kept whole.
+    pub store_slices: bool,
 }
 
 /// A builder's receive path for TCP data connections (`builder.receive`).
@@ -348,6 +390,7 @@ impl Default for BuilderConfig {
             filter: FilterConfig::default(),
             fault_filter_ms_per_slice: 0,
             receive: ReceivePath::Epoll,
+            store_slices: false,
         }
     }
 }
@@ -370,6 +413,34 @@ impl Default for WriterConfig {
     fn default() -> Self {
         Self { listen: None, out_dir: PathBuf::from("shoal-out"), keep_existing: false }
     }
+}
+
+/// Where a source process's data come from (`source.input`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    /// The configured generator.
+    Generator,
+    /// A stream socket readout programs write the input framing to.
+    Unix(PathBuf),
+    /// Datagrams, one fragment each.
+    Udp(SocketAddr),
+}
+
+/// What to do when the input holds its bound (`source.input_backpressure`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backpressure {
+    /// Block the caller up to this long, then refuse (counted).
+    Block(std::time::Duration),
+    /// Refuse at once (counted).
+    Drop,
+}
+
+/// The input's settings, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputSettings {
+    pub backpressure: Backpressure,
+    /// Data times count from the start of the run's first slice.
+    pub run_relative: bool,
 }
 
 /// A configuration that parses but cannot run.
@@ -435,6 +506,8 @@ impl Config {
             return invalid("builder.max_active must be at least 1");
         }
         self.generator()?;
+        self.input()?;
+        self.input_settings()?;
         shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         Ok(())
     }
@@ -517,6 +590,73 @@ impl Config {
         })
     }
 
+    /// Where this source process's data come from (`source.input`).
+    pub fn input(&self) -> Result<InputKind, ConfigError> {
+        let s = self.source.input.trim();
+        if s.is_empty() {
+            return Ok(InputKind::Generator);
+        }
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return invalid("source.input \"unix:\" needs a path");
+            }
+            return Ok(InputKind::Unix(PathBuf::from(path)));
+        }
+        if let Some(addr) = s.strip_prefix("udp:") {
+            return addr
+                .parse()
+                .map(InputKind::Udp)
+                .map_err(|e| ConfigError::Invalid(format!("source.input {s:?}: {e}")));
+        }
+        invalid(format!("source.input {s:?}: \"\" (the generator), unix:PATH or udp:ADDR"))
+    }
+
+    /// The input's settings (`source.input_*`).
+    pub fn input_settings(&self) -> Result<InputSettings, ConfigError> {
+        let s = &self.source;
+        let backpressure = match s.input_backpressure.as_str() {
+            "block" => Backpressure::Block(std::time::Duration::from_millis(s.input_block_ms)),
+            "drop" => Backpressure::Drop,
+            other => return invalid(format!("source.input_backpressure {other:?}: block or drop")),
+        };
+        let run_relative = match s.input_time_base.as_str() {
+            "unix" => false,
+            "run" => true,
+            other => return invalid(format!("source.input_time_base {other:?}: unix or run")),
+        };
+        if !(s.input_max_ahead_s.is_finite() && s.input_max_ahead_s > 0.0) {
+            return invalid("source.input_max_ahead_s must be a positive number of seconds");
+        }
+        if s.input_max_fragment_mb == 0 || s.input_held_mb == 0 {
+            return invalid("source.input_max_fragment_mb and source.input_held_mb must be at least 1");
+        }
+        if s.input_max_fragment_mb > self.builder.max_payload_mb {
+            return invalid(format!(
+                "source.input_max_fragment_mb {} is over builder.max_payload_mb {}: builders would refuse such fragments",
+                s.input_max_fragment_mb, self.builder.max_payload_mb
+            ));
+        }
+        Ok(InputSettings { backpressure, run_relative })
+    }
+
+    /// The ingest's settings for a run that starts at `first_slice`.
+    pub fn ingest_config(&self, first_slice: u64) -> Result<shoal_core::ingest::IngestConfig, ConfigError> {
+        let clock = self.slice_clock()?;
+        let settings = self.input_settings()?;
+        let s = &self.source;
+        let slice_ns = clock.length().as_nanos() as u64;
+        Ok(shoal_core::ingest::IngestConfig {
+            sources: self.hosted_sources(),
+            slice_clock: clock,
+            first_slice,
+            end_slice: self.slices()?.map(|n| first_slice + n),
+            time_origin_ns: if settings.run_relative { clock.start_of(first_slice).as_nanos() } else { 0 },
+            max_fragment_bytes: u64::from(s.input_max_fragment_mb) << 20,
+            max_held_bytes: s.input_held_mb << 20,
+            max_ahead_slices: ((s.input_max_ahead_s * 1e9) as u64).div_ceil(slice_ns).max(2),
+        })
+    }
+
     /// The source node's settings for the sources this process hosts.
     pub fn source_node(&self) -> Result<SourceNodeConfig, ConfigError> {
         let clock = self.slice_clock()?;
@@ -531,6 +671,10 @@ impl Config {
         c.stall_limit_slices = s.stall_limit_slices.max(1);
         c.drain_timeout = Duration::from_millis(s.drain_timeout_ms);
         c.saturate = s.saturate;
+        if self.input()? != InputKind::Generator {
+            c.produce_delay = Duration::from_millis(s.input_latency_ms);
+            c.data_driven = true;
+        }
         Ok(c)
     }
 
@@ -661,5 +805,10 @@ mod tests {
         assert!(bad("[source]\ngenerator = \"noise\"\n[source.noise]\nrate_hz = -1.0").contains("rate"));
         assert!(bad("[source.physics]\nsingles_hz = -1.0").contains("source.physics"));
         assert!(bad("[run]\ntransport = \"sctp\"").contains("run.transport"));
+        assert!(bad("[source]\ninput = \"tcp:1.2.3.4:5\"").contains("source.input"));
+        assert!(bad("[source]\ninput = \"udp:nowhere\"").contains("source.input"));
+        assert!(bad("[source]\ninput_backpressure = \"maybe\"").contains("input_backpressure"));
+        assert!(bad("[source]\ninput_time_base = \"gps\"").contains("input_time_base"));
+        assert!(bad("[source]\ninput_max_fragment_mb = 64").contains("max_payload_mb"));
     }
 }

@@ -25,6 +25,11 @@
 //! and a builder can read its connections through io_uring ([`uring`],
 //! `builder.receive = "io_uring"`).
 //!
+//! Real data in: [`sdk::SourceHandle`] is the source SDK's Rust face (open from the
+//! configuration, `submit`, `flush`, `close`); [`ingest`] holds the ingest its submitters
+//! share with the source loop and the input sockets (`source.input = "unix:PATH"` or
+//! `"udp:ADDR"`). The C ABI (`shoal-ffi`) and the Python module (`shoal-py`) wrap the SDK.
+//!
 //! Every process divides one memory budget among its queues at start, or refuses to start
 //! with what would fit ([`budget::plan`]).
 //!
@@ -38,6 +43,7 @@ pub mod config;
 pub mod demo;
 pub mod dfm;
 pub mod framed;
+pub mod ingest;
 pub mod link;
 pub mod listen;
 pub mod live;
@@ -47,6 +53,7 @@ pub mod prefetch;
 pub mod probe;
 pub mod rcagent;
 pub mod schedstat;
+pub mod sdk;
 pub mod source;
 pub mod spool;
 pub mod tap;

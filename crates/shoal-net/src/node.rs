@@ -360,6 +360,7 @@ async fn start_data(
     cfg.run.start_slice = start_slice;
     // Run control decides when the run ends.
     cfg.run.seconds = 0.0;
+    cfg.source.input_end_on_disconnect = false;
     cfg.writer.keep_existing = true;
     std::fs::create_dir_all(&cfg.writer.out_dir)
         .with_context(|| format!("creating {}", cfg.writer.out_dir.display()))?;

@@ -25,6 +25,7 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, Transport};
+use crate::ingest::SharedIngest;
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 use crate::prefetch::{self, Prefetch};
@@ -44,7 +45,27 @@ pub async fn run_source_node(
 ) -> Result<SourceReport, ConfigError> {
     let mut cfg = cfg;
     cfg.source.ids = ids;
-    run_source(&cfg, clock, live, cancel, false).await
+    let kind = cfg.input()?;
+    if kind == crate::config::InputKind::Generator {
+        return run_source(&cfg, clock, live, cancel, false).await;
+    }
+    // Real data from an input socket: fix the first slice now, so the ingest and the node
+    // agree on it.
+    let first = cfg
+        .run
+        .start_slice
+        .unwrap_or_else(|| cfg.slice_clock().map(|c| c.first_on_a_second_after(clock.now())).unwrap_or_default());
+    cfg.run.start_slice = Some(first);
+    if let crate::config::InputKind::Unix(path) = &kind {
+        crate::ingest::check_unix_path(path)?;
+    }
+    let ingest = crate::ingest::shared_ingest(&cfg, first)?;
+    let input = crate::ingest::InputTask::start(&kind, &cfg, ingest.clone())?;
+    let r = run_source_with(&cfg, clock, live, cancel, false, Some(ingest)).await;
+    if let Some(input) = input {
+        input.stop();
+    }
+    r
 }
 
 /// [`run_source_node`] for the sources of `cfg.source.ids`, optionally keeping the log of
@@ -56,8 +77,29 @@ pub async fn run_source(
     cancel: CancellationToken,
     record_transmits: bool,
 ) -> Result<SourceReport, ConfigError> {
+    run_source_with(cfg, clock, live, cancel, record_transmits, None).await
+}
+
+/// [`run_source`] whose fragments come from `ingest` (the source SDK, input sockets)
+/// instead of the generator, when given. The ingest's first slice is the node's.
+pub async fn run_source_with(
+    cfg: &Config,
+    clock: WallClock,
+    live: Arc<Live>,
+    cancel: CancellationToken,
+    record_transmits: bool,
+    ingest: Option<Arc<SharedIngest>>,
+) -> Result<SourceReport, ConfigError> {
     let mut node_cfg = cfg.source_node()?;
     node_cfg.record_transmits = record_transmits;
+    if let Some(i) = &ingest {
+        node_cfg.first_slice = Some(i.first_slice());
+        node_cfg.produce_delay = Duration::from_millis(cfg.source.input_latency_ms);
+        node_cfg.data_driven = true;
+    }
+    // The finish of the ingest whatever way this function ends: submitters blocked on
+    // back-pressure or flush are released, later submissions refused.
+    let _finish = FinishIngest(ingest.clone());
     let generator = cfg.workload()?;
     let addrs = (0..cfg.run.builders).map(|b| cfg.builder_addr(b)).collect::<Result<Vec<_>, _>>()?;
     let backoff = Backoff {
@@ -116,8 +158,9 @@ pub async fn run_source(
     // Slices computed ahead, off the runtime's workers (crate::prefetch); or, with
     // `source.generate_ahead_ms = 0`, in this task at each slice end.
     let limit = cfg.source.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES);
-    let workload = match prefetch::ahead_slices(cfg)? {
-        ahead if ahead > 0 && limit > 0 => SourceWorkload::Ahead(
+    let workload = match (&ingest, prefetch::ahead_slices(cfg)?) {
+        (Some(i), _) => SourceWorkload::Ingest(i.clone()),
+        (None, ahead) if ahead > 0 && limit > 0 => SourceWorkload::Ahead(
             Prefetch::new(generator, sources, node.next_slice(), ahead, limit)
                 .map_err(|e| ConfigError::Invalid(format!("starting the generator thread: {e}")))?,
         ),
@@ -137,8 +180,21 @@ pub async fn run_source(
             node.handle_end_slice(now, end);
         }
         node.handle_pause(live.is_paused());
+        if let Some(i) = &ingest {
+            let input = i.poll_loop();
+            for (source, slice, frag) in input.late {
+                node.handle_late_fragment(now, source, slice, frag);
+            }
+            node.handle_input_ready(input.ready_below);
+            if let Some(end) = input.end_after {
+                node.handle_end_slice(now, end);
+            }
+        }
         node.handle_timeout(now, &workload);
         pump(&mut node, &links, now, &live, &mut seen);
+        if let Some(i) = &ingest {
+            i.publish_progress(node.queued(), node.next_slice());
+        }
         if node.is_closed() {
             break;
         }
@@ -159,7 +215,13 @@ pub async fn run_source(
                     node.handle_request(now, r.source, PullRequest { builder, slice: r.slice });
                 }
             },
-            _ = cancel.cancelled(), if node.is_producing() => node.handle_stop(clock.now()),
+            _ = ingest_woken(&ingest) => {}
+            _ = cancel.cancelled(), if node.is_producing() => {
+                node.handle_stop(clock.now());
+                if let Some(i) = &ingest {
+                    i.close();
+                }
+            }
         }
     }
     // The end-of-stream markers are queued behind the data on every link: close the links
@@ -192,6 +254,10 @@ pub async fn run_source(
         );
     }
     let mut report = node.report();
+    if let Some(i) = &ingest {
+        i.finish();
+        report.ingest = Some(i.report());
+    }
     // Every report has come, so every link task has ended (or was aborted above).
     for t in tasks {
         if let LinkTask::Udp(t) = t
@@ -207,6 +273,8 @@ pub async fn run_source(
 enum SourceWorkload {
     Ahead(Prefetch<Generator>),
     AtSliceEnd(Generator),
+    /// Submitted by user code (SDK, input sockets).
+    Ingest(Arc<SharedIngest>),
 }
 
 impl Workload for SourceWorkload {
@@ -214,6 +282,26 @@ impl Workload for SourceWorkload {
         match self {
             SourceWorkload::Ahead(p) => p.generate(source, slice),
             SourceWorkload::AtSliceEnd(g) => g.generate(source, slice),
+            SourceWorkload::Ingest(i) => i.generate(source, slice),
+        }
+    }
+}
+
+/// Resolves when the ingest has news for the loop (never without an ingest).
+async fn ingest_woken(ingest: &Option<Arc<SharedIngest>>) {
+    match ingest {
+        Some(i) => i.wake.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Finishes the ingest when dropped (see [`run_source_with`]).
+struct FinishIngest(Option<Arc<SharedIngest>>);
+
+impl Drop for FinishIngest {
+    fn drop(&mut self) {
+        if let Some(i) = &self.0 {
+            i.finish();
         }
     }
 }

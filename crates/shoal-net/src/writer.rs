@@ -1,7 +1,9 @@
 //! The writer: accepts event frames from every builder and stores them in one Parquet file
 //! per run (`run{N:06}.events.parquet`), plus a JSON summary (`run{N:06}.writer.json`).
 //! Raw data the builders save (alert windows, late fragments; `RAW` frames) go to
-//! `run{N:06}.raw.parquet`, created at the first one.
+//! `run{N:06}.raw.parquet`, created at the first one; processed slices stored whole
+//! (`builder.store_slices`, raw records of kind slice data) to `run{N:06}.slices.parquet`,
+//! same schema.
 //! Parquet writing runs on a thread of its own so that receiving never waits for disk.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -44,6 +46,9 @@ pub struct WriterReport {
     /// Raw data saved by the builders (none: no alert and no late fragment).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raw: Option<RawFileStats>,
+    /// Processed slices stored whole (`builder.store_slices`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slices_file: Option<RawFileStats>,
     /// Every alert's report, one per builder.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub alerts: Vec<AlertReport>,
@@ -180,8 +185,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     let (disk_tx, mut disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
     let queue_room = Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB));
     let raw_path = name("raw", "parquet");
+    let slices_path = name("slices", "parquet");
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
         let mut raw: Option<RawFileWriter> = None;
+        let mut slices: Option<RawFileWriter> = None;
         let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
         while let Some(work) = disk_rx.blocking_recv() {
             match work {
@@ -196,11 +203,17 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                         names.insert((r.head.builder, r.head.record), name);
                         continue;
                     }
-                    let w = match raw.as_mut() {
+                    let (file, path) = if r.head.kind == RawKind::SliceData {
+                        (&mut slices, &slices_path)
+                    } else {
+                        (&mut raw, &raw_path)
+                    };
+                    let w = match file.as_mut() {
                         Some(w) => w,
-                        None => raw.insert(RawFileWriter::create(&raw_path, run)?),
+                        None => file.insert(RawFileWriter::create(path, run)?),
                     };
                     w.write(&RawRow {
+                        whole_slice: r.head.kind == RawKind::SliceData,
                         builder: r.head.builder,
                         alert: r.head.record,
                         alert_name: names.get(&(r.head.builder, r.head.record)).map(String::as_str),
@@ -214,7 +227,8 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
             }
         }
         let raw = raw.map(RawFileWriter::close).transpose()?;
-        Ok::<_, shoal_store::StoreError>((file.close()?, raw))
+        let slices = slices.map(RawFileWriter::close).transpose()?;
+        Ok::<_, shoal_store::StoreError>((file.close()?, raw, slices))
     })?;
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
@@ -266,7 +280,8 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     drop(disk_tx);
     report.builders_ended = ended.len();
     match tokio::task::spawn_blocking(move || disk.join()).await? {
-        Ok(Ok((stats, raw))) => {
+        Ok(Ok((stats, raw, slices))) => {
+            report.slices_file = slices;
             report.file = stats;
             report.raw = raw;
         }

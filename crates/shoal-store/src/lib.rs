@@ -258,8 +258,11 @@ pub struct RawFileStats {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRow<'a> {
     pub builder: u32,
-    /// 0: the late stream; otherwise the builder's alert number.
+    /// 0: the late stream (or a stored slice); otherwise the builder's alert number.
     pub alert: u32,
+    /// A fragment of a processed slice stored whole (`builder.store_slices`): stream
+    /// `slice` instead of `late`.
+    pub whole_slice: bool,
     pub alert_name: Option<&'a str>,
     pub slice: u64,
     pub source: u32,
@@ -326,7 +329,11 @@ impl RawFileWriter {
 
     pub fn write(&mut self, row: &RawRow<'_>) -> Result<(), StoreError> {
         self.builder.append_value(row.builder);
-        self.stream.append_value(if row.alert == 0 { "late" } else { "alert" });
+        self.stream.append_value(match (row.whole_slice, row.alert) {
+            (true, _) => "slice",
+            (false, 0) => "late",
+            (false, _) => "alert",
+        });
         self.alert.append_value(row.alert);
         self.alert_name.append_option(row.alert_name);
         self.slice.append_value(row.slice);
@@ -485,6 +492,7 @@ mod tests {
             let alert = (i % 3) as u32;
             let name = (alert > 0).then_some("GRB");
             let row = RawRow {
+                whole_slice: false,
                 builder: 1,
                 alert,
                 alert_name: name,

@@ -148,8 +148,14 @@ pub struct IngestReport {
     /// Refused submissions per [`IngestError::kind`], and per input-side problem
     /// (`bad_magic`, `partial_at_disconnect`, ...) counted by the inputs.
     pub rejected: BTreeMap<String, u64>,
-    /// Datagram inputs: fragments never received (gaps in a source's sequence numbers).
+    /// Datagram inputs: fragments never received (gaps in a source's sequence numbers),
+    /// and datagrams that came behind the sequence (reordered: accepted, and taken back
+    /// from `lost_at_input`, where their gap had counted them).
     pub lost_at_input: u64,
+    pub reordered_at_input: u64,
+    /// Accepted for a slice the run never produced (it ended first: a run-control STOP
+    /// before the data's time); discarded at the end, counted.
+    pub discarded_at_end: u64,
 }
 
 impl IngestReport {
@@ -160,7 +166,7 @@ impl IngestReport {
 
     /// Every accepted submission is in a fragment or still held.
     pub fn balanced(&self) -> bool {
-        self.accepted == self.in_fragments + self.held
+        self.accepted == self.in_fragments + self.held + self.discarded_at_end
     }
 }
 
@@ -418,6 +424,28 @@ impl Ingest {
         self.report.lost_at_input += n;
     }
 
+    /// A datagram input got one behind its sequence (counted lost when its gap was seen).
+    pub fn handle_reordered_at_input(&mut self) {
+        self.report.reordered_at_input += 1;
+        self.report.lost_at_input = self.report.lost_at_input.saturating_sub(1);
+    }
+
+    /// The run is over: what is still held will never be produced (counted discarded).
+    pub fn handle_finish(&mut self) {
+        self.closed = true;
+        let mut n = 0;
+        for (_, h) in &mut self.hosted {
+            n += h.pending.values().map(|p| p.submissions).sum::<u64>();
+            h.pending.clear();
+        }
+        n += self.late.values().map(|p| p.submissions).sum::<u64>();
+        self.late.clear();
+        self.late_order.clear();
+        self.held_bytes = 0;
+        self.report.held -= n;
+        self.report.discarded_at_end += n;
+    }
+
     /// No more submissions: the run ends after the last slice with data.
     pub fn handle_close(&mut self) {
         self.closed = true;
@@ -574,6 +602,17 @@ mod tests {
         assert!(i.poll_late().is_none());
         assert_eq!(i.report().late, 2);
         assert!(i.report().balanced());
+    }
+
+    #[test]
+    fn what_the_run_never_produced_is_discarded_and_counted_at_the_end() {
+        let mut i = ingest();
+        i.handle_submit(opaque(0, 1000 * MS, b"a")).unwrap();
+        i.handle_submit(opaque(0, 1001 * MS, b"b")).unwrap();
+        i.handle_finish();
+        let r = i.report();
+        assert_eq!((r.held, r.discarded_at_end, r.in_fragments), (0, 2, 0));
+        assert!(r.balanced() && i.is_empty());
     }
 
     #[test]

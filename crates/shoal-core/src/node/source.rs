@@ -209,6 +209,10 @@ pub struct SourceNodeReport {
     /// in by the driver, which owns the streams).
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
     pub datagrams: Option<crate::datagram::SenderStats>,
+    /// Source SDK and inputs: what the ingest accepted, refused and lost (filled in by
+    /// the driver, which owns the ingest).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub ingest: Option<crate::ingest::IngestReport>,
     /// With [`SourceNodeConfig::record_transmits`]: every piece handed out, in order.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
     pub transmits: Vec<TransmitRecord>,

@@ -1,0 +1,469 @@
+//! Real data in: the shared ingest a source process's submitters and its node loop meet
+//! at, and the input sockets (`source.input = "unix:PATH" | "udp:ADDR"`).
+//!
+//! [`SharedIngest`] wraps shoal-core's [`Ingest`] (every decision) in a mutex with two
+//! wake-ups: a condition variable for submitters blocked by back-pressure (and `flush`),
+//! and a tokio [`Notify`] for the source loop. Submitters are plain threads (the SDK's
+//! callers, one thread per input connection), so back-pressure is simply blocking: a
+//! readout program writing to a `unix:` socket waits on its `write` when shoal is full.
+//!
+//! The input threads read with a short timeout so that they see the run end; nothing in
+//! them waits on a condition by sleeping.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration as StdDuration, Instant as StdInstant};
+
+use bytes::Bytes;
+use shoal_core::SourceId;
+use shoal_core::ingest::wire::{InputStreamDecoder, decode_datagram};
+use shoal_core::ingest::{Ingest, IngestError, IngestReport, Placed, Submission};
+use shoal_core::node::{GeneratedFragment, Workload};
+use shoal_core::slice::SliceNumber;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use crate::config::{Backpressure, Config, ConfigError, InputKind};
+
+/// How often input threads look whether the run has ended while their socket is quiet.
+const INPUT_POLL: StdDuration = StdDuration::from_millis(100);
+
+/// The ingest shared by a source process's submitters and its node loop.
+#[derive(Debug)]
+pub struct SharedIngest {
+    state: Mutex<Ingest>,
+    /// Submitters waiting for room (back-pressure) or for the data path to finish (flush).
+    changed: Condvar,
+    /// Wakes the source loop: new data, a close.
+    pub(crate) wake: Notify,
+    backpressure: Backpressure,
+    /// Fragments produced and not yet reported by the transport (published by the loop).
+    node_queued: AtomicUsize,
+    /// The source loop has ended (its node is closed): submissions are refused.
+    finished: AtomicBool,
+    /// Slice the node produces next (published by the loop; for flush).
+    next_slice: AtomicU64,
+}
+
+impl SharedIngest {
+    pub fn new(ingest: Ingest, backpressure: Backpressure) -> Arc<Self> {
+        let first = ingest.config().first_slice;
+        Arc::new(Self {
+            state: Mutex::new(ingest),
+            changed: Condvar::new(),
+            wake: Notify::new(),
+            backpressure,
+            node_queued: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+            next_slice: AtomicU64::new(first),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Ingest> {
+        // A submitter that panicked while holding the lock left a consistent ingest (every
+        // method finishes its update before it can panic): keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Submits, blocking under back-pressure as configured. Thread-safe.
+    pub fn submit(&self, sub: Submission) -> Result<Placed, IngestError> {
+        let mut st = self.lock();
+        let deadline = match self.backpressure {
+            Backpressure::Block(d) => Some(StdInstant::now() + d),
+            Backpressure::Drop => None,
+        };
+        loop {
+            if self.finished.load(Ordering::Acquire) && !st.is_closed() {
+                st.handle_close();
+            }
+            match st.handle_submit(sub.clone()) {
+                Err(IngestError::Full { held, max }) => {
+                    let now = StdInstant::now();
+                    match deadline {
+                        Some(d) if now < d => {
+                            st = self.changed.wait_timeout(st, d - now).unwrap_or_else(|p| p.into_inner()).0;
+                        }
+                        _ => {
+                            st.handle_dropped_full();
+                            return Err(IngestError::Full { held, max });
+                        }
+                    }
+                }
+                Ok(p) => {
+                    drop(st);
+                    self.wake.notify_one();
+                    return Ok(p);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits until everything submitted so far has been produced and reported by the
+    /// transport (sent or lost, accounted), at most `timeout`. Returns whether it has.
+    pub fn flush(&self, timeout: StdDuration) -> bool {
+        let deadline = StdInstant::now() + timeout;
+        let mut st = self.lock();
+        loop {
+            if self.finished.load(Ordering::Acquire) || (st.is_empty() && self.node_queued.load(Ordering::Acquire) == 0)
+            {
+                return true;
+            }
+            let now = StdInstant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Ends data taking after the last slice with data. Thread-safe, idempotent.
+    pub fn close(&self) {
+        self.lock().handle_close();
+        self.wake.notify_one();
+        self.changed.notify_all();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().is_closed()
+    }
+
+    /// The run's first slice and its start (UNIX ns).
+    pub fn first_slice(&self) -> SliceNumber {
+        self.lock().config().first_slice
+    }
+
+    pub fn first_slice_start_ns(&self) -> u64 {
+        let st = self.lock();
+        st.config().slice_clock.start_of(st.config().first_slice).as_nanos()
+    }
+
+    /// Whether the source loop has ended.
+    pub fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    pub fn count_rejected(&self, kind: &str) {
+        self.lock().count_rejected(kind);
+    }
+
+    pub fn handle_lost_at_input(&self, n: u64) {
+        self.lock().handle_lost_at_input(n);
+    }
+
+    pub fn handle_reordered_at_input(&self) {
+        self.lock().handle_reordered_at_input();
+    }
+
+    pub fn report(&self) -> IngestReport {
+        self.lock().report()
+    }
+
+    /// The loop's side: late fragments to send, how far data-driven production may go,
+    /// and the end slice once closed.
+    pub(crate) fn poll_loop(&self) -> LoopInput {
+        let mut st = self.lock();
+        let late = std::iter::from_fn(|| st.poll_late()).collect();
+        LoopInput { late, ready_below: st.ready_below(), end_after: st.is_closed().then(|| st.end_after_data()) }
+    }
+
+    /// The loop's progress, for flush: fragments still with the node or transport.
+    pub(crate) fn publish_progress(&self, queued: usize, next_slice: SliceNumber) {
+        self.node_queued.store(queued, Ordering::Release);
+        self.next_slice.store(next_slice, Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// The loop has ended: refuse further submissions, count what is still held as
+    /// discarded, release every waiter.
+    pub(crate) fn finish(&self) {
+        self.finished.store(true, Ordering::Release);
+        self.lock().handle_finish();
+        self.changed.notify_all();
+    }
+}
+
+/// What the source loop takes from the ingest on each wake-up.
+pub(crate) struct LoopInput {
+    pub late: Vec<(SourceId, SliceNumber, GeneratedFragment)>,
+    pub ready_below: SliceNumber,
+    pub end_after: Option<SliceNumber>,
+}
+
+impl Workload for SharedIngest {
+    fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
+        let f = self.lock().take(source, slice);
+        // Room freed: wake submitters blocked by back-pressure.
+        self.changed.notify_all();
+        f
+    }
+}
+
+/// Builds a source process's ingest from its configuration for a run starting at
+/// `first_slice`.
+pub fn shared_ingest(cfg: &Config, first_slice: SliceNumber) -> Result<Arc<SharedIngest>, ConfigError> {
+    let ingest = Ingest::new(cfg.ingest_config(first_slice)?);
+    Ok(SharedIngest::new(ingest, cfg.input_settings()?.backpressure))
+}
+
+/// A running input socket; stopped when dropped (or with [`InputTask::stop`]).
+pub struct InputTask {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    unix_path: Option<PathBuf>,
+}
+
+impl InputTask {
+    /// Starts the input `kind` feeding `ingest` (nothing for the generator).
+    pub fn start(kind: &InputKind, cfg: &Config, ingest: Arc<SharedIngest>) -> Result<Option<InputTask>, ConfigError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let max_payload = cfg.source.input_max_fragment_mb.saturating_mul(1 << 20);
+        match kind {
+            InputKind::Generator => Ok(None),
+            InputKind::Unix(path) => {
+                // A socket file left by a process that died is ours to replace; anything
+                // else at that path is not.
+                if let Ok(meta) = std::fs::symlink_metadata(path) {
+                    use std::os::unix::fs::FileTypeExt;
+                    if !meta.file_type().is_socket() {
+                        return Err(ConfigError::Invalid(format!(
+                            "source.input: {} exists and is not a socket",
+                            path.display()
+                        )));
+                    }
+                    let _ = std::fs::remove_file(path);
+                }
+                let listener = UnixListener::bind(path)
+                    .map_err(|e| ConfigError::Invalid(format!("source.input: binding {}: {e}", path.display())))?;
+                info!(path = %path.display(), "input: accepting readout programs on a unix socket");
+                let end_on_disconnect = cfg.source.input_end_on_disconnect && cfg.run.seconds == 0.0;
+                let max_clients = cfg.source.input_max_clients.max(1) as usize;
+                let st = stop.clone();
+                let t = std::thread::Builder::new()
+                    .name("shoal-input".into())
+                    .spawn(move || accept_loop(listener, ingest, st, max_payload, max_clients, end_on_disconnect))
+                    .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()) }))
+            }
+            InputKind::Udp(addr) => {
+                let socket = std::net::UdpSocket::bind(addr)
+                    .map_err(|e| ConfigError::Invalid(format!("source.input: binding udp {addr}: {e}")))?;
+                socket
+                    .set_read_timeout(Some(INPUT_POLL))
+                    .map_err(|e| ConfigError::Invalid(format!("source.input: {e}")))?;
+                info!(%addr, "input: receiving fragments in datagrams");
+                let st = stop.clone();
+                let t = std::thread::Builder::new()
+                    .name("shoal-input-udp".into())
+                    .spawn(move || udp_loop(socket, ingest, st, max_payload))
+                    .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None }))
+            }
+        }
+    }
+
+    /// Stops accepting and reading, and waits for the threads.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Some(p) = self.unix_path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Drop for InputTask {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(
+    listener: UnixListener,
+    ingest: Arc<SharedIngest>,
+    stop: Arc<AtomicBool>,
+    max_payload: u32,
+    max_clients: usize,
+    end_on_disconnect: bool,
+) {
+    // Non-blocking accept polled with the same period as the readers: the loop must see
+    // the run end even when no client ever comes.
+    if let Err(e) = listener.set_nonblocking(true) {
+        warn!("input: {e}");
+        return;
+    }
+    let active = Arc::new(AtomicUsize::new(0));
+    let mut ever = false;
+    let mut readers = Vec::new();
+    while !stop.load(Ordering::Acquire) && !ingest.is_finished() {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if active.load(Ordering::Acquire) >= max_clients {
+                    warn!(max_clients, "input: too many clients, refusing one");
+                    ingest.count_rejected("too_many_clients");
+                    continue;
+                }
+                ever = true;
+                active.fetch_add(1, Ordering::AcqRel);
+                let (ingest, stop, gone) = (ingest.clone(), stop.clone(), active.clone());
+                let spawned = std::thread::Builder::new().name("shoal-input-conn".into()).spawn(move || {
+                    read_client(stream, &ingest, &stop, max_payload);
+                    gone.fetch_sub(1, Ordering::AcqRel);
+                    ingest.wake.notify_one();
+                });
+                match spawned {
+                    Ok(t) => readers.push(t),
+                    Err(e) => {
+                        warn!("input: cannot start a reader thread: {e}");
+                        active.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if end_on_disconnect && ever && active.load(Ordering::Acquire) == 0 && !ingest.is_closed() {
+                    info!("input: every client has disconnected; ending the run after the last slice with data");
+                    ingest.close();
+                }
+                wait_readable(&listener, INPUT_POLL);
+            }
+            Err(e) => {
+                warn!("input: accept failed: {e}");
+                wait_readable(&listener, INPUT_POLL);
+            }
+        }
+        readers.retain(|t| !t.is_finished());
+    }
+    for t in readers {
+        let _ = t.join();
+    }
+}
+
+/// Waits until the listener has a connection to accept or `timeout` passes.
+fn wait_readable(listener: &UnixListener, timeout: StdDuration) {
+    use std::os::fd::AsFd;
+    let mut fds = [nix::poll::PollFd::new(listener.as_fd(), nix::poll::PollFlags::POLLIN)];
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms));
+}
+
+/// Reads one client's frames into the ingest until it disconnects, sends garbage, or the
+/// run ends. A refused fragment is counted and the connection kept (the client's next
+/// fragment may be fine); a malformed frame closes this connection only.
+fn read_client(mut stream: UnixStream, ingest: &SharedIngest, stop: &AtomicBool, max_payload: u32) {
+    if stream.set_read_timeout(Some(INPUT_POLL)).is_err() {
+        return;
+    }
+    let mut decoder = InputStreamDecoder::new(max_payload);
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut refused_logged = 0u64;
+    loop {
+        if stop.load(Ordering::Acquire) || ingest.is_finished() {
+            return;
+        }
+        let n = match stream.read(&mut buf) {
+            Ok(0) => {
+                if decoder.partial() {
+                    warn!("input: a client disconnected in the middle of a fragment (counted, not delivered)");
+                    ingest.count_rejected("partial_at_disconnect");
+                }
+                return;
+            }
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                warn!("input: reading a client: {e}");
+                if decoder.partial() {
+                    ingest.count_rejected("partial_at_disconnect");
+                }
+                return;
+            }
+        };
+        decoder.push(&buf[..n]);
+        loop {
+            match decoder.next_frame() {
+                Ok(Some((h, payload))) => {
+                    let sub = Submission { source: h.source, when: h.when, hit_count: h.hit_count, payload };
+                    if let Err(e) = ingest.submit(sub) {
+                        // Counted by the ingest; logged once per 1000 so a bad client
+                        // cannot flood the log.
+                        if refused_logged.is_multiple_of(1000) {
+                            warn!(kind = e.kind(), "input: fragment refused: {e}");
+                        }
+                        refused_logged += 1;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    warn!(kind = e.kind(), "input: malformed frame, closing this client: {e}");
+                    ingest.count_rejected(e.kind());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// One fragment per datagram; gaps in a source's sequence numbers are counted lost.
+fn udp_loop(socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<AtomicBool>, max_payload: u32) {
+    let mut buf = vec![0u8; 65_536];
+    let mut next: HashMap<SourceId, u32> = HashMap::new();
+    while !stop.load(Ordering::Acquire) && !ingest.is_finished() {
+        let n = match socket.recv(&mut buf) {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                warn!("input: udp receive: {e}");
+                continue;
+            }
+        };
+        let datagram = Bytes::copy_from_slice(&buf[..n]);
+        let (h, payload) = match decode_datagram(&datagram, max_payload) {
+            Ok(x) => x,
+            Err(e) => {
+                ingest.count_rejected(e.kind());
+                continue;
+            }
+        };
+        match next.get(&h.source) {
+            Some(&expected) if h.sequence != expected => {
+                let ahead = h.sequence.wrapping_sub(expected);
+                if ahead < u32::MAX / 2 {
+                    ingest.handle_lost_at_input(u64::from(ahead));
+                    next.insert(h.source, h.sequence.wrapping_add(1));
+                } else {
+                    // Behind what we expected: a reordered datagram (a duplicate looks the
+                    // same and is counted so too), counted lost when its gap was seen.
+                    ingest.handle_reordered_at_input();
+                }
+            }
+            _ => {
+                next.insert(h.source, h.sequence.wrapping_add(1));
+            }
+        }
+        let _ = ingest.submit(Submission { source: h.source, when: h.when, hit_count: h.hit_count, payload });
+    }
+}
+
+/// A unix socket path is valid for `bind` (for messages before the run starts).
+pub fn check_unix_path(path: &Path) -> Result<(), ConfigError> {
+    // sun_path holds 108 bytes with its terminating zero.
+    if path.as_os_str().len() >= 108 {
+        return Err(ConfigError::Invalid(format!(
+            "source.input: {} is longer than a unix socket path may be",
+            path.display()
+        )));
+    }
+    Ok(())
+}
