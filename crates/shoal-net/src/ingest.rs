@@ -108,6 +108,8 @@ impl SharedIngest {
     pub fn flush(&self, timeout: StdDuration) -> bool {
         let deadline = StdInstant::now() + timeout;
         let mut st = self.lock();
+        st.handle_flush();
+        self.wake.notify_one();
         loop {
             if self.finished.load(Ordering::Acquire) || (st.is_empty() && self.node_queued.load(Ordering::Acquire) == 0)
             {

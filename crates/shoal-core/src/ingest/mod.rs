@@ -230,6 +230,9 @@ pub struct Ingest {
     late_order: VecDeque<(SourceId, SliceNumber)>,
     held_bytes: u64,
     closed: bool,
+    /// Data-driven production may go up to here whatever the sources submit next (a
+    /// flush: the caller says its data so far are complete).
+    flushed_below: SliceNumber,
     report: IngestReport,
 }
 
@@ -250,6 +253,7 @@ impl Ingest {
             late_order: VecDeque::new(),
             held_bytes: 0,
             closed: false,
+            flushed_below: 0,
             report: IngestReport::default(),
         }
     }
@@ -467,7 +471,15 @@ impl Ingest {
         if self.closed {
             return SliceNumber::MAX;
         }
-        self.hosted.iter().map(|(_, h)| h.latest.unwrap_or(self.cfg.first_slice)).min().unwrap_or(SliceNumber::MAX)
+        let waiting = self.hosted.iter().map(|(_, h)| h.latest.unwrap_or(self.cfg.first_slice)).min();
+        waiting.unwrap_or(SliceNumber::MAX).max(self.flushed_below)
+    }
+
+    /// The caller flushes: every slice it has submitted data for is complete, so
+    /// data-driven production goes through the last of them (data submitted later for
+    /// those slices go out late).
+    pub fn handle_flush(&mut self) {
+        self.flushed_below = self.flushed_below.max(self.end_after_data());
     }
 
     /// Payload bytes held, on time and late.
@@ -635,6 +647,8 @@ mod tests {
         i.handle_submit(opaque(2, 1020 * MS, b"a")).unwrap();
         assert_eq!(i.ready_below(), 102);
         assert_eq!(i.end_after_data(), 104);
+        i.handle_flush();
+        assert_eq!(i.ready_below(), 104, "a flush completes every slice with data");
         i.handle_close();
         assert_eq!(i.ready_below(), SliceNumber::MAX);
     }
