@@ -24,6 +24,7 @@ use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
 mod alert;
+mod ledger;
 mod probe;
 mod replay;
 use shoal_control as run;
@@ -88,6 +89,9 @@ enum Command {
     Demo(DemoArgs),
     /// Run one role of a distributed deployment.
     Node(NodeArgs),
+    /// Combine the end-of-run reports of hand-started processes (and source SDK handles)
+    /// into the run's ledger; exits 1 when it does not balance.
+    Ledger(ledger::LedgerArgs),
     /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
     Run(RunArgs),
     /// Generate slices with known muons, filter them, and print efficiency, purity,
@@ -314,6 +318,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
+        Command::Ledger(args) => ledger::run(args),
         Command::Run(args) => run::command(args.into()).await,
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,
