@@ -7,13 +7,24 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SHOAL  := target/release/shoal
 
-.PHONY: demo test build lint rust-test py-test py-env deps bench clean
+.PHONY: demo test build lint rust-test py-test py-env py-sdk c-examples deps bench clean
 
 demo: build
 	$(SHOAL) demo
 
+# The binary and the source SDK's C library (target/release/libshoal.so).
 build:
-	$(CARGO) build --release --locked -p shoal
+	$(CARGO) build --release --locked -p shoal -p shoal-ffi
+
+# The C examples (examples/c), built with the system cc against include/shoal.h and
+# libshoal.so; the Python tests run them.
+C_OUT  := target/c
+CFLAGS ?= -O2 -g -Wall -Wextra -Werror -std=c11
+c-examples: build
+	mkdir -p $(C_OUT)
+	cc $(CFLAGS) -Iinclude -Iexamples/c examples/c/readout.c -Ltarget/release -lshoal \
+	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/readout
+	cc $(CFLAGS) -D_DEFAULT_SOURCE -Iexamples/c examples/c/unix_readout.c -o $(C_OUT)/unix_readout
 
 test: deps lint rust-test py-test
 
@@ -48,9 +59,14 @@ $(VENV)/.installed: requirements.txt
 
 py-env: $(VENV)/.installed
 
+# The source SDK's Python module (`import shoal`, crates/shoal-py) into the test venv.
+py-sdk: py-env
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH \
+	  $(VENV)/bin/maturin develop --release --locked --quiet -m crates/shoal-py/Cargo.toml
+
 # pytest exits 5 when it collects no test; that must fail loudly, not pass silently.
-py-test: build py-env
-	SHOAL_BIN=$(CURDIR)/$(SHOAL) $(PY) -m pytest tests/python -q; \
+py-test: build py-env py-sdk c-examples
+	SHOAL_BIN=$(CURDIR)/$(SHOAL) SHOAL_C_EXAMPLES=$(CURDIR)/$(C_OUT) $(PY) -m pytest tests/python -q; \
 	  rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 bench: build py-env
