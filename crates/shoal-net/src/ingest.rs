@@ -217,6 +217,7 @@ pub struct InputTask {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
     unix_path: Option<PathBuf>,
+    udp_addr: Option<std::net::SocketAddr>,
 }
 
 impl InputTask {
@@ -249,7 +250,7 @@ impl InputTask {
                     .name("shoal-input".into())
                     .spawn(move || accept_loop(listener, ingest, st, max_payload, max_clients, end_on_disconnect))
                     .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
-                Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()) }))
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()), udp_addr: None }))
             }
             InputKind::Udp(addr) => {
                 let socket = std::net::UdpSocket::bind(addr)
@@ -257,15 +258,21 @@ impl InputTask {
                 socket
                     .set_read_timeout(Some(INPUT_POLL))
                     .map_err(|e| ConfigError::Invalid(format!("source.input: {e}")))?;
+                let udp_addr = socket.local_addr().ok();
                 info!(%addr, "input: receiving fragments in datagrams");
                 let st = stop.clone();
                 let t = std::thread::Builder::new()
                     .name("shoal-input-udp".into())
                     .spawn(move || udp_loop(socket, ingest, st, max_payload))
                     .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
-                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None }))
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None, udp_addr }))
             }
         }
+    }
+
+    /// The address a `udp:` input is bound to (its port when the configuration said 0).
+    pub fn udp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.udp_addr
     }
 
     /// Stops accepting and reading, and waits for the threads.
