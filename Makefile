@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SHOAL  := target/release/shoal
 
-.PHONY: demo test build lint rust-test py-test py-env py-sdk c-examples deps bench clean
+.PHONY: demo test build lint rust-test py-test py-env py-sdk c-examples rust-examples deps bench clean
 
 demo: build
 	$(SHOAL) demo
@@ -25,6 +25,8 @@ c-examples: build
 	cc $(CFLAGS) -Iinclude -Iexamples/c examples/c/readout.c -Ltarget/release -lshoal \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/readout
 	cc $(CFLAGS) -D_DEFAULT_SOURCE -Iexamples/c examples/c/unix_readout.c -o $(C_OUT)/unix_readout
+	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal \
+	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/submit_bench
 
 test: deps lint rust-test py-test
 
@@ -65,8 +67,12 @@ py-sdk: py-env
 	  $(VENV)/bin/maturin develop --release --locked --quiet -m crates/shoal-py/Cargo.toml
 
 # pytest exits 5 when it collects no test; that must fail loudly, not pass silently.
-py-test: build py-env py-sdk c-examples
-	SHOAL_BIN=$(CURDIR)/$(SHOAL) SHOAL_C_EXAMPLES=$(CURDIR)/$(C_OUT) $(PY) -m pytest tests/python -q; \
+# The source SDK's Rust examples (crates/shoal-net/examples: readout, submit_bench).
+rust-examples:
+	$(CARGO) build --release --locked -p shoal-net --examples
+
+py-test: build py-env py-sdk c-examples rust-examples
+	SHOAL_BIN=$(CURDIR)/$(SHOAL) SHOAL_C_EXAMPLES=$(CURDIR)/$(C_OUT) SHOAL_RUST_EXAMPLES=$(CURDIR)/target/release/examples $(PY) -m pytest tests/python -q; \
 	  rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 bench: build py-env

@@ -234,3 +234,64 @@ def test_c_unix_c_abi_and_python_fragments_arrive_byte_for_byte_and_balance(shoa
     hit_counts = {(sl - cfg["run"]["start_slice"], so): n for sl, so, n in zip(table["slice"], table["source"], table["hit_count"])}
     assert all(hit_counts[(s, 4)] == len(hits(s)) for s in range(SLICES))
     assert all(hit_counts[(s, 3)] == 0 for s in range(SLICES))
+
+
+RUST_EXAMPLES = pathlib.Path(os.environ.get("SHOAL_RUST_EXAMPLES", pathlib.Path(__file__).resolve().parents[2] / "target" / "release" / "examples"))
+PY_EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "readout.py"
+
+
+def test_the_documented_readout_examples_in_rust_and_python(shoal_bin, tmp_path, run_config):
+    """docs/sdk.md's complete examples: the Rust readout (boards 0-1) and the Python one
+    (boards 2-4), each its own process, into one run; the payloads arrive byte for byte
+    and the ledger over their reports balances."""
+    import sys
+
+    cfg = run_config
+    out = pathlib.Path(cfg["writer"]["out_dir"])
+    out.mkdir()
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(cfg))
+    procs, reports = [], []
+    try:
+        writer = spawn([str(shoal_bin), "node", "--role", "writer", "--config", str(path)], tmp_path / "writer.log")
+        builders = [
+            spawn([str(shoal_bin), "node", "--role", "builder", "--ids", str(b), "--config", str(path)], tmp_path / f"builder{b}.log")
+            for b in range(cfg["run"]["builders"])
+        ]
+        procs += [writer, *builders]
+        readouts = []
+        for name, cmd, ids in [
+            ("rust", [str(RUST_EXAMPLES / "readout")], [0, 1]),
+            ("python", [sys.executable, str(PY_EXAMPLE)], [2, 3, 4]),
+        ]:
+            c = json.loads(json.dumps(cfg))
+            c["source"]["ids"] = ids
+            (tmp_path / f"{name}.toml").write_text(to_toml(c))
+            report = tmp_path / f"{name}.json"
+            reports.append(report)
+            p = subprocess.Popen([*cmd, str(tmp_path / f"{name}.toml"), str(ids[0]), str(len(ids)), str(SLICES), str(SLICE_MS)],
+                                 stdout=open(report, "w"), stderr=open(tmp_path / f"{name}.log", "w"))
+            procs.append(p)
+            readouts.append((name, p))
+        for name, p in readouts:
+            wait(p, f"the {name} readout", tmp_path / f"{name}.log")
+        for b, p in enumerate(builders):
+            wait(p, f"builder {b}", tmp_path / f"builder{b}.log")
+        wait(writer, "writer", tmp_path / "writer.log")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    builder_reports = [out / f"run{RUN:06}.builder{b}.json" for b in range(cfg["run"]["builders"])]
+    r = subprocess.run([str(shoal_bin), "ledger", *map(str, reports + builder_reports)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ledger = json.loads(r.stdout)["ledger"]
+    assert ledger["balanced"] and ledger["buckets"]["delivered"] == 5 * SLICES, ledger
+    table = pq.read_table(out / f"run{RUN:06}.slices.parquet").to_pydict()
+    stored = {(sl - cfg["run"]["start_slice"], so): bytes(p) for sl, so, p in zip(table["slice"], table["source"], table["payload"])}
+    assert len(stored) == 5 * SLICES
+    for s in range(SLICES):
+        for board in range(5):
+            assert stored[(s, board)] == pattern(board, s), f"board {board}, slice {s}"
