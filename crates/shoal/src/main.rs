@@ -7,6 +7,11 @@
 //!   (web UI and HTTP API).
 //! - `shoal config`: prints the full default configuration.
 //! - `shoal dispatcher`: a ControlHost-compatible message dispatcher.
+//! - `shoal ledger REPORT.json...`: one ledger over a run's per-process reports (the
+//!   source SDK's close reports included); exit 1 when it does not balance.
+//!
+//! The rest (`sim`, `testbed`, `validate`, `replay`, `trigger-eval`, `alert`, probes) are
+//! listed by `shoal --help`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
