@@ -138,11 +138,68 @@ pub fn alerts(data: &[u8]) {
     }
 }
 
+/// Bytes at a source's input (`source.input = "unix:"`): the stream decoder fed in chunks
+/// whose size comes from the first byte, every frame submitted to an ingest; then every
+/// slice taken, late fragments polled and the run finished, after which the ingest's own
+/// books must balance (accepted = in fragments + held + discarded). The same bytes as one
+/// `udp:` datagram too.
+pub fn input(data: &[u8]) {
+    use shoal_core::ingest::wire::{InputStreamDecoder, decode_datagram};
+    use shoal_core::ingest::{Ingest, IngestConfig, Submission};
+    let sources = [0, 1, 3];
+    let mut ingest = Ingest::new(IngestConfig {
+        sources: sources.to_vec(),
+        slice_clock: shoal_core::slice::SliceClock::new(Duration::from_millis(10)),
+        first_slice: 100,
+        end_slice: Some(160),
+        time_origin_ns: 0,
+        max_fragment_bytes: 4096,
+        max_held_bytes: 16_384,
+        max_ahead_slices: 40,
+    });
+    let mut decoder = InputStreamDecoder::new(MAX_PAYLOAD);
+    let step = data.first().map_or(1, |b| usize::from(b % 61) + 1);
+    let mut produced = 100;
+    'stream: for chunk in data.chunks(step) {
+        decoder.push(chunk);
+        loop {
+            match decoder.next_frame() {
+                Ok(Some((h, payload))) => {
+                    let sub = Submission { source: h.source, when: h.when, hit_count: h.hit_count, payload };
+                    let _ = ingest.handle_submit(sub);
+                }
+                Ok(None) => break,
+                Err(_) => break 'stream,
+            }
+        }
+        // The node moves on as data come, so some later frames are late.
+        if produced < 160 && chunk.first().is_some_and(|b| b & 0x80 != 0) {
+            for s in sources {
+                let _ = ingest.take(s, produced);
+            }
+            produced += 1;
+        }
+    }
+    let _ = decoder.partial();
+    ingest.handle_close();
+    let end = ingest.end_after_data().min(160);
+    for slice in produced..end {
+        for s in sources {
+            let _ = ingest.take(s, slice);
+        }
+    }
+    while ingest.poll_late().is_some() {}
+    ingest.handle_finish();
+    let report = ingest.report();
+    assert!(report.balanced(), "{report:?}");
+    let _ = decode_datagram(&Bytes::copy_from_slice(data), MAX_PAYLOAD);
+}
+
 /// A target's body: arbitrary bytes in, never a panic.
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 8] = [
+pub const TARGETS: [(&str, Target); 9] = [
     ("frame_stream", frame_stream),
     ("events", events),
     ("datagrams", datagrams),
@@ -151,4 +208,5 @@ pub const TARGETS: [(&str, Target); 8] = [
     ("config", config),
     ("alerts", alerts),
     ("probe", probe),
+    ("input", input),
 ];
