@@ -47,6 +47,14 @@ pub struct SharedIngest {
     finished: AtomicBool,
     /// Slice the node produces next (published by the loop; for flush).
     next_slice: AtomicU64,
+    /// Data-driven production is waiting until the ingest's `ready_below` reaches this
+    /// (`u64::MAX`: it is not waiting for data). A submission wakes the loop only then, or
+    /// for late data: one wake-up per submission cost the source loop a context switch
+    /// per fragment.
+    wake_at_ready: AtomicU64,
+    /// Threads waiting on `changed` (back-pressure, flush): only then is it notified,
+    /// because a notification is a system call even with nobody waiting.
+    waiting: AtomicUsize,
 }
 
 impl SharedIngest {
@@ -60,6 +68,8 @@ impl SharedIngest {
             node_queued: AtomicUsize::new(0),
             finished: AtomicBool::new(false),
             next_slice: AtomicU64::new(first),
+            wake_at_ready: AtomicU64::new(u64::MAX),
+            waiting: AtomicUsize::new(0),
         })
     }
 
@@ -85,7 +95,7 @@ impl SharedIngest {
                     let now = StdInstant::now();
                     match deadline {
                         Some(d) if now < d => {
-                            st = self.changed.wait_timeout(st, d - now).unwrap_or_else(|p| p.into_inner()).0;
+                            st = self.wait_changed(st, d - now);
                         }
                         _ => {
                             st.handle_dropped_full();
@@ -94,8 +104,12 @@ impl SharedIngest {
                     }
                 }
                 Ok(p) => {
+                    let want = self.wake_at_ready.load(Ordering::Acquire);
+                    let wake = matches!(p, Placed::Late(_)) || (want != u64::MAX && st.ready_below() >= want);
                     drop(st);
-                    self.wake.notify_one();
+                    if wake {
+                        self.wake.notify_one();
+                    }
                     return Ok(p);
                 }
                 Err(e) => return Err(e),
@@ -119,7 +133,23 @@ impl SharedIngest {
             if now >= deadline {
                 return false;
             }
-            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            st = self.wait_changed(st, deadline - now);
+        }
+    }
+
+    /// Waits on `changed` at most `timeout`, counted in `waiting` (under the lock, so a
+    /// notifier holding the lock after us sees the count).
+    fn wait_changed<'a>(&self, st: MutexGuard<'a, Ingest>, timeout: StdDuration) -> MutexGuard<'a, Ingest> {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let st = self.changed.wait_timeout(st, timeout).unwrap_or_else(|p| p.into_inner()).0;
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        st
+    }
+
+    /// Notifies `changed` if anybody waits on it; call with the lock held.
+    fn notify_changed(&self) {
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.changed.notify_all();
         }
     }
 
@@ -173,11 +203,19 @@ impl SharedIngest {
         LoopInput { late, ready_below: st.ready_below(), end_after: st.is_closed().then(|| st.end_after_data()) }
     }
 
-    /// The loop's progress, for flush: fragments still with the node or transport.
-    pub(crate) fn publish_progress(&self, queued: usize, next_slice: SliceNumber) {
+    /// The loop's progress, for flush: fragments still with the node or transport; and
+    /// the input it waits for (data-driven production, `SourceNode::waiting_for_input`).
+    pub(crate) fn publish_progress(&self, queued: usize, next_slice: SliceNumber, wake_at_ready: Option<SliceNumber>) {
+        let st = self.lock();
         self.node_queued.store(queued, Ordering::Release);
         self.next_slice.store(next_slice, Ordering::Release);
-        self.changed.notify_all();
+        let want = wake_at_ready.unwrap_or(u64::MAX);
+        self.wake_at_ready.store(want, Ordering::Release);
+        // Data that came since the loop looked: wake it now (the permit is kept).
+        if want != u64::MAX && st.ready_below() >= want {
+            self.wake.notify_one();
+        }
+        self.notify_changed();
     }
 
     /// The loop has ended: refuse further submissions, count what is still held as
@@ -198,9 +236,10 @@ pub(crate) struct LoopInput {
 
 impl Workload for SharedIngest {
     fn generate(&self, source: SourceId, slice: SliceNumber) -> GeneratedFragment {
-        let f = self.lock().take(source, slice);
+        let st = &mut *self.lock();
+        let f = st.take(source, slice);
         // Room freed: wake submitters blocked by back-pressure.
-        self.changed.notify_all();
+        self.notify_changed();
         f
     }
 }

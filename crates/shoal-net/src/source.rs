@@ -193,7 +193,7 @@ pub async fn run_source_with(
         node.handle_timeout(now, &workload);
         pump(&mut node, &links, now, &live, &mut seen);
         if let Some(i) = &ingest {
-            i.publish_progress(node.queued(), node.next_slice());
+            i.publish_progress(node.queued(), node.next_slice(), node.waiting_for_input());
         }
         if node.is_closed() {
             break;

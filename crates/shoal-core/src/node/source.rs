@@ -526,6 +526,19 @@ impl SourceNode {
         self.input_ready_below = self.input_ready_below.max(below);
     }
 
+    /// Data-driven production waits for the input: the next slice would be produced now
+    /// but for its data. Returns the `ready_below` that lets it go on (the driver wakes the
+    /// node when the input reaches it, and not on every submission).
+    pub fn waiting_for_input(&self) -> Option<SliceNumber> {
+        let waiting = self.cfg.saturate
+            && self.cfg.data_driven
+            && self.phase == Phase::Producing
+            && !self.paused
+            && self.queued() < SATURATION_SLICES * self.hosted.len()
+            && self.next_slice >= self.input_ready_below;
+        waiting.then(|| self.next_slice + 1)
+    }
+
     /// Data for (`source`, `slice`) that came after the node produced that slice (the
     /// source SDK, [`crate::ingest::Ingest::poll_late`]): it goes out whole, flagged
     /// [`Flags::LATE`], to the slice's builder, outside the shaper's schedule (it is rare
@@ -1115,10 +1128,13 @@ mod tests {
         node.handle_timeout(Instant::ZERO, &Fixed(6));
         assert_eq!(node.next_slice(), 0);
         assert_eq!(node.poll_timeout(), Some(Instant::MAX), "waits for input, not a time");
+        assert_eq!(node.waiting_for_input(), Some(1), "slice 0 goes once the input is past it");
         node.handle_input_ready(2);
+        assert_eq!(node.waiting_for_input(), None);
         assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
         node.handle_timeout(Instant::ZERO, &Fixed(6));
         assert_eq!(node.next_slice(), 2);
+        assert_eq!(node.waiting_for_input(), Some(3), "two slices held, room for two more, no data");
     }
 
     #[test]
