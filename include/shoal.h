@@ -63,6 +63,11 @@ typedef enum ShoalStatus {
  */
 typedef struct ShoalSource ShoalSource;
 
+/**
+ * Gives a lent buffer back to its owner: `release(user, data, len)`, called once.
+ */
+typedef void (*ShoalRelease)(void *user, const uint8_t *data, size_t len);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -86,6 +91,44 @@ int shoal_source_open(const char *config_path, struct ShoalSource **out);
  * `toml` is a NUL-terminated string; `out` points to writable storage.
  */
 int shoal_source_open_toml(const char *toml, struct ShoalSource **out);
+
+/**
+ * [`shoal_source_submit`] without a copy: the buffer is lent to shoal, which reads it
+ * until the fragment is sent and then calls `release(user, data, len)` from one of its
+ * threads. Once the handle and the arguments are valid the buffer belongs to shoal and
+ * `release` is called exactly once, whatever the status (before the call returns when
+ * the fragment is refused); with INVALID_ARGUMENT nothing was taken and `release` is not
+ * called. The buffer must not change until released. For readouts that fill buffers
+ * from a pool (DMA rings): `release` puts the buffer back.
+ *
+ * Thread-safety: as [`shoal_source_submit`]; `release` may run on any thread, and must
+ * not call back into shoal.
+ *
+ * # Safety
+ * `src` is an open handle; `data` points to `len` readable bytes that stay valid and
+ * unchanged until `release` is called; `release` is callable from any thread with `user`.
+ */
+int shoal_source_submit_lent(const struct ShoalSource *src,
+                             uint32_t source,
+                             uint64_t time_ns,
+                             const uint8_t *data,
+                             size_t len,
+                             ShoalRelease release,
+                             void *user);
+
+/**
+ * [`shoal_source_submit_lent`] with an explicit slice number instead of a time.
+ *
+ * # Safety
+ * As [`shoal_source_submit_lent`].
+ */
+int shoal_source_submit_slice_lent(const struct ShoalSource *src,
+                                   uint32_t source,
+                                   uint64_t slice,
+                                   const uint8_t *data,
+                                   size_t len,
+                                   ShoalRelease release,
+                                   void *user);
 
 /**
  * Submits `len` opaque bytes of board `source` at data time `time_ns` (ns on the board's

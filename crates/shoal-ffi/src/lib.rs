@@ -23,12 +23,18 @@
 //! - thread-safety is stated per function; the handle itself is `Send + Sync`.
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_int};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use bytes::Bytes;
 use shoal_core::ingest::{IngestError, When};
+
+// The allocator of shoal's own binary: the source loop allocates per frame, and glibc's
+// malloc cost the submission path measurably (docs/benchmarks.md "Source SDK"). Only the
+// Rust code in this library uses it; memory crosses the C ABI only as the caller's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use shoal_net::sdk::{SdkError, SourceHandle};
 
 /// What every function returns.
@@ -183,6 +189,64 @@ pub unsafe extern "C" fn shoal_source_open_toml(toml: *const c_char, out: *mut *
     })
 }
 
+/// Gives a lent buffer back to its owner: `release(user, data, len)`, called once.
+pub type ShoalRelease = Option<unsafe extern "C" fn(user: *mut c_void, data: *const u8, len: usize)>;
+
+/// A caller's buffer lent to shoal until its fragment is sent (or refused).
+struct Lent {
+    data: *const u8,
+    len: usize,
+    release: unsafe extern "C" fn(*mut c_void, *const u8, usize),
+    user: *mut c_void,
+}
+
+// SAFETY: by the contract of `shoal_source_submit_lent`, the buffer stays valid and
+// unchanged until `release`, and `release` may be called from any thread.
+unsafe impl Send for Lent {}
+unsafe impl Sync for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes at `data` until released (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        // SAFETY: the caller's function, with its own arguments back, exactly once.
+        unsafe { (self.release)(self.user, self.data, self.len) }
+    }
+}
+
+/// # Safety
+/// As [`shoal_source_submit_lent`].
+unsafe fn lent_arg(data: *const u8, len: usize, release: ShoalRelease, user: *mut c_void) -> Result<Bytes, Failure> {
+    let Some(release) = release else {
+        return Err((ShoalStatus::InvalidArgument, "release is NULL".into()));
+    };
+    if data.is_null() && len > 0 {
+        return Err((ShoalStatus::InvalidArgument, "data is NULL with a non-zero length".into()));
+    }
+    Ok(Bytes::from_owner(Lent { data, len, release, user }))
+}
+
+fn submit_bytes(
+    src: *const ShoalSource,
+    source: u32,
+    when: When,
+    hit_count: Option<u32>,
+    payload: Bytes,
+) -> Result<(), Failure> {
+    // SAFETY: forwarded caller contract (see the public functions).
+    let s = unsafe { handle_arg(src) }?;
+    let r = match hit_count {
+        None => s.handle.submit(source, when, payload),
+        Some(n) => s.handle.submit_hits(source, when, n, payload),
+    };
+    r.map(|_| ()).map_err(ingest_failure)
+}
+
 fn submit(
     src: *const ShoalSource,
     source: u32,
@@ -193,13 +257,71 @@ fn submit(
 ) -> c_int {
     guard(|| {
         // SAFETY: forwarded caller contracts (see the public functions).
-        let s = unsafe { handle_arg(src) }?;
+        unsafe { handle_arg(src) }?;
         let payload = unsafe { bytes_arg(data, len) }?;
-        let r = match hit_count {
-            None => s.handle.submit(source, when, payload),
-            Some(n) => s.handle.submit_hits(source, when, n, payload),
-        };
-        r.map(|_| ()).map_err(ingest_failure)
+        submit_bytes(src, source, when, hit_count, payload)
+    })
+}
+
+/// [`shoal_source_submit`] without a copy: the buffer is lent to shoal, which reads it
+/// until the fragment is sent and then calls `release(user, data, len)` from one of its
+/// threads. Once the handle and the arguments are valid the buffer belongs to shoal and
+/// `release` is called exactly once, whatever the status (before the call returns when
+/// the fragment is refused); with INVALID_ARGUMENT nothing was taken and `release` is not
+/// called. The buffer must not change until released. For readouts that fill buffers
+/// from a pool (DMA rings): `release` puts the buffer back.
+///
+/// Thread-safety: as [`shoal_source_submit`]; `release` may run on any thread, and must
+/// not call back into shoal.
+///
+/// # Safety
+/// `src` is an open handle; `data` points to `len` readable bytes that stay valid and
+/// unchanged until `release` is called; `release` is callable from any thread with `user`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shoal_source_submit_lent(
+    src: *const ShoalSource,
+    source: u32,
+    time_ns: u64,
+    data: *const u8,
+    len: usize,
+    release: ShoalRelease,
+    user: *mut c_void,
+) -> c_int {
+    submit_lent(src, source, When::TimeNs(time_ns), data, len, release, user)
+}
+
+/// [`shoal_source_submit_lent`] with an explicit slice number instead of a time.
+///
+/// # Safety
+/// As [`shoal_source_submit_lent`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shoal_source_submit_slice_lent(
+    src: *const ShoalSource,
+    source: u32,
+    slice: u64,
+    data: *const u8,
+    len: usize,
+    release: ShoalRelease,
+    user: *mut c_void,
+) -> c_int {
+    submit_lent(src, source, When::Slice(slice), data, len, release, user)
+}
+
+fn submit_lent(
+    src: *const ShoalSource,
+    source: u32,
+    when: When,
+    data: *const u8,
+    len: usize,
+    release: ShoalRelease,
+    user: *mut c_void,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded caller contracts (see the public functions). The handle is
+        // checked first, so that an invalid one takes nothing.
+        unsafe { handle_arg(src) }?;
+        let payload = unsafe { lent_arg(data, len, release, user) }?;
+        submit_bytes(src, source, when, None, payload)
     })
 }
 

@@ -31,6 +31,11 @@ use shoal_core::ingest::{IngestError, Placed, When};
 use shoal_net::config::Config;
 use shoal_net::sdk::{SdkError, SourceHandle};
 
+// The allocator of shoal's own binary, for this module's Rust code (the source loop
+// allocates per frame); Python's objects keep Python's allocator.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 create_exception!(shoal, ShoalError, PyException, "Any error of shoal's source SDK.");
 create_exception!(shoal, ConfigError, ShoalError, "The configuration cannot be read or cannot run.");
 create_exception!(shoal, Refused, ShoalError, "A fragment was refused (counted); the source goes on.");

@@ -1,0 +1,65 @@
+//! The C ABI's lent buffers: `release` is called exactly once for a buffer shoal took
+//! (refused at once, or sent or discarded later), never for a call that took nothing.
+//! Called through the exported functions, as C calls them.
+
+use std::ffi::{CString, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use shoal::{ShoalSource, ShoalStatus, shoal_source_close, shoal_source_first_slice, shoal_source_open_toml};
+use shoal::{shoal_source_submit_lent, shoal_source_submit_slice_lent};
+
+unsafe extern "C" fn count_release(user: *mut c_void, _data: *const u8, len: usize) {
+    // SAFETY: every test passes a pointer to a live counter pair.
+    let counters = unsafe { &*(user as *const [AtomicUsize; 2]) };
+    counters[0].fetch_add(1, Ordering::SeqCst);
+    counters[1].fetch_add(len, Ordering::SeqCst);
+}
+
+#[test]
+fn release_is_called_once_per_buffer_taken() {
+    // A builder that does not exist (a port nobody listens on): the fragments stay
+    // unsent, are counted at the end, and their buffers come back all the same.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let toml = CString::new(format!(
+        "[run]\nsources = 1\nbuilders = 1\nslice_ms = 10\nseconds = 0.0\n\
+         builder_addrs = [\"127.0.0.1:{port}\"]\nwriter_addr = \"127.0.0.1:1\"\n\
+         [source]\nsaturate = false\ninput_latency_ms = 0\ninput_time_base = \"run\"\ndrain_timeout_ms = 200\n"
+    ))
+    .unwrap();
+    let mut src: *mut ShoalSource = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated string and a writable out pointer.
+    assert_eq!(unsafe { shoal_source_open_toml(toml.as_ptr(), &mut src) }, ShoalStatus::Ok as i32);
+    let counters = [AtomicUsize::new(0), AtomicUsize::new(0)];
+    let user = &counters as *const _ as *mut c_void;
+    let buffers: Vec<Vec<u8>> = (0..5).map(|i| vec![i as u8; 1000 + i]).collect();
+    // SAFETY: an open handle; buffers that outlive the handle; a release callable anywhere.
+    unsafe {
+        let first = shoal_source_first_slice(src);
+        for (i, b) in buffers.iter().enumerate() {
+            let rc = shoal_source_submit_slice_lent(
+                src,
+                0,
+                first + i as u64,
+                b.as_ptr(),
+                b.len(),
+                Some(count_release),
+                user,
+            );
+            assert_eq!(rc, ShoalStatus::Ok as i32);
+        }
+        // Refused (a board not hosted): released before the call returns.
+        let rc = shoal_source_submit_lent(src, 9, 0, buffers[0].as_ptr(), 7, Some(count_release), user);
+        assert_eq!(rc, ShoalStatus::Refused as i32);
+        assert_eq!(counters[0].load(Ordering::SeqCst), 1);
+        // Nothing taken: no release to call, none called.
+        let rc = shoal_source_submit_lent(src, 0, 0, buffers[0].as_ptr(), 7, None, user);
+        assert_eq!(rc, ShoalStatus::InvalidArgument as i32);
+        let rc = shoal_source_submit_lent(src, 0, 0, std::ptr::null(), 7, Some(count_release), user);
+        assert_eq!(rc, ShoalStatus::InvalidArgument as i32);
+        assert_eq!(counters[0].load(Ordering::SeqCst), 1);
+        assert_eq!(shoal_source_close(src, std::ptr::null_mut()), ShoalStatus::Ok as i32);
+    }
+    let lent: usize = buffers.iter().map(Vec::len).sum();
+    assert_eq!(counters[0].load(Ordering::SeqCst), 6, "five lent and one refused, each released once");
+    assert_eq!(counters[1].load(Ordering::SeqCst), lent + 7);
+}
