@@ -25,7 +25,7 @@ c-examples: build
 	cc $(CFLAGS) -Iinclude -Iexamples/c examples/c/readout.c -Ltarget/release -lshoal \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/readout
 	cc $(CFLAGS) -D_DEFAULT_SOURCE -Iexamples/c examples/c/unix_readout.c -o $(C_OUT)/unix_readout
-	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal \
+	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal -lpthread \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/submit_bench
 
 test: deps lint rust-test py-test
