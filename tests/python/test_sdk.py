@@ -123,6 +123,20 @@ def wait(p: subprocess.Popen, what: str, log: pathlib.Path, timeout: float = 120
     assert rc == 0, f"{what} exited {rc}: {log.read_text()[-3000:]}"
 
 
+def wait_nodes(builders, writer, log_dir: pathlib.Path) -> None:
+    """The builders and the writer end by themselves once every source has ended."""
+    for b, p in enumerate(builders):
+        wait(p, f"builder {b}", log_dir / f"builder{b}.log")
+    wait(writer, "writer", log_dir / "writer.log")
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_c_unix_c_abi_and_python_fragments_arrive_byte_for_byte_and_balance(shoal_bin, tmp_path, run_config):
     cfg = run_config
     out = pathlib.Path(cfg["writer"]["out_dir"])
@@ -193,14 +207,9 @@ def test_c_unix_c_abi_and_python_fragments_arrive_byte_for_byte_and_balance(shoa
         wait(readout_unix, "unix_readout", tmp_path / "unix_readout.log")
         wait(readout_c, "readout (C ABI)", tmp_path / "c_readout.log")
         wait(unix_node, "the unix-input source process", tmp_path / "source0.log")
-        for b, p in enumerate(builders):
-            wait(p, f"builder {b}", tmp_path / f"builder{b}.log")
-        wait(writer, "writer", tmp_path / "writer.log")
+        wait_nodes(builders, writer, tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
     c = json.loads(c_report.read_text())
     assert c["ingest"]["accepted"] == SLICES and c["ingest"]["rejected"] == {"unknown_source": 1}, c["ingest"]
@@ -275,14 +284,9 @@ def test_the_documented_readout_examples_in_rust_and_python(shoal_bin, tmp_path,
             readouts.append((name, p))
         for name, p in readouts:
             wait(p, f"the {name} readout", tmp_path / f"{name}.log")
-        for b, p in enumerate(builders):
-            wait(p, f"builder {b}", tmp_path / f"builder{b}.log")
-        wait(writer, "writer", tmp_path / "writer.log")
+        wait_nodes(builders, writer, tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
     builder_reports = [out / f"run{RUN:06}.builder{b}.json" for b in range(cfg["run"]["builders"])]
     r = subprocess.run([str(shoal_bin), "ledger", *map(str, reports + builder_reports)], capture_output=True, text=True, timeout=60)
