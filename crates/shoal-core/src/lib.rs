@@ -25,6 +25,8 @@
 //! - [`ingest`]: fragments submitted by user code (the source SDK, input sockets): slice
 //!   assignment from the data's own time, refusals, back-pressure, late data, end of run,
 //!   and the input sockets' framing ([`ingest::wire`]).
+//! - [`km3net`]: KM3NeT's CLB optical packets and the DataQueue reassembling them per
+//!   DOM and timeslice (the KM3NeT drop-in's input side, in progress).
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
 //!   manager ([`node::DataFlowManager`]), and the [`node::Workload`] interface.
@@ -50,6 +52,7 @@ pub mod event;
 pub mod frame;
 pub mod hit;
 pub mod ingest;
+pub mod km3net;
 pub mod ledger;
 pub mod node;
 pub mod probe;

@@ -195,11 +195,35 @@ pub fn input(data: &[u8]) {
     let _ = decode_datagram(&Bytes::copy_from_slice(data), MAX_PAYLOAD);
 }
 
+/// KM3NeT CLB packets: the bytes read as a dump (length-prefixed packets), each record
+/// given to a DataQueue, timeslices closed at times taken from the bytes; and the bytes as
+/// one packet. Every frame closed must account for its packets.
+pub fn clb(data: &[u8]) {
+    use shoal_core::km3net::clb::{decode_packet, dump_records};
+    use shoal_core::km3net::dataqueue::{DataQueue, DataQueueConfig};
+    let mut q = DataQueue::new(DataQueueConfig { slice_ns: 100_000_000, doms: None, max_packets_per_frame: 64 });
+    let mut taken = 0u64;
+    for rec in dump_records(data) {
+        let Ok(rec) = rec else { break };
+        taken += u64::from(q.handle_packet(rec));
+        if let Ok(p) = decode_packet(rec)
+            && p.header.udp_sequence & 0xff == 0xff
+        {
+            let _ = q.close_below(p.header.timeslice_start_ns());
+        }
+    }
+    let frames = q.close_below(u64::MAX);
+    let r = q.report();
+    assert_eq!(taken, r.optical_packets);
+    assert!(u64::from(frames.iter().map(|f| f.packets).sum::<u32>()) <= taken);
+    let _ = decode_packet(data).map(|p| p.hits().count());
+}
+
 /// A target's body: arbitrary bytes in, never a panic.
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 9] = [
+pub const TARGETS: [(&str, Target); 10] = [
     ("frame_stream", frame_stream),
     ("events", events),
     ("datagrams", datagrams),
@@ -209,4 +233,5 @@ pub const TARGETS: [(&str, Target); 9] = [
     ("alerts", alerts),
     ("probe", probe),
     ("input", input),
+    ("clb", clb),
 ];
