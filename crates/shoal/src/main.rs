@@ -29,6 +29,7 @@ use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
 mod alert;
+mod km3net;
 mod ledger;
 mod probe;
 mod replay;
@@ -97,6 +98,10 @@ enum Command {
     /// Combine the end-of-run reports of hand-started processes (and source SDK handles)
     /// into the run's ledger; exits 1 when it does not balance.
     Ledger(ledger::LedgerArgs),
+    /// KM3NeT: CLB optical packets from a recorded timeslice file, to a dump and/or UDP.
+    ClbEmulate(km3net::EmulateArgs),
+    /// KM3NeT: a CLB dump reassembled per DOM and timeslice into JDAQTimeslices.
+    ClbAssemble(km3net::AssembleArgs),
     /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
     Run(RunArgs),
     /// Generate slices with known muons, filter them, and print efficiency, purity,
@@ -324,6 +329,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
         Command::Ledger(args) => ledger::run(args),
+        Command::ClbEmulate(args) => km3net::emulate(args),
+        Command::ClbAssemble(args) => km3net::assemble(args),
         Command::Run(args) => run::command(args.into()).await,
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,

@@ -5,3 +5,4 @@
 
 pub mod clb;
 pub mod dataqueue;
+pub mod jdaq;
