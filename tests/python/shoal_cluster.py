@@ -90,12 +90,20 @@ class Cluster:
     """`shoal run FILE --interactive` in the background, driven over its HTTP API."""
 
     def __init__(
-        self, shoal_bin: pathlib.Path, workdir: pathlib.Path, sources: int = 5, builders: int = 3, restarts: int = 3
+        self,
+        shoal_bin: pathlib.Path,
+        workdir: pathlib.Path,
+        sources: int = 5,
+        builders: int = 3,
+        restarts: int = 3,
+        text: str | None = None,
     ):
+        """Starts the generated cluster, or the cluster file `text` (its state_dir must be
+        `workdir / "state"`)."""
         self.workdir = workdir
         self.state_dir = workdir / "state"
         self.file = workdir / "cluster.toml"
-        self.file.write_text(cluster_toml("test", sources, builders, self.state_dir, restarts))
+        self.file.write_text(text or cluster_toml("test", sources, builders, self.state_dir, restarts))
         self.log = open(workdir / "shoal-run.log", "w")
         self.proc = subprocess.Popen(
             [str(shoal_bin), "run", str(self.file), "--interactive", "--http", "127.0.0.1:0"],
@@ -118,6 +126,10 @@ class Cluster:
         if self.url is None:
             self.close()
             raise RuntimeError(f"shoal run did not start; see {workdir / 'shoal-run.log'}")
+
+    def dispatcher(self) -> tuple[str, int]:
+        host, port = re.search(r'^dispatcher = "([\d.]+):(\d+)"', self.file.read_text(), re.M).groups()
+        return host, int(port)
 
     # -- API -------------------------------------------------------------------------
     def get(self, path: str):

@@ -109,6 +109,9 @@ pub struct BuilderReport {
     /// Monitoring taps of this process (published, dropped), when open.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tap: Option<crate::tap::TapStats>,
+    /// KM3NeT mode: timeslices, frames and messages published, DAQ file bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub km3net: Option<crate::km3out::Km3OutReport>,
 }
 
 /// The burst saver and the channel to its spool thread.
@@ -489,6 +492,7 @@ pub async fn run_builder(
     let filter_live = live.clone();
     let filter_link = writer_link.clone();
     let tap_events = cfg.tap.events;
+    let km3 = crate::km3out::Km3Out::new(&cfg, id)?;
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
@@ -500,6 +504,7 @@ pub async fn run_builder(
                 least_per_slice,
                 abandon: filter_abandon,
                 store_slices: cfg.builder.store_slices,
+                km3,
             };
             filter_loop(job, out_rx, released_tx, filter_link, filter_live)
         })
@@ -622,7 +627,7 @@ pub async fn run_builder(
     // abandoned (counted), so that the builder answers STOP in time.
     let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
     let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
-    let (events, busy, abandoned) = match tokio::time::timeout(filter_drain, &mut joining).await {
+    let (events, busy, abandoned, km3net) = match tokio::time::timeout(filter_drain, &mut joining).await {
         Ok(r) => r,
         Err(_) => {
             abandon.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -678,6 +683,7 @@ pub async fn run_builder(
         spool,
         alerts_missed,
         tap: live.tap.is_open().then(|| live.tap.stats()),
+        km3net,
     };
     info!(
         builder = id,
@@ -962,6 +968,8 @@ struct FilterJob {
     abandon: Arc<std::sync::atomic::AtomicBool>,
     /// `builder.store_slices`: every fragment of every processed slice to the writer.
     store_slices: bool,
+    /// KM3NeT mode: superframes in, the DataFilter's outputs out.
+    km3: Option<crate::km3out::Km3Out>,
 }
 
 fn filter_loop(
@@ -970,8 +978,8 @@ fn filter_loop(
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
-) -> (u64, f64, u64) {
-    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon, store_slices } = job;
+) -> (u64, f64, u64, Option<crate::km3out::Km3OutReport>) {
+    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon, store_slices, mut km3 } = job;
     let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
@@ -991,7 +999,18 @@ fn filter_loop(
             fragments: o.into_filter_input(),
         };
         let t = std::time::Instant::now();
-        let selected = filter.process(&data);
+        // KM3NeT: the filter sees the superframes' hits; stored slices keep the frames.
+        let (selected, km3_slice) = match km3.as_mut() {
+            Some(k) => {
+                let (hits, frames) = k.decode(&data.fragments);
+                let view = SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
+                (filter.process(&view), Some(frames))
+            }
+            None => (filter.process(&data), None),
+        };
+        if let (Some(k), Some(frames)) = (km3.as_mut(), km3_slice) {
+            k.publish(slice, frames, &selected, &live);
+        }
         if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
             // Fault injection: a filter slower than the load.
             std::thread::sleep(rest);
@@ -1041,5 +1060,5 @@ fn filter_loop(
         let _ = released.send(bytes);
     }
     filter.cleanup();
-    (events, busy.as_secs_f64(), abandoned)
+    (events, busy.as_secs_f64(), abandoned, km3.map(crate::km3out::Km3Out::finish))
 }

@@ -30,6 +30,84 @@ pub struct Config {
     pub udp: UdpSettings,
     pub saver: SaverSettings,
     pub tap: TapSettings,
+    pub km3net: Km3netSettings,
+}
+
+/// KM3NeT mode (`[km3net]`; docs/km3net.md): sources take CLB packets
+/// (`source.input = "clb:ADDR"`) and send one JDAQ superframe per DOM and timeslice;
+/// builders read those frames, give their hits to the filter and publish what KM3NeT's
+/// DataFilter publishes (`IO_TSL0`, `IO_TSL1`, `IO_TSSN`, `IO_EVT`, `IO_SUM`) on the
+/// dispatcher and in DAQ files. On when DOMs are given (`doms` or `detx`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Km3netSettings {
+    /// The detector file: its DOMs, in file order, are sources 0, 1, 2, ...
+    pub detx: Option<PathBuf>,
+    /// Or the DOM ids listed: source `i` is DOM `doms[i]`.
+    pub doms: Vec<u32>,
+    /// Detector id written into every JDAQ header.
+    pub det_id: i32,
+    /// What builders publish on the dispatcher (tags): any of `IO_TSL0` (every hit),
+    /// `IO_TSL1` (L1 hits), `IO_TSSN` (supernova coincidences), `IO_EVT` (the filter's
+    /// events), `IO_SUM` (per-PMT rates).
+    pub publish: Vec<String>,
+    /// Builders also write what they publish to `writer.out_dir`, one file per tag and
+    /// builder (`runNNNNNN.builderB.IO_EVT.dat`), in the framing km3pipe's `DAQPump` reads.
+    pub files: bool,
+    /// Local coincidence window of L1 hits, ns (KM3NeT's `TMaxLocal`).
+    pub l1_window_ns: u32,
+    /// Supernova coincidences: at least this many PMTs of one DOM within `sn_window_ns`.
+    pub sn_min_pmts: u32,
+    pub sn_window_ns: u32,
+    /// Most packets of one DOM in one timeslice (more are refused, counted).
+    pub max_packets_per_frame: u32,
+}
+
+impl Default for Km3netSettings {
+    fn default() -> Self {
+        Self {
+            detx: None,
+            doms: Vec::new(),
+            det_id: 0,
+            publish: ["IO_TSL0", "IO_TSL1", "IO_TSSN", "IO_EVT", "IO_SUM"].map(String::from).to_vec(),
+            files: true,
+            l1_window_ns: 10,
+            sn_min_pmts: 4,
+            sn_window_ns: 10,
+            max_packets_per_frame: 4096,
+        }
+    }
+}
+
+/// The tags a KM3NeT builder can publish.
+pub const KM3NET_TAGS: [&str; 5] = ["IO_TSL0", "IO_TSL1", "IO_TSSN", "IO_EVT", "IO_SUM"];
+
+impl Km3netSettings {
+    /// The DOM ids, source id order (empty: KM3NeT mode is off).
+    pub fn dom_ids(&self) -> Result<Vec<u32>, ConfigError> {
+        if !self.doms.is_empty() {
+            if self.detx.is_some() {
+                return invalid("km3net: give doms or detx, not both");
+            }
+            return Ok(self.doms.clone());
+        }
+        let Some(path) = &self.detx else { return Ok(Vec::new()) };
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read { path: path.clone(), source: e })?;
+        let g = Geometry::from_detx(&text).map_err(|e| ConfigError::Invalid(format!("km3net.detx {}: {e}", path.display())))?;
+        Ok(g.modules.iter().map(|m| m.id).collect())
+    }
+
+    pub fn is_on(&self) -> bool {
+        !self.doms.is_empty() || self.detx.is_some()
+    }
+
+    pub fn params(&self) -> shoal_core::km3net::datafilter::DataFilterParams {
+        shoal_core::km3net::datafilter::DataFilterParams {
+            l1_window_ns: self.l1_window_ns,
+            sn_window_ns: self.sn_window_ns,
+            sn_min_pmts: self.sn_min_pmts as usize,
+        }
+    }
 }
 
 /// Monitoring taps of a run-controlled builder (`[tap]`; see `crate::tap`).
@@ -424,6 +502,8 @@ pub enum InputKind {
     Unix(PathBuf),
     /// Datagrams, one fragment each.
     Udp(SocketAddr),
+    /// KM3NeT CLB optical packets (`[km3net]`).
+    Clb(SocketAddr),
 }
 
 /// What to do when the input holds its bound (`source.input_backpressure`).
@@ -506,8 +586,27 @@ impl Config {
             return invalid("builder.max_active must be at least 1");
         }
         self.generator()?;
-        self.input()?;
+        let input = self.input()?;
         self.input_settings()?;
+        let k = &self.km3net;
+        if k.is_on() || matches!(input, InputKind::Clb(_)) {
+            let doms = k.dom_ids()?;
+            if doms.is_empty() {
+                return invalid("source.input clb: needs the detector's DOMs: km3net.doms or km3net.detx");
+            }
+            if doms.len() as u64 > u64::from(r.sources) {
+                return invalid(format!("km3net: {} DOMs but run.sources is {}", doms.len(), r.sources));
+            }
+            if let Some(bad) = k.publish.iter().find(|t| !KM3NET_TAGS.contains(&t.as_str())) {
+                return invalid(format!("km3net.publish: unknown tag {bad:?} (known: {})", KM3NET_TAGS.join(", ")));
+            }
+            if k.sn_min_pmts < 2 || k.max_packets_per_frame == 0 {
+                return invalid("km3net.sn_min_pmts must be at least 2 and max_packets_per_frame at least 1");
+            }
+            if matches!(input, InputKind::Clb(_)) && self.source.input_time_base != "unix" {
+                return invalid("source.input clb: CLB times are UNIX time: source.input_time_base must be \"unix\"");
+            }
+        }
         shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         Ok(())
     }
@@ -608,7 +707,13 @@ impl Config {
                 .map(InputKind::Udp)
                 .map_err(|e| ConfigError::Invalid(format!("source.input {s:?}: {e}")));
         }
-        invalid(format!("source.input {s:?}: \"\" (the generator), unix:PATH or udp:ADDR"))
+        if let Some(addr) = s.strip_prefix("clb:") {
+            return addr
+                .parse()
+                .map(InputKind::Clb)
+                .map_err(|e| ConfigError::Invalid(format!("source.input {s:?}: {e}")));
+        }
+        invalid(format!("source.input {s:?}: \"\" (the generator), unix:PATH, udp:ADDR or clb:ADDR"))
     }
 
     /// The input's settings (`source.input_*`).

@@ -21,7 +21,9 @@ use std::time::{Duration as StdDuration, Instant as StdInstant};
 use bytes::Bytes;
 use shoal_core::SourceId;
 use shoal_core::ingest::wire::{InputStreamDecoder, decode_datagram};
-use shoal_core::ingest::{Ingest, IngestError, IngestReport, Placed, Submission};
+use shoal_core::ingest::{Ingest, IngestError, IngestReport, Placed, Submission, When};
+use shoal_core::km3net::dataqueue::{DataQueue, DataQueueConfig, DataQueueReport};
+use shoal_core::km3net::jdaq::{JdaqFrame, JdaqHeader, encode_superframe};
 use shoal_core::node::{GeneratedFragment, Workload};
 use shoal_core::slice::SliceNumber;
 use tokio::sync::Notify;
@@ -257,6 +259,8 @@ pub struct InputTask {
     threads: Vec<std::thread::JoinHandle<()>>,
     unix_path: Option<PathBuf>,
     udp_addr: Option<std::net::SocketAddr>,
+    /// A `clb:` input's DataQueue counters.
+    clb: Option<Arc<Mutex<DataQueueReport>>>,
 }
 
 impl InputTask {
@@ -289,7 +293,21 @@ impl InputTask {
                     .name("shoal-input".into())
                     .spawn(move || accept_loop(listener, ingest, st, max_payload, max_clients, end_on_disconnect))
                     .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
-                Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()), udp_addr: None }))
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()), udp_addr: None, clb: None }))
+            }
+            InputKind::Clb(addr) => {
+                let socket = std::net::UdpSocket::bind(addr)
+                    .map_err(|e| ConfigError::Invalid(format!("source.input: binding udp {addr}: {e}")))?;
+                let udp_addr = socket.local_addr().ok();
+                let clb = ClbInput::new(cfg, &ingest)?;
+                let report = clb.report.clone();
+                info!(%addr, doms = clb.sources.len(), "input: receiving KM3NeT CLB packets");
+                let st = stop.clone();
+                let t = std::thread::Builder::new()
+                    .name("shoal-input-clb".into())
+                    .spawn(move || clb.run(socket, ingest, st))
+                    .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None, udp_addr, clb: Some(report) }))
             }
             InputKind::Udp(addr) => {
                 let socket = std::net::UdpSocket::bind(addr)
@@ -304,7 +322,7 @@ impl InputTask {
                     .name("shoal-input-udp".into())
                     .spawn(move || udp_loop(socket, ingest, st, max_payload))
                     .map_err(|e| ConfigError::Invalid(format!("starting the input thread: {e}")))?;
-                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None, udp_addr }))
+                Ok(Some(InputTask { stop, threads: vec![t], unix_path: None, udp_addr, clb: None }))
             }
         }
     }
@@ -314,9 +332,11 @@ impl InputTask {
         self.udp_addr
     }
 
-    /// Stops accepting and reading, and waits for the threads.
-    pub fn stop(mut self) {
+    /// Stops accepting and reading, and waits for the threads; a `clb:` input's
+    /// DataQueue counters.
+    pub fn stop(mut self) -> Option<DataQueueReport> {
         self.shutdown();
+        self.clb.as_ref().map(|r| r.lock().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
     fn shutdown(&mut self) {
@@ -501,6 +521,118 @@ fn udp_loop(socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<At
             }
         }
         let _ = ingest.submit(Submission { source: h.source, when: h.when, hit_count: h.hit_count, payload });
+    }
+}
+
+/// A `clb:` input: KM3NeT's DataQueue in front of the ingest. Every datagram goes to the
+/// DataQueue; a timeslice is closed half the input latency after its end on the host
+/// clock, and each DOM's frame becomes one fragment of its source: a JDAQ superframe
+/// (docs/km3net.md). The ingest sends the slice after the full latency.
+struct ClbInput {
+    queue: DataQueue,
+    /// DOM id to source id.
+    sources: HashMap<u32, SourceId>,
+    det_id: i32,
+    run: i32,
+    first_slice: SliceNumber,
+    slice_ns: u64,
+    close_delay_ns: u64,
+    report: Arc<Mutex<DataQueueReport>>,
+}
+
+impl ClbInput {
+    fn new(cfg: &Config, ingest: &SharedIngest) -> Result<Self, ConfigError> {
+        let doms = cfg.km3net.dom_ids()?;
+        let slice_ns = cfg.slice_clock()?.length().as_nanos() as u64;
+        let hosted: std::collections::HashSet<SourceId> = cfg.hosted_sources().into_iter().collect();
+        // Only the DOMs of the sources this process hosts: another DOM's packets here are
+        // refused (`unknown_dom`), not sent as somebody else's fragment.
+        let sources: HashMap<u32, SourceId> = doms
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| hosted.contains(&(i as SourceId)))
+            .map(|(i, &d)| (d, i as SourceId))
+            .collect();
+        let queue = DataQueue::new(DataQueueConfig {
+            slice_ns,
+            doms: Some(sources.keys().copied().collect()),
+            max_packets_per_frame: cfg.km3net.max_packets_per_frame as usize,
+        });
+        Ok(Self {
+            queue,
+            sources,
+            det_id: cfg.km3net.det_id,
+            run: cfg.run.run_number as i32,
+            first_slice: ingest.first_slice(),
+            slice_ns,
+            close_delay_ns: cfg.source.input_latency_ms * 1_000_000 / 2,
+            report: Arc::new(Mutex::new(DataQueueReport::default())),
+        })
+    }
+
+    fn run(mut self, socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<AtomicBool>) {
+        let clock = crate::clock::WallClock::new();
+        let mut buf = vec![0u8; 65_536];
+        let mut refused_logged = 0u64;
+        let tick = StdDuration::from_millis((self.slice_ns / 4_000_000).clamp(1, 100));
+        let _ = socket.set_read_timeout(Some(tick));
+        while !stop.load(Ordering::Acquire) && !ingest.is_finished() {
+            match socket.recv(&mut buf) {
+                Ok(n) => {
+                    let before = self.queue.report().refused.values().sum::<u64>();
+                    self.queue.handle_packet(&buf[..n]);
+                    let after = self.queue.report().refused.values().sum::<u64>();
+                    if after > before {
+                        // Counted by the DataQueue; logged at a bounded rate.
+                        if refused_logged.is_multiple_of(1000) {
+                            warn!(refused = after, "input: CLB packet refused (see the source report's clb counters)");
+                        }
+                        refused_logged += 1;
+                    }
+                }
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => warn!("input: udp receive: {e}"),
+            }
+            let now = clock.now().as_nanos();
+            let below = now.saturating_sub(self.slice_ns + self.close_delay_ns);
+            self.submit_frames(&ingest, below);
+            self.publish_report();
+        }
+        // What is still open goes in as it is (the ingest takes it late or refuses it,
+        // counted): nothing received is left uncounted.
+        self.submit_frames(&ingest, u64::MAX);
+        self.publish_report();
+    }
+
+    fn submit_frames(&mut self, ingest: &SharedIngest, below_ns: u64) {
+        for f in self.queue.close_below(below_ns) {
+            let Some(&source) = self.sources.get(&f.dom_id) else { continue };
+            let slice = f.timeslice_start_ns / self.slice_ns;
+            let header = JdaqHeader {
+                det_id: self.det_id,
+                run: self.run,
+                frame_index: (slice.saturating_sub(self.first_slice) + 1) as i32,
+                timestamp: ((f.timeslice_start_ns / 1_000_000_000) as u32 & 0x7fff_ffff) | 0x8000_0000,
+                ticks: ((f.timeslice_start_ns % 1_000_000_000) / 16) as u32,
+            };
+            let frame = JdaqFrame {
+                dom_id: f.dom_id,
+                // The low 16 bits of KM3NeT's DataQueue status count the packets received.
+                dataqueue_status: f.packets & 0xffff,
+                dom_status: [f.dom_status, 0, 0, 0],
+                hits: f.hits,
+            };
+            let payload = Bytes::from(encode_superframe(&header, &frame));
+            let sub = Submission { source, when: When::TimeNs(f.timeslice_start_ns), hit_count: None, payload };
+            if let Err(e) = ingest.submit(sub) {
+                warn!(kind = e.kind(), dom = f.dom_id, "input: a DOM frame refused: {e}");
+            }
+        }
+    }
+
+    fn publish_report(&self) {
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = self.queue.report().clone();
     }
 }
 

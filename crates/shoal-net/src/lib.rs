@@ -44,6 +44,7 @@ pub mod demo;
 pub mod dfm;
 pub mod framed;
 pub mod ingest;
+pub mod km3out;
 pub mod link;
 pub mod listen;
 pub mod live;

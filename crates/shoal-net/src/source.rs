@@ -61,9 +61,10 @@ pub async fn run_source_node(
     }
     let ingest = crate::ingest::shared_ingest(&cfg, first)?;
     let input = crate::ingest::InputTask::start(&kind, &cfg, ingest.clone())?;
-    let r = run_source_with(&cfg, clock, live, cancel, false, Some(ingest)).await;
-    if let Some(input) = input {
-        input.stop();
+    let mut r = run_source_with(&cfg, clock, live, cancel, false, Some(ingest)).await;
+    let clb = input.and_then(crate::ingest::InputTask::stop);
+    if let Ok(report) = &mut r {
+        report.clb = clb;
     }
     r
 }

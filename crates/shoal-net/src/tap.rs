@@ -22,8 +22,10 @@ use tracing::warn;
 pub const TAG_RAW: &str = "SHL_RAW";
 /// Selected events of every processed slice: the `EVENTS` frame the writer receives.
 pub const TAG_EVENTS: &str = "SHL_EVT";
-/// Messages waiting for the dispatcher before new ones are dropped.
-pub const QUEUE: usize = 256;
+/// Messages, and bytes, waiting for the dispatcher before new ones are dropped (a KM3NeT
+/// builder offers a JDAQEvent per event: many small messages).
+pub const QUEUE: usize = 65_536;
+pub const QUEUE_BYTES: u64 = 64 << 20;
 
 /// What the taps did (totals since the process started).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -39,6 +41,8 @@ pub struct TapStats {
 #[derive(Debug, Default)]
 pub struct Tap {
     tx: Mutex<Option<mpsc::Sender<(&'static str, Bytes)>>>,
+    /// Bytes offered and not yet taken by the publisher.
+    queued_bytes: AtomicU64,
     published: AtomicU64,
     dropped: AtomicU64,
     failed: AtomicU64,
@@ -60,7 +64,14 @@ impl Tap {
     pub fn offer(&self, tag: &'static str, payload: Bytes) {
         let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = guard.as_ref() else { return };
+        let len = payload.len() as u64;
+        if self.queued_bytes.fetch_add(len, Ordering::AcqRel) + len > QUEUE_BYTES {
+            self.queued_bytes.fetch_sub(len, Ordering::AcqRel);
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if tx.try_send((tag, payload)).is_err() {
+            self.queued_bytes.fetch_sub(len, Ordering::AcqRel);
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -87,6 +98,7 @@ async fn publish(
             m = rx.recv() => match m { Some(m) => m, None => return },
             _ = cancel.cancelled() => return,
         };
+        tap.queued_bytes.fetch_sub(payload.len() as u64, Ordering::AcqRel);
         if client.is_none() {
             match ChClient::connect(dispatcher).await {
                 Ok(mut c) => {

