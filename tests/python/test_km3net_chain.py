@@ -140,6 +140,21 @@ def run_chain(shoal_bin, tmp_path, emulate_args: list[str], doms: list[int], fil
         raise
 
 
+def check_record(c, run: int, sent: dict):
+    """The run record: the source's DataQueue took every packet sent, every frame complete,
+    nothing refused or dropped; every fragment delivered; each builder's outputs counted."""
+    record = json.loads((c.state_dir / "runs" / f"run{run:06}.json").read_text())
+    assert record["ledger"]["balanced"] and record["slices_incomplete"] == 0, record["ledger"]
+    details = {r["name"]: r["detail"] for r in record["reports"]}
+    clb = details["dataqueue"]["clb"]
+    assert clb["packets"] == clb["optical_packets"] == sent["packets"], clb
+    assert clb["hits"] == sent["hits"] and clb["frames"] == sent["timeslices"] * len(sent["dom_ids"]), clb
+    assert (clb["frames_incomplete"], clb["refused"], clb["dropped_by_kernel"]) == (0, {}, 0), clb
+    km3 = [details[b]["km3net"] for b in ("builder0", "builder1")]
+    assert sum(k["frames"] for k in km3) == clb["frames"] and not any(k["bad_frames"] for k in km3)
+    assert all(details[b]["tap"]["dropped"] == 0 for b in ("builder0", "builder1"))
+
+
 def test_recorded_timeslices_round_trip_through_the_chain_and_km3pipe_reads_every_output(shoal_bin, tmp_path):
     want = recorded()
     doms = sorted({d for ts in want for d in ts})
@@ -192,9 +207,46 @@ def test_recorded_timeslices_round_trip_through_the_chain_and_km3pipe_reads_ever
             for blob in pump:
                 assert blob["DAQEvent"].n_snapshot_hits > 0
         assert n == len(events)
-        # The source's report: every packet taken, no frame incomplete, nothing refused.
-        record = json.loads((c.state_dir / "runs" / f"run{run:06}.json").read_text())
-        text = json.dumps(record)
-        assert '"clb"' in text, "the run record holds the DataQueue's counters"
+        check_record(c, run, sent)
+    finally:
+        assert c.close() == 0
+
+
+def test_summaryslices_give_the_rates_the_emulator_sent(shoal_bin, tmp_path):
+    """The physics generator's K-40 hits at KM3NeT's rates through the chain: the rates
+    km3pipe's DAQSummaryslice reads on IO_SUM are the hits km3pipe's CLBPump reads in the
+    emulator's dump, per PMT and timeslice, within the one-byte encoding's precision."""
+    dump = tmp_path / "sent.dqd"
+    probe = subprocess.run(
+        [str(shoal_bin), "clb-emulate", "--physics", "--lines", "1", "--doms-per-line", "3", "--seconds", "0.3",
+         "--dump", str(tmp_path / "probe.dqd")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    doms = json.loads(probe.stdout.strip().splitlines()[-1])["dom_ids"]
+    args = ["--physics", "--lines", "1", "--doms-per-line", "3", "--seconds", "0.3", "--dump", str(dump)]
+    sent, received, c, run = run_chain(shoal_bin, tmp_path, args, doms, "l1", 3)
+    try:
+        counts = collections.Counter()
+        for blob in kp.io.clb.CLBPump(file=str(dump)):
+            info, hits = blob["PacketInfo"], blob["Hits"]
+            start = int(info.timestamp[0]) * 10**9 + int(info.ns_ticks[0]) * 16
+            for ch in hits.channel_id:
+                counts[(start, int(info.dom_id[0]), int(ch))] += 1
+        assert counts, "the generator sent hits"
+        summaries = 0
+        for raw in received["IO_SUM"]:
+            f = io.BytesIO(raw)
+            kp.io.daq.DAQPreamble(file_obj=f)
+            s = kp.io.daq.DAQSummaryslice(file_obj=f)
+            start = s.header.time_stamp * 10**9 + s.header.ticks * 16
+            assert sorted(s.summary_frames) == sorted(doms)
+            for dom, rates in s.summary_frames.items():
+                for ch, rate in enumerate(rates):
+                    sent_hz = counts[(start, dom, ch)] / (sent["slice_ns"] * 1e-9)
+                    assert sent_hz > 2e3, "K-40 alone is about 7 kHz per PMT"
+                    assert math.isclose(rate, sent_hz, rel_tol=0.014), (dom, ch, rate, sent_hz)
+            summaries += 1
+        assert summaries == sent["timeslices"] == 3
+        check_record(c, run, sent)
     finally:
         assert c.close() == 0

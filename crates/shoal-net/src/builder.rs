@@ -1003,7 +1003,8 @@ fn filter_loop(
         let (selected, km3_slice) = match km3.as_mut() {
             Some(k) => {
                 let (hits, frames) = k.decode(&data.fragments);
-                let view = SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
+                let view =
+                    SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
                 (filter.process(&view), Some(frames))
             }
             None => (filter.process(&data), None),

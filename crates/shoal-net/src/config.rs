@@ -93,7 +93,8 @@ impl Km3netSettings {
         }
         let Some(path) = &self.detx else { return Ok(Vec::new()) };
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read { path: path.clone(), source: e })?;
-        let g = Geometry::from_detx(&text).map_err(|e| ConfigError::Invalid(format!("km3net.detx {}: {e}", path.display())))?;
+        let g = Geometry::from_detx(&text)
+            .map_err(|e| ConfigError::Invalid(format!("km3net.detx {}: {e}", path.display())))?;
         Ok(g.modules.iter().map(|m| m.id).collect())
     }
 

@@ -296,7 +296,8 @@ impl InputTask {
                 Ok(Some(InputTask { stop, threads: vec![t], unix_path: Some(path.clone()), udp_addr: None, clb: None }))
             }
             InputKind::Clb(addr) => {
-                let socket = std::net::UdpSocket::bind(addr)
+                // A DOM's timeslice comes in a burst of packets: a large receive buffer.
+                let socket = crate::udp::std_socket(*addr, (cfg.udp.socket_buffer_mb << 20) as usize)
                     .map_err(|e| ConfigError::Invalid(format!("source.input: binding udp {addr}: {e}")))?;
                 let udp_addr = socket.local_addr().ok();
                 let clb = ClbInput::new(cfg, &ingest)?;
@@ -571,6 +572,7 @@ impl ClbInput {
     }
 
     fn run(mut self, socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<AtomicBool>) {
+        let local = socket.local_addr().ok();
         let clock = crate::clock::WallClock::new();
         let mut buf = vec![0u8; 65_536];
         let mut refused_logged = 0u64;
@@ -597,12 +599,12 @@ impl ClbInput {
             let now = clock.now().as_nanos();
             let below = now.saturating_sub(self.slice_ns + self.close_delay_ns);
             self.submit_frames(&ingest, below);
-            self.publish_report();
+            self.publish_report(local);
         }
         // What is still open goes in as it is (the ingest takes it late or refuses it,
         // counted): nothing received is left uncounted.
         self.submit_frames(&ingest, u64::MAX);
-        self.publish_report();
+        self.publish_report(local);
     }
 
     fn submit_frames(&mut self, ingest: &SharedIngest, below_ns: u64) {
@@ -631,8 +633,16 @@ impl ClbInput {
         }
     }
 
-    fn publish_report(&self) {
-        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = self.queue.report().clone();
+    fn publish_report(&self, local: Option<std::net::SocketAddr>) {
+        let mut r = self.queue.report().clone();
+        r.dropped_by_kernel = local.and_then(crate::udp::kernel_drops).unwrap_or(0);
+        if r.dropped_by_kernel > self.report.lock().map_or(0, |o| o.dropped_by_kernel) {
+            warn!(
+                dropped = r.dropped_by_kernel,
+                "input: the kernel dropped CLB packets (receive buffer full; raise udp.socket_buffer_mb and net.core.rmem_max)"
+            );
+        }
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = r;
     }
 }
 

@@ -130,9 +130,16 @@ fn from_physics(args: &EmulateArgs, slice_ns: u64) -> anyhow::Result<Timeslices>
             .map(|m| {
                 let f = generator.generate(m, slice);
                 let hits = HitPayload::parse(&f.payload, f.hit_count)
-                    .map(|p| p.hits().map(|h| ClbHit { channel: h.channel, time_ns: h.time_ns, tot: h.amplitude }).collect())
+                    .map(|p| {
+                        p.hits().map(|h| ClbHit { channel: h.channel, time_ns: h.time_ns, tot: h.amplitude }).collect()
+                    })
                     .unwrap_or_default();
-                DomSlice { run: args.run.unwrap_or(1), dom_id: generator.geometry().modules[m].id, dom_status: 1 << 31, hits }
+                DomSlice {
+                    run: args.run.unwrap_or(1),
+                    dom_id: generator.geometry().modules[m].id,
+                    dom_status: 1 << 31,
+                    hits,
+                }
             })
             .collect();
         out.push((slice * slice_ns, doms));
@@ -208,7 +215,7 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
             "timeslices": slices.len(),
             "first_timeslice_ns": slices.first().map_or(0, |s| s.0),
             "slice_ns": slice_ns,
-            "doms": slices.first().map_or(0, |s| s.1.len()),
+            "dom_ids": slices.first().map(|s| s.1.iter().map(|d| d.dom_id).collect::<Vec<_>>()).unwrap_or_default(),
             "packets": total,
             "hits": hits,
         })
@@ -216,24 +223,28 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
     if let Some(addr) = &args.send {
         let socket = std::net::UdpSocket::bind("0.0.0.0:0").context("binding a UDP socket")?;
         socket.connect(addr).with_context(|| format!("UDP to {addr}"))?;
-        let unix_now = || {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-        };
+        let unix_now =
+            || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let start = Instant::now();
         let t0 = unix_now();
         for (i, ((slice_start, _), packets)) in slices.iter().zip(&packets).enumerate() {
-            // The real pace: a timeslice's packets once its time has come (recorded times
-            // are sent one timeslice per timeslice length).
+            // The real pace: a timeslice's packets during its time, in ten bursts (a CLB
+            // streams its hits as they come; recorded times are sent one timeslice per
+            // timeslice length).
             let due = if args.keep_time {
                 start + Duration::from_nanos(i as u64 * slice_ns)
             } else {
                 start + Duration::from_nanos(slice_start.saturating_sub(t0))
             };
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            for p in packets {
-                socket.send(p).with_context(|| format!("sending to {addr}"))?;
+            let burst = packets.len().div_ceil(10).max(1);
+            for (k, chunk) in packets.chunks(burst).enumerate() {
+                let at = due + Duration::from_nanos(k as u64 * slice_ns / 10);
+                if let Some(wait) = at.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                for p in chunk {
+                    socket.send(p).with_context(|| format!("sending to {addr}"))?;
+                }
             }
         }
     }
@@ -314,4 +325,59 @@ pub fn assemble(args: AssembleArgs) -> anyhow::Result<std::process::ExitCode> {
     } else {
         std::process::ExitCode::SUCCESS
     })
+}
+
+#[derive(clap::Args)]
+pub struct JdaqCheckArgs {
+    /// DAQ files (JDAQ objects one after another: timeslices, events, summaryslices).
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+}
+
+/// `shoal jdaq-check`: decodes every object of DAQ files with shoal's codecs and encodes
+/// it again; the bytes must be the very bytes read. Prints what it found per file.
+pub fn jdaq_check(args: JdaqCheckArgs) -> anyhow::Result<std::process::ExitCode> {
+    use shoal_core::km3net::jdaq::{
+        TYPE_EVENT, TYPE_L0, TYPE_SN, TYPE_SUMMARYSLICE, decode_event, decode_summaryslice, decode_timeslice,
+        encode_event, encode_summaryslice, peek_preamble,
+    };
+    let mut ok = true;
+    for path in &args.files {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+        let mut problems = Vec::new();
+        let mut at = 0;
+        while at < bytes.len() {
+            let rest = &bytes[at..];
+            let Some((data_type, size)) = peek_preamble(rest) else {
+                problems.push(format!("offset {at}: not a JDAQ preamble"));
+                break;
+            };
+            let object = &rest[..size];
+            let (name, again) = match data_type {
+                TYPE_L0..=TYPE_SN => ("timeslice", decode_timeslice(object).map(|(t, _)| encode_timeslice(&t))),
+                TYPE_EVENT => ("event", decode_event(object).map(|(e, _)| encode_event(&e))),
+                TYPE_SUMMARYSLICE => {
+                    ("summaryslice", decode_summaryslice(object).map(|(s, _)| encode_summaryslice(&s)))
+                }
+                other => {
+                    *counts.entry(format!("other_{other}")).or_default() += 1;
+                    at += size;
+                    continue;
+                }
+            };
+            match again {
+                Ok(b) if b == object => *counts.entry(name.to_string()).or_default() += 1,
+                Ok(_) => problems.push(format!("offset {at}: {name} encodes to different bytes")),
+                Err(e) => problems.push(format!("offset {at}: {name}: {e}")),
+            }
+            at += size;
+        }
+        ok &= problems.is_empty();
+        println!(
+            "{}",
+            serde_json::json!({ "file": path.display().to_string(), "identical": counts, "problems": problems })
+        );
+    }
+    Ok(if ok { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::from(1) })
 }

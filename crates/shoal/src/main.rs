@@ -98,10 +98,14 @@ enum Command {
     /// Combine the end-of-run reports of hand-started processes (and source SDK handles)
     /// into the run's ledger; exits 1 when it does not balance.
     Ledger(ledger::LedgerArgs),
-    /// KM3NeT: CLB optical packets from a recorded timeslice file, to a dump and/or UDP.
+    /// KM3NeT: CLB optical packets from a recorded timeslice file, a CLB dump or the physics
+    /// generator, to a dump and/or UDP at the real pace.
     ClbEmulate(km3net::EmulateArgs),
     /// KM3NeT: a CLB dump reassembled per DOM and timeslice into JDAQTimeslices.
     ClbAssemble(km3net::AssembleArgs),
+    /// Decode every JDAQ object (timeslice, event, summaryslice) of DAQ files and encode it
+    /// again: the bytes must be the very bytes read (checks shoal's KM3NeT codecs on real files).
+    JdaqCheck(km3net::JdaqCheckArgs),
     /// Run control: launch the processes of a cluster file, drive runs, serve the web UI.
     Run(RunArgs),
     /// Generate slices with known muons, filter them, and print efficiency, purity,
@@ -331,6 +335,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Ledger(args) => ledger::run(args),
         Command::ClbEmulate(args) => km3net::emulate(args),
         Command::ClbAssemble(args) => km3net::assemble(args),
+        Command::JdaqCheck(args) => km3net::jdaq_check(args),
         Command::Run(args) => run::command(args.into()).await,
         Command::TriggerEval(args) => tokio::task::spawn_blocking(move || trigger::eval(args)).await?,
         Command::Replay(args) => tokio::task::spawn_blocking(move || replay::command(args)).await?,

@@ -60,6 +60,10 @@ pub struct DataQueueReport {
     pub frames: u64,
     pub frames_incomplete: u64,
     pub packets_missing: u64,
+    /// Datagrams the host's kernel dropped before the DataQueue saw them (its receive
+    /// buffer was full; filled in by the driver, which owns the socket).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub dropped_by_kernel: u64,
 }
 
 #[derive(Debug, Default)]

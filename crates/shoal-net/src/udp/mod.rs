@@ -46,6 +46,13 @@ static SMALL_BUFFERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU6
 /// `net.core.wmem_max`): once per process, since a source process opens a socket per
 /// builder (30,000 at full shape); the rest at debug level.
 pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocket> {
+    let s = std_socket(bind, buffer_bytes)?;
+    s.set_nonblocking(true)?;
+    UdpSocket::from_std(s)
+}
+
+/// [`socket`] as a blocking std socket (the input threads).
+pub fn std_socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<std::net::UdpSocket> {
     use socket2::{Domain, Protocol, Socket, Type};
     let s = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP))?;
     for (what, set, get) in [
@@ -73,9 +80,31 @@ pub fn socket(bind: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocke
             }
         }
     }
-    s.set_nonblocking(true)?;
     s.bind(&bind.into())?;
-    UdpSocket::from_std(s.into())
+    Ok(s.into())
+}
+
+/// Datagrams the kernel dropped on the UDP socket bound to `local` because its receive
+/// buffer was full (the `drops` column of /proc/net/udp, udp6), or `None` when the table
+/// does not show it. Nothing else tells a receiver about them.
+pub fn kernel_drops(local: SocketAddr) -> Option<u64> {
+    let (table, addr_hex) = match local {
+        SocketAddr::V4(a) => ("/proc/self/net/udp", format!("{:08X}", u32::from_le_bytes(a.ip().octets()))),
+        SocketAddr::V6(a) => (
+            "/proc/self/net/udp6",
+            a.ip()
+                .octets()
+                .chunks(4)
+                .map(|w| format!("{:08X}", u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
+                .collect(),
+        ),
+    };
+    let want = format!("{addr_hex}:{:04X}", local.port());
+    let text = std::fs::read_to_string(table).ok()?;
+    text.lines().skip(1).find_map(|line| {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        (cols.get(1) == Some(&want.as_str())).then(|| cols.last()?.parse().ok()).flatten()
+    })
 }
 
 /// A source's datagram link to one builder.
