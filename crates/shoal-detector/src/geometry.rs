@@ -102,7 +102,7 @@ impl Geometry {
                     .iter()
                     .enumerate()
                     .map(|(k, dir)| Pmt {
-                        id: id * 31 + k as u32,
+                        id: (l * 100 + d) * 31 + k as u32 + 1,
                         pos: [pos[0] + 0.2 * dir[0], pos[1] + 0.2 * dir[1], pos[2] + 0.2 * dir[2]],
                         dir: *dir,
                         t0_ns: 0.0,
@@ -148,6 +148,25 @@ impl Geometry {
         let c = [(lo[0] + hi[0]) / 2.0, (lo[1] + hi[1]) / 2.0, (lo[2] + hi[2]) / 2.0];
         let r = ((hi[0] - c[0]).powi(2) + (hi[1] - c[1]).powi(2) + (hi[2] - c[2]).powi(2)).sqrt();
         (c, r)
+    }
+
+    /// The geometry as a `.detx` text (v1: detector id and module count, then per module
+    /// its id, string, floor and PMT count, each PMT's id, position, direction and t0),
+    /// which [`Geometry::from_detx`] and KM3NeT's tools read.
+    pub fn to_detx(&self, det_id: i32) -> String {
+        use std::fmt::Write;
+        let mut s = format!("{det_id} {}\n", self.modules.len());
+        for m in &self.modules {
+            let _ = writeln!(s, "{} {} {} {}", m.id, m.string, m.floor, m.pmts.len());
+            for p in &m.pmts {
+                let _ = writeln!(
+                    s,
+                    " {} {:.6} {:.6} {:.6} {:.6} {:.6} {:.6} {:.3}",
+                    p.id, p.pos[0], p.pos[1], p.pos[2], p.dir[0], p.dir[1], p.dir[2], p.t0_ns
+                );
+            }
+        }
+        s
     }
 
     /// Reads a KM3NeT `.detx` text (v1 to v5).
@@ -234,6 +253,19 @@ mod tests {
             assert!((n - 1.0).abs() < 1e-9 && p.dir[2] < 0.0);
         }
         assert_eq!(Geometry::antares_for_sources(5).modules.len(), 5);
+    }
+
+    #[test]
+    fn a_written_detx_reads_back() {
+        let g = Geometry::arca_like(2, 3);
+        let back = Geometry::from_detx(&g.to_detx(133)).unwrap();
+        assert_eq!(back.modules.len(), 6);
+        for (a, b) in g.modules.iter().zip(&back.modules) {
+            assert_eq!((a.id, a.string, a.floor, a.pmts.len()), (b.id, b.string, b.floor, b.pmts.len()));
+            for k in 0..3 {
+                assert!((a.pos[k] - b.pos[k]).abs() < 1e-3 && (a.pmts[7].dir[k] - b.pmts[7].dir[k]).abs() < 1e-5);
+            }
+        }
     }
 
     #[test]

@@ -661,6 +661,12 @@ impl Config {
     /// The sources' workload in words (summaries).
     pub fn describe_workload(&self) -> String {
         let s = &self.source;
+        if !s.input.trim().is_empty() {
+            return match self.input() {
+                Ok(InputKind::Clb(a)) => format!("KM3NeT CLB packets received on {a}"),
+                _ => format!("submitted data ({})", s.input.trim()),
+            };
+        }
         let base = match s.generator {
             GeneratorKind::Physics => format!(
                 "physics: K-40 {:.0} kHz per PMT, bursts {:.0}% of the time, muons {} Hz",

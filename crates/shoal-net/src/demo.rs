@@ -98,6 +98,11 @@ pub struct RunSummary {
     /// Pull runs: the data-flow manager's report.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dfm: Option<DfmReport>,
+    /// KM3NeT mode: the sources' DataQueues and the builders' outputs, summed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clb: Option<shoal_core::km3net::dataqueue::DataQueueReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub km3net: Option<crate::km3out::Km3OutReport>,
     pub summary_path: PathBuf,
     /// This process's peak resident memory (VmHWM), MB.
     pub peak_rss_mb: f64,
@@ -171,7 +176,11 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     cfg.share_saver_history();
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();
-    let per_node = sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit);
+    // An input socket (`source.input`) feeds one node: every source in it.
+    let per_node = match cfg.input()? {
+        crate::config::InputKind::Generator => sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit),
+        _ => cfg.hosted_sources().len().max(1),
+    };
     let builders = cfg.run.builders;
     let plan = crate::budget::plan(&cfg, |n| embedded_hosting(n, builders, fd_limit))?;
     crate::budget::apply(&mut cfg, &plan);
@@ -225,8 +234,12 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let mut slices_produced = 0;
     let (mut late_slice_ends, mut slices_skipped, mut dropped_over_memory) = (0, 0, 0);
     let mut worst_late = (0u64, 0u64);
+    let mut clb: Option<shoal_core::km3net::dataqueue::DataQueueReport> = None;
     for n in nodes {
         let r = n.await??;
+        if let Some(c) = &r.clb {
+            clb.get_or_insert_with(Default::default).merge(c);
+        }
         slices_produced = slices_produced.max(r.slices);
         late_slice_ends += r.late_slice_ends;
         worst_late = worst_late.max((r.worst_late_ns, r.worst_late_into_run_ns));
@@ -265,6 +278,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
 
     let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
     summary.dfm = dfm;
+    summary.clb = clb;
     summary.slices_skipped = slices_skipped;
     summary.worst_late_ms = worst_late.0 as f64 / 1e6;
     summary.worst_late_at_s = worst_late.1 as f64 / 1e9;
@@ -314,6 +328,11 @@ fn summarize(
     let bytes: u64 = builder_reports.iter().map(|b| b.node.bytes).sum();
     let span_s = if last > first { (last - first) as f64 * 1e-9 } else { 0.0 };
     let ledger = Ledger::combine(tallies, &btallies);
+    let km3net = builder_reports.iter().filter_map(|b| b.km3net.as_ref()).fold(None, |acc, k| {
+        let mut acc: crate::km3out::Km3OutReport = acc.unwrap_or_default();
+        acc.merge(k);
+        Some(acc)
+    });
     RunSummary {
         run: cfg.run.run_number,
         policy: cfg.run.policy.clone(),
@@ -329,7 +348,7 @@ fn summarize(
         incomplete_reasons,
         fragments_received: builder_reports.iter().map(|b| b.node.fragments).sum(),
         bytes_received: bytes,
-        hits_received: builder_reports.iter().map(|b| b.hits).sum(),
+        hits_received: builder_reports.iter().map(|b| b.hits + b.km3net.as_ref().map_or(0, |k| k.hits)).sum(),
         workload: cfg.describe_workload(),
         mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
         network_delay: DelayStats::from_histogram(&net),
@@ -347,6 +366,8 @@ fn summarize(
         writer,
         builder_reports,
         dfm: None,
+        clb: None,
+        km3net,
         summary_path: PathBuf::new(),
         peak_rss_mb: peak_rss_mb(),
     }

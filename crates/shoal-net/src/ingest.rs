@@ -575,31 +575,42 @@ impl ClbInput {
         let local = socket.local_addr().ok();
         let clock = crate::clock::WallClock::new();
         let mut buf = vec![0u8; 65_536];
-        let mut refused_logged = 0u64;
+        // Closing timeslices, the counters and the log: every tick, not per packet (a
+        // DOM's timeslice is a burst of packets the loop must keep up with).
         let tick = StdDuration::from_millis((self.slice_ns / 4_000_000).clamp(1, 100));
         let _ = socket.set_read_timeout(Some(tick));
+        let mut next_tick = StdInstant::now();
+        let mut logged = (0u64, 0u64, StdInstant::now());
         while !stop.load(Ordering::Acquire) && !ingest.is_finished() {
             match socket.recv(&mut buf) {
                 Ok(n) => {
-                    let before = self.queue.report().refused.values().sum::<u64>();
                     self.queue.handle_packet(&buf[..n]);
-                    let after = self.queue.report().refused.values().sum::<u64>();
-                    if after > before {
-                        // Counted by the DataQueue; logged at a bounded rate.
-                        if refused_logged.is_multiple_of(1000) {
-                            warn!(refused = after, "input: CLB packet refused (see the source report's clb counters)");
-                        }
-                        refused_logged += 1;
-                    }
                 }
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => warn!("input: udp receive: {e}"),
             }
+            if StdInstant::now() < next_tick {
+                continue;
+            }
+            next_tick = StdInstant::now() + tick;
             let now = clock.now().as_nanos();
             let below = now.saturating_sub(self.slice_ns + self.close_delay_ns);
             self.submit_frames(&ingest, below);
-            self.publish_report(local);
+            let r = self.publish_report(local);
+            // Refusals and the kernel's drops, said at most once a second.
+            let refused: u64 = r.refused.values().sum();
+            if (refused > logged.0 || r.dropped_by_kernel > logged.1) && logged.2.elapsed() >= StdDuration::from_secs(1)
+            {
+                warn!(
+                    refused = refused - logged.0,
+                    dropped_by_kernel = r.dropped_by_kernel - logged.1,
+                    by_reason = ?r.refused,
+                    "input: CLB packets refused or dropped since the last report (the kernel drops when the \
+                     receive buffer is full: raise udp.socket_buffer_mb and net.core.rmem_max)"
+                );
+                logged = (refused, r.dropped_by_kernel, StdInstant::now());
+            }
         }
         // What is still open goes in as it is (the ingest takes it late or refuses it,
         // counted): nothing received is left uncounted.
@@ -633,16 +644,11 @@ impl ClbInput {
         }
     }
 
-    fn publish_report(&self, local: Option<std::net::SocketAddr>) {
+    fn publish_report(&self, local: Option<std::net::SocketAddr>) -> DataQueueReport {
         let mut r = self.queue.report().clone();
         r.dropped_by_kernel = local.and_then(crate::udp::kernel_drops).unwrap_or(0);
-        if r.dropped_by_kernel > self.report.lock().map_or(0, |o| o.dropped_by_kernel) {
-            warn!(
-                dropped = r.dropped_by_kernel,
-                "input: the kernel dropped CLB packets (receive buffer full; raise udp.socket_buffer_mb and net.core.rmem_max)"
-            );
-        }
-        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = r;
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = r.clone();
+        r
     }
 }
 

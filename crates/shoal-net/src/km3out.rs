@@ -36,6 +36,8 @@ pub struct Km3OutReport {
     /// Timeslices with at least one frame.
     pub timeslices: u64,
     pub frames: u64,
+    /// Hits in those frames (the filter's input).
+    pub hits: u64,
     /// Fragments that are not a superframe (counted, left out of the outputs).
     pub bad_frames: u64,
     /// Messages offered to the dispatcher, per tag (the tap counts what it dropped).
@@ -44,6 +46,23 @@ pub struct Km3OutReport {
     pub file_bytes: BTreeMap<String, u64>,
     /// Files that failed (their tag's file is closed, the run goes on).
     pub file_errors: u64,
+}
+
+impl Km3OutReport {
+    /// Adds another builder's counters.
+    pub fn merge(&mut self, o: &Km3OutReport) {
+        self.timeslices += o.timeslices;
+        self.frames += o.frames;
+        self.hits += o.hits;
+        self.bad_frames += o.bad_frames;
+        for (k, v) in &o.offered {
+            *self.offered.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &o.file_bytes {
+            *self.file_bytes.entry(k.clone()).or_default() += v;
+        }
+        self.file_errors += o.file_errors;
+    }
 }
 
 /// One slice's frames as the builder got them.
@@ -106,6 +125,7 @@ impl Km3Out {
             match decode_superframe(&f.payload) {
                 Ok((h, frame)) => {
                     out.header.get_or_insert(h);
+                    self.report.hits += frame.hits.len() as u64;
                     let mut hits = BytesMut::with_capacity(6 * frame.hits.len());
                     for hit in &frame.hits {
                         hits.put_u8(hit.channel);

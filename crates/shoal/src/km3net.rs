@@ -126,25 +126,64 @@ fn from_physics(args: &EmulateArgs, slice_ns: u64) -> anyhow::Result<Timeslices>
     let modules = generator.geometry().modules.len();
     let mut out = Vec::new();
     for slice in 0..n {
-        let doms = (0..modules)
-            .map(|m| {
-                let f = generator.generate(m, slice);
-                let hits = HitPayload::parse(&f.payload, f.hit_count)
-                    .map(|p| {
-                        p.hits().map(|h| ClbHit { channel: h.channel, time_ns: h.time_ns, tot: h.amplitude }).collect()
-                    })
-                    .unwrap_or_default();
-                DomSlice {
-                    run: args.run.unwrap_or(1),
-                    dom_id: generator.geometry().modules[m].id,
-                    dom_status: 1 << 31,
-                    hits,
-                }
-            })
-            .collect();
+        let doms = (0..modules).map(|m| physics_dom(&generator, m, slice, args.run.unwrap_or(1))).collect();
         out.push((slice * slice_ns, doms));
     }
     Ok(out)
+}
+
+/// One timeslice's CLB packets: every DOM's hits cut into packets of at most
+/// `hits_per_packet`, sequence numbers from 0 per DOM (an empty frame is one packet without
+/// hits, so that the DOM is seen).
+fn clb_packets(start: u64, doms: &[DomSlice], run: Option<u32>, hits_per_packet: usize) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for d in doms {
+        let chunks = d.hits.chunks(hits_per_packet).chain(d.hits.is_empty().then_some(&[][..]));
+        for (seq, hits) in chunks.enumerate() {
+            let h = ClbHeader {
+                data_type: ClbDataType::Optical,
+                run: run.unwrap_or(d.run),
+                udp_sequence: seq as u32,
+                timestamp_s: (start / 1_000_000_000) as u32,
+                ticks: ((start % 1_000_000_000) / 16) as u32,
+                dom_id: d.dom_id,
+                dom_status: d.dom_status,
+            };
+            out.push(encode_optical(&h, hits));
+        }
+    }
+    out
+}
+
+/// Sends a timeslice's packets from `due` on, in ten bursts over the timeslice (a CLB
+/// streams its hits as they come).
+fn send_paced(socket: &std::net::UdpSocket, due: Instant, packets: &[Vec<u8>], slice_ns: u64) -> std::io::Result<()> {
+    let burst = packets.len().div_ceil(10).max(1);
+    for (k, chunk) in packets.chunks(burst).enumerate() {
+        let at = due + Duration::from_nanos(k as u64 * slice_ns / 10);
+        if let Some(wait) = at.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        for p in chunk {
+            match socket.send(p) {
+                // Nobody listens (yet, or any more): the packet is gone, as on a network.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                r => {
+                    r?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The physics generator's data of one DOM and timeslice.
+fn physics_dom(generator: &shoal_detector::physics::PhysicsGenerator, module: usize, slice: u64, run: u32) -> DomSlice {
+    let f = generator.generate(module, slice);
+    let hits = HitPayload::parse(&f.payload, f.hit_count)
+        .map(|p| p.hits().map(|h| ClbHit { channel: h.channel, time_ns: h.time_ns, tot: h.amplitude }).collect())
+        .unwrap_or_default();
+    DomSlice { run, dom_id: generator.geometry().modules[module].id, dom_status: 1 << 31, hits }
 }
 
 pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
@@ -176,29 +215,8 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
             *start = first + i as u64 * slice_ns;
         }
     }
-    let packets: Vec<Vec<Vec<u8>>> = slices
-        .iter()
-        .map(|(start, doms)| {
-            let mut out = Vec::new();
-            for d in doms {
-                // An empty frame is one packet without hits, so that the DOM is seen.
-                let chunks = d.hits.chunks(args.hits_per_packet).chain(d.hits.is_empty().then_some(&[][..]));
-                for (seq, hits) in chunks.enumerate() {
-                    let h = ClbHeader {
-                        data_type: ClbDataType::Optical,
-                        run: args.run.unwrap_or(d.run),
-                        udp_sequence: seq as u32,
-                        timestamp_s: (start / 1_000_000_000) as u32,
-                        ticks: ((start % 1_000_000_000) / 16) as u32,
-                        dom_id: d.dom_id,
-                        dom_status: d.dom_status,
-                    };
-                    out.push(encode_optical(&h, hits));
-                }
-            }
-            out
-        })
-        .collect();
+    let packets: Vec<Vec<Vec<u8>>> =
+        slices.iter().map(|(start, doms)| clb_packets(*start, doms, args.run, args.hits_per_packet)).collect();
     let total: usize = packets.iter().map(Vec::len).sum();
     let hits: usize = slices.iter().flat_map(|(_, d)| d.iter().map(|d| d.hits.len())).sum();
     if let Some(path) = &args.dump {
@@ -236,16 +254,7 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
             } else {
                 start + Duration::from_nanos(slice_start.saturating_sub(t0))
             };
-            let burst = packets.len().div_ceil(10).max(1);
-            for (k, chunk) in packets.chunks(burst).enumerate() {
-                let at = due + Duration::from_nanos(k as u64 * slice_ns / 10);
-                if let Some(wait) = at.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-                for p in chunk {
-                    socket.send(p).with_context(|| format!("sending to {addr}"))?;
-                }
-            }
+            send_paced(&socket, due, packets, slice_ns).with_context(|| format!("sending to {addr}"))?;
         }
     }
     eprintln!("clb-emulate: {} timeslices, {total} packets, {hits} hits", slices.len());
@@ -380,4 +389,223 @@ pub fn jdaq_check(args: JdaqCheckArgs) -> anyhow::Result<std::process::ExitCode>
         );
     }
     Ok(if ok { std::process::ExitCode::SUCCESS } else { std::process::ExitCode::from(1) })
+}
+
+/// `shoal demo --detector km3net`: the KM3NeT chain on one machine. An ARCA-like block
+/// of DOMs (its `.detx` written next to the output), the physics generator's hits sent
+/// as CLB packets at the real pace to the sources' `clb:` input, builders running the
+/// muon trigger with KM3NeT's L1 on that geometry and publishing `IO_*` on a dispatcher
+/// started in-process, a subscriber counting what arrives, DAQ files and Parquet out.
+pub struct KmDemo {
+    dispatcher: std::net::SocketAddr,
+    dispatcher_cancel: tokio_util::sync::CancellationToken,
+    subscriber: tokio::task::JoinHandle<()>,
+    received: std::sync::Arc<std::sync::Mutex<BTreeMap<String, (u64, u64)>>>,
+    subscriber_stop: tokio_util::sync::CancellationToken,
+    emulator: Option<std::thread::JoinHandle<anyhow::Result<(u64, u64)>>>,
+    detx: PathBuf,
+}
+
+/// What the demo's KM3NeT side saw.
+#[derive(serde::Serialize)]
+pub struct KmDemoReport {
+    pub detx: PathBuf,
+    pub dispatcher: String,
+    pub emulated_packets: u64,
+    pub emulated_hits: u64,
+    /// Messages and bytes a subscriber received from the dispatcher, per tag.
+    pub received: BTreeMap<String, (u64, u64)>,
+}
+
+impl KmDemo {
+    /// Sets `cfg` up for the chain (sources, DOMs, input, filter) and starts the
+    /// dispatcher, the subscriber and the tap. Call [`KmDemo::start_emulator`] next.
+    pub async fn prepare(
+        cfg: &mut shoal_net::config::Config,
+        lines: u32,
+        doms_per_line: u32,
+        live: &shoal_net::live::Live,
+    ) -> anyhow::Result<Self> {
+        use shoal_core::controlhost::subscription::Mode;
+        use shoal_detector::geometry::Geometry;
+        let geometry = Geometry::arca_like(lines.max(1), doms_per_line.max(1));
+        std::fs::create_dir_all(&cfg.writer.out_dir)
+            .with_context(|| format!("creating {}", cfg.writer.out_dir.display()))?;
+        let detx = cfg.writer.out_dir.join("demo-arca.detx");
+        std::fs::write(&detx, geometry.to_detx(133)).with_context(|| format!("writing {}", detx.display()))?;
+        cfg.run.sources = geometry.modules.len() as u32;
+        cfg.run.slice_ms = 100;
+        cfg.source.ids.clear();
+        cfg.km3net.detx = Some(detx.clone());
+        cfg.km3net.doms.clear();
+        cfg.km3net.det_id = 133;
+        // The port the emulator sends to: free now, bound by the source when it starts.
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
+        cfg.source.input = format!("clb:127.0.0.1:{port}");
+        cfg.source.input_time_base = "unix".into();
+        cfg.source.input_latency_ms = 200;
+        let f = &mut cfg.builder.filter;
+        f.name = "muon".into();
+        f.muon.geometry = detx.display().to_string();
+        f.muon.l1.kind = shoal_trigger::muon::L1Kind::Km3net;
+        f.muon.l1.window_ns = 10;
+        // Every source of the run starts with the same slice, a little ahead of now; the
+        // emulator stamps its timeslices from it.
+        let slice_clock = cfg.slice_clock()?;
+        let now = shoal_net::clock::WallClock::new().now();
+        cfg.run.start_slice = Some(slice_clock.slice_at(now + shoal_core::Duration::from_millis(1_500)) + 1);
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let dispatcher_cancel = tokio_util::sync::CancellationToken::new();
+        let (handle, _core) = shoal_dispatcher::server::spawn_dispatcher(
+            listener,
+            shoal_dispatcher::server::DispatcherConfig::default(),
+            dispatcher_cancel.clone(),
+        )?;
+        let dispatcher = handle.addr;
+        live.tap.open(dispatcher, dispatcher_cancel.clone());
+        let mut client = shoal_dispatcher::client::ChClient::connect(dispatcher).await?;
+        for tag in shoal_net::config::KM3NET_TAGS {
+            client.subscribe(tag, Mode::All).await?;
+        }
+        let subscriber_stop = tokio_util::sync::CancellationToken::new();
+        let stop = subscriber_stop.clone();
+        let received = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<String, (u64, u64)>::new()));
+        let seen = received.clone();
+        let subscriber = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    m = client.next_message() => match m {
+                        Ok(m) => {
+                            let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+                            let e = seen.entry(m.tag.to_string()).or_default();
+                            e.0 += 1;
+                            e.1 += m.payload.len() as u64;
+                        }
+                        Err(_) => break,
+                    },
+                    _ = stop.cancelled() => break,
+                }
+            }
+        });
+        Ok(Self { dispatcher, dispatcher_cancel, subscriber, received, subscriber_stop, emulator: None, detx })
+    }
+
+    /// Starts sending the run's timeslices (a thread of its own: it sleeps between them).
+    pub fn start_emulator(&mut self, cfg: &shoal_net::config::Config) -> anyhow::Result<()> {
+        use shoal_detector::geometry::Geometry;
+        use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
+        let text = std::fs::read_to_string(&self.detx)?;
+        let geometry = Geometry::from_detx(&text)?;
+        let slice_ns = cfg.slice_clock()?.length().as_nanos() as u64;
+        // KM3NeT's rates; the muon rate as the demo's (enriched so that a short run shows
+        // events).
+        let physics = PhysicsConfig { muon_rate_hz: cfg.source.physics.muon_rate_hz, ..PhysicsConfig::km3net() };
+        let generator = PhysicsGenerator::new(physics, geometry, Duration::from_nanos(slice_ns))
+            .map_err(|e| anyhow::anyhow!("physics generator: {e}"))?;
+        let first = cfg.run.start_slice.context("the run's first slice is set by prepare")?;
+        let n = cfg.slices()?.unwrap_or(1);
+        let addr = cfg.source.input.trim_start_matches("clb:").to_string();
+        let run = cfg.run.run_number as u32;
+        // Computed on a thread of its own a few timeslices ahead, sent at the real pace on
+        // another: the pacing must not wait for the generator.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, Vec<Vec<u8>>, u64)>(4);
+        std::thread::spawn(move || {
+            for i in 0..n {
+                let doms: Vec<DomSlice> = (0..generator.geometry().modules.len())
+                    .map(|m| physics_dom(&generator, m, first + i, run))
+                    .collect();
+                let hits = doms.iter().map(|d| d.hits.len() as u64).sum::<u64>();
+                let start = (first + i) * slice_ns;
+                if tx.send((start, clb_packets(start, &doms, None, 200), hits)).is_err() {
+                    return;
+                }
+            }
+        });
+        self.emulator = Some(std::thread::spawn(move || {
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
+            socket.connect(&addr)?;
+            let clock = shoal_net::clock::WallClock::new();
+            let (mut packets, mut hits) = (0u64, 0u64);
+            for (start, p, h) in rx {
+                hits += h;
+                packets += p.len() as u64;
+                let wait = Duration::from_nanos(start.saturating_sub(clock.now().as_nanos()));
+                send_paced(&socket, Instant::now() + wait, &p, slice_ns)?;
+            }
+            Ok((packets, hits))
+        }));
+        Ok(())
+    }
+
+    /// After the run: waits for the emulator and for the subscriber to have every message
+    /// the builders offered (at most a few seconds), then stops the dispatcher.
+    pub async fn finish(mut self, summary: &shoal_net::demo::RunSummary) -> anyhow::Result<KmDemoReport> {
+        let (emulated_packets, emulated_hits) = match self.emulator.take() {
+            Some(t) => tokio::task::spawn_blocking(move || t.join())
+                .await?
+                .map_err(|_| anyhow::anyhow!("emulator panicked"))??,
+            None => (0, 0),
+        };
+        // The tap publishes after the builders have finished: wait (bounded) until the
+        // subscriber has every message offered.
+        let offered: u64 = summary.km3net.as_ref().map_or(0, |k| k.offered.values().sum());
+        let count = || self.received.lock().map_or(0, |r| r.values().map(|v| v.0).sum::<u64>());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while count() < offered && Instant::now() < deadline && !self.subscriber.is_finished() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.subscriber_stop.cancel();
+        let _ = (&mut self.subscriber).await;
+        let received = self.received.lock().map(|r| r.clone()).unwrap_or_default();
+        self.dispatcher_cancel.cancel();
+        Ok(KmDemoReport {
+            detx: self.detx,
+            dispatcher: self.dispatcher.to_string(),
+            emulated_packets,
+            emulated_hits,
+            received,
+        })
+    }
+}
+
+/// The KM3NeT part of the demo's table.
+pub fn demo_table(summary: &shoal_net::demo::RunSummary, k: &KmDemoReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::from("\nKM3NeT chain\n");
+    let _ = writeln!(s, "  detector file        {}", k.detx.display());
+    let _ = writeln!(s, "  emulated             {} CLB packets, {} hits", k.emulated_packets, k.emulated_hits);
+    if let Some(c) = &summary.clb {
+        let _ = writeln!(
+            s,
+            "  DataQueue            {} packets, {} frames ({} incomplete), refused {:?}, kernel drops {}",
+            c.packets, c.frames, c.frames_incomplete, c.refused, c.dropped_by_kernel
+        );
+    }
+    if let Some(o) = &summary.km3net {
+        let _ = writeln!(
+            s,
+            "  builders             {} timeslices, {} frames, {} not superframes",
+            o.timeslices, o.frames, o.bad_frames
+        );
+    }
+    let _ = writeln!(s, "  dispatcher           {} (gone with the demo)", k.dispatcher);
+    for tag in shoal_net::config::KM3NET_TAGS {
+        let offered = summary.km3net.as_ref().and_then(|o| o.offered.get(tag)).copied().unwrap_or(0);
+        let (n, bytes) = k.received.get(tag).copied().unwrap_or((0, 0));
+        let file = summary.km3net.as_ref().and_then(|o| o.file_bytes.get(tag)).copied().unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "  {tag:<8}             published {offered}, received {n} ({:.1} MB), files {:.1} MB",
+            bytes as f64 / 1e6,
+            file as f64 / 1e6
+        );
+    }
+    let _ = writeln!(
+        s,
+        "  files                {}/run{:06}.builder*.IO_*.dat (km3pipe's DAQPump reads them)",
+        summary.summary_path.parent().map_or_else(String::new, |p| p.display().to_string()),
+        summary.run
+    );
+    s
 }

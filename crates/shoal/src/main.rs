@@ -267,6 +267,16 @@ struct DemoArgs {
     /// comes 10-30 s after the fact).
     #[arg(long, default_value_t = 0.0)]
     alert_lag: f64,
+    /// `antares` (the generator in the sources) or `km3net`: the KM3NeT chain, CLB packets
+    /// from the emulator through the DataQueue to IO_* messages on an in-process
+    /// dispatcher and DAQ files (docs/km3net.md).
+    #[arg(long, default_value = "antares", value_parser = ["antares", "km3net"])]
+    detector: String,
+    /// km3net: detection units of the ARCA-like block, and DOMs on each.
+    #[arg(long, default_value_t = 1)]
+    lines: u32,
+    #[arg(long, default_value_t = 18)]
+    doms_per_line: u32,
 }
 
 /// The demo's muon rate when no configuration file is given.
@@ -387,9 +397,20 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if cfg.run.seconds <= 0.0 {
         anyhow::bail!("demo needs --seconds > 0");
     }
+    let live = Arc::new(Live::default());
+    let mut km3 = match args.detector.as_str() {
+        "km3net" => {
+            if args.sources.is_some() || args.slice_ms.is_some() {
+                anyhow::bail!(
+                    "--detector km3net: the DOMs are the sources (--lines, --doms-per-line) and slices are 100 ms"
+                );
+            }
+            Some(km3net::KmDemo::prepare(&mut cfg, args.lines, args.doms_per_line, &live).await?)
+        }
+        _ => None,
+    };
     cfg.validate()?;
 
-    let live = Arc::new(Live::default());
     let cancel = ctrl_c_token();
     let total_slices = (cfg.run.seconds * 1000.0 / cfg.run.slice_ms as f64).ceil() as u64;
     let bar = ProgressBar::new(total_slices);
@@ -437,6 +458,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
             }
         })
     });
+    if let Some(k) = km3.as_mut() {
+        k.start_emulator(&cfg)?;
+    }
     let result = run_embedded(cfg, live, cancel).await;
     if let Some(a) = alerter {
         a.abort();
@@ -444,10 +468,24 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     ticker.abort();
     bar.finish_and_clear();
     let summary = result?;
+    let km3 = match km3 {
+        Some(k) => Some(k.finish(&summary).await?),
+        None => None,
+    };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        match &km3 {
+            Some(k) => {
+                let mut v = serde_json::to_value(&summary)?;
+                v["km3net_demo"] = serde_json::to_value(k)?;
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+            None => println!("{}", serde_json::to_string_pretty(&summary)?),
+        }
     } else {
         print!("{}", summary::table(&summary));
+        if let Some(k) = &km3 {
+            print!("{}", km3net::demo_table(&summary, k));
+        }
     }
     Ok(exit_code(&summary, args.min_complete))
 }

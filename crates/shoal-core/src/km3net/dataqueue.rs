@@ -66,6 +66,25 @@ pub struct DataQueueReport {
     pub dropped_by_kernel: u64,
 }
 
+impl DataQueueReport {
+    /// Adds another DataQueue's counters (several source processes of one run).
+    pub fn merge(&mut self, o: &DataQueueReport) {
+        self.packets += o.packets;
+        self.optical_packets += o.optical_packets;
+        self.hits += o.hits;
+        for (k, v) in &o.skipped {
+            *self.skipped.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &o.refused {
+            *self.refused.entry(k.clone()).or_default() += v;
+        }
+        self.frames += o.frames;
+        self.frames_incomplete += o.frames_incomplete;
+        self.packets_missing += o.packets_missing;
+        self.dropped_by_kernel += o.dropped_by_kernel;
+    }
+}
+
 #[derive(Debug, Default)]
 struct Open {
     run: u32,
