@@ -15,6 +15,8 @@ import collections
 import io
 import json
 import math
+import pathlib
+import re
 import struct
 import subprocess
 
@@ -283,3 +285,55 @@ def test_demo_km3net_runs_the_chain_and_its_files_read_with_daqpump(shoal_bin, t
                 n += 1
         assert n == km3["offered"].get(tag, 0), tag
     assert km3["offered"]["IO_SUM"] == km3["timeslices"] > 0
+
+
+def test_the_arca_block_example_runs_under_run_control(shoal_bin, tmp_path):
+    """examples/km3net-arca-block.toml under `shoal run` (its ports moved to free ones):
+    the emulator's two blocks of DOMs reach their own DataQueue process, every frame reaches
+    a builder, the ledger balances."""
+    from shoal_cluster import on_free_ports
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    detx = root / "examples" / "km3net-block.detx"
+    text = on_free_ports((root / "examples" / "km3net-arca-block.toml").read_text())
+    text = text.replace('"examples/km3net-block.detx"', f'"{detx}"')
+    text = text.replace('state_dir = "shoal-runs"', f'state_dir = "{tmp_path / "state"}"')
+    text = text.replace('out_dir = "shoal-runs/data"', f'out_dir = "{tmp_path / "state" / "data"}"')
+    ports = re.findall(r'input = "clb:(127\.0\.0\.1:\d+)"', text)
+    assert len(ports) == 2
+    c = Cluster(shoal_bin, tmp_path, text=text)
+    try:
+        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
+        c.run_command("INIT", "STANDBY")
+        c.run_command("CONFIGURE", "READY")
+        from km3pipe.io.ch import CHPump
+
+        host, port = c.dispatcher()
+        pump = CHPump(host=host, port=port, tags="IO_TSL0", timeout=60, max_queue=1000)
+        try:
+            c.run_command("START", "RUNNING")
+            emu = subprocess.run(
+                [str(shoal_bin), "clb-emulate", "--physics", "--detx", str(detx), "--seconds", "0.5",
+                 "--send", ",".join(ports)],
+                capture_output=True, text=True, timeout=120, check=True,
+            )
+            sent = json.loads(emu.stdout.strip().splitlines()[-1])
+            # Every emulated timeslice built: one IO_TSL0 each, all 36 DOMs in it.
+            for _ in range(sent["timeslices"]):
+                _, _, per_dom = parse_timeslice(bytes(pump.process({})["CHData"]))
+                assert len(per_dom) == 36
+        finally:
+            pump.finish()
+        c.run_command("STOP", "READY")
+        run = c.status()["history"][0]["run"]
+        record = json.loads((c.state_dir / "runs" / f"run{run:06}.json").read_text())
+        assert record["ledger"]["balanced"], record["ledger"]
+        details = {r["name"]: r["detail"] for r in record["reports"]}
+        queues = [details[f"dataqueue{q}"]["clb"] for q in range(2)]
+        for q in queues:
+            assert q["packets"] > 0 and "unknown_dom" not in q["refused"], q
+        assert sum(q["packets"] + q["dropped_by_kernel"] for q in queues) <= sent["packets"]
+        built = sum(details[f"datafilter{b}"]["km3net"]["frames"] for b in range(3))
+        assert built == sum(q["frames"] for q in queues) == 36 * sent["timeslices"]
+    finally:
+        assert c.close() == 0

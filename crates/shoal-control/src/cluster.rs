@@ -111,6 +111,10 @@ pub struct ProcessSpec {
     /// announced in its statistics).
     #[serde(default)]
     pub metrics: Option<String>,
+    /// Source process: its own `source.input` (e.g. each KM3NeT DataQueue process its
+    /// `clb:` port), passed as `--input`.
+    #[serde(default)]
+    pub input: Option<String>,
 }
 
 fn localhost() -> String {
@@ -154,6 +158,11 @@ impl ClusterFile {
                     _ => bail!("builder {:?} needs ids = [one id below run.builders = {}]", p.name, run.builders),
                 },
                 Role::Source => {
+                    if let Some(input) = &p.input {
+                        let mut c = self.config.clone();
+                        c.source.input = input.clone();
+                        c.input().with_context(|| format!("process {:?}", p.name))?;
+                    }
                     if p.ids.is_empty() {
                         bail!("source process {:?} needs ids = [...] (the sources it hosts)", p.name);
                     }

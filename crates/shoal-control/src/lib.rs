@@ -91,6 +91,10 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
         args.push("--ids".into());
         args.push(spec.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
     }
+    if let Some(input) = &spec.input {
+        args.push("--input".into());
+        args.push(input.clone());
+    }
     args
 }
 

@@ -50,6 +50,9 @@ pub struct NodeOptions {
     pub dispatcher: SocketAddr,
     /// Builder id or, for a source process, the source ids it hosts (empty: all).
     pub ids: Vec<u32>,
+    /// A source process's `source.input` (this process's socket, overriding the run
+    /// configuration's: e.g. each KM3NeT DataQueue process its own `clb:` port).
+    pub input: Option<String>,
     /// Where to serve `/metrics` (`127.0.0.1:0`: any free port, announced in the stats).
     pub metrics: Option<SocketAddr>,
     pub stats_interval: StdDuration,
@@ -319,6 +322,9 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
         Role::Source => {
             if !opts.ids.is_empty() {
                 cfg.source.ids = opts.ids.clone();
+            }
+            if let Some(input) = &opts.input {
+                cfg.source.input = input.clone();
             }
         }
         Role::Builder => {

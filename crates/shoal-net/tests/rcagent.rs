@@ -108,6 +108,7 @@ async fn node_refuses_bad_configuration_and_reports_at_stop() {
         name: "writer".into(),
         dispatcher: h.addr,
         ids: vec![],
+        input: None,
         metrics: None,
         stats_interval: Duration::from_secs(3600),
     };

@@ -292,6 +292,7 @@ pub fn cluster_file(
         launch: if ssh.is_some() { Launch::Ssh } else { Launch::Netns },
         host: if ssh.is_some() { h.addr.to_string() } else { h.netns.clone() },
         metrics: None,
+        input: None,
     };
     let mut processes = Vec::new();
     for h in &plan.hosts {

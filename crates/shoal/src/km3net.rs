@@ -43,7 +43,8 @@ pub struct EmulateArgs {
     #[arg(long)]
     dump: Option<PathBuf>,
     /// Send the packets as UDP datagrams to this address at the real pace: a timeslice's
-    /// packets when its time comes. Times are moved to now (the first timeslice starts on
+    /// packets during its time. Several addresses, comma-separated: the DOMs in as many
+    /// contiguous blocks, in detector order (one per DataQueue source process). Times are moved to now (the first timeslice starts on
     /// the second after next) unless --keep-time.
     #[arg(long)]
     send: Option<String>,
@@ -155,9 +156,33 @@ fn clb_packets(start: u64, doms: &[DomSlice], run: Option<u32>, hits_per_packet:
     out
 }
 
+/// Which socket a DOM's packets go to.
+struct Route(std::collections::HashMap<u32, usize>);
+
+impl Route {
+    /// `n` contiguous blocks of `doms` (source ids are DOMs in detector order, and source
+    /// processes host contiguous blocks of them).
+    fn blocks(doms: &[u32], n: usize) -> Self {
+        let n = n.max(1);
+        Self(doms.iter().enumerate().map(|(k, &d)| (d, k * n / doms.len().max(1))).collect())
+    }
+
+    fn of(&self, packet: &[u8]) -> usize {
+        // The DOM id is the header's sixth word (big-endian).
+        let dom = packet.get(20..24).map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+        self.0.get(&dom).copied().unwrap_or(0)
+    }
+}
+
 /// Sends a timeslice's packets from `due` on, in ten bursts over the timeslice (a CLB
 /// streams its hits as they come).
-fn send_paced(socket: &std::net::UdpSocket, due: Instant, packets: &[Vec<u8>], slice_ns: u64) -> std::io::Result<()> {
+fn send_paced(
+    sockets: &[std::net::UdpSocket],
+    route: &Route,
+    due: Instant,
+    packets: &[Vec<u8>],
+    slice_ns: u64,
+) -> std::io::Result<()> {
     let burst = packets.len().div_ceil(10).max(1);
     for (k, chunk) in packets.chunks(burst).enumerate() {
         let at = due + Duration::from_nanos(k as u64 * slice_ns / 10);
@@ -165,7 +190,7 @@ fn send_paced(socket: &std::net::UdpSocket, due: Instant, packets: &[Vec<u8>], s
             std::thread::sleep(wait);
         }
         for p in chunk {
-            match socket.send(p) {
+            match sockets[route.of(p)].send(p) {
                 // Nobody listens (yet, or any more): the packet is gone, as on a network.
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
                 r => {
@@ -238,9 +263,17 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
             "hits": hits,
         })
     );
-    if let Some(addr) = &args.send {
-        let socket = std::net::UdpSocket::bind("0.0.0.0:0").context("binding a UDP socket")?;
-        socket.connect(addr).with_context(|| format!("UDP to {addr}"))?;
+    if let Some(addrs) = &args.send {
+        let addrs: Vec<&str> = addrs.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+        let mut sockets = Vec::new();
+        for addr in &addrs {
+            let socket = std::net::UdpSocket::bind("0.0.0.0:0").context("binding a UDP socket")?;
+            socket.connect(addr).with_context(|| format!("UDP to {addr}"))?;
+            sockets.push(socket);
+        }
+        // Several DataQueues: the DOMs in blocks, in detector order (as source ids are).
+        let doms: Vec<u32> = slices.first().map(|s| s.1.iter().map(|d| d.dom_id).collect()).unwrap_or_default();
+        let route = Route::blocks(&doms, sockets.len());
         let unix_now =
             || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let start = Instant::now();
@@ -254,7 +287,7 @@ pub fn emulate(args: EmulateArgs) -> anyhow::Result<std::process::ExitCode> {
             } else {
                 start + Duration::from_nanos(slice_start.saturating_sub(t0))
             };
-            send_paced(&socket, due, packets, slice_ns).with_context(|| format!("sending to {addr}"))?;
+            send_paced(&sockets, &route, due, packets, slice_ns).context("sending CLB packets")?;
         }
     }
     eprintln!("clb-emulate: {} timeslices, {total} packets, {hits} hits", slices.len());
@@ -531,7 +564,7 @@ impl KmDemo {
                 hits += h;
                 packets += p.len() as u64;
                 let wait = Duration::from_nanos(start.saturating_sub(clock.now().as_nanos()));
-                send_paced(&socket, Instant::now() + wait, &p, slice_ns)?;
+                send_paced(std::slice::from_ref(&socket), &Route::blocks(&[], 1), Instant::now() + wait, &p, slice_ns)?;
             }
             Ok((packets, hits))
         }));

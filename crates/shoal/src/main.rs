@@ -207,6 +207,10 @@ struct NodeArgs {
     /// Builder id, or the comma-separated source ids this process hosts.
     #[arg(long, value_delimiter = ',')]
     ids: Vec<u32>,
+    /// Source process: where its data come from (`source.input`: unix:PATH, udp:ADDR,
+    /// clb:ADDR), overriding the configuration's.
+    #[arg(long)]
+    input: Option<String>,
     /// Serve Prometheus /metrics here (127.0.0.1:0: any free port).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
@@ -575,6 +579,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             name: args.name.expect("clap requires --name"),
             dispatcher,
             ids: args.ids,
+            input: args.input,
             metrics: args.metrics,
             stats_interval: Duration::from_millis(args.stats_ms.max(50)),
         };
@@ -588,6 +593,12 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     }
     let mut cfg = load(args.config.as_ref())?;
     apply_ids(&mut cfg, role, &args.ids)?;
+    if let Some(input) = args.input {
+        if role != Role::Source {
+            anyhow::bail!("--input is for source processes");
+        }
+        cfg.source.input = input;
+    }
     cfg.validate()?;
     shoal_net::node::apply_memory_plan(&mut cfg, role)?;
     let clock = WallClock::new();
