@@ -219,11 +219,36 @@ pub fn clb(data: &[u8]) {
     let _ = decode_packet(data).map(|p| p.hits().count());
 }
 
+/// KM3NeT's JDAQ objects (what a builder decodes from fragments and what files hold): the
+/// bytes read as a superframe, an event, a summaryslice and a timeslice. Whatever decodes
+/// must encode back to the very bytes it came from.
+pub fn jdaq(data: &[u8]) {
+    use shoal_core::km3net::datafilter::{DataFilterParams, filtered_frame, summary_frame};
+    use shoal_core::km3net::jdaq::*;
+    if let Ok((h, f)) = decode_superframe(data) {
+        assert_eq!(encode_superframe(&h, &f), data);
+        let p = DataFilterParams::default();
+        assert!(filtered_frame(&f, &p, false).hits.len() <= f.hits.len());
+        assert!(filtered_frame(&f, &p, true).hits.len() <= f.hits.len());
+        let _ = summary_frame(&f, 100_000_000);
+    }
+    if let Ok((e, n)) = decode_event(data) {
+        assert_eq!(encode_event(&e), &data[..n]);
+    }
+    if let Ok((s, n)) = decode_summaryslice(data) {
+        assert_eq!(encode_summaryslice(&s), &data[..n]);
+    }
+    if let Ok((t, n)) = decode_timeslice(data) {
+        assert_eq!(encode_timeslice(&t), &data[..n]);
+    }
+    let _ = peek_preamble(data);
+}
+
 /// A target's body: arbitrary bytes in, never a panic.
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 10] = [
+pub const TARGETS: [(&str, Target); 11] = [
     ("frame_stream", frame_stream),
     ("events", events),
     ("datagrams", datagrams),
@@ -234,4 +259,5 @@ pub const TARGETS: [(&str, Target); 10] = [
     ("probe", probe),
     ("input", input),
     ("clb", clb),
+    ("jdaq", jdaq),
 ];

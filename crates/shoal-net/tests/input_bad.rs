@@ -250,3 +250,93 @@ async fn a_handle_dropped_without_close_ends_the_run_accounted() {
     assert_eq!(stored.len(), 10);
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// A `clb:` input (KM3NeT's DataQueue in a source): garbage, a truncated packet, an
+/// acoustic packet, a DOM not in the detector, a misaligned time, a packet of a timeslice
+/// long gone, a duplicate, a gap and packets out of order. Each is counted by name; the
+/// good packets make one superframe per DOM, hits in sequence order, the gap marked.
+#[test]
+fn clb_input_counts_bad_packets_and_keeps_the_good_ones() {
+    use shoal_core::km3net::clb::{ClbDataType, ClbHeader, ClbHit, encode_optical};
+    use shoal_core::km3net::jdaq::decode_superframe;
+    use shoal_core::node::Workload;
+
+    let out = temp_dir("input-bad-clb");
+    let mut cfg = config(&out);
+    cfg.run.sources = 2;
+    cfg.source.input = "clb:127.0.0.1:0".into();
+    cfg.source.input_time_base = "unix".into();
+    cfg.km3net.doms = vec![11, 12];
+    cfg.km3net.det_id = 7;
+    cfg.validate().unwrap();
+    let first = cfg.run.start_slice.unwrap();
+    let slice_ns = 10_000_000u64;
+    let ingest = shared_ingest(&cfg, first).unwrap();
+    let task = InputTask::start(&cfg.input().unwrap(), &cfg, ingest.clone()).unwrap().expect("a clb input");
+    let addr = task.udp_addr().expect("bound");
+    let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let send = |b: &[u8]| {
+        tx.send_to(b, addr).unwrap();
+    };
+    let packet = |dom: u32, start_ns: u64, seq: u32, times: &[u32]| {
+        let h = ClbHeader {
+            data_type: ClbDataType::Optical,
+            run: 1,
+            udp_sequence: seq,
+            timestamp_s: (start_ns / 1_000_000_000) as u32,
+            ticks: ((start_ns % 1_000_000_000) / 16) as u32,
+            dom_id: dom,
+            dom_status: 1 << 31,
+        };
+        let hits: Vec<ClbHit> = times.iter().map(|&t| ClbHit { channel: (t % 31) as u8, time_ns: t, tot: 26 }).collect();
+        encode_optical(&h, &hits)
+    };
+    let t = (first + 1) * slice_ns;
+    send(&packet(11, t, 0, &[10, 20]));
+    send(&packet(11, t, 2, &[500]));
+    send(&packet(11, t, 2, &[500])); // duplicate
+    send(&packet(12, t, 1, &[900])); // out of order
+    send(&packet(12, t, 0, &[100, 200]));
+    send(&packet(99, t, 0, &[1])); // not in the detector
+    send(&packet(11, t + 16, 3, &[1])); // not on a timeslice boundary
+    send(&packet(11, (first - 1000) * slice_ns, 0, &[1])); // a timeslice long gone
+    let mut acoustic = packet(11, t, 9, &[]);
+    acoustic[..4].copy_from_slice(b"TAES");
+    send(&acoustic);
+    send(b"definitely not a CLB packet");
+    let good = packet(12, t, 2, &[1]);
+    send(&good[..good.len() - 3]); // hits cut short
+    wait_for(&ingest, "both DOMs' frames", |r| r.accepted == 2);
+
+    // Sequence order within a frame; DOM 11's packet 1 never came.
+    let frame = |source: u32| {
+        let f = ingest.generate(source, first + 1);
+        let (h, frame) = decode_superframe(&f.payload).expect("a superframe");
+        assert_eq!((h.det_id, h.frame_index, h.start_ns()), (7, 2, t));
+        frame
+    };
+    let f11 = frame(0);
+    assert_eq!((f11.dom_id, f11.dataqueue_status), (11, 2), "two packets received");
+    assert_eq!(f11.hits.iter().map(|h| h.time_ns).collect::<Vec<_>>(), [10, 20, 500]);
+    let f12 = frame(1);
+    assert_eq!(f12.hits.iter().map(|h| h.time_ns).collect::<Vec<_>>(), [100, 200, 900]);
+
+    let r = task.stop().expect("the DataQueue's counters");
+    let refused: BTreeMap<_, _> = r.refused.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    assert_eq!(
+        refused,
+        BTreeMap::from([
+            ("duplicate", 1),
+            ("late", 1),
+            ("misaligned", 1),
+            ("ragged_hits", 1),
+            ("short", 1),
+            ("unknown_dom", 1)
+        ]),
+        "{r:?}"
+    );
+    assert_eq!(r.skipped.get("acoustic"), Some(&1));
+    assert_eq!((r.packets, r.optical_packets, r.hits), (11, 4, 6));
+    assert_eq!((r.frames, r.frames_incomplete, r.packets_missing, r.dropped_by_kernel), (2, 1, 1, 0));
+    std::fs::remove_dir_all(&out).unwrap();
+}

@@ -90,6 +90,8 @@ pub enum JdaqError {
     WrongType(i32),
     #[error("a length or count field is negative or inconsistent")]
     BadLength,
+    #[error("a frame is not a superframe of this timeslice (type or header differs)")]
+    Inconsistent,
 }
 
 impl JdaqError {
@@ -99,6 +101,7 @@ impl JdaqError {
             JdaqError::Version(_) => "version",
             JdaqError::WrongType(_) => "wrong_type",
             JdaqError::BadLength => "bad_length",
+            JdaqError::Inconsistent => "inconsistent",
         }
     }
 }
@@ -130,21 +133,31 @@ pub fn decode_timeslice(b: &[u8]) -> Result<(JdaqTimeslice, usize), JdaqError> {
         return Err(JdaqError::Short(b.len()));
     }
     let mut r = &b[10..size];
-    let (det_id, run, frame_index) = (r.get_i32_le(), r.get_i32_le(), r.get_i32_le());
-    let (timestamp, ticks) = (r.get_u32_le(), r.get_u32_le());
+    let header = JdaqHeader::get(&mut r);
+    let JdaqHeader { det_id, run, frame_index, timestamp, ticks } = header;
     let n_frames = usize::try_from(r.get_i32_le()).map_err(|_| JdaqError::BadLength)?;
     let mut frames = Vec::with_capacity(n_frames.min(r.len() / FRAME_HEADER_LEN));
     for _ in 0..n_frames {
         if r.len() < FRAME_HEADER_LEN {
             return Err(JdaqError::Short(r.len()));
         }
-        r.advance(28); // size, type, detector, run, frame index, seconds, ticks: the slice's
+        let frame_size = r.get_i32_le();
+        if r.get_i32_le() != FRAME_TYPE {
+            return Err(JdaqError::Inconsistent);
+        }
+        // Every frame carries the timeslice's own header (detector, run, index, time).
+        if JdaqHeader::get(&mut r) != header {
+            return Err(JdaqError::Inconsistent);
+        }
         let dom_id = r.get_u32_le();
         let dataqueue_status = r.get_u32_le();
         let dom_status = [r.get_u32_le(), r.get_u32_le(), r.get_u32_le(), r.get_u32_le()];
         let n_hits = usize::try_from(r.get_i32_le()).map_err(|_| JdaqError::BadLength)?;
         if r.len() < n_hits.saturating_mul(6) {
             return Err(JdaqError::Short(r.len()));
+        }
+        if usize::try_from(frame_size).ok() != Some(FRAME_HEADER_LEN + 6 * n_hits) {
+            return Err(JdaqError::BadLength);
         }
         let hits = (0..n_hits).map(|_| ClbHit { channel: r.get_u8(), time_ns: r.get_u32(), tot: r.get_u8() }).collect();
         frames.push(JdaqFrame { dom_id, dataqueue_status, dom_status, hits });
