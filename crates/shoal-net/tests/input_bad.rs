@@ -288,7 +288,8 @@ fn clb_input_counts_bad_packets_and_keeps_the_good_ones() {
             dom_id: dom,
             dom_status: 1 << 31,
         };
-        let hits: Vec<ClbHit> = times.iter().map(|&t| ClbHit { channel: (t % 31) as u8, time_ns: t, tot: 26 }).collect();
+        let hits: Vec<ClbHit> =
+            times.iter().map(|&t| ClbHit { channel: (t % 31) as u8, time_ns: t, tot: 26 }).collect();
         encode_optical(&h, &hits)
     };
     let t = (first + 1) * slice_ns;
