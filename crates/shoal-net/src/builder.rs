@@ -832,7 +832,7 @@ fn on_frame(
     live: &Live,
 ) {
     let h = frame.header;
-    let data = FragmentData { source: h.source, hit_count: h.hit_count, payload: frame.payload };
+    let data = FragmentData { source: h.source, flags: h.flags.bits(), hit_count: h.hit_count, payload: frame.payload };
     if h.flags.contains(Flags::END_OF_STREAM) {
         node.handle_end_of_stream(arrival, h.source);
         return;

@@ -134,6 +134,7 @@ impl Km3Out {
                     }
                     for_filter.push(FragmentData {
                         source: f.source,
+                        flags: f.flags,
                         hit_count: frame.hits.len() as u32,
                         payload: hits.freeze(),
                     });

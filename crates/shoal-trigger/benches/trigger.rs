@@ -42,7 +42,7 @@ fn case(arca: bool) -> Case {
     let fragments: Vec<FragmentData> = (0..geometry.modules.len())
         .map(|m| {
             let f = g.generate(m, slice);
-            FragmentData { source: m as u32, hit_count: f.hit_count, payload: f.payload }
+            FragmentData { source: m as u32, flags: 0, hit_count: f.hit_count, payload: f.payload }
         })
         .collect();
     let hits = fragments.iter().map(|f| f.hit_count as usize).sum();

@@ -90,6 +90,7 @@ pub fn evaluate(generator: &PhysicsGenerator, filter: &mut MuonFilter, first_sli
             input += u64::from(t.fragment.hit_count) * 6;
             fragments.push(FragmentData {
                 source: m as u32,
+                flags: 0,
                 hit_count: t.fragment.hit_count,
                 payload: t.fragment.payload,
             });

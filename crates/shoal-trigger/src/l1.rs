@@ -147,7 +147,7 @@ mod tests {
         for h in hits {
             h.encode(&mut b);
         }
-        FragmentData { source, hit_count: hits.len() as u32, payload: b.freeze() }
+        FragmentData { source, flags: 0, hit_count: hits.len() as u32, payload: b.freeze() }
     }
 
     fn h(channel: u8, time_ns: u32) -> Hit {

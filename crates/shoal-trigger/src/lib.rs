@@ -38,6 +38,8 @@ use shoal_core::hit::{HitPayload, PayloadError};
 #[derive(Clone, Debug)]
 pub struct FragmentData {
     pub source: SourceId,
+    /// The data frame's flags (`shoal_core::frame::Flags` bits: `BURST`, `OPAQUE`, ...).
+    pub flags: u16,
     pub hit_count: u32,
     /// The frame payload (hits then waveforms, see [`shoal_core::hit`]).
     pub payload: Bytes,

@@ -738,7 +738,7 @@ mod tests {
                 h.encode(&mut b);
             }
             let _ = module;
-            frags.push(FragmentData { source: m as u32, hit_count: hits.len() as u32, payload: b.freeze() });
+            frags.push(FragmentData { source: m as u32, flags: 0, hit_count: hits.len() as u32, payload: b.freeze() });
         }
         let slice = SliceData { slice: 1, slice_start_ns: 0, slice_ns: 10_000_000, fragments: frags.clone() };
         let ev = f.process_slice(&slice);
@@ -757,7 +757,7 @@ mod tests {
             .map(|fr| {
                 let mut b = BytesMut::new();
                 Hit { time_ns: 50_000 + 37 * fr.source, channel: 0, amplitude: 10 }.encode(&mut b);
-                FragmentData { source: fr.source, hit_count: 1, payload: b.freeze() }
+                FragmentData { source: fr.source, flags: 0, hit_count: 1, payload: b.freeze() }
             })
             .collect();
         assert!(

@@ -266,7 +266,12 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
                     };
                     let wire = frame::encode(&header, &body);
                     let (f, _) = frame::decode(&wire, u32::MAX >> 1).context("re-decoding a frame")?;
-                    let data = FragmentData { source, hit_count: f.header.hit_count, payload: f.payload };
+                    let data = FragmentData {
+                        source,
+                        flags: f.header.flags.bits(),
+                        hit_count: f.header.hit_count,
+                        payload: f.payload,
+                    };
                     node.handle_frame(now, &f.header, data);
                 }
                 process(&mut node, &mut report)?;
@@ -327,7 +332,12 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
                     slice_ns,
                     fragments: by_source
                         .iter()
-                        .map(|(s, v)| FragmentData { source: *s, hit_count: v.len() as u32, payload: payload(v) })
+                        .map(|(s, v)| FragmentData {
+                            source: *s,
+                            flags: 0,
+                            hit_count: v.len() as u32,
+                            payload: payload(v),
+                        })
                         .collect(),
                 };
                 let events = filter.process_slice(&data);
