@@ -27,6 +27,7 @@ c-examples: build
 	cc $(CFLAGS) -D_DEFAULT_SOURCE -Iexamples/c examples/c/unix_readout.c -o $(C_OUT)/unix_readout
 	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal -lpthread \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/submit_bench
+	cc $(CFLAGS) -shared -fPIC -Iinclude examples/c/filter/l1_filter.c -o $(C_OUT)/libl1_filter.so
 
 test: deps lint rust-test py-test
 

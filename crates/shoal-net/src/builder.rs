@@ -33,7 +33,7 @@ use shoal_core::saver::{BurstSaver, SaverOutput, SaverStats};
 use shoal_core::slice::SliceClock;
 use shoal_core::slice::SliceNumber;
 use shoal_core::{Instant, SourceId};
-use shoal_trigger::{FilterConfig, FragmentData, SliceData, encode_events};
+use shoal_trigger::{FragmentData, SliceData, encode_events};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
@@ -91,6 +91,12 @@ pub struct BuilderReport {
     /// than the load), or still held at the end of the drain. Their fragments were
     /// delivered; their events are lost.
     pub slices_not_filtered: u64,
+    /// Slices the filter failed on (a plug-in's error return; their events so far kept).
+    #[serde(default)]
+    pub filter_failed: u64,
+    /// Events a plug-in handed back malformed (refused).
+    #[serde(default)]
+    pub filter_malformed_events: u64,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
     /// Pull: requests for a source that had not greeted this builder (asked again later).
@@ -351,9 +357,11 @@ pub async fn run_builder(
 ) -> Result<BuilderReport, ConfigError> {
     let slice_clock = cfg.slice_clock()?;
     let writer_addr = cfg.writer_addr()?;
-    let filter_cfg = cfg.builder.filter.clone();
     let least_per_slice = StdDuration::from_millis(cfg.builder.fault_filter_ms_per_slice);
-    shoal_trigger::build(&filter_cfg).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
+    // Built (a plug-in loaded and initialised) here, so that a filter that cannot start
+    // refuses the run with its reason; then moved to the filter thread.
+    let filter =
+        shoal_trigger::build(&cfg.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
     let n_sources = cfg.run.sources;
     let max_payload = cfg.max_payload();
 
@@ -498,7 +506,7 @@ pub async fn run_builder(
         .spawn(move || {
             let job = FilterJob {
                 id,
-                cfg: filter_cfg,
+                filter,
                 slice_clock,
                 tap_events,
                 least_per_slice,
@@ -627,14 +635,15 @@ pub async fn run_builder(
     // abandoned (counted), so that the builder answers STOP in time.
     let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
     let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
-    let (events, busy, abandoned, km3net) = match tokio::time::timeout(filter_drain, &mut joining).await {
-        Ok(r) => r,
-        Err(_) => {
-            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
-            joining.await
+    let FilterThreadReport { events, busy_s: busy, abandoned, km3net, failed_slices, malformed_events } =
+        match tokio::time::timeout(filter_drain, &mut joining).await {
+            Ok(r) => r,
+            Err(_) => {
+                abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+                joining.await
+            }
         }
-    }
-    .expect("join filter thread");
+        .expect("join filter thread");
     not_filtered += abandoned;
     if not_filtered > 0 {
         warn!(
@@ -676,6 +685,8 @@ pub async fn run_builder(
         events,
         filter_busy_s: busy,
         slices_not_filtered: not_filtered,
+        filter_failed: failed_slices,
+        filter_malformed_events: malformed_events,
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
         udp,
@@ -958,7 +969,7 @@ const FILTER_QUEUE_SLICES: usize = 64;
 /// What the filter thread is told.
 struct FilterJob {
     id: u32,
-    cfg: FilterConfig,
+    filter: Box<dyn shoal_trigger::Filter>,
     slice_clock: SliceClock,
     /// Offer every slice's events to the `SHL_EVT` tap.
     tap_events: bool,
@@ -978,9 +989,8 @@ fn filter_loop(
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
-) -> (u64, f64, u64, Option<crate::km3out::Km3OutReport>) {
-    let FilterJob { id, cfg, slice_clock, tap_events, least_per_slice, abandon, store_slices, mut km3 } = job;
-    let mut filter = shoal_trigger::build(&cfg).expect("validated before the thread started");
+) -> FilterThreadReport {
+    let FilterJob { id, mut filter, slice_clock, tap_events, least_per_slice, abandon, store_slices, mut km3 } = job;
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
     let mut abandoned = 0;
@@ -1061,5 +1071,22 @@ fn filter_loop(
         let _ = released.send(bytes);
     }
     filter.cleanup();
-    (events, busy.as_secs_f64(), abandoned, km3.map(crate::km3out::Km3Out::finish))
+    FilterThreadReport {
+        events,
+        busy_s: busy.as_secs_f64(),
+        abandoned,
+        km3net: km3.map(crate::km3out::Km3Out::finish),
+        failed_slices: filter.failed_slices(),
+        malformed_events: filter.malformed_events(),
+    }
+}
+
+/// What the filter thread did.
+struct FilterThreadReport {
+    events: u64,
+    busy_s: f64,
+    abandoned: u64,
+    km3net: Option<crate::km3out::Km3OutReport>,
+    failed_slices: u64,
+    malformed_events: u64,
 }

@@ -608,8 +608,19 @@ impl Config {
                 return invalid("source.input clb: CLB times are UNIX time: source.input_time_base must be \"unix\"");
             }
         }
-        shoal_trigger::build(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
+        shoal_trigger::check(&self.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         Ok(())
+    }
+
+    /// A builder's filter plug-in opens and speaks this shoal's ABI (no-op without one):
+    /// checked where a builder accepts a configuration, so that a plug-in that cannot run
+    /// refuses the run before it starts.
+    pub fn probe_filter_plugin(&self) -> Result<(), ConfigError> {
+        let f = &self.builder.filter;
+        if f.plugin.is_empty() {
+            return Ok(());
+        }
+        shoal_trigger::plugin::probe(&f.plugin).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))
     }
 
     /// The burst saver's limits for one builder.

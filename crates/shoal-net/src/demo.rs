@@ -173,6 +173,7 @@ pub fn raise_fd_limit() -> u64 {
 /// taking early; the chain then drains normally.
 pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: CancellationToken) -> anyhow::Result<RunSummary> {
     cfg.validate()?;
+    cfg.probe_filter_plugin()?;
     cfg.share_saver_history();
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();

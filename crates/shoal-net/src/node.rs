@@ -331,6 +331,7 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
             if let Some(&id) = opts.ids.first() {
                 cfg.builder.id = id;
             }
+            cfg.probe_filter_plugin()?;
         }
         Role::Writer => {}
         Role::Dfm => {

@@ -24,6 +24,7 @@
 pub mod eval;
 mod l1;
 pub mod muon;
+pub mod plugin;
 
 pub use l1::{L1Config, L1Multiplicity};
 pub use muon::{MuonConfig, MuonFilter};
@@ -78,15 +79,26 @@ pub struct SliceData {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FilterConfig {
-    /// `muon` (default), `l1`, `pass` or `none`.
+    /// `muon` (default), `l1`, `pass` or `none`; ignored when `plugin` is set.
     pub name: String,
+    /// A filter plug-in (C ABI, `include/shoal_filter.h`, docs/plugins.md): the path of its
+    /// shared library, loaded by each builder at start. Empty: the built-in `name`.
+    pub plugin: String,
+    /// Text handed to the plug-in's `shoal_filter_init`.
+    pub config: String,
     pub l1: L1Config,
     pub muon: MuonConfig,
 }
 
 impl Default for FilterConfig {
     fn default() -> Self {
-        Self { name: "muon".into(), l1: L1Config::default(), muon: MuonConfig::default() }
+        Self {
+            name: "muon".into(),
+            plugin: String::new(),
+            config: String::new(),
+            l1: L1Config::default(),
+            muon: MuonConfig::default(),
+        }
     }
 }
 
@@ -107,10 +119,30 @@ pub trait Filter: Send {
     fn process(&mut self, slice: &SliceData) -> Vec<Event>;
     /// Called once after the last slice.
     fn cleanup(&mut self) {}
+    /// Slices the filter failed on (a plug-in's error return), counted by the builder.
+    fn failed_slices(&self) -> u64 {
+        0
+    }
+    /// Events refused as malformed (a plug-in's), counted by the builder.
+    fn malformed_events(&self) -> u64 {
+        0
+    }
 }
 
-/// Builds and initialises the filter named in `config`.
+/// Checks `config` without loading a plug-in (any process validates a run's configuration;
+/// only builders load the plug-in, at start, where its path must exist).
+pub fn check(config: &FilterConfig) -> Result<(), FilterError> {
+    if !config.plugin.is_empty() {
+        return Ok(());
+    }
+    build(config).map(|_| ())
+}
+
+/// Builds and initialises the filter named in `config` (loading its plug-in, if any).
 pub fn build(config: &FilterConfig) -> Result<Box<dyn Filter>, FilterError> {
+    if !config.plugin.is_empty() {
+        return Ok(Box::new(plugin::PluginFilter::load(config)?));
+    }
     let mut f: Box<dyn Filter> = match config.name.as_str() {
         "muon" => Box::new(MuonFilter::default()),
         "l1" => Box::new(L1Multiplicity::default()),
