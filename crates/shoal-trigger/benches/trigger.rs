@@ -91,3 +91,38 @@ fn l1_arca_sized(b: Bencher) {
 fn trigger_arca_sized(b: Bencher) {
     full(b, true);
 }
+
+/// The built-in `l1` filter against the same filter as a C plug-in
+/// (examples/c/filter/l1_filter.c, compiled here with the system's `cc -O2`), on the same
+/// ANTARES 10-string slice: the plug-in boundary's cost per slice (docs/plugins.md).
+fn l1_filter(bencher: Bencher, plugin: bool) {
+    let c = case(false);
+    let mut cfg = shoal_trigger::FilterConfig { name: "l1".into(), ..Default::default() };
+    if plugin {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("libl1_filter_bench.so");
+        let ok = std::process::Command::new("cc")
+            .args(["-O2", "-shared", "-fPIC", "-I"])
+            .arg(root.join("include"))
+            .arg("-o")
+            .arg(&out)
+            .arg(root.join("examples/c/filter/l1_filter.c"))
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "cc builds the C l1 plug-in");
+        cfg.plugin = out.display().to_string();
+        cfg.config = "coincidence_ns=20 min_sources=2 cluster_ns=2200 snapshot_ns=1000".into();
+    }
+    let mut filter = shoal_trigger::build(&cfg).unwrap();
+    bencher.counter(ItemsCount::new(c.hits)).bench_local(|| black_box(filter.process(&c.slice)));
+}
+
+#[divan::bench(sample_count = 20)]
+fn l1_filter_builtin_antares_10_string(b: Bencher) {
+    l1_filter(b, false);
+}
+
+#[divan::bench(sample_count = 20)]
+fn l1_filter_c_plugin_antares_10_string(b: Bencher) {
+    l1_filter(b, true);
+}

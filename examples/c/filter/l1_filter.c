@@ -174,7 +174,10 @@ int32_t shoal_filter_process(void *opaque, const shoal_slice_view *slice, const 
             h[i].time_ns = (uint32_t)r[1] | (uint32_t)r[2] << 8 | (uint32_t)r[3] << 16 | (uint32_t)r[4] << 24;
             h[i].amplitude = r[5];
         }
-        qsort(h, n, sizeof *h, cmp_hit);
+        /* Sources usually send their hits in time order: sort only when they are not. */
+        size_t unsorted = 0;
+        for (size_t i = 1; i < n && !unsorted; i++) unsorted = cmp_hit(&h[i - 1], &h[i]) > 0;
+        if (unsorted) qsort(h, n, sizeof *h, cmp_hit);
         memset(st->flag[f], 0, n);
         count[f] = n;
         for (size_t i = 0; i < n; i++) {
@@ -183,7 +186,9 @@ int32_t shoal_filter_process(void *opaque, const shoal_slice_view *slice, const 
             st->l1[n_l1++] = (l1_hit){h[i].time_ns, (uint32_t)f, (uint32_t)i};
         }
     }
-    qsort(st->l1, n_l1, sizeof *st->l1, cmp_l1);
+    size_t l1_unsorted = 0;
+    for (size_t i = 1; i < n_l1 && !l1_unsorted; i++) l1_unsorted = cmp_l1(&st->l1[i - 1], &st->l1[i]) > 0;
+    if (l1_unsorted) qsort(st->l1, n_l1, sizeof *st->l1, cmp_l1);
 
     /* Sweep: a window starts at each L1 hit and spans cluster_ns; firing windows that
      * overlap merge. */
