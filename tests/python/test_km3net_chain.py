@@ -285,6 +285,25 @@ def test_demo_km3net_runs_the_chain_and_its_files_read_with_daqpump(shoal_bin, t
                 n += 1
         assert n == km3["offered"].get(tag, 0), tag
     assert km3["offered"]["IO_SUM"] == km3["timeslices"] > 0
+    # L2 hits are L1 hits, L1 hits are hits: per DOM and timeslice, in the builders' files.
+    levels = {}
+    for tag in ("IO_TSL0", "IO_TSL1", "IO_TSL2"):
+        for path in sorted(out.glob(f"run000001.builder*.{tag}.dat")):
+            raw, at = path.read_bytes(), 0
+            while at < len(raw):
+                size = struct.unpack("<i", raw[at:at + 4])[0]
+                index, _, per_dom = parse_timeslice(raw[at:at + size])
+                levels[(tag, index)] = per_dom
+                at += size
+    indexes = {i for (t, i) in levels if t == "IO_TSL0"}
+    assert len(indexes) == km3["timeslices"] and {i for (t, i) in levels if t == "IO_TSL2"} == indexes
+    l1_total = l2_total = 0
+    for i in indexes:
+        for dom, l0 in levels[("IO_TSL0", i)].items():
+            l1, l2 = levels[("IO_TSL1", i)][dom], levels[("IO_TSL2", i)][dom]
+            assert set(l2) <= set(l1) <= set(l0)
+            l1_total, l2_total = l1_total + len(l1), l2_total + len(l2)
+    assert 0 < l2_total < l1_total, (l2_total, l1_total)
 
 
 def test_the_arca_block_example_runs_under_run_control(shoal_bin, tmp_path):

@@ -48,14 +48,16 @@ pub struct Km3netSettings {
     /// Detector id written into every JDAQ header.
     pub det_id: i32,
     /// What builders publish on the dispatcher (tags): any of `IO_TSL0` (every hit),
-    /// `IO_TSL1` (L1 hits), `IO_TSSN` (supernova coincidences), `IO_EVT` (the filter's
-    /// events), `IO_SUM` (per-PMT rates).
+    /// `IO_TSL1` (L1 hits), `IO_TSL2` (L2 hits: needs `detx`), `IO_TSSN` (supernova
+    /// coincidences), `IO_EVT` (the filter's events), `IO_SUM` (per-PMT rates).
     pub publish: Vec<String>,
     /// Builders also write what they publish to `writer.out_dir`, one file per tag and
     /// builder (`runNNNNNN.builderB.IO_EVT.dat`), in the framing km3pipe's `DAQPump` reads.
     pub files: bool,
     /// Local coincidence window of L1 hits, ns (KM3NeT's `TMaxLocal`).
     pub l1_window_ns: u32,
+    /// L2: the partner PMT's direction within this cosine of the hit's PMT's (0: 90 degrees).
+    pub l2_ct_min: f64,
     /// Supernova coincidences: at least this many PMTs of one DOM within `sn_window_ns`.
     pub sn_min_pmts: u32,
     pub sn_window_ns: u32,
@@ -72,6 +74,7 @@ impl Default for Km3netSettings {
             publish: ["IO_TSL0", "IO_TSL1", "IO_TSSN", "IO_EVT", "IO_SUM"].map(String::from).to_vec(),
             files: true,
             l1_window_ns: 10,
+            l2_ct_min: 0.0,
             sn_min_pmts: 4,
             sn_window_ns: 10,
             max_packets_per_frame: 4096,
@@ -80,7 +83,7 @@ impl Default for Km3netSettings {
 }
 
 /// The tags a KM3NeT builder can publish.
-pub const KM3NET_TAGS: [&str; 5] = ["IO_TSL0", "IO_TSL1", "IO_TSSN", "IO_EVT", "IO_SUM"];
+pub const KM3NET_TAGS: [&str; 6] = ["IO_TSL0", "IO_TSL1", "IO_TSL2", "IO_TSSN", "IO_EVT", "IO_SUM"];
 
 impl Km3netSettings {
     /// The DOM ids, source id order (empty: KM3NeT mode is off).
@@ -96,6 +99,16 @@ impl Km3netSettings {
         let g = Geometry::from_detx(&text)
             .map_err(|e| ConfigError::Invalid(format!("km3net.detx {}: {e}", path.display())))?;
         Ok(g.modules.iter().map(|m| m.id).collect())
+    }
+
+    /// Each DOM's PMT directions in channel order, from the detector file (empty without
+    /// one).
+    pub fn pmt_directions(&self) -> Result<std::collections::HashMap<u32, Vec<[f64; 3]>>, ConfigError> {
+        let Some(path) = &self.detx else { return Ok(Default::default()) };
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read { path: path.clone(), source: e })?;
+        let g = Geometry::from_detx(&text)
+            .map_err(|e| ConfigError::Invalid(format!("km3net.detx {}: {e}", path.display())))?;
+        Ok(g.modules.iter().map(|m| (m.id, m.pmts.iter().map(|p| p.dir).collect())).collect())
     }
 
     pub fn is_on(&self) -> bool {
@@ -600,6 +613,12 @@ impl Config {
             }
             if let Some(bad) = k.publish.iter().find(|t| !KM3NET_TAGS.contains(&t.as_str())) {
                 return invalid(format!("km3net.publish: unknown tag {bad:?} (known: {})", KM3NET_TAGS.join(", ")));
+            }
+            if k.publish.iter().any(|t| t == "IO_TSL2") && k.detx.is_none() {
+                return invalid("km3net.publish: IO_TSL2 needs the PMTs' directions: km3net.detx");
+            }
+            if !(-1.0..=1.0).contains(&k.l2_ct_min) {
+                return invalid("km3net.l2_ct_min is a cosine, between -1 and 1");
             }
             if k.sn_min_pmts < 2 || k.max_packets_per_frame == 0 {
                 return invalid("km3net.sn_min_pmts must be at least 2 and max_packets_per_frame at least 1");

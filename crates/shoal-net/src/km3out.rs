@@ -5,7 +5,7 @@
 //! queue: a slow dispatcher costs messages, counted, never slices) and in DAQ files (the
 //! objects one after another, what km3pipe's `DAQPump` reads):
 //! - `IO_TSL0`: the timeslice with every frame as the DataQueue built it (bytes as sent);
-//! - `IO_TSL1` / `IO_TSSN`: frames holding only L1 / supernova hits;
+//! - `IO_TSL1` / `IO_TSL2` / `IO_TSSN`: frames holding only L1 / L2 / supernova hits;
 //! - `IO_EVT`: one JDAQEvent per selected event (triggered hits and the snapshot);
 //! - `IO_SUM`: the summaryslice, every DOM's per-PMT rates.
 //!
@@ -18,9 +18,9 @@ use std::path::PathBuf;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use shoal_core::SourceId;
-use shoal_core::km3net::datafilter::{DataFilterParams, filtered_frame, summary_frame};
+use shoal_core::km3net::datafilter::{DataFilterParams, filtered_frame, l2_frame, summary_frame};
 use shoal_core::km3net::jdaq::{
-    JdaqEvent, JdaqFrame, JdaqHeader, JdaqHit, JdaqSummaryslice, TYPE_L0, TYPE_L1, TYPE_SN, decode_superframe,
+    JdaqEvent, JdaqFrame, JdaqHeader, JdaqHit, JdaqSummaryslice, TYPE_L0, TYPE_L1, TYPE_L2, TYPE_SN, decode_superframe,
     encode_event, encode_summaryslice, encode_superframe, timeslice_of_superframes,
 };
 use shoal_core::slice::SliceClock;
@@ -82,6 +82,9 @@ pub struct Km3Out {
     params: DataFilterParams,
     /// Source id to DOM id (for event hits).
     doms: Vec<u32>,
+    /// Each DOM's PMT directions (for L2), from the detector file.
+    directions: HashMap<u32, Vec<[f64; 3]>>,
+    l2_ct_min: f64,
     publish: Vec<&'static str>,
     files: Option<(PathBuf, u64)>,
     open: HashMap<&'static str, std::io::BufWriter<std::fs::File>>,
@@ -105,6 +108,8 @@ impl Km3Out {
             slice_clock: cfg.slice_clock()?,
             params: k.params(),
             doms: k.dom_ids()?,
+            directions: if k.publish.iter().any(|t| t == "IO_TSL2") { k.pmt_directions()? } else { HashMap::new() },
+            l2_ct_min: k.l2_ct_min,
             publish,
             files: k.files.then(|| (cfg.writer.out_dir.clone(), cfg.run.run_number)),
             open: HashMap::new(),
@@ -177,6 +182,17 @@ impl Km3Out {
                         .collect();
                     let kind = if sn { TYPE_SN } else { TYPE_L1 };
                     vec![timeslice_of_superframes(kind, &header, enc.iter().map(Vec::as_slice))]
+                }
+                "IO_TSL2" => {
+                    let enc: Vec<Vec<u8>> = f
+                        .frames
+                        .iter()
+                        .map(|(_, _, fr)| {
+                            let dirs = self.directions.get(&fr.dom_id).map_or(&[][..], Vec::as_slice);
+                            encode_superframe(&header, &l2_frame(fr, self.params.l1_window_ns, dirs, self.l2_ct_min))
+                        })
+                        .collect();
+                    vec![timeslice_of_superframes(TYPE_L2, &header, enc.iter().map(Vec::as_slice))]
                 }
                 "IO_SUM" => {
                     let slice_ns = self.slice_clock.length().as_nanos() as u64;

@@ -472,6 +472,8 @@ impl KmDemo {
         cfg.km3net.detx = Some(detx.clone());
         cfg.km3net.doms.clear();
         cfg.km3net.det_id = 133;
+        // With the detector file's PMT directions, L2 too.
+        cfg.km3net.publish = shoal_net::config::KM3NET_TAGS.map(String::from).to_vec();
         // The port the emulator sends to: free now, bound by the source when it starts.
         let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
         cfg.source.input = format!("clb:127.0.0.1:{port}");

@@ -7,6 +7,8 @@
 //! Definitions (docs/km3net.md):
 //! - **L1 hit**: a hit with a hit on another PMT of the same DOM within `l1_window_ns`
 //!   (KM3NeT's local coincidence, `TMaxLocal`).
+//! - **L2 hit**: an L1 hit whose partner PMT looks within `l2_ct_min` (cosine of the angle)
+//!   of its own direction (KM3NeT's L2; needs the detector file's PMT directions).
 //! - **SN hit**: a hit of a coincidence of at least `sn_min_pmts` distinct PMTs of one DOM
 //!   within `sn_window_ns` (the supernova trigger's input: high-multiplicity coincidences).
 //! - **Rate** of a PMT: its hits in the frame divided by the timeslice length, in the
@@ -63,6 +65,48 @@ pub fn coincident_hits(hits: &[ClbHit], window_ns: u32, min_pmts: usize) -> Vec<
     hits.iter().zip(keep).filter(|&(_, k)| k).map(|(h, _)| *h).collect()
 }
 
+/// The hits of `hits` (any order) with a hit on another PMT within `window_ns` whose
+/// direction is within the angle of `ct_min` (cosine) of its own: KM3NeT's L2 (`dirs[c]`
+/// is PMT `c`'s unit direction; a channel without one never makes an L2). In their order
+/// in `hits`.
+pub fn l2_hits(hits: &[ClbHit], window_ns: u32, dirs: &[[f64; 3]], ct_min: f64) -> Vec<ClbHit> {
+    let mut order: Vec<usize> = (0..hits.len()).collect();
+    order.sort_unstable_by_key(|&i| (hits[i].time_ns, i));
+    let dir = |c: u8| dirs.get(usize::from(c));
+    let mut keep = vec![false; hits.len()];
+    let mut lo = 0;
+    for k in 0..order.len() {
+        let hk = hits[order[k]];
+        while hits[order[lo]].time_ns.saturating_add(window_ns) < hk.time_ns {
+            lo += 1;
+        }
+        let Some(dk) = dir(hk.channel) else { continue };
+        for &o in order[lo..].iter().take_while(|&&o| hits[o].time_ns <= hk.time_ns.saturating_add(window_ns)) {
+            let h = hits[o];
+            if h.channel == hk.channel {
+                continue;
+            }
+            if let Some(d) = dir(h.channel)
+                && dk[0] * d[0] + dk[1] * d[1] + dk[2] * d[2] >= ct_min
+            {
+                keep[order[k]] = true;
+                break;
+            }
+        }
+    }
+    hits.iter().zip(keep).filter(|&(_, k)| k).map(|(h, _)| *h).collect()
+}
+
+/// A frame with only its L2 hits (see [`l2_hits`]), statuses kept.
+pub fn l2_frame(f: &JdaqFrame, window_ns: u32, dirs: &[[f64; 3]], ct_min: f64) -> JdaqFrame {
+    JdaqFrame {
+        dom_id: f.dom_id,
+        dataqueue_status: f.dataqueue_status,
+        dom_status: f.dom_status,
+        hits: l2_hits(&f.hits, window_ns, dirs, ct_min),
+    }
+}
+
 /// A frame with only its L1 hits (`sn == false`) or SN hits, statuses kept.
 pub fn filtered_frame(f: &JdaqFrame, p: &DataFilterParams, sn: bool) -> JdaqFrame {
     let hits = if sn {
@@ -105,6 +149,20 @@ mod tests {
         assert_eq!(l1, [hit(2, 300), hit(3, 309)], "same PMT twice is not a coincidence; 20 ns is too far");
         let unsorted = [hit(3, 309), hit(2, 300), hit(9, 0)];
         assert_eq!(coincident_hits(&unsorted, 10, 2), [hit(3, 309), hit(2, 300)], "the frame's order is kept");
+    }
+
+    #[test]
+    fn l2_needs_the_partner_pmt_to_look_the_same_way() {
+        // PMT 0 looks down, 1 nearly down, 2 up.
+        let dirs = [[0.0, 0.0, -1.0], [0.0, 0.6, -0.8], [0.0, 0.0, 1.0]];
+        let hits = [hit(0, 100), hit(2, 103), hit(0, 500), hit(1, 505), hit(7, 506)];
+        assert_eq!(coincident_hits(&hits, 10, 2).len(), 5, "all are L1");
+        assert_eq!(
+            l2_hits(&hits, 10, &dirs, 0.0),
+            [hit(0, 500), hit(1, 505)],
+            "opposite PMTs and a PMT without a direction are not L2"
+        );
+        assert!(l2_hits(&hits, 10, &dirs, 0.9).is_empty(), "36.9 degrees apart is too much for cos 0.9");
     }
 
     #[test]
