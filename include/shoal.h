@@ -203,6 +203,18 @@ uint64_t shoal_source_first_slice(const struct ShoalSource *src);
 uint64_t shoal_source_first_slice_start_ns(const struct ShoalSource *src);
 
 /**
+ * Stops data taking at once instead of after the data (what Ctrl-C does to a readout):
+ * what is already queued still drains, later submissions are refused (`CLOSED`). Call
+ * [`shoal_source_close`] afterwards for the report and to free the handle.
+ *
+ * Thread-safety: any thread, e.g. a signal-handling thread while others submit.
+ *
+ * # Safety
+ * `src` is an open handle.
+ */
+int shoal_source_abort(const struct ShoalSource *src);
+
+/**
  * Ends the run after the last slice with data, waits for the drain, frees the handle
  * (also on error) and, when `report_json` is not NULL, stores the end-of-run report as a
  * JSON string there (free it with [`shoal_string_free`]): per source the tallies of the

@@ -420,6 +420,24 @@ pub unsafe extern "C" fn shoal_source_first_slice_start_ns(src: *const ShoalSour
         .unwrap_or(0)
 }
 
+/// Stops data taking at once instead of after the data (what Ctrl-C does to a readout):
+/// what is already queued still drains, later submissions are refused (`CLOSED`). Call
+/// [`shoal_source_close`] afterwards for the report and to free the handle.
+///
+/// Thread-safety: any thread, e.g. a signal-handling thread while others submit.
+///
+/// # Safety
+/// `src` is an open handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn shoal_source_abort(src: *const ShoalSource) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded caller contract.
+        let s = unsafe { handle_arg(src) }?;
+        s.handle.abort();
+        Ok(())
+    })
+}
+
 /// Ends the run after the last slice with data, waits for the drain, frees the handle
 /// (also on error) and, when `report_json` is not NULL, stores the end-of-run report as a
 /// JSON string there (free it with [`shoal_string_free`]): per source the tallies of the

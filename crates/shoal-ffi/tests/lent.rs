@@ -63,3 +63,42 @@ fn release_is_called_once_per_buffer_taken() {
     assert_eq!(counters[0].load(Ordering::SeqCst), 6, "five lent and one refused, each released once");
     assert_eq!(counters[1].load(Ordering::SeqCst), lent + 7);
 }
+
+/// `shoal_source_abort` from another thread: later submissions are refused `CLOSED`, close
+/// still ends the run and gives the report; an aborted handle's data are accounted.
+#[test]
+fn abort_refuses_later_submissions_and_close_still_reports() {
+    use shoal::{shoal_source_abort, shoal_source_submit_slice, shoal_string_free};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let toml = CString::new(format!(
+        "[run]\nsources = 1\nbuilders = 1\nslice_ms = 10\nseconds = 0.0\n\
+         builder_addrs = [\"127.0.0.1:{port}\"]\nwriter_addr = \"127.0.0.1:1\"\n\
+         [source]\nsaturate = false\ninput_latency_ms = 0\ninput_time_base = \"run\"\ndrain_timeout_ms = 200\n"
+    ))
+    .unwrap();
+    let mut src: *mut ShoalSource = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated string and a writable out pointer.
+    assert_eq!(unsafe { shoal_source_open_toml(toml.as_ptr(), &mut src) }, ShoalStatus::Ok as i32);
+    let data = [7u8; 100];
+    // SAFETY: an open handle, used from one thread at a time here (abort is documented for
+    // any thread); a buffer valid for the calls.
+    unsafe {
+        let first = shoal_source_first_slice(src);
+        assert_eq!(shoal_source_submit_slice(src, 0, first, data.as_ptr(), data.len()), ShoalStatus::Ok as i32);
+        let handle = src as usize;
+        std::thread::spawn(move || {
+            assert_eq!(shoal_source_abort(handle as *const ShoalSource), ShoalStatus::Ok as i32);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(shoal_source_submit_slice(src, 0, first + 1, data.as_ptr(), data.len()), ShoalStatus::Closed as i32);
+        assert_eq!(shoal_source_abort(std::ptr::null()), ShoalStatus::InvalidArgument as i32);
+        let mut report: *mut std::ffi::c_char = std::ptr::null_mut();
+        assert_eq!(shoal_source_close(src, &mut report), ShoalStatus::Ok as i32);
+        let json = std::ffi::CStr::from_ptr(report).to_str().unwrap().to_owned();
+        shoal_string_free(report);
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["ingest"]["accepted"], 1, "{json}");
+        assert_eq!(v["ingest"]["rejected"]["closed"], 1, "{json}");
+    }
+}
