@@ -483,10 +483,59 @@ fn read_client(mut stream: UnixStream, ingest: &SharedIngest, stop: &AtomicBool,
     }
 }
 
-/// One fragment per datagram; gaps in a source's sequence numbers are counted lost.
+/// Which of a source's datagram sequence numbers came: the next one expected and a bit per
+/// number of the 128 below it, so that a duplicate is told from a late (reordered) one.
+#[derive(Debug)]
+struct SeqWindow {
+    next: u32,
+    /// Bit k: sequence number `next - 1 - k` has come.
+    seen: u128,
+}
+
+/// What a datagram's sequence number says.
+#[derive(Debug, PartialEq, Eq)]
+enum SeqVerdict {
+    /// In order, or ahead: this many before it are missing (counted lost).
+    New { missing: u32 },
+    /// Behind, not seen before: a reordered datagram (counted lost when its gap was seen).
+    Reordered,
+    /// Seen before: dropped.
+    Duplicate,
+}
+
+impl SeqWindow {
+    fn start(seq: u32) -> Self {
+        Self { next: seq.wrapping_add(1), seen: 1 }
+    }
+
+    fn handle(&mut self, seq: u32) -> SeqVerdict {
+        let ahead = seq.wrapping_sub(self.next);
+        if ahead < u32::MAX / 2 {
+            let shift = ahead + 1;
+            self.seen = if shift >= 128 { 1 } else { (self.seen << shift) | 1 };
+            self.next = seq.wrapping_add(1);
+            return SeqVerdict::New { missing: ahead };
+        }
+        let behind = self.next.wrapping_sub(1).wrapping_sub(seq);
+        if behind >= 128 {
+            // Too far back to remember: take it as a late one.
+            return SeqVerdict::Reordered;
+        }
+        let bit = 1u128 << behind;
+        if self.seen & bit != 0 {
+            return SeqVerdict::Duplicate;
+        }
+        self.seen |= bit;
+        SeqVerdict::Reordered
+    }
+}
+
+/// One fragment per datagram; gaps in a source's sequence numbers are counted lost, a
+/// datagram that comes twice is dropped the second time (counted `duplicate`: its payload
+/// would otherwise be appended to the fragment twice).
 fn udp_loop(socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<AtomicBool>, max_payload: u32) {
     let mut buf = vec![0u8; 65_536];
-    let mut next: HashMap<SourceId, u32> = HashMap::new();
+    let mut windows: HashMap<SourceId, SeqWindow> = HashMap::new();
     while !stop.load(Ordering::Acquire) && !ingest.is_finished() {
         let n = match socket.recv(&mut buf) {
             Ok(n) => n,
@@ -505,21 +554,19 @@ fn udp_loop(socket: std::net::UdpSocket, ingest: Arc<SharedIngest>, stop: Arc<At
                 continue;
             }
         };
-        match next.get(&h.source) {
-            Some(&expected) if h.sequence != expected => {
-                let ahead = h.sequence.wrapping_sub(expected);
-                if ahead < u32::MAX / 2 {
-                    ingest.handle_lost_at_input(u64::from(ahead));
-                    next.insert(h.source, h.sequence.wrapping_add(1));
-                } else {
-                    // Behind what we expected: a reordered datagram (a duplicate looks the
-                    // same and is counted so too), counted lost when its gap was seen.
-                    ingest.handle_reordered_at_input();
+        match windows.get_mut(&h.source) {
+            None => {
+                windows.insert(h.source, SeqWindow::start(h.sequence));
+            }
+            Some(w) => match w.handle(h.sequence) {
+                SeqVerdict::New { missing: 0 } => {}
+                SeqVerdict::New { missing } => ingest.handle_lost_at_input(u64::from(missing)),
+                SeqVerdict::Reordered => ingest.handle_reordered_at_input(),
+                SeqVerdict::Duplicate => {
+                    ingest.count_rejected("duplicate");
+                    continue;
                 }
-            }
-            _ => {
-                next.insert(h.source, h.sequence.wrapping_add(1));
-            }
+            },
         }
         let _ = ingest.submit(Submission { source: h.source, when: h.when, hit_count: h.hit_count, payload });
     }
@@ -662,4 +709,25 @@ pub fn check_unix_path(path: &Path) -> Result<(), ConfigError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SeqVerdict, SeqWindow};
+
+    #[test]
+    fn sequence_windows_tell_gaps_late_ones_and_duplicates_apart() {
+        let mut w = SeqWindow::start(u32::MAX - 1);
+        assert_eq!(w.handle(u32::MAX), SeqVerdict::New { missing: 0 });
+        assert_eq!(w.handle(2), SeqVerdict::New { missing: 2 }, "0 and 1 missing, across the wrap");
+        assert_eq!(w.handle(1), SeqVerdict::Reordered);
+        assert_eq!(w.handle(1), SeqVerdict::Duplicate);
+        assert_eq!(w.handle(2), SeqVerdict::Duplicate);
+        assert_eq!(w.handle(u32::MAX), SeqVerdict::Duplicate);
+        assert_eq!(w.handle(0), SeqVerdict::Reordered);
+        assert_eq!(w.handle(300), SeqVerdict::New { missing: 297 });
+        assert_eq!(w.handle(3), SeqVerdict::Reordered, "too far back to remember");
+        assert_eq!(w.handle(299), SeqVerdict::Reordered);
+        assert_eq!(w.handle(299), SeqVerdict::Duplicate);
+    }
 }

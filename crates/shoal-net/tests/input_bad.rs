@@ -1,6 +1,6 @@
 //! Bad input at the source's entries: malformed frames, refused fragments, oversized
-//! frames and clients that vanish mid-fragment on a `unix:` input; garbage, gaps and
-//! reordering on a `udp:` input; a caller that never closes its SDK handle. Each case is
+//! frames and clients that vanish mid-fragment on a `unix:` input; garbage, gaps,
+//! reordering and duplicates on a `udp:` input; a caller that never closes its SDK handle. Each case is
 //! counted under its own name, closes at most its own connection, and takes nothing from
 //! the good data beside it.
 
@@ -208,17 +208,22 @@ fn udp_input_counts_garbage_gaps_and_reordering() {
     wait_for(&ingest, "the first four datagrams", |r| r.accepted == 4);
     assert_eq!(ingest.report().lost_at_input, 2);
     send(&frame(0, When::Slice(first + 4), payload(4), 4));
+    // The same datagram twice: dropped the second time, not appended to its fragment.
+    send(&frame(0, When::Slice(first + 2), payload(2), 2));
     // Garbage, a datagram shorter than its header says, a source outside the run.
     send(b"definitely not a shoal input frame, but long enough for a header");
     let f = frame(0, When::Slice(first + 6), payload(6), 6);
     send(&f[..f.len() - 10]);
     send(&frame(77, When::Slice(first + 6), payload(6), 0));
-    wait_for(&ingest, "every datagram", |r| r.accepted == 5 && r.rejected_total() == 3);
+    wait_for(&ingest, "every datagram", |r| r.accepted == 5 && r.rejected_total() == 4);
 
     let r = ingest.report();
     assert_eq!((r.lost_at_input, r.reordered_at_input), (1, 1), "{r:?}");
     let rejected: BTreeMap<_, _> = r.rejected.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    assert_eq!(rejected, BTreeMap::from([("bad_magic", 1), ("length_mismatch", 1), ("unknown_source", 1)]));
+    assert_eq!(
+        rejected,
+        BTreeMap::from([("bad_magic", 1), ("duplicate", 1), ("length_mismatch", 1), ("unknown_source", 1)])
+    );
     task.stop();
     std::fs::remove_dir_all(&out).unwrap();
 }
