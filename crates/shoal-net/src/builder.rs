@@ -898,8 +898,11 @@ impl RawSampler {
         }
         let mut buf = bytes::BytesMut::new();
         for f in o.fragments.iter().filter(|f| !f.cut_off) {
+            // The fragment's own data flags (opaque data, a burst, truncated), so that a
+            // tap client reads each payload as what it is.
+            let kept = Flags::OPAQUE.union(Flags::BURST).union(Flags::TRUNCATED).bits();
             let header = FrameHeader {
-                flags: Flags::EMPTY,
+                flags: Flags::from_bits(f.data.flags & kept).unwrap_or(Flags::EMPTY),
                 source: f.source,
                 hit_count: f.data.hit_count,
                 slice: o.slice,
