@@ -100,21 +100,60 @@ fn l1_filter(bencher: Bencher, plugin: bool) {
     let mut cfg = shoal_trigger::FilterConfig { name: "l1".into(), ..Default::default() };
     if plugin {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("libl1_filter_bench.so");
-        let ok = std::process::Command::new("cc")
-            .args(["-O2", "-shared", "-fPIC", "-I"])
-            .arg(root.join("include"))
-            .arg("-o")
-            .arg(&out)
-            .arg(root.join("examples/c/filter/l1_filter.c"))
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "cc builds the C l1 plug-in");
-        cfg.plugin = out.display().to_string();
+        cfg.plugin = compile_plugin("l1_filter_bench", &root.join("examples/c/filter/l1_filter.c"));
         cfg.config = "coincidence_ns=20 min_sources=2 cluster_ns=2200 snapshot_ns=1000".into();
     }
     let mut filter = shoal_trigger::build(&cfg).unwrap();
     bencher.counter(ItemsCount::new(c.hits)).bench_local(|| black_box(filter.process(&c.slice)));
+}
+
+/// Compiles C with the system's `cc -O2` into a plug-in; its path.
+fn compile_plugin(name: &str, source: &std::path::Path) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("lib{name}.so"));
+    let ok = std::process::Command::new("cc")
+        .args(["-O2", "-shared", "-fPIC", "-I"])
+        .arg(root.join("include"))
+        .arg("-o")
+        .arg(&out)
+        .arg(source)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "cc builds {}", source.display());
+    out.display().to_string()
+}
+
+/// The boundary alone: a plug-in that returns at once against the built-in `none` (which
+/// checks every payload), on the same slice. What the plug-in path costs per slice beyond
+/// the filter's own work: the fragment views and the call.
+fn boundary(bencher: Bencher, plugin: bool) {
+    let c = case(false);
+    let mut cfg = shoal_trigger::FilterConfig { name: "none".into(), ..Default::default() };
+    if plugin {
+        let src = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("empty_filter.c");
+        std::fs::write(
+            &src,
+            "#include <shoal_filter.h>\n\
+             uint32_t shoal_filter_abi_version(void) { return SHOAL_FILTER_ABI_VERSION; }\n\
+             int32_t shoal_filter_init(const char *c, void **s, char *e, size_t n) { (void)c; (void)e; (void)n; *s = 0; return 0; }\n\
+             int32_t shoal_filter_process(void *s, const shoal_slice_view *v, const shoal_filter_host *h) { (void)s; (void)h; return v->fragment_count == 0; }\n\
+             void shoal_filter_cleanup(void *s) { (void)s; }\n",
+        )
+        .unwrap();
+        cfg.plugin = compile_plugin("empty_filter", &src);
+    }
+    let mut filter = shoal_trigger::build(&cfg).unwrap();
+    bencher.counter(ItemsCount::new(c.slice.fragments.len())).bench_local(|| black_box(filter.process(&c.slice)));
+}
+
+#[divan::bench(sample_count = 20)]
+fn boundary_builtin_none_antares_10_string(b: Bencher) {
+    boundary(b, false);
+}
+
+#[divan::bench(sample_count = 20)]
+fn boundary_empty_c_plugin_antares_10_string(b: Bencher) {
+    boundary(b, true);
 }
 
 #[divan::bench(sample_count = 20)]
