@@ -659,4 +659,48 @@ mod tests {
         assert_eq!(i.handle_submit(opaque(0, 15 * MS, b"a")), Ok(Placed::OnTime(101)));
         assert_eq!(i.handle_submit(opaque(0, u64::MAX, b"x")).unwrap_err().kind(), "time_out_of_range");
     }
+
+    /// A board's clock off its host's (issue 36): each host millisecond a board submits one
+    /// piece stamped with its own clock, `offset(host ms)` ns away from the host's; the node
+    /// takes slice `s` when the host clock passes its end plus a 5 ms latency. Returns (on
+    /// time, late, refused before the run) and checks the books balance.
+    fn run_with_board_clock(offset: impl Fn(u64) -> i64) -> (u64, u64, u64) {
+        let mut i = ingest();
+        let latency = 5;
+        let mut next = 100; // the next slice the node takes
+        let (mut on_time, mut late) = (0, 0);
+        for host_ms in 990..1500u64 {
+            let t = (host_ms * MS) as i64 + offset(host_ms);
+            match i.handle_submit(opaque(0, t.max(0) as u64, b"x")) {
+                Ok(Placed::OnTime(_)) => on_time += 1,
+                Ok(Placed::Late(_)) => late += 1,
+                Err(_) => {}
+            }
+            while (next + 1) * 10 + latency <= host_ms && next < 200 {
+                i.take(0, next);
+                next += 1;
+            }
+        }
+        while i.poll_late().is_some() {}
+        let r = i.report();
+        assert!(r.balanced(), "{r:?}");
+        (on_time, late, r.rejected.get("before_run").copied().unwrap_or(0))
+    }
+
+    #[test]
+    fn a_board_clock_off_the_hosts_is_on_time_within_the_latency_and_late_beyond() {
+        // Ahead of the host, or behind by less than the latency: every piece on time (of
+        // 510; those stamped before the run's first slice at 1,000 ms are refused, counted).
+        assert_eq!(run_with_board_clock(|_| 3 * MS as i64), (503, 0, 7));
+        assert_eq!(run_with_board_clock(|_| -3 * (MS as i64)), (497, 0, 13));
+        // Behind by 8 ms, more than the 5 ms latency: what the board stamps in the last 2 ms
+        // of a slice reaches the host after the slice went out (at its end + 5 ms), and goes
+        // as a late fragment (counted, delivered): 2 of every 10 pieces.
+        let (on_time, late, before) = run_with_board_clock(|_| -8 * (MS as i64));
+        assert_eq!((on_time, late, before), (394, 98, 18));
+        // Drifting from 0 to 20 ms behind over the run: on time first, then late, more and
+        // more; nothing lost.
+        let (on_time, late, _) = run_with_board_clock(|h| -((h.saturating_sub(990) * 20 * MS / 510) as i64));
+        assert!(on_time > late && late > 100, "{on_time} on time, {late} late");
+    }
 }
