@@ -586,6 +586,8 @@ struct ClbInput {
     slice_ns: u64,
     close_delay_ns: u64,
     report: Arc<Mutex<DataQueueReport>>,
+    /// Kinds of frame refusals already logged.
+    frames_refused_said: std::collections::HashSet<&'static str>,
 }
 
 impl ClbInput {
@@ -615,6 +617,7 @@ impl ClbInput {
             slice_ns,
             close_delay_ns: cfg.source.input_latency_ms * 1_000_000 / 2,
             report: Arc::new(Mutex::new(DataQueueReport::default())),
+            frames_refused_said: Default::default(),
         })
     }
 
@@ -686,7 +689,11 @@ impl ClbInput {
             let payload = Bytes::from(encode_superframe(&header, &frame));
             let sub = Submission { source, when: When::TimeNs(f.timeslice_start_ns), hit_count: None, payload };
             if let Err(e) = ingest.submit(sub) {
-                warn!(kind = e.kind(), dom = f.dom_id, "input: a DOM frame refused: {e}");
+                // Counted by the ingest; the first of each kind said (a run's end can refuse
+                // every DOM's frame of a slice).
+                if self.frames_refused_said.insert(e.kind()) {
+                    warn!(kind = e.kind(), dom = f.dom_id, "input: a DOM frame refused (counted; said once per kind): {e}");
+                }
             }
         }
     }
