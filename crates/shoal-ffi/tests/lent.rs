@@ -15,10 +15,9 @@ unsafe extern "C" fn count_release(user: *mut c_void, _data: *const u8, len: usi
     counters[1].fetch_add(len, Ordering::SeqCst);
 }
 
-#[test]
-fn release_is_called_once_per_buffer_taken() {
-    // A builder that does not exist (a port nobody listens on): the fragments stay
-    // unsent, are counted at the end, and their buffers come back all the same.
+/// A source whose builder does not exist (a port nobody listens on): fragments stay
+/// unsent and are counted at the end.
+fn open_towards_nobody() -> *mut ShoalSource {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let toml = CString::new(format!(
         "[run]\nsources = 1\nbuilders = 1\nslice_ms = 10\nseconds = 0.0\n\
@@ -29,6 +28,14 @@ fn release_is_called_once_per_buffer_taken() {
     let mut src: *mut ShoalSource = std::ptr::null_mut();
     // SAFETY: a NUL-terminated string and a writable out pointer.
     assert_eq!(unsafe { shoal_source_open_toml(toml.as_ptr(), &mut src) }, ShoalStatus::Ok as i32);
+    src
+}
+
+#[test]
+fn release_is_called_once_per_buffer_taken() {
+    // The fragments stay unsent, are counted at the end, and their buffers come back all
+    // the same.
+    let src = open_towards_nobody();
     let counters = [AtomicUsize::new(0), AtomicUsize::new(0)];
     let user = &counters as *const _ as *mut c_void;
     let buffers: Vec<Vec<u8>> = (0..5).map(|i| vec![i as u8; 1000 + i]).collect();
@@ -69,16 +76,7 @@ fn release_is_called_once_per_buffer_taken() {
 #[test]
 fn abort_refuses_later_submissions_and_close_still_reports() {
     use shoal::{shoal_source_abort, shoal_source_submit_slice, shoal_string_free};
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let toml = CString::new(format!(
-        "[run]\nsources = 1\nbuilders = 1\nslice_ms = 10\nseconds = 0.0\n\
-         builder_addrs = [\"127.0.0.1:{port}\"]\nwriter_addr = \"127.0.0.1:1\"\n\
-         [source]\nsaturate = false\ninput_latency_ms = 0\ninput_time_base = \"run\"\ndrain_timeout_ms = 200\n"
-    ))
-    .unwrap();
-    let mut src: *mut ShoalSource = std::ptr::null_mut();
-    // SAFETY: a NUL-terminated string and a writable out pointer.
-    assert_eq!(unsafe { shoal_source_open_toml(toml.as_ptr(), &mut src) }, ShoalStatus::Ok as i32);
+    let src = open_towards_nobody();
     let data = [7u8; 100];
     // SAFETY: an open handle, used from one thread at a time here (abort is documented for
     // any thread); a buffer valid for the calls.

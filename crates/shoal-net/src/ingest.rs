@@ -692,7 +692,11 @@ impl ClbInput {
                 // Counted by the ingest; the first of each kind said (a run's end can refuse
                 // every DOM's frame of a slice).
                 if self.frames_refused_said.insert(e.kind()) {
-                    warn!(kind = e.kind(), dom = f.dom_id, "input: a DOM frame refused (counted; said once per kind): {e}");
+                    warn!(
+                        kind = e.kind(),
+                        dom = f.dom_id,
+                        "input: a DOM frame refused (counted; said once per kind): {e}"
+                    );
                 }
             }
         }
