@@ -672,13 +672,8 @@ impl ClbInput {
         for f in self.queue.close_below(below_ns) {
             let Some(&source) = self.sources.get(&f.dom_id) else { continue };
             let slice = f.timeslice_start_ns / self.slice_ns;
-            let header = JdaqHeader {
-                det_id: self.det_id,
-                run: self.run,
-                frame_index: (slice.saturating_sub(self.first_slice) + 1) as i32,
-                timestamp: ((f.timeslice_start_ns / 1_000_000_000) as u32 & 0x7fff_ffff) | 0x8000_0000,
-                ticks: ((f.timeslice_start_ns % 1_000_000_000) / 16) as u32,
-            };
+            let frame_index = (slice.saturating_sub(self.first_slice) + 1) as i32;
+            let header = JdaqHeader::at(self.det_id, self.run, frame_index, f.timeslice_start_ns);
             let frame = JdaqFrame {
                 dom_id: f.dom_id,
                 // The low 16 bits of KM3NeT's DataQueue status count the packets received.

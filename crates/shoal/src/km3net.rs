@@ -167,6 +167,11 @@ impl Route {
         Self(doms.iter().enumerate().map(|(k, &d)| (d, k * n / doms.len().max(1))).collect())
     }
 
+    /// Every DOM to the one socket.
+    fn single() -> Self {
+        Self(std::collections::HashMap::new())
+    }
+
     fn of(&self, packet: &[u8]) -> usize {
         // The DOM id is the header's sixth word (big-endian).
         let dom = packet.get(20..24).map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
@@ -566,7 +571,7 @@ impl KmDemo {
                 hits += h;
                 packets += p.len() as u64;
                 let wait = Duration::from_nanos(start.saturating_sub(clock.now().as_nanos()));
-                send_paced(std::slice::from_ref(&socket), &Route::blocks(&[], 1), Instant::now() + wait, &p, slice_ns)?;
+                send_paced(std::slice::from_ref(&socket), &Route::single(), Instant::now() + wait, &p, slice_ns)?;
             }
             Ok((packets, hits))
         }));
