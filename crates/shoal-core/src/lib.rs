@@ -30,6 +30,8 @@
 //! - [`node`]: the source and builder node machines that own every decision of a source
 //!   or builder process ([`node::SourceNode`], [`node::BuilderNode`]), the pull data-flow
 //!   manager ([`node::DataFlowManager`]), and the [`node::Workload`] interface.
+//! - [`slicering`]: complete slices published into shared memory for consumers in other
+//!   processes: the ring's bookkeeping ([`slicering::RingLedger`]), slot format, messages.
 //! - [`probe`]: the switch buffer probe's datagrams and the analysis of a flood
 //!   ([`probe::analyse_flood`], [`probe::classify`]).
 //! - [`pullmsg`]: the pull control messages (hello, request, assignment, credit) as
@@ -62,6 +64,7 @@ pub mod runstate;
 pub mod saver;
 pub mod shaping;
 pub mod slice;
+pub mod slicering;
 mod time;
 
 pub use time::{Duration, Instant};
