@@ -118,6 +118,10 @@ pub struct BuilderReport {
     /// KM3NeT mode: timeslices, frames and messages published, DAQ file bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub km3net: Option<crate::km3out::Km3OutReport>,
+    /// `builder.consumers`: slices published to shared-memory consumers, and what each
+    /// consumer was offered, skipped and lost to overruns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<shoal_shm::PublisherReport>,
 }
 
 /// The burst saver and the channel to its spool thread.
@@ -501,6 +505,23 @@ pub async fn run_builder(
     let filter_link = writer_link.clone();
     let tap_events = cfg.tap.events;
     let km3 = crate::km3out::Km3Out::new(&cfg, id)?;
+    let publisher = if cfg.builder.consumers.enabled {
+        let c = &cfg.builder.consumers;
+        let pc = shoal_shm::PublisherConfig {
+            socket: shoal_shm::socket_name(&c.socket, id),
+            ring_bytes: c.ring_mb << 20,
+            max_consumers: c.max_consumers,
+            max_hold: StdDuration::from_millis(c.max_hold_ms),
+            run: cfg.run.run_number,
+            builder: id,
+        };
+        Some(
+            shoal_shm::SlicePublisher::start(&pc)
+                .map_err(|e| ConfigError::Invalid(format!("builder.consumers: {e}")))?,
+        )
+    } else {
+        None
+    };
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
@@ -513,6 +534,7 @@ pub async fn run_builder(
                 abandon: filter_abandon,
                 store_slices: cfg.builder.store_slices,
                 km3,
+                publisher,
             };
             filter_loop(job, out_rx, released_tx, filter_link, filter_live)
         })
@@ -635,7 +657,7 @@ pub async fn run_builder(
     // abandoned (counted), so that the builder answers STOP in time.
     let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
     let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
-    let FilterThreadReport { events, busy_s: busy, abandoned, km3net, failed_slices, malformed_events } =
+    let FilterThreadReport { events, busy_s: busy, abandoned, km3net, failed_slices, malformed_events, consumers } =
         match tokio::time::timeout(filter_drain, &mut joining).await {
             Ok(r) => r,
             Err(_) => {
@@ -695,6 +717,7 @@ pub async fn run_builder(
         alerts_missed,
         tap: live.tap.is_open().then(|| live.tap.stats()),
         km3net,
+        consumers,
     };
     info!(
         builder = id,
@@ -984,6 +1007,8 @@ struct FilterJob {
     store_slices: bool,
     /// KM3NeT mode: superframes in, the DataFilter's outputs out.
     km3: Option<crate::km3out::Km3Out>,
+    /// `builder.consumers`: every filtered slice into the shared-memory ring.
+    publisher: Option<shoal_shm::SlicePublisher>,
 }
 
 fn filter_loop(
@@ -993,7 +1018,17 @@ fn filter_loop(
     link: Arc<Link>,
     live: Arc<Live>,
 ) -> FilterThreadReport {
-    let FilterJob { id, mut filter, slice_clock, tap_events, least_per_slice, abandon, store_slices, mut km3 } = job;
+    let FilterJob {
+        id,
+        mut filter,
+        slice_clock,
+        tap_events,
+        least_per_slice,
+        abandon,
+        store_slices,
+        mut km3,
+        mut publisher,
+    } = job;
     let mut events = 0u64;
     let mut busy = StdDuration::ZERO;
     let mut abandoned = 0;
@@ -1047,6 +1082,11 @@ fn filter_loop(
             live.tap.offer(crate::tap::TAG_EVENTS, frame::encode(&header, &payload));
         }
         link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
+        if let Some(p) = publisher.as_mut() {
+            let frags: Vec<(u32, u16, u32, &[u8])> =
+                data.fragments.iter().map(|f| (f.source, f.flags, f.hit_count, &f.payload[..])).collect();
+            p.publish(slice, data.slice_start_ns, data.slice_ns, &frags);
+        }
         if store_slices {
             for f in &data.fragments {
                 let head = shoal_core::rawrec::RawHead {
@@ -1081,6 +1121,7 @@ fn filter_loop(
         km3net: km3.map(crate::km3out::Km3Out::finish),
         failed_slices: filter.failed_slices(),
         malformed_events: filter.malformed_events(),
+        consumers: publisher.map(shoal_shm::SlicePublisher::finish),
     }
 }
 
@@ -1092,4 +1133,5 @@ struct FilterThreadReport {
     km3net: Option<crate::km3out::Km3OutReport>,
     failed_slices: u64,
     malformed_events: u64,
+    consumers: Option<shoal_shm::PublisherReport>,
 }

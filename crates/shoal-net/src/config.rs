@@ -456,6 +456,32 @@ pub struct BuilderConfig {
     /// writer's `run{N:06}.slices.parquet` (beside the filter's events): the run's raw
     /// data, for data the filters cannot read (opaque SDK payloads) or a run kept whole.
     pub store_slices: bool,
+    /// Shared-memory slice consumers (docs/plugins.md).
+    pub consumers: ConsumersConfig,
+}
+
+/// `[builder.consumers]`: complete slices published into a shared-memory ring for
+/// consumers in other processes (`shoal consume`, the C, Python and Rust clients).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsumersConfig {
+    /// Publish (off by default: a slice is copied once more when someone is attached).
+    pub enabled: bool,
+    /// Abstract socket name consumers attach to, `{builder}` replaced by the builder id.
+    pub socket: String,
+    /// The ring's size, MiB (a slice larger than the ring is skipped, counted).
+    pub ring_mb: u64,
+    /// Most consumers attached at once.
+    pub max_consumers: usize,
+    /// Longest a `hold` consumer may keep the builder waiting per slice, ms (a consumer's
+    /// own bound is cut to this).
+    pub max_hold_ms: u64,
+}
+
+impl Default for ConsumersConfig {
+    fn default() -> Self {
+        Self { enabled: false, socket: "shoal/b{builder}".into(), ring_mb: 64, max_consumers: 8, max_hold_ms: 2_000 }
+    }
 }
 
 /// A builder's receive path for TCP data connections (`builder.receive`).
@@ -483,6 +509,7 @@ impl Default for BuilderConfig {
             fault_filter_ms_per_slice: 0,
             receive: ReceivePath::Epoll,
             store_slices: false,
+            consumers: ConsumersConfig::default(),
         }
     }
 }
@@ -595,6 +622,18 @@ impl Config {
         }
         if !(sv.ship_mb_per_s.is_finite() && sv.ship_mb_per_s >= 0.0) {
             return invalid("saver.ship_mb_per_s must be a non-negative number");
+        }
+        let consumers = &self.builder.consumers;
+        if consumers.enabled {
+            if consumers.ring_mb == 0 || consumers.ring_mb > 1 << 16 {
+                return invalid(format!("builder.consumers.ring_mb {} must be 1..65536", consumers.ring_mb));
+            }
+            if consumers.max_consumers == 0 {
+                return invalid("builder.consumers.max_consumers must be at least 1");
+            }
+            if consumers.socket.is_empty() || consumers.socket.len() > 100 {
+                return invalid("builder.consumers.socket must be 1..100 bytes (an abstract socket name)");
+            }
         }
         if self.builder.max_active == 0 {
             return invalid("builder.max_active must be at least 1");

@@ -24,12 +24,14 @@ pub struct PublisherConfig {
     pub ring_bytes: u64,
     /// Most consumers attached at once; more are refused (counted).
     pub max_consumers: usize,
+    /// A `Hold` consumer's bound is cut to this (the builder must still answer STOP).
+    pub max_hold: Duration,
     pub run: u64,
     pub builder: u32,
 }
 
 /// What a publisher did in a run.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PublisherReport {
     /// Slices written into the ring (with at least one consumer attached).
     pub published: u64,
@@ -105,9 +107,10 @@ impl SlicePublisher {
         let map_len = layout::CONTROL_LEN + ring;
         let acceptor = {
             let (stop, refused, live, memfd) = (stop.clone(), refused.clone(), live.clone(), memfd.clone());
-            let (run, builder, max) = (cfg.run, cfg.builder as u64, cfg.max_consumers);
+            let (run, builder, max, max_hold) = (cfg.run, cfg.builder as u64, cfg.max_consumers, cfg.max_hold);
             std::thread::Builder::new().name(format!("consumers-{builder}")).spawn(move || {
-                accept_loop(listener, memfd, Msg::Welcome { run, builder, map_len }, max, tx, stop, refused, live)
+                let welcome = Msg::Welcome { run, builder, map_len };
+                accept_loop(listener, memfd, welcome, (max, max_hold), tx, stop, refused, live)
             })?
         };
         Ok(Self {
@@ -297,7 +300,7 @@ fn accept_loop(
     listener: OwnedFd,
     memfd: Arc<OwnedFd>,
     welcome: Msg,
-    max: usize,
+    (max, max_hold): (usize, Duration),
     tx: mpsc::Sender<(OwnedFd, Policy, u32)>,
     stop: Arc<AtomicBool>,
     refused: Arc<AtomicU64>,
@@ -318,7 +321,7 @@ fn accept_loop(
         };
         let (policy, window) = match hello {
             Ok(Recv::Msg(Msg::Hello { policy: 0, hold_ms, window }, _)) => {
-                (Policy::Hold { max: Duration::from_millis(hold_ms) }, window.clamp(1, 1 << 20) as u32)
+                (Policy::Hold { max: Duration::from_millis(hold_ms).min(max_hold) }, window.clamp(1, 1 << 20) as u32)
             }
             Ok(Recv::Msg(Msg::Hello { policy: 1, window, .. }, _)) => (Policy::Skip, window.clamp(1, 1 << 20) as u32),
             other => {

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
@@ -95,8 +95,4 @@ pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -
         Err(e) => return Err(e.into()),
     }
     Ok(pfds.iter().enumerate().filter(|(_, p)| !p.revents().is_empty()).map(|(i, _)| i).collect())
-}
-
-pub(crate) fn borrowed(fd: &OwnedFd) -> BorrowedFd<'_> {
-    fd.as_fd()
 }

@@ -29,6 +29,7 @@ use shoal_net::live::Live;
 use tokio_util::sync::CancellationToken;
 
 mod alert;
+mod consume;
 mod km3net;
 mod ledger;
 mod probe;
@@ -98,6 +99,9 @@ enum Command {
     /// Combine the end-of-run reports of hand-started processes (and source SDK handles)
     /// into the run's ledger; exits 1 when it does not balance.
     Ledger(ledger::LedgerArgs),
+    /// Attach to a builder's shared-memory slice ring (`builder.consumers`) and print what
+    /// arrives, slice by slice, and each run's counters.
+    Consume(consume::ConsumeArgs),
     /// KM3NeT: CLB optical packets from a recorded timeslice file, a CLB dump or the physics
     /// generator, to a dump and/or UDP at the real pace.
     ClbEmulate(km3net::EmulateArgs),
@@ -347,6 +351,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
         Command::Ledger(args) => ledger::run(args),
+        Command::Consume(args) => tokio::task::spawn_blocking(move || consume::run(args)).await?,
         Command::ClbEmulate(args) => km3net::emulate(args),
         Command::ClbAssemble(args) => km3net::assemble(args),
         Command::JdaqCheck(args) => km3net::jdaq_check(args),
