@@ -28,6 +28,8 @@ c-examples: build
 	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal -lpthread \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/submit_bench
 	cc $(CFLAGS) -shared -fPIC -Iinclude examples/c/filter/l1_filter.c -o $(C_OUT)/libl1_filter.so
+	cc $(CFLAGS) -Iinclude examples/c/consumer.c -Ltarget/release -lshoal \
+	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/consumer
 
 test: deps lint rust-test py-test
 

@@ -53,10 +53,25 @@ typedef enum ShoalStatus {
    */
   SHOAL_STATUS_PANIC = 7,
   /**
-   * `shoal_source_flush` timed out with data still on its way.
+   * `shoal_source_flush` timed out with data still on its way (or
+   * `shoal_consumer_next` saw no slice within its timeout).
    */
   SHOAL_STATUS_TIMEOUT = 8,
+  /**
+   * `shoal_consumer_next`: the run has ended.
+   */
+  SHOAL_STATUS_END = 9,
 } ShoalStatus;
+
+/**
+ * An attached consumer (opaque).
+ */
+typedef struct ShoalConsumer ShoalConsumer;
+
+/**
+ * One slice read in place (opaque); valid until [`shoal_slice_release`].
+ */
+typedef struct ShoalSlice ShoalSlice;
 
 /**
  * A source process inside the caller's program (opaque).
@@ -67,6 +82,46 @@ typedef struct ShoalSource ShoalSource;
  * Gives a lent buffer back to its owner: `release(user, data, len)`, called once.
  */
 typedef void (*ShoalRelease)(void *user, const uint8_t *data, size_t len);
+
+/**
+ * What the builder said at the end of the run, for this consumer.
+ */
+typedef struct ShoalConsumerEnd {
+  uint64_t offered;
+  uint64_t skipped;
+  uint64_t overrun;
+  /**
+   * Slices taken back before this consumer read them (not handed out).
+   */
+  uint64_t lost_before_read;
+} ShoalConsumerEnd;
+
+/**
+ * A slice's numbers.
+ */
+typedef struct ShoalSliceInfo {
+  uint64_t seq;
+  uint64_t slice;
+  /**
+   * Slice start, ns since the UNIX epoch.
+   */
+  uint64_t slice_start_ns;
+  uint64_t slice_ns;
+  uint64_t fragment_count;
+} ShoalSliceInfo;
+
+/**
+ * One fragment: its payload points into the shared ring, valid until the slice is released.
+ */
+typedef struct ShoalFragmentRef {
+  uint32_t source;
+  uint16_t flags;
+  uint16_t reserved;
+  uint32_t hit_count;
+  uint32_t reserved2;
+  const uint8_t *payload;
+  uint64_t payload_len;
+} ShoalFragmentRef;
 
 #ifdef __cplusplus
 extern "C" {
@@ -248,6 +303,77 @@ const char *shoal_last_error(void);
  * The library's version, e.g. "0.1.0" (static).
  */
 const char *shoal_version(void);
+
+/**
+ * Attaches to the builder whose `builder.consumers.socket` (with `{builder}` replaced) is
+ * `socket_name`, retrying for up to `wait_s` seconds while it starts. `hold` non-zero: the
+ * builder waits up to `hold_ms` for each release; zero: it never waits for this consumer.
+ * `window`: most slices held at once (more are skipped, counted).
+ *
+ * Thread-safety: the handle is used by one thread at a time; slices may be released from
+ * any thread.
+ *
+ * # Safety
+ * `socket_name` is a NUL-terminated string; `out` points to writable storage.
+ */
+int shoal_consumer_open(const char *socket_name,
+                        int hold,
+                        uint64_t hold_ms,
+                        uint32_t window,
+                        double wait_s,
+                        struct ShoalConsumer **out);
+
+/**
+ * The next slice into `*out`: `SHOAL_STATUS_OK`; the run's end: `SHOAL_STATUS_END`
+ * (counters from [`shoal_consumer_end`]); nothing within `timeout_ms` (negative: wait
+ * without limit): `SHOAL_STATUS_TIMEOUT`; the builder gone: `SHOAL_STATUS_RUN`.
+ *
+ * # Safety
+ * `c` is an open handle; `out` points to writable storage.
+ */
+int shoal_consumer_next(struct ShoalConsumer *c, int64_t timeout_ms, struct ShoalSlice **out);
+
+/**
+ * The counters the builder sent at the end of the run (`SHOAL_STATUS_END` seen first, else
+ * `SHOAL_STATUS_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ * `c` is an open handle; `out` points to writable storage.
+ */
+int shoal_consumer_end(struct ShoalConsumer *c, struct ShoalConsumerEnd *out);
+
+/**
+ * Detaches (slices not yet released stay readable until released).
+ *
+ * # Safety
+ * `c` is NULL or an open handle, not used again.
+ */
+void shoal_consumer_close(struct ShoalConsumer *c);
+
+/**
+ * The slice's numbers.
+ *
+ * # Safety
+ * `s` is a slice not yet released; `out` points to writable storage.
+ */
+int shoal_slice_info(const struct ShoalSlice *s, struct ShoalSliceInfo *out);
+
+/**
+ * Fragment `index` (0 .. fragment_count) of the slice; its payload is read in place.
+ *
+ * # Safety
+ * `s` is a slice not yet released; `out` points to writable storage.
+ */
+int shoal_slice_fragment(const struct ShoalSlice *s, uint64_t index, struct ShoalFragmentRef *out);
+
+/**
+ * Done with the slice (frees it): 1 if no byte of it was reused before now, 0 if the ring
+ * took it back first (counted by the builder as an overrun), -1 for a NULL slice.
+ *
+ * # Safety
+ * `s` is NULL or a slice from `shoal_consumer_next`, released once.
+ */
+int shoal_slice_release(struct ShoalSlice *s);
 
 #ifdef __cplusplus
 }  // extern "C"

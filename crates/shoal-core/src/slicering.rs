@@ -259,6 +259,20 @@ impl RingLedger {
         recipients
     }
 
+    /// The latest time a `Hold` consumer may still release a slot it holds (`None`: no
+    /// `Hold` consumer holds anything). At the end of a run the ring waits until then.
+    pub fn hold_deadline(&self) -> Option<Instant> {
+        self.slots
+            .iter()
+            .flat_map(|s| {
+                s.holders.iter().filter_map(|h| match self.consumers.iter().find(|c| c.id == *h)?.policy {
+                    Policy::Hold { max } => Some(s.offered_at + max),
+                    Policy::Skip => None,
+                })
+            })
+            .max()
+    }
+
     /// Counts a skip for every consumer (a slice not published at all, e.g. too large).
     pub fn skip_all(&mut self) {
         for c in &mut self.consumers {
@@ -634,7 +648,9 @@ mod tests {
         let (s2, _) = ready(r.reserve(100, t(100)));
         assert!(r.offer(s2).is_empty());
         assert_eq!(r.counters(c).unwrap().skipped, 1);
+        assert_eq!(r.hold_deadline(), Some(t(100)));
         assert_eq!(r.release(c, s1), Released::InTime);
+        assert_eq!(r.hold_deadline(), None);
         let (s3, _) = ready(r.reserve(100, t(101)));
         assert_eq!(r.offer(s3), vec![c]);
     }

@@ -21,6 +21,13 @@
 //! - no panic crosses the boundary: each call is guarded and a panic becomes
 //!   [`ShoalStatus::Panic`];
 //! - thread-safety is stated per function; the handle itself is `Send + Sync`.
+//!
+//! The shared-memory slice consumer ([`consumer`]: `shoal_consumer_*`, `shoal_slice_*`)
+//! is in the same library: attach to a builder's slice ring and read slices in place.
+
+mod consumer;
+
+pub use consumer::*;
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -59,8 +66,11 @@ pub enum ShoalStatus {
     Run = 6,
     /// shoal panicked inside this call (a bug; the message has what it said).
     Panic = 7,
-    /// `shoal_source_flush` timed out with data still on its way.
+    /// `shoal_source_flush` timed out with data still on its way (or
+    /// `shoal_consumer_next` saw no slice within its timeout).
     Timeout = 8,
+    /// `shoal_consumer_next`: the run has ended.
+    End = 9,
 }
 
 /// A source process inside the caller's program (opaque).

@@ -295,5 +295,11 @@ fn shoal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RunError", py.get_type::<RunError>())?;
     m.add("HOLD_FROM", HOLD_FROM)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The slice consumer is pure Python (the same file runs in the builder's Python filter
+    // workers): `shoal.slices`, importable as `from shoal.slices import Consumer`.
+    let code = std::ffi::CString::new(shoal_shm::PYTHON_CLIENT).expect("no NUL in the Python client");
+    let slices = PyModule::from_code(py, &code, c"shoal_slices.py", c"shoal.slices")?;
+    m.add_submodule(&slices)?;
+    py.import("sys")?.getattr("modules")?.set_item("shoal.slices", &slices)?;
     Ok(())
 }

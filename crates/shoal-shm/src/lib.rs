@@ -23,3 +23,7 @@ pub use consumer::{ConsumerOptions, FragmentRef, Next, SliceConsumer, SliceRef};
 pub use publisher::{PublisherConfig, PublisherReport, SlicePublisher};
 pub use shoal_core::slicering::{ConsumerCounters, Policy};
 pub use sock::socket_name;
+
+/// The Python consumer (`python/shoal_slices.py`: standard library and numpy only), embedded
+/// in the `shoal` Python module as `shoal.slices` and run by the builder's Python workers.
+pub const PYTHON_CLIENT: &str = include_str!("../python/shoal_slices.py");

@@ -254,6 +254,19 @@ impl SlicePublisher {
     pub fn finish(mut self) -> PublisherReport {
         self.take_new_consumers();
         self.poll_releases();
+        // `Hold` consumers are waited for, up to their bound, for the slices they still
+        // hold: their counters then say what they really did.
+        while let Some(until) = self.ledger.hold_deadline() {
+            let left = until.saturating_duration_since(self.now());
+            if left.is_zero() {
+                break;
+            }
+            let t = StdInstant::now();
+            let holders: Vec<_> = self.attached.iter().filter(|a| a.hold).map(|a| a.fd.as_fd()).collect();
+            let _ = sock::wait_readable(&holders, Some(left));
+            self.report.held_s += t.elapsed().as_secs_f64();
+            self.poll_releases();
+        }
         for a in &self.attached {
             if let Some(c) = self.ledger.counters(a.id) {
                 let _ = sock::send(

@@ -18,6 +18,7 @@ fn start(tag: &str, ring: u64) -> SlicePublisher {
         socket: name(tag),
         ring_bytes: ring,
         max_consumers: 4,
+        max_hold: Duration::from_secs(3600),
         run: 7,
         builder: 1,
     })
