@@ -87,7 +87,8 @@ impl SlicePublisher {
         let file = std::fs::File::from(memfd);
         file.set_len(layout::CONTROL_LEN + ring)?;
         // SAFETY: the memfd is ours and never truncated; consumers map it read-only.
-        let mut map = unsafe { MmapMut::map_mut(&file)? };
+        // Populated now: page faults at start-up, not in the middle of a run.
+        let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file)? };
         Control { data_len: ring, builder: cfg.builder, run: cfg.run }.encode(&mut map[..]);
         store_reclaimed_below(&mut map, 1);
         let memfd: Arc<OwnedFd> = Arc::new(file.into());
