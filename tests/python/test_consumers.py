@@ -28,11 +28,12 @@ def socket_template(tmp_path) -> str:
     return f"shoal-test/{os.getpid()}/{tmp_path.name}/b{{builder}}"
 
 
-def write_config(tmp_path, seconds: float, extra: str = "") -> pathlib.Path:
+def write_config(tmp_path, seconds: float, extra: str = "", slice_ms: int = 0) -> pathlib.Path:
     cfg = tmp_path / "shoal.toml"
     cfg.write_text(
         f"[run]\nsources = 5\nbuilders = 2\nseconds = {seconds}\n"
-        "[builder]\nstore_slices = true\n"
+        + (f"slice_ms = {slice_ms}\n" if slice_ms else "")
+        + "[builder]\nstore_slices = true\n"
         "[builder.filter]\nname = \"l1\"\n"
         f"[builder.consumers]\nenabled = true\nsocket = \"{socket_template(tmp_path)}\"\n" + extra
     )
@@ -70,7 +71,7 @@ def stored_slices(out: pathlib.Path, builder_slices: set[int]) -> dict[int, list
 
 def python_consumer(name: str, seen: list, errors: list):
     try:
-        with shoal.slices.Consumer(socket=name, policy="hold", hold_ms=2000, window=4, wait_s=60) as c:
+        with shoal.slices.Consumer(socket=name, policy="hold", hold_ms=600_000, window=4, wait_s=60) as c:
             for s in c:
                 frags = sorted((f.source, f.payload) for f in s.fragments)
                 hits = sum(len(s.hits(f)) for f in s.fragments if not f.flags & 0x8)
@@ -81,16 +82,17 @@ def python_consumer(name: str, seen: list, errors: list):
 
 
 def test_python_c_and_rust_consumers_read_every_slice_they_are_offered_in_place(shoal_bin, tmp_path):
-    cfg = write_config(tmp_path, 2.0)
+    # The consumers hold: the builder waits for every release (bound far beyond any load).
+    cfg = write_config(tmp_path, 2.0, "max_hold_ms = 600000\n")
     b0 = shoal.slices.socket_name(socket_template(tmp_path), 0)
     b1 = shoal.slices.socket_name(socket_template(tmp_path), 1)
     seen, errors = [], []
     py = threading.Thread(target=python_consumer, args=(b0, seen, errors))
     py.start()
     c_out = open(tmp_path / "c.jsonl", "w")
-    c_consumer = subprocess.Popen([str(C_EXAMPLES / "consumer"), b0, "2000"], stdout=c_out, stderr=subprocess.PIPE, text=True)
+    c_consumer = subprocess.Popen([str(C_EXAMPLES / "consumer"), b0, "600000"], stdout=c_out, stderr=subprocess.PIPE, text=True)
     rust = subprocess.Popen(
-        [str(shoal_bin), "consume", "--socket", socket_template(tmp_path), "--builder", "1", "--policy", "hold", "--json"],
+        [str(shoal_bin), "consume", "--socket", socket_template(tmp_path), "--builder", "1", "--policy", "hold", "--hold-ms", "600000", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     run = demo(shoal_bin, cfg, tmp_path / "out")
@@ -162,8 +164,9 @@ def shm_entries() -> set[str]:
 
 def test_a_consumer_killed_while_holding_slices_does_not_stall_the_builder(shoal_bin, tmp_path):
     before = shm_entries()
-    # The builder would wait up to 10 minutes per slice for this consumer's releases.
-    cfg = write_config(tmp_path, 3.0, "max_hold_ms = 600000\n")
+    # The builder would wait up to 10 minutes per slice for this consumer's releases. Slices
+    # of 100 ms: the filter queue (64 slices) covers the time until the kill is seen.
+    cfg = write_config(tmp_path, 3.0, "max_hold_ms = 600000\n", slice_ms=100)
     name = shoal.slices.socket_name(socket_template(tmp_path), 0)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     run = demo(shoal_bin, cfg, tmp_path / "out")
