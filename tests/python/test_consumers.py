@@ -158,6 +158,13 @@ sys.stdin.read()                              # until killed
 """
 
 
+def reap(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
@@ -177,10 +184,7 @@ def test_a_consumer_killed_while_holding_slices_does_not_stall_the_builder(shoal
         holder.wait(timeout=60)
         summary, _ = run.communicate(timeout=300)
     finally:
-        for p in (holder, run):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(holder, run)
     assert run.returncode == 0, (tmp_path / "out.log").read_text()[-3000:]
     s = json.loads(summary)
     assert s["ledger"]["balanced"] and s["slices_incomplete"] == 0
@@ -208,10 +212,7 @@ def test_a_builder_killed_with_sigkill_leaves_nothing_and_the_next_run_starts_cl
         run.wait(timeout=60)
         _, err = consumer.communicate(timeout=60)
     finally:
-        for p in (consumer, run):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(consumer, run)
     # The consumer is told its builder went away; nothing was left behind.
     assert consumer.returncode == 1 and "went away" in err, err
     assert shm_entries() == before

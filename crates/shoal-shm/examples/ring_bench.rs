@@ -21,6 +21,23 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Copies `slices` times every fragment into `dst`, cycling; returns the seconds taken.
+fn copy_cycling(dst: &mut [u8], frags: &[(u32, u16, u32, &[u8])], slices: u64) -> f64 {
+    let t = Instant::now();
+    let mut at = 0;
+    for _ in 0..slices {
+        for f in frags {
+            if at + f.3.len() > dst.len() {
+                at = 0;
+            }
+            dst[at..at + f.3.len()].copy_from_slice(f.3);
+            at += f.3.len();
+        }
+    }
+    std::hint::black_box(&dst);
+    t.elapsed().as_secs_f64()
+}
+
 fn main() {
     let args: Vec<u64> = std::env::args().skip(1).map(|a| a.parse().expect("a number")).collect();
     let slice_kb = args.first().copied().unwrap_or(1024) as usize;
@@ -35,19 +52,7 @@ fn main() {
     let (mut memcpy, mut memcpy_shared, mut path) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..repeats {
         let mut dst = vec![0u8; ring as usize];
-        let t = Instant::now();
-        let mut at = 0;
-        for _ in 0..slices {
-            for f in &frags {
-                if at + f.3.len() > dst.len() {
-                    at = 0;
-                }
-                dst[at..at + f.3.len()].copy_from_slice(f.3);
-                at += f.3.len();
-            }
-        }
-        std::hint::black_box(&dst);
-        memcpy.push(total / t.elapsed().as_secs_f64() / 1e6);
+        memcpy.push(total / copy_cycling(&mut dst, &frags, slices) / 1e6);
 
         // The same copies into a shared mapping of a memfd (populated first, as the ring is).
         let fd = rustix::fs::memfd_create("bench", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
@@ -55,19 +60,7 @@ fn main() {
         file.set_len(ring).unwrap();
         // SAFETY: our own memfd, mapped once, never truncated.
         let mut shared = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file).unwrap() };
-        let t = Instant::now();
-        let mut at = 0;
-        for _ in 0..slices {
-            for f in &frags {
-                if at + f.3.len() > shared.len() {
-                    at = 0;
-                }
-                shared[at..at + f.3.len()].copy_from_slice(f.3);
-                at += f.3.len();
-            }
-        }
-        std::hint::black_box(&shared);
-        memcpy_shared.push(total / t.elapsed().as_secs_f64() / 1e6);
+        memcpy_shared.push(total / copy_cycling(&mut shared, &frags, slices) / 1e6);
 
         let name = format!("shoal-bench/{}/{r}", std::process::id());
         let mut p = SlicePublisher::start(&PublisherConfig {
@@ -86,7 +79,10 @@ fn main() {
             while let Next::Slice(s) = c.next(None).unwrap() {
                 for f in s.fragments() {
                     // Read every byte in place, 8 at a time.
-                    sum = f.payload.chunks_exact(8).fold(sum, |a, w| a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap())));
+                    sum = f
+                        .payload
+                        .chunks_exact(8)
+                        .fold(sum, |a, w| a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap())));
                 }
                 assert!(s.release());
                 n += 1;
