@@ -53,8 +53,10 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
 
-rust-test:
-	$(CARGO) test --locked --workspace
+# The Python filter tests (crates/shoal-shm/tests/pyfilter.rs) run workers on the venv's
+# Python (numpy).
+rust-test: py-env
+	SHOAL_PYTHON=$(CURDIR)/$(PY) $(CARGO) test --locked --workspace
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)

@@ -97,6 +97,14 @@ pub struct BuilderReport {
     /// Events a plug-in handed back malformed (refused).
     #[serde(default)]
     pub filter_malformed_events: u64,
+    /// Slices a Python filter worker did not finish within `builder.filter.timeout_ms` (the
+    /// worker killed and replaced; the slice's fragments kept in the slices file).
+    #[serde(default)]
+    pub filter_timeout: u64,
+    /// `builder.filter.python`: the worker pool's counts (started again, failed, crashed,
+    /// timed out, malformed events).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python_workers: Option<shoal_shm::workers::WorkerReport>,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
     /// Pull: requests for a source that had not greeted this builder (asked again later).
@@ -364,8 +372,7 @@ pub async fn run_builder(
     let least_per_slice = StdDuration::from_millis(cfg.builder.fault_filter_ms_per_slice);
     // Built (a plug-in loaded and initialised) here, so that a filter that cannot start
     // refuses the run with its reason; then moved to the filter thread.
-    let filter =
-        shoal_trigger::build(&cfg.builder.filter).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
+    let stage = filter_stage(&cfg.builder.filter)?;
     let n_sources = cfg.run.sources;
     let max_payload = cfg.max_payload();
 
@@ -527,7 +534,7 @@ pub async fn run_builder(
         .spawn(move || {
             let job = FilterJob {
                 id,
-                filter,
+                stage,
                 slice_clock,
                 tap_events,
                 least_per_slice,
@@ -657,15 +664,24 @@ pub async fn run_builder(
     // abandoned (counted), so that the builder answers STOP in time.
     let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
     let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
-    let FilterThreadReport { events, busy_s: busy, abandoned, km3net, failed_slices, malformed_events, consumers } =
-        match tokio::time::timeout(filter_drain, &mut joining).await {
-            Ok(r) => r,
-            Err(_) => {
-                abandon.store(true, std::sync::atomic::Ordering::Relaxed);
-                joining.await
-            }
+    let FilterThreadReport {
+        events,
+        busy_s: busy,
+        abandoned,
+        km3net,
+        failed_slices,
+        timeout_slices,
+        malformed_events,
+        consumers,
+        workers,
+    } = match tokio::time::timeout(filter_drain, &mut joining).await {
+        Ok(r) => r,
+        Err(_) => {
+            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+            joining.await
         }
-        .expect("join filter thread");
+    }
+    .expect("join filter thread");
     not_filtered += abandoned;
     if not_filtered > 0 {
         warn!(
@@ -708,6 +724,8 @@ pub async fn run_builder(
         filter_busy_s: busy,
         slices_not_filtered: not_filtered,
         filter_failed: failed_slices,
+        filter_timeout: timeout_slices,
+        python_workers: workers,
         filter_malformed_events: malformed_events,
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
@@ -989,13 +1007,35 @@ fn forward(
     not_filtered
 }
 
+/// Builds the builder's filter stage: a Python worker pool (started here, so that a
+/// module that cannot import refuses the run with the reason), or a filter in this process.
+fn filter_stage(f: &shoal_trigger::FilterConfig) -> Result<FilterStage, ConfigError> {
+    if f.python.is_empty() {
+        let filter = shoal_trigger::build(f).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
+        return Ok(FilterStage::InProcess(filter));
+    }
+    let cfg = shoal_shm::workers::WorkerConfig {
+        target: f.python.clone(),
+        workers: f.workers,
+        python: f.python_exe.clone(),
+        python_path: f.python_path.clone(),
+        config: f.config.clone(),
+        timeout: StdDuration::from_millis(f.timeout_ms),
+        start_timeout: StdDuration::from_secs(60),
+        max_restarts: 100,
+    };
+    let pool = shoal_shm::workers::WorkerPool::start(cfg)
+        .map_err(|e| ConfigError::Invalid(format!("builder.filter.python: {e}")))?;
+    Ok(FilterStage::Workers(Box::new(pool)))
+}
+
 /// Most slices waiting for the filter.
 const FILTER_QUEUE_SLICES: usize = 64;
 
 /// What the filter thread is told.
 struct FilterJob {
     id: u32,
-    filter: Box<dyn shoal_trigger::Filter>,
+    stage: FilterStage,
     slice_clock: SliceClock,
     /// Offer every slice's events to the `SHL_EVT` tap.
     tap_events: bool,
@@ -1011,62 +1051,34 @@ struct FilterJob {
     publisher: Option<shoal_shm::SlicePublisher>,
 }
 
-fn filter_loop(
-    job: FilterJob,
-    rx: std::sync::mpsc::Receiver<SliceOutcome<FragmentData>>,
-    released: mpsc::UnboundedSender<u64>,
+/// Where a filtered slice goes: its EVENTS frame to the writer (and the tap), its
+/// fragments to the writer when stored whole or when its filter failed, its slot in the
+/// shared-memory ring, its bytes back to the assembler's budget.
+struct Emitter {
+    id: u32,
     link: Arc<Link>,
     live: Arc<Live>,
-) -> FilterThreadReport {
-    let FilterJob {
-        id,
-        mut filter,
-        slice_clock,
-        tap_events,
-        least_per_slice,
-        abandon,
-        store_slices,
-        mut km3,
-        mut publisher,
-    } = job;
-    let mut events = 0u64;
-    let mut busy = StdDuration::ZERO;
-    let mut abandoned = 0;
-    for o in rx {
-        let (slice, bytes) = (o.slice, o.bytes);
-        if abandon.load(std::sync::atomic::Ordering::Relaxed) {
-            abandoned += 1;
-            let _ = released.send(bytes);
-            continue;
-        }
-        let slice_start = slice_clock.start_of(slice);
-        let data = SliceData {
-            slice,
-            slice_start_ns: slice_start.as_nanos(),
-            slice_ns: slice_clock.length().as_nanos() as u64,
-            fragments: o.into_filter_input(),
-        };
-        let t = std::time::Instant::now();
-        // KM3NeT: the filter sees the superframes' hits; stored slices keep the frames.
-        let (selected, km3_slice) = match km3.as_mut() {
-            Some(k) => {
-                let (hits, frames) = k.decode(&data.fragments);
-                let view =
-                    SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
-                (filter.process(&view), Some(frames))
-            }
-            None => (filter.process(&data), None),
-        };
-        if let (Some(k), Some(frames)) = (km3.as_mut(), km3_slice) {
-            k.publish(slice, frames, &selected, &live);
-        }
-        if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
-            // Fault injection: a filter slower than the load.
-            std::thread::sleep(rest);
-        }
-        busy += t.elapsed();
-        events += selected.len() as u64;
-        Live::add(&live.events, selected.len() as u64);
+    released: mpsc::UnboundedSender<u64>,
+    tap_events: bool,
+    store_slices: bool,
+    publisher: Option<shoal_shm::SlicePublisher>,
+    events: u64,
+}
+
+impl Emitter {
+    /// `keep_raw`: the filter failed on this slice; its fragments go to the writer's
+    /// slices file so that nothing of it is lost.
+    fn emit(
+        &mut self,
+        data: &SliceData,
+        slice_start: Instant,
+        selected: &[shoal_trigger::Event],
+        keep_raw: bool,
+        bytes: u64,
+    ) {
+        let (id, slice) = (self.id, data.slice);
+        self.events += selected.len() as u64;
+        Live::add(&self.live.events, selected.len() as u64);
         // One EVENTS frame per processed slice, empty or not, so the writer sees every slice.
         let header = FrameHeader {
             flags: Flags::EVENTS,
@@ -1077,17 +1089,17 @@ fn filter_loop(
             send_time: Instant::ZERO,
             payload_len: 0,
         };
-        let payload = encode_events(&selected);
-        if tap_events && live.tap.is_open() {
-            live.tap.offer(crate::tap::TAG_EVENTS, frame::encode(&header, &payload));
+        let payload = encode_events(selected);
+        if self.tap_events && self.live.tap.is_open() {
+            self.live.tap.offer(crate::tap::TAG_EVENTS, frame::encode(&header, &payload));
         }
-        link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
-        if let Some(p) = publisher.as_mut() {
+        self.link.send(Chunk::frame(id, slice, frame::encode_header(&header, &payload), payload));
+        if let Some(p) = self.publisher.as_mut() {
             let frags: Vec<(u32, u16, u32, &[u8])> =
                 data.fragments.iter().map(|f| (f.source, f.flags, f.hit_count, &f.payload[..])).collect();
             p.publish(slice, data.slice_start_ns, data.slice_ns, &frags);
         }
-        if store_slices {
+        if self.store_slices || keep_raw {
             for f in &data.fragments {
                 let head = shoal_core::rawrec::RawHead {
                     builder: id,
@@ -1101,7 +1113,7 @@ fn filter_loop(
                 // Header and prefix copied, the payload handed on as it is.
                 let (h, prefix) = head.encode_parts(&f.payload);
                 let head_bytes = Bytes::from([&h[..], &prefix[..]].concat());
-                link.send(Chunk {
+                self.link.send(Chunk {
                     source: id,
                     slice,
                     first: true,
@@ -1111,17 +1123,140 @@ fn filter_loop(
                 });
             }
         }
-        let _ = released.send(bytes);
+        let _ = self.released.send(bytes);
     }
-    filter.cleanup();
+}
+
+/// What filters a slice: a filter in this thread, or Python worker processes.
+enum FilterStage {
+    InProcess(Box<dyn shoal_trigger::Filter>),
+    Workers(Box<shoal_shm::workers::WorkerPool<(SliceData, u64)>>),
+}
+
+/// Counts of the Python workers' bad outcomes, and what they cost.
+#[derive(Default)]
+struct WorkerTally {
+    failed: u64,
+    timeout: u64,
+}
+
+fn worker_outcome(
+    em: &mut Emitter,
+    slice_clock: &SliceClock,
+    tally: &mut WorkerTally,
+    ((data, bytes), outcome): ((SliceData, u64), shoal_shm::workers::Outcome),
+) {
+    use shoal_shm::workers::Outcome;
+    let start = slice_clock.start_of(data.slice);
+    match outcome {
+        Outcome::Events(ev) => em.emit(&data, start, &ev, false, bytes),
+        Outcome::TimedOut => {
+            tally.timeout += 1;
+            em.emit(&data, start, &[], true, bytes);
+        }
+        Outcome::Failed | Outcome::Crashed | Outcome::NoWorker => {
+            tally.failed += 1;
+            em.emit(&data, start, &[], true, bytes);
+        }
+    }
+}
+
+fn filter_loop(
+    job: FilterJob,
+    rx: std::sync::mpsc::Receiver<SliceOutcome<FragmentData>>,
+    released: mpsc::UnboundedSender<u64>,
+    link: Arc<Link>,
+    live: Arc<Live>,
+) -> FilterThreadReport {
+    let FilterJob {
+        id,
+        mut stage,
+        slice_clock,
+        tap_events,
+        least_per_slice,
+        abandon,
+        store_slices,
+        mut km3,
+        publisher,
+    } = job;
+    let mut em = Emitter { id, link, live, released, tap_events, store_slices, publisher, events: 0 };
+    let mut busy = StdDuration::ZERO;
+    let mut abandoned = 0;
+    let mut tally = WorkerTally::default();
+    for o in rx {
+        let (slice, bytes) = (o.slice, o.bytes);
+        if abandon.load(std::sync::atomic::Ordering::Relaxed) {
+            abandoned += 1;
+            let _ = em.released.send(bytes);
+            continue;
+        }
+        let slice_start = slice_clock.start_of(slice);
+        let data = SliceData {
+            slice,
+            slice_start_ns: slice_start.as_nanos(),
+            slice_ns: slice_clock.length().as_nanos() as u64,
+            fragments: o.into_filter_input(),
+        };
+        let t = std::time::Instant::now();
+        let filter = match &mut stage {
+            FilterStage::InProcess(f) => f,
+            FilterStage::Workers(pool) => {
+                let frags: Vec<(u32, u16, u32, &[u8])> =
+                    data.fragments.iter().map(|f| (f.source, f.flags, f.hit_count, &f.payload[..])).collect();
+                let (start_ns, slice_ns) = (data.slice_start_ns, data.slice_ns);
+                let done = pool.submit(slice, start_ns, slice_ns, &frags, (data.clone(), bytes));
+                for d in done {
+                    worker_outcome(&mut em, &slice_clock, &mut tally, d);
+                }
+                busy += t.elapsed();
+                continue;
+            }
+        };
+        // KM3NeT: the filter sees the superframes' hits; stored slices keep the frames.
+        let (selected, km3_slice) = match km3.as_mut() {
+            Some(k) => {
+                let (hits, frames) = k.decode(&data.fragments);
+                let view =
+                    SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
+                (filter.process(&view), Some(frames))
+            }
+            None => (filter.process(&data), None),
+        };
+        if let (Some(k), Some(frames)) = (km3.as_mut(), km3_slice) {
+            k.publish(slice, frames, &selected, &em.live);
+        }
+        if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
+            // Fault injection: a filter slower than the load.
+            std::thread::sleep(rest);
+        }
+        busy += t.elapsed();
+        em.emit(&data, slice_start, &selected, false, bytes);
+    }
+    let (failed_slices, malformed_events, workers) = match stage {
+        FilterStage::InProcess(mut filter) => {
+            filter.cleanup();
+            (filter.failed_slices(), filter.malformed_events(), None)
+        }
+        FilterStage::Workers(pool) => {
+            let t = std::time::Instant::now();
+            let (done, report) = pool.finish();
+            for d in done {
+                worker_outcome(&mut em, &slice_clock, &mut tally, d);
+            }
+            busy += t.elapsed();
+            (tally.failed, report.malformed_events, Some(report))
+        }
+    };
     FilterThreadReport {
-        events,
+        events: em.events,
         busy_s: busy.as_secs_f64(),
         abandoned,
         km3net: km3.map(crate::km3out::Km3Out::finish),
-        failed_slices: filter.failed_slices(),
-        malformed_events: filter.malformed_events(),
-        consumers: publisher.map(shoal_shm::SlicePublisher::finish),
+        failed_slices,
+        timeout_slices: tally.timeout,
+        malformed_events,
+        consumers: em.publisher.map(shoal_shm::SlicePublisher::finish),
+        workers,
     }
 }
 
@@ -1132,6 +1267,8 @@ struct FilterThreadReport {
     abandoned: u64,
     km3net: Option<crate::km3out::Km3OutReport>,
     failed_slices: u64,
+    timeout_slices: u64,
     malformed_events: u64,
     consumers: Option<shoal_shm::PublisherReport>,
+    workers: Option<shoal_shm::workers::WorkerReport>,
 }

@@ -623,6 +623,11 @@ impl Config {
         if !(sv.ship_mb_per_s.is_finite() && sv.ship_mb_per_s >= 0.0) {
             return invalid("saver.ship_mb_per_s must be a non-negative number");
         }
+        if !self.builder.filter.python.is_empty() && self.km3net.is_on() {
+            return invalid(
+                "builder.filter.python: not in KM3NeT mode yet (the DataFilter's outputs need the filter in the builder)",
+            );
+        }
         let consumers = &self.builder.consumers;
         if consumers.enabled {
             if consumers.ring_mb == 0 || consumers.ring_mb > 1 << 16 {

@@ -28,8 +28,10 @@ MSG = struct.Struct("<II5Q")
 MSG_LEN = MSG.size  # 48
 VERSION = 1
 HELLO, WELCOME, SLICE, RELEASE, END = 1, 2, 3, 4, 5
-# Python filter workers (builder.filter.python): the builder asks, the worker answers.
-WORK, DONE, FAILED = 6, 7, 8
+# Python filter workers (builder.filter.python): the builder sends SLICE, the worker
+# answers DONE (events in its results memfd) or FAILED (the filter raised).
+DONE, FAILED = 6, 7
+WORKER_HELLO_POLICY = 2
 SLOT = struct.Struct("<IHHII6Q")  # magic, version, reserved, fragments, reserved, 6 x u64
 SLOT_MAGIC = int.from_bytes(b"SLCE", "little")
 ENTRY = struct.Struct("<IHHIIQQ")  # source, flags, reserved, hit_count, reserved, offset, len
@@ -45,6 +47,15 @@ def hit_dtype():
     import numpy as np
 
     return np.dtype([("channel", "u1"), ("time_ns", "<u4"), ("amplitude", "u1")])
+
+
+def event_hit_dtype():
+    """One hit of a selected event, as a Python filter returns it (12 bytes)."""
+    import numpy as np
+
+    return np.dtype(
+        [("source", "<u4"), ("time_ns", "<u4"), ("channel", "u1"), ("amplitude", "u1"), ("triggered", "u1"), ("reserved", "u1")]
+    )
 
 
 def socket_name(template, builder):
@@ -231,3 +242,122 @@ class Consumer:
 
 
 _socket_module = socket
+
+
+class _Inbox:
+    """A worker's inbox: one slot at a time, never reclaimed while it is being read."""
+
+    def __init__(self, fd):
+        self.map = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        os.close(fd)
+        self.view = memoryview(self.map)
+
+    def reclaimed_below(self):
+        return 0
+
+    def release(self, seq):
+        pass
+
+
+def _as_event(item, dtype):
+    """(trigger_mask, hits) from what a filter returned: a hits array, or (mask, hits)."""
+    import numpy as np
+
+    mask, hits = (item if isinstance(item, tuple) else (1, item))
+    hits = np.asarray(hits)
+    if hits.dtype != dtype:
+        # Any structured array with the same field names will do.
+        out = np.zeros(len(hits), dtype=dtype)
+        for name in ("source", "time_ns", "channel", "amplitude", "triggered"):
+            if hits.dtype.names and name in hits.dtype.names:
+                out[name] = hits[name]
+        hits = out
+    return int(mask), hits
+
+
+class _Results:
+    """The worker's results memfd: events written in place, grown by a new memfd."""
+
+    def __init__(self):
+        self.fd, self.map, self.fresh = None, None, False
+
+    def ensure(self, size):
+        if self.map is not None and len(self.map) >= size:
+            return
+        n = 1 << max(20, (size - 1).bit_length())
+        fd = os.memfd_create("shoal-events", os.MFD_CLOEXEC)
+        os.ftruncate(fd, n)
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.map, self.fresh = fd, mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), True
+
+    def write(self, events):
+        import numpy as np
+
+        dtype = event_hit_dtype()
+        evs = [_as_event(e, dtype) for e in events]
+        size = sum(8 + dtype.itemsize * len(h) for _, h in evs)
+        self.ensure(max(size, 1))
+        at = 0
+        for mask, hits in evs:
+            struct.pack_into("<II", self.map, at, mask & 0xFFFFFFFF, len(hits))
+            if len(hits):
+                np.frombuffer(self.map, dtype=dtype, count=len(hits), offset=at + 8)[:] = hits
+            at += 8 + dtype.itemsize * len(hits)
+        return len(evs), size
+
+
+def worker_main():
+    """A Python filter worker, started by its builder: ``python -c <this file> module:function
+    python_path config``, its socket as fd 3. Imports the module, calls its ``init(config)``
+    if it has one, then filters slice after slice until the builder says the run ended."""
+    import importlib
+    import sys
+    import traceback
+
+    target, path, config = sys.argv[1], sys.argv[2], sys.argv[3]
+    sock = _socket_module.socket(fileno=3)
+    # This very file (the builder's own version) is `shoal.slices` for the filter's imports,
+    # whether or not a `shoal` package is installed in this interpreter.
+    me = sys.modules["__main__"]
+    try:
+        import shoal as package
+    except ImportError:
+        import types
+
+        package = types.ModuleType("shoal")
+        sys.modules["shoal"] = package
+    package.slices = me
+    sys.modules["shoal.slices"] = me
+    for p in reversed([p for p in path.split(os.pathsep) if p]):
+        sys.path.insert(0, p)
+    module_name, _, function_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    function = getattr(module, function_name)
+    if hasattr(module, "init"):
+        module.init(config)
+    send(sock, HELLO, WORKER_HELLO_POLICY)
+    inbox, results = None, _Results()
+    while True:
+        kind, f, fds = recv(sock)
+        if kind is None or kind == END:
+            return
+        if fds:
+            inbox = _Inbox(fds[0])
+            for extra in fds[1:]:
+                os.close(extra)
+        if kind != SLICE or inbox is None:
+            raise RingError(f"unexpected message kind {kind}")
+        seq, offset, length = f[0], f[1], f[2]
+        try:
+            n, size = results.write(function(Slice(inbox, seq, offset, length)))
+        except Exception:
+            traceback.print_exc()
+            sys.stderr.flush()
+            send(sock, FAILED, seq)
+            continue
+        if results.fresh:
+            results.fresh = False
+            sock.sendmsg([MSG.pack(DONE, VERSION, seq, n, size, 0, 0)], [(_socket_module.SOL_SOCKET, _socket_module.SCM_RIGHTS, struct.pack("i", results.fd))])
+        else:
+            send(sock, DONE, seq, n, size)

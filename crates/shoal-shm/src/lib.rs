@@ -18,6 +18,7 @@
 mod consumer;
 mod publisher;
 mod sock;
+pub mod workers;
 
 pub use consumer::{ConsumerOptions, FragmentRef, Next, SliceConsumer, SliceRef};
 pub use publisher::{PublisherConfig, PublisherReport, SlicePublisher};

@@ -84,8 +84,20 @@ pub struct FilterConfig {
     /// A filter plug-in (C ABI, `include/shoal_filter.h`, docs/plugins.md): the path of its
     /// shared library, loaded by each builder at start. Empty: the built-in `name`.
     pub plugin: String,
-    /// Text handed to the plug-in's `shoal_filter_init`.
+    /// Text handed to the plug-in's `shoal_filter_init` (or the Python module's `init`).
     pub config: String,
+    /// A Python filter, `module:function`, run in worker processes (docs/plugins.md,
+    /// "Python filters"). Empty: not used. Takes precedence over `plugin` and `name`.
+    pub python: String,
+    /// Prepended to the workers' `sys.path` (`:`-separated).
+    pub python_path: String,
+    /// The workers' interpreter.
+    pub python_exe: String,
+    /// Worker processes per builder (slices filtered in parallel).
+    pub workers: usize,
+    /// Longest a worker may take for one slice, ms; then it is killed and replaced and the
+    /// slice counted as `filter_timeout`.
+    pub timeout_ms: u64,
     pub l1: L1Config,
     pub muon: MuonConfig,
 }
@@ -96,6 +108,11 @@ impl Default for FilterConfig {
             name: "muon".into(),
             plugin: String::new(),
             config: String::new(),
+            python: String::new(),
+            python_path: String::new(),
+            python_exe: "python3".into(),
+            workers: 1,
+            timeout_ms: 5_000,
             l1: L1Config::default(),
             muon: MuonConfig::default(),
         }
@@ -132,6 +149,15 @@ pub trait Filter: Send {
 /// Checks `config` without loading a plug-in (any process validates a run's configuration;
 /// only builders load the plug-in, at start, where its path must exist).
 pub fn check(config: &FilterConfig) -> Result<(), FilterError> {
+    if !config.python.is_empty() {
+        if !config.python.contains(':') {
+            return Err(FilterError::BadParameter(format!("python = {:?} is not module:function", config.python)));
+        }
+        if config.workers == 0 || config.workers > 256 || config.timeout_ms == 0 {
+            return Err(FilterError::BadParameter("python filters need workers 1..256 and timeout_ms > 0".into()));
+        }
+        return Ok(());
+    }
     if !config.plugin.is_empty() {
         return Ok(());
     }

@@ -165,6 +165,16 @@ pub fn table(s: &RunSummary) -> String {
              their fragments were delivered, their events lost"
         );
     }
+    let sum = |f: fn(&shoal_net::builder::BuilderReport) -> u64| s.builder_reports.iter().map(f).sum::<u64>();
+    let (failed, timeout, malformed) =
+        (sum(|b| b.filter_failed), sum(|b| b.filter_timeout), sum(|b| b.filter_malformed_events));
+    if failed + timeout + malformed > 0 {
+        let _ = writeln!(
+            o,
+            "  warning: the filter failed on {failed} slices and passed its deadline on {timeout} (their fragments \
+             kept whole in the slices file, their events lost); {malformed} malformed events refused"
+        );
+    }
     if s.slices_skipped > 0 {
         let _ = writeln!(
             o,
