@@ -1,10 +1,12 @@
 """Shared-memory slice consumers (docs/plugins.md, "Slice consumers").
 
-A run (`shoal demo`) whose builders publish their slices into the shared-memory ring and
-also store them whole in slices.parquet. Consumers in Python (`shoal.slices`, in this
-process), C (examples/c/consumer.c on libshoal) and Rust (`shoal consume`) attach; every
-slice each one read must be the stored slice, byte for byte (Python, C) or fragment for
-fragment (Rust), and the builder's counters must agree with what each consumer saw. Then
+A run (`shoal demo`) whose builders filter with the built-in `l1`, publish their slices
+into the shared-memory ring and also store them whole in slices.parquet. Consumers in Python
+(`shoal.slices`, in this process), C (examples/c/consumer.c on libshoal) and Rust (`shoal
+consume`) attach; every slice each one read must be the stored slice, byte for byte (Python,
+C) or fragment for fragment (Rust), and the builder's counters must agree with what each
+consumer saw. The Python consumer also runs the numpy `l1` of examples/python/l1_filter.py
+on every slice it reads: its events must be the built-in `l1`'s, as the writer stored them. Then
 the kill tests: a consumer killed with SIGKILL while it holds slices does not stall the
 builder; a builder killed with SIGKILL leaves nothing in /dev/shm and the next run on the
 same names starts without any cleanup."""
@@ -19,6 +21,9 @@ import threading
 import numpy as np
 import pyarrow.parquet as pq
 import shoal.slices
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"))
+import l1_filter  # noqa: E402  (examples/python/l1_filter.py)
 
 C_EXAMPLES = pathlib.Path(os.environ.get("SHOAL_C_EXAMPLES", pathlib.Path(__file__).resolve().parents[2] / "target" / "c"))
 
@@ -69,13 +74,31 @@ def stored_slices(out: pathlib.Path, builder_slices: set[int]) -> dict[int, list
     return {k: sorted(v) for k, v in by_slice.items()}
 
 
+def canonical_events(events) -> list:
+    """Events as sorted lists of (time_ns, source, channel, amplitude, triggered)."""
+    out = []
+    for _mask, hits in events:
+        out.append(sorted(zip(hits["time_ns"].tolist(), hits["source"].tolist(), hits["channel"].tolist(),
+                              hits["amplitude"].tolist(), [bool(x) for x in hits["triggered"].tolist()])))
+    return sorted(out)
+
+
+def stored_events(out: pathlib.Path) -> dict[int, list]:
+    by_slice: dict[int, list] = {}
+    for row in pq.read_table(next(out.glob("run*.events.parquet")), columns=["slice", "hits"]).to_pylist():
+        hits = sorted((h["time_ns"], h["source"], h["channel"], h["amplitude"], h["triggered"]) for h in row["hits"])
+        by_slice.setdefault(row["slice"], []).append(hits)
+    return {k: sorted(v) for k, v in by_slice.items()}
+
+
 def python_consumer(name: str, seen: list, errors: list):
     try:
         with shoal.slices.Consumer(socket=name, policy="hold", hold_ms=600_000, window=4, wait_s=60) as c:
             for s in c:
                 frags = sorted((f.source, f.payload) for f in s.fragments)
                 hits = sum(len(s.hits(f)) for f in s.fragments if not f.flags & 0x8)
-                seen.append((s.slice, [src for src, _ in frags], sums(p for _, p in frags), hits, s.release()))
+                selected = canonical_events(l1_filter.l1(s))
+                seen.append((s.slice, [src for src, _ in frags], sums(p for _, p in frags), hits, selected, s.release()))
             seen.append(("end", c.end))
     except Exception as e:  # reported by the test, not lost in the thread
         errors.append(repr(e))
@@ -114,11 +137,17 @@ def test_python_c_and_rust_consumers_read_every_slice_they_are_offered_in_place(
     end = seen.pop()
     assert end[0] == "end"
     assert len(seen) >= 10, f"only {len(seen)} slices seen"
-    for slice_, sources, checksum, hits, intact in seen:
+    events = stored_events(tmp_path / "out")
+    selected_somewhere = 0
+    for slice_, sources, checksum, hits, selected, intact in seen:
         assert intact, f"slice {slice_} was overwritten while read"
+        # The numpy l1 on the consumer's view selects what the builder's built-in l1 did.
+        assert selected == events.get(slice_, []), f"slice {slice_}"
+        selected_somewhere += len(selected)
         assert sources == [src for src, _ in stored[slice_]]
         assert checksum == sums(p for _, p in stored[slice_]), f"slice {slice_}"
         assert hits > 0
+    assert selected_somewhere > 0, "no event in any slice read: nothing compared"
     # C, builder 0: the same, through the C ABI.
     c_lines = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     c_end = c_lines.pop()
