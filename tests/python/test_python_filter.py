@@ -41,7 +41,7 @@ def test_the_numpy_l1_filters_a_run_in_worker_processes(shoal_bin, tmp_path):
     assert s["ledger"]["balanced"]
     assert s["events"] > 0 and s["writer"]["file"]["events"] == s["events"]
     for b in s["builder_reports"]:
-        w = b["python_workers"]
+        w = b["filter_workers"]
         assert w["workers"] == 2 and w["slices"] > 0
         assert (w["failed"], w["crashed"], w["timed_out"], w["malformed_events"], w["restarts"]) == (0, 0, 0, 0, 0), w
         assert (b["filter_failed"], b["filter_timeout"], b["slices_not_filtered"]) == (0, 0, 0), b
@@ -93,7 +93,7 @@ def test_a_filter_that_raises_crashes_and_hangs_costs_only_its_slices(shoal_bin,
     reports = s["builder_reports"]
     failed = sum(b["filter_failed"] for b in reports)
     timeout = sum(b["filter_timeout"] for b in reports)
-    workers = [b["python_workers"] for b in reports]
+    workers = [b["filter_workers"] for b in reports]
     assert timeout == 1 and sum(w["timed_out"] for w in workers) == 1
     assert sum(w["crashed"] for w in workers) == 1
     assert sum(w["restarts"] for w in workers) == 2, "a new worker for the dead one and the killed one"

@@ -518,9 +518,10 @@ pub mod msg {
         Release { seq: u64 },
         /// Builder to consumer, last: the run ended; this consumer's counters.
         End { offered: u64, skipped: u64, overrun: u64 },
-        /// A Python filter worker to its builder: slice `seq` filtered, `events` events in
-        /// `bytes` bytes at the start of its results memfd (attached when it is new).
-        Done { seq: u64, events: u64, bytes: u64 },
+        /// A filter worker to its builder: slice `seq` filtered, `events` events in `bytes`
+        /// bytes at the start of its results memfd (attached when it is new); `refused`
+        /// events the worker's own checks refused (a C plug-in's malformed events).
+        Done { seq: u64, events: u64, bytes: u64, refused: u64 },
         /// A Python filter worker to its builder: the filter raised on slice `seq` (the
         /// traceback is on the worker's stderr).
         Failed { seq: u64 },
@@ -544,7 +545,7 @@ pub mod msg {
                 Msg::Slice { seq, offset, len, slice } => (3, [seq, offset, len, slice, 0]),
                 Msg::Release { seq } => (4, [seq, 0, 0, 0, 0]),
                 Msg::End { offered, skipped, overrun } => (5, [offered, skipped, overrun, 0, 0]),
-                Msg::Done { seq, events, bytes } => (6, [seq, events, bytes, 0, 0]),
+                Msg::Done { seq, events, bytes, refused } => (6, [seq, events, bytes, refused, 0]),
                 Msg::Failed { seq } => (7, [seq, 0, 0, 0, 0]),
             };
             let mut b = [0u8; LEN];
@@ -572,7 +573,7 @@ pub mod msg {
                 3 => Msg::Slice { seq: f(0), offset: f(1), len: f(2), slice: f(3) },
                 4 => Msg::Release { seq: f(0) },
                 5 => Msg::End { offered: f(0), skipped: f(1), overrun: f(2) },
-                6 => Msg::Done { seq: f(0), events: f(1), bytes: f(2) },
+                6 => Msg::Done { seq: f(0), events: f(1), bytes: f(2), refused: f(3) },
                 7 => Msg::Failed { seq: f(0) },
                 k => return Err(MsgError::Kind(k)),
             })
@@ -716,7 +717,7 @@ mod tests {
             Msg::Slice { seq: 9, offset: 4096, len: 1000, slice: 77 },
             Msg::Release { seq: 9 },
             Msg::End { offered: 10, skipped: 2, overrun: 1 },
-            Msg::Done { seq: 3, events: 2, bytes: 40 },
+            Msg::Done { seq: 3, events: 2, bytes: 40, refused: 1 },
             Msg::Failed { seq: 4 },
         ] {
             assert_eq!(Msg::decode(&m.encode()), Ok(m));

@@ -101,10 +101,10 @@ pub struct BuilderReport {
     /// worker killed and replaced; the slice's fragments kept in the slices file).
     #[serde(default)]
     pub filter_timeout: u64,
-    /// `builder.filter.python`: the worker pool's counts (started again, failed, crashed,
-    /// timed out, malformed events).
+    /// `builder.filter.python` or `isolate`: the worker pool's counts (started again,
+    /// failed, crashed, timed out, malformed events).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub python_workers: Option<shoal_shm::workers::WorkerReport>,
+    pub filter_workers: Option<shoal_shm::workers::WorkerReport>,
     /// Event frames the writer link could not deliver.
     pub event_frames_failed: u64,
     /// Pull: requests for a source that had not greeted this builder (asked again later).
@@ -725,7 +725,7 @@ pub async fn run_builder(
         slices_not_filtered: not_filtered,
         filter_failed: failed_slices,
         filter_timeout: timeout_slices,
-        python_workers: workers,
+        filter_workers: workers,
         filter_malformed_events: malformed_events,
         event_frames_failed: failed_task.await.unwrap_or(0),
         requests_unroutable: routes.unroutable,
@@ -1010,23 +1010,41 @@ fn forward(
 /// Builds the builder's filter stage: a Python worker pool (started here, so that a
 /// module that cannot import refuses the run with the reason), or a filter in this process.
 fn filter_stage(f: &shoal_trigger::FilterConfig) -> Result<FilterStage, ConfigError> {
-    if f.python.is_empty() {
+    use shoal_shm::workers::{WorkerConfig, WorkerPool, WorkerProgram};
+    let program = if !f.python.is_empty() {
+        WorkerProgram::Python { exe: f.python_exe.clone(), target: f.python.clone(), path: f.python_path.clone() }
+    } else if f.isolate {
+        let exe = if f.worker_exe.is_empty() { own_shoal_exe()? } else { f.worker_exe.clone().into() };
+        let args =
+            vec!["filter-worker".into(), "--plugin".into(), f.plugin.clone(), "--config".into(), f.config.clone()];
+        WorkerProgram::Exe { exe, args }
+    } else {
         let filter = shoal_trigger::build(f).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
         return Ok(FilterStage::InProcess(filter));
-    }
-    let cfg = shoal_shm::workers::WorkerConfig {
-        target: f.python.clone(),
+    };
+    let cfg = WorkerConfig {
+        program,
         workers: f.workers,
-        python: f.python_exe.clone(),
-        python_path: f.python_path.clone(),
         config: f.config.clone(),
         timeout: StdDuration::from_millis(f.timeout_ms),
         start_timeout: StdDuration::from_secs(60),
         max_restarts: 100,
     };
-    let pool = shoal_shm::workers::WorkerPool::start(cfg)
-        .map_err(|e| ConfigError::Invalid(format!("builder.filter.python: {e}")))?;
+    let pool = WorkerPool::start(cfg).map_err(|e| ConfigError::Invalid(format!("builder.filter: {e}")))?;
     Ok(FilterStage::Workers(Box::new(pool)))
+}
+
+/// This process's executable, when it is the `shoal` binary (whose `filter-worker` runs
+/// isolated plug-ins); a builder inside another program must name it (`worker_exe`).
+fn own_shoal_exe() -> Result<std::path::PathBuf, ConfigError> {
+    let exe = std::env::current_exe().map_err(|e| ConfigError::Invalid(format!("builder.filter.isolate: {e}")))?;
+    if exe.file_stem().is_some_and(|n| n == "shoal") {
+        return Ok(exe);
+    }
+    Err(ConfigError::Invalid(format!(
+        "builder.filter.isolate: this process ({}) is not the shoal binary: set builder.filter.worker_exe",
+        exe.display()
+    )))
 }
 
 /// Most slices waiting for the filter.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
-use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool};
+use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool, WorkerProgram};
 use shoal_trigger::{FilterConfig, FragmentData, SliceData, build};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -22,8 +22,9 @@ fn main() {
     let n = args.first().copied().unwrap_or(40);
     let repeats = args.get(1).copied().unwrap_or(3);
     // One ANTARES sector's builder input: 10 sources (floors), 10-ms slices, physics.
-    let g = PhysicsGenerator::new(PhysicsConfig::default(), Geometry::antares_for_sources(10), Duration::from_millis(10))
-        .unwrap();
+    let g =
+        PhysicsGenerator::new(PhysicsConfig::default(), Geometry::antares_for_sources(10), Duration::from_millis(10))
+            .unwrap();
     let slices: Vec<SliceData> = (0..n)
         .map(|slice| SliceData {
             slice,
@@ -48,10 +49,12 @@ fn main() {
         builtin.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e6);
         for (workers, out) in [(1, &mut one), (2, &mut two)] {
             let mut pool = WorkerPool::start(WorkerConfig {
-                target: "l1_filter:l1".into(),
+                program: WorkerProgram::Python {
+                    exe: std::env::var("SHOAL_PYTHON").unwrap_or_else(|_| "python3".into()),
+                    target: "l1_filter:l1".into(),
+                    path: root.display().to_string(),
+                },
                 workers,
-                python: std::env::var("SHOAL_PYTHON").unwrap_or_else(|_| "python3".into()),
-                python_path: root.display().to_string(),
                 config: config.into(),
                 timeout: Duration::from_secs(600),
                 start_timeout: Duration::from_secs(120),

@@ -10,6 +10,9 @@
 //! `os._exit`, the OOM killer: [`Outcome::Crashed`]) or passes the deadline
 //! ([`Outcome::TimedOut`], killed) costs that slice's events, never the builder; the worker
 //! is started again. Events that break the rules are refused and counted.
+//!
+//! The same protocol runs C plug-ins out of process (`builder.filter.isolate`): the worker
+//! is `shoal filter-worker`, whose loop is [`serve`].
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -24,17 +27,38 @@ use shoal_core::slicering::msg::Msg;
 
 use crate::sock::{self, Recv};
 
+/// What a worker runs.
+#[derive(Clone, Debug)]
+pub enum WorkerProgram {
+    /// A Python filter: `python -c <shoal.slices> target python_path config`.
+    Python {
+        /// The interpreter (`python3`, or a virtual environment's).
+        exe: String,
+        /// `module:function`.
+        target: String,
+        /// Prepended to `sys.path` (`:`-separated).
+        path: String,
+    },
+    /// Any program speaking the worker protocol on fd 3 (`shoal filter-worker` for C
+    /// plug-ins: [`serve`]).
+    Exe { exe: std::path::PathBuf, args: Vec<String> },
+}
+
+impl WorkerProgram {
+    fn describe(&self) -> String {
+        match self {
+            WorkerProgram::Python { target, .. } => format!("Python filter worker for {target}"),
+            WorkerProgram::Exe { exe, args } => format!("filter worker {} {}", exe.display(), args.join(" ")),
+        }
+    }
+}
+
 /// How to run the workers.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
-    /// `module:function`.
-    pub target: String,
+    pub program: WorkerProgram,
     pub workers: usize,
-    /// The interpreter (`python3`, or a virtual environment's).
-    pub python: String,
-    /// Prepended to `sys.path` (`:`-separated).
-    pub python_path: String,
-    /// Handed to the module's `init(config)`, if it has one.
+    /// Handed to the filter's init (the Python module's `init(config)`).
     pub config: String,
     /// Longest a worker may take for one slice before it is killed.
     pub timeout: Duration,
@@ -106,11 +130,10 @@ impl<T> WorkerPool<T> {
     /// Starts every worker and waits until each has imported the module (an import error
     /// refuses the run, with the worker's own message on stderr).
     pub fn start(cfg: WorkerConfig) -> io::Result<Self> {
-        if !cfg.target.contains(':') {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{:?} is not module:function", cfg.target),
-            ));
+        if let WorkerProgram::Python { target, .. } = &cfg.program
+            && !target.contains(':')
+        {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{target:?} is not module:function")));
         }
         let mut pool = WorkerPool { workers: Vec::new(), next_seq: 1, report: WorkerReport::default(), cfg };
         for _ in 0..pool.cfg.workers.max(1) {
@@ -129,13 +152,19 @@ impl<T> WorkerPool<T> {
             None,
         )?;
         let theirs_raw = theirs.as_raw_fd();
-        let mut cmd = Command::new(&self.cfg.python);
-        cmd.arg("-c")
-            .arg(worker_source())
-            .arg(&self.cfg.target)
-            .arg(&self.cfg.python_path)
-            .arg(&self.cfg.config)
-            .stdin(Stdio::null());
+        let mut cmd = match &self.cfg.program {
+            WorkerProgram::Python { exe, target, path } => {
+                let mut c = Command::new(exe);
+                c.arg("-c").arg(worker_source()).arg(target).arg(path).arg(&self.cfg.config);
+                c
+            }
+            WorkerProgram::Exe { exe, args } => {
+                let mut c = Command::new(exe);
+                c.args(args);
+                c
+            }
+        };
+        cmd.stdin(Stdio::null());
         // SAFETY: between fork and exec only async-signal-safe calls: dup2 (which clears
         // close-on-exec on fd 3, the worker's end; every other descriptor of ours stays
         // close-on-exec, so no worker holds another's socket) and prctl (the worker dies
@@ -151,8 +180,9 @@ impl<T> WorkerPool<T> {
                 Ok(())
             });
         }
-        let mut child =
-            cmd.spawn().map_err(|e| io::Error::new(e.kind(), format!("starting {}: {e}", self.cfg.python)))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("starting the {}: {e}", self.cfg.program.describe())))?;
         drop(theirs);
         // Ready: a hello once the module is imported and its init ran.
         let ready = sock::wait_readable(&[ours.as_fd()], Some(self.cfg.start_timeout))?;
@@ -170,8 +200,8 @@ impl<T> WorkerPool<T> {
                     Some(_) => "sent something other than its hello".into(),
                 };
                 return Err(io::Error::other(format!(
-                    "Python filter worker for {}: {why} (its stderr has the reason)",
-                    self.cfg.target
+                    "{}: {why} (its stderr has the reason)",
+                    self.cfg.program.describe()
                 )));
             }
         }
@@ -270,7 +300,8 @@ impl<T> WorkerPool<T> {
             let w = &mut self.workers[i];
             if readable.contains(&i) {
                 match sock::recv(w.sock.as_fd(), false) {
-                    Ok(Recv::Msg(Msg::Done { seq, events, bytes }, fd)) => {
+                    Ok(Recv::Msg(Msg::Done { seq, events, bytes, refused }, fd)) => {
+                        self.report.malformed_events += refused;
                         if let Some(fd) = fd {
                             // SAFETY: the worker's results memfd, mapped read-only; it only
                             // grows by a new memfd, never shrinks under this mapping.
@@ -420,6 +451,112 @@ fn decode_results(area: &[u8], count: u64, sources: &[u32], slice_ns: u64) -> (V
         }
     }
     (events, bad)
+}
+
+/// A worker's side of the protocol, for workers written in Rust (`shoal filter-worker`):
+/// says it is ready on fd 3 (the socket its builder gave it), then for every slice calls
+/// `filter` with a view of it and answers with the events (`Ok`, and how many the filter
+/// itself refused) or a failure (`Err`), until the builder ends the run or goes away.
+pub fn serve(mut filter: impl FnMut(&shoal_trigger::SliceData) -> Result<(Vec<Event>, u64), ()>) -> io::Result<()> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: only asks the kernel about fd 3 (a closed descriptor answers EBADF).
+    if rustix::net::sockopt::socket_type(unsafe { std::os::fd::BorrowedFd::borrow_raw(3) }).ok()
+        != Some(rustix::net::SocketType::SEQPACKET)
+    {
+        return Err(io::Error::other("fd 3 is not a worker socket: filter-worker is started by a builder"));
+    }
+    // SAFETY: fd 3 is open and a seqpacket socket (checked above), given to this process by
+    // its builder and used by nothing else here.
+    let sock = unsafe { OwnedFd::from_raw_fd(3) };
+    sock::send(sock.as_fd(), &Msg::Hello { policy: 2, hold_ms: 0, window: 1 }, None, true)?;
+    let mut inbox: Option<std::sync::Arc<Mmap>> = None;
+    let mut results: Option<(OwnedFd, MmapMut)> = None;
+    loop {
+        let (seq, offset, len, fd) = match sock::recv(sock.as_fd(), true)? {
+            Recv::Msg(Msg::Slice { seq, offset, len, .. }, fd) => (seq, offset as usize, len as usize, fd),
+            Recv::Msg(Msg::End { .. }, _) | Recv::Closed => return Ok(()),
+            other => return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected {:?}", kind(&other)))),
+        };
+        if let Some(fd) = fd {
+            // SAFETY: the builder's inbox memfd, read-only; it writes a slot only while this
+            // worker is idle.
+            inbox = Some(std::sync::Arc::new(unsafe { Mmap::map(&std::fs::File::from(fd))? }));
+        }
+        let map =
+            inbox.as_ref().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a slice before the inbox"))?;
+        let slot =
+            map.get(offset..offset.saturating_add(len)).ok_or_else(|| io::Error::other("slot outside the inbox"))?;
+        let (head, entries) =
+            layout::read_slot(slot).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+        let fragments = entries
+            .iter()
+            .map(|e| {
+                let at = offset + e.offset as usize;
+                shoal_trigger::FragmentData {
+                    source: e.source,
+                    flags: e.flags,
+                    hit_count: e.hit_count,
+                    // A view into the inbox, no copy.
+                    payload: bytes::Bytes::from_owner(InboxRange { map: map.clone(), at, len: e.len as usize }),
+                }
+            })
+            .collect();
+        let data = shoal_trigger::SliceData {
+            slice: head.slice,
+            slice_start_ns: head.slice_start_ns,
+            slice_ns: head.slice_ns,
+            fragments,
+        };
+        match filter(&data) {
+            Err(()) => sock::send(sock.as_fd(), &Msg::Failed { seq }, None, true)?,
+            Ok((events, refused)) => {
+                let size: usize = events.iter().map(|e| 8 + RESULT_HIT_LEN * e.hits.len()).sum();
+                let mut pass = None;
+                if results.as_ref().is_none_or(|(_, m)| m.len() < size.max(1)) {
+                    results = Some(new_memfd("shoal-events", (size as u64).next_power_of_two().max(1 << 20))?);
+                    pass = Some(());
+                }
+                let (rfd, out) = results.as_mut().expect("set above");
+                let mut at = 0;
+                for e in &events {
+                    out[at..at + 4].copy_from_slice(&e.trigger_mask.to_le_bytes());
+                    out[at + 4..at + 8].copy_from_slice(&(e.hits.len() as u32).to_le_bytes());
+                    at += 8;
+                    for h in &e.hits {
+                        let r = &mut out[at..at + RESULT_HIT_LEN];
+                        r[0..4].copy_from_slice(&h.source.to_le_bytes());
+                        r[4..8].copy_from_slice(&h.time_ns.to_le_bytes());
+                        r[8..12].copy_from_slice(&[h.channel, h.amplitude, u8::from(h.triggered), 0]);
+                        at += RESULT_HIT_LEN;
+                    }
+                }
+                let m = Msg::Done { seq, events: events.len() as u64, bytes: size as u64, refused };
+                sock::send(sock.as_fd(), &m, pass.map(|_| rfd.as_fd()), true)?;
+            }
+        }
+    }
+}
+
+fn kind(r: &Recv) -> String {
+    match r {
+        Recv::Msg(m, _) => format!("{m:?}"),
+        Recv::Bad(why) => why.clone(),
+        Recv::Empty => "nothing".into(),
+        Recv::Closed => "end of file".into(),
+    }
+}
+
+/// A fragment's bytes in a worker's inbox, owned by a `Bytes`.
+struct InboxRange {
+    map: std::sync::Arc<Mmap>,
+    at: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for InboxRange {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[self.at..self.at + self.len]
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use shoal_core::event::{Event, EventHit};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
-use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool};
+use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool, WorkerProgram};
 use shoal_trigger::{FilterConfig, FragmentData, L1Config, SliceData, build};
 
 fn python() -> String {
@@ -23,10 +23,8 @@ fn root() -> PathBuf {
 
 fn config(target: &str, path: &Path, timeout: Duration) -> WorkerConfig {
     WorkerConfig {
-        target: target.into(),
+        program: WorkerProgram::Python { exe: python(), target: target.into(), path: path.display().to_string() },
         workers: 2,
-        python: python(),
-        python_path: path.display().to_string(),
         config: String::new(),
         timeout,
         start_timeout: Duration::from_secs(120),

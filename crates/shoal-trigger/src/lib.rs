@@ -98,6 +98,12 @@ pub struct FilterConfig {
     /// Longest a worker may take for one slice, ms; then it is killed and replaced and the
     /// slice counted as `filter_timeout`.
     pub timeout_ms: u64,
+    /// Run the C `plugin` in `workers` processes of its own (`shoal filter-worker`): a
+    /// crash or a hang costs its slice, not the builder.
+    pub isolate: bool,
+    /// The `shoal` binary the isolated plug-in's workers run (default: this process's own
+    /// executable when it is `shoal`).
+    pub worker_exe: String,
     pub l1: L1Config,
     pub muon: MuonConfig,
 }
@@ -113,6 +119,8 @@ impl Default for FilterConfig {
             python_exe: "python3".into(),
             workers: 1,
             timeout_ms: 5_000,
+            isolate: false,
+            worker_exe: String::new(),
             l1: L1Config::default(),
             muon: MuonConfig::default(),
         }
@@ -157,6 +165,12 @@ pub fn check(config: &FilterConfig) -> Result<(), FilterError> {
             return Err(FilterError::BadParameter("python filters need workers 1..256 and timeout_ms > 0".into()));
         }
         return Ok(());
+    }
+    if config.isolate && config.plugin.is_empty() {
+        return Err(FilterError::BadParameter("isolate runs a C plugin in worker processes: set plugin".into()));
+    }
+    if config.isolate && (config.workers == 0 || config.workers > 256 || config.timeout_ms == 0) {
+        return Err(FilterError::BadParameter("isolated plug-ins need workers 1..256 and timeout_ms > 0".into()));
     }
     if !config.plugin.is_empty() {
         return Ok(());

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 mod alert;
 mod consume;
+mod filter_worker;
 mod km3net;
 mod ledger;
 mod probe;
@@ -102,6 +103,10 @@ enum Command {
     /// Attach to a builder's shared-memory slice ring (`builder.consumers`) and print what
     /// arrives, slice by slice, and each run's counters.
     Consume(consume::ConsumeArgs),
+    /// Run a C filter plug-in for a builder, out of its process (started by builders with
+    /// `builder.filter.isolate = true`; not for use by hand).
+    #[command(hide = true)]
+    FilterWorker(filter_worker::FilterWorkerArgs),
     /// KM3NeT: CLB optical packets from a recorded timeslice file, a CLB dump or the physics
     /// generator, to a dump and/or UDP at the real pace.
     ClbEmulate(km3net::EmulateArgs),
@@ -352,6 +357,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Node(args) => node(args).await,
         Command::Ledger(args) => ledger::run(args),
         Command::Consume(args) => tokio::task::spawn_blocking(move || consume::run(args)).await?,
+        Command::FilterWorker(args) => tokio::task::spawn_blocking(move || filter_worker::run(args)).await?,
         Command::ClbEmulate(args) => km3net::emulate(args),
         Command::ClbAssemble(args) => km3net::assemble(args),
         Command::JdaqCheck(args) => km3net::jdaq_check(args),
