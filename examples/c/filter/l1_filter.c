@@ -44,6 +44,8 @@ typedef struct {
     size_t fragments_cap;
     l1_hit *l1;
     size_t l1_cap;
+    l1_hit *l1_tmp;    /* the radix sort's other buffer */
+    size_t l1_tmp_cap;
     shoal_event_hit *event;
     size_t event_cap;
     uint32_t *per_source;
@@ -72,6 +74,30 @@ static int cmp_l1(const void *a, const void *b) {
     if (x->time_ns != y->time_ns) return x->time_ns < y->time_ns ? -1 : 1;
     if (x->fragment != y->fragment) return x->fragment < y->fragment ? -1 : 1;
     return (x->index > y->index) - (x->index < y->index);
+}
+
+/* Stable LSD radix sort of the L1 hits by time (3 passes of 11 bits). The hits arrive
+ * fragment by fragment, each fragment's in index order, so sorting by time alone, stably,
+ * gives the (time, fragment, index) order of the built-in filter, without a comparison
+ * callback per pair as qsort needs. Returns the buffer holding the result. */
+static l1_hit *sort_l1(l1_hit *a, l1_hit *tmp, size_t n) {
+    size_t counts[2048];
+    for (int pass = 0; pass < 3; pass++) {
+        int shift = pass * 11;
+        memset(counts, 0, sizeof counts);
+        for (size_t i = 0; i < n; i++) counts[(a[i].time_ns >> shift) & 2047]++;
+        size_t sum = 0;
+        for (size_t d = 0; d < 2048; d++) {
+            size_t c = counts[d];
+            counts[d] = sum;
+            sum += c;
+        }
+        for (size_t i = 0; i < n; i++) tmp[counts[(a[i].time_ns >> shift) & 2047]++] = a[i];
+        l1_hit *t = a;
+        a = tmp;
+        tmp = t;
+    }
+    return a;
 }
 
 uint32_t shoal_filter_abi_version(void) { return SHOAL_FILTER_ABI_VERSION; }
@@ -188,7 +214,17 @@ int32_t shoal_filter_process(void *opaque, const shoal_slice_view *slice, const 
     }
     size_t l1_unsorted = 0;
     for (size_t i = 1; i < n_l1 && !l1_unsorted; i++) l1_unsorted = cmp_l1(&st->l1[i - 1], &st->l1[i]) > 0;
-    if (l1_unsorted) qsort(st->l1, n_l1, sizeof *st->l1, cmp_l1);
+    if (l1_unsorted) {
+        if (grow((void **)&st->l1_tmp, &st->l1_tmp_cap, n_l1, sizeof *st->l1_tmp)) { free(count); return 1; }
+        l1_hit *sorted = sort_l1(st->l1, st->l1_tmp, n_l1);
+        if (sorted != st->l1) { /* an odd number of passes: the result is in the other buffer */
+            st->l1_tmp = st->l1;
+            st->l1 = sorted;
+            size_t c = st->l1_cap;
+            st->l1_cap = st->l1_tmp_cap;
+            st->l1_tmp_cap = c;
+        }
+    }
 
     /* Sweep: a window starts at each L1 hit and spans cluster_ns; firing windows that
      * overlap merge. */
@@ -253,6 +289,7 @@ void shoal_filter_cleanup(void *opaque) {
     free(st->cap);
     free(st->per_source);
     free(st->l1);
+    free(st->l1_tmp);
     free(st->event);
     free(st);
 }
