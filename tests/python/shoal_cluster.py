@@ -160,6 +160,15 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(s)[:2000]}")
 
+    def wait_file(self, path: pathlib.Path, timeout: float = 60.0) -> pathlib.Path:
+        """Polls until `path` exists (bounded): a run record is written once the run ends."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"timed out waiting for {path}")
+            time.sleep(0.05)
+        return path
+
     def run_command(self, name: str, state: str, timeout: float = 60.0) -> dict:
         """Sends a command once the previous one is done and waits for the cluster state."""
         self.wait(lambda s: s["busy"] is None, timeout, "run control to be idle")

@@ -116,7 +116,10 @@ def run_chain(shoal_bin, tmp_path, emulate_args: list[str], doms: list[int], fil
         c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
         c.run_command("INIT", "STANDBY")
         c.run_command("CONFIGURE", "READY")
-        pump = CHPump(host=host, port=port, tags=",".join(TAGS), timeout=60, max_queue=100000)
+        # "all": the dispatcher keeps every message for this client. The default "any" is best
+        # effort by design: a client that lags more than 100 messages (the timeslices come in
+        # bursts) loses some, counted by the dispatcher, and this test wants every one.
+        pump = CHPump(host=host, port=port, tags=",".join(TAGS), timeout=60, max_queue=100000, subscription_mode="all")
         try:
             c.run_command("START", "RUNNING")
             emu = subprocess.run(
@@ -129,13 +132,22 @@ def run_chain(shoal_bin, tmp_path, emulate_args: list[str], doms: list[int], fil
                 blob = pump.process({})
                 received[str(blob["CHPrefix"].tag)].append(bytes(blob["CHData"]))
             c.run_command("STOP", "READY")
-            # What was published before STOP finished is in the queue already.
-            while not pump.queue.empty():
-                prefix, data = pump.queue.get_nowait()
-                received[str(prefix.tag)].append(bytes(data))
+            # Everything the builders offered to the dispatcher (their run reports say how
+            # much, per tag) reaches this client, though perhaps after STOP: wait for it.
+            run = c.wait(lambda s: s.get("history"), 60, "the run record")["history"][0]["run"]
+            record = c.state_dir / "runs" / f"run{run:06}.json"
+            offered = collections.Counter()
+            for r in json.loads(c.wait_file(record, 60).read_text())["reports"]:
+                offered.update(((r.get("detail") or {}).get("km3net") or {}).get("offered", {}))
+            while any(len(received[tag]) < n for tag, n in offered.items()):
+                try:
+                    blob = pump.process({})
+                except StopIteration:
+                    got = {tag: len(v) for tag, v in received.items()}
+                    raise AssertionError(f"offered {dict(offered)}, received {got}; record {record.read_text()[:6000]}")
+                received[str(blob["CHPrefix"].tag)].append(bytes(blob["CHData"]))
         finally:
             pump.finish()
-        run = c.status()["history"][0]["run"]
         return sent, received, c, run
     except BaseException:
         assert c.close() == 0
