@@ -7,6 +7,10 @@
 //! it, when held space is taken back) are shoal-core's [`shoal_core::slicering`]; the
 //! formats are byte for byte in docs/plugins.md.
 //!
+//! [`workers::WorkerPool`] runs filters out of the builder's process on the same formats:
+//! Python filters (`builder.filter.python`) and isolated C plug-ins (`shoal filter-worker`,
+//! whose side of the protocol is [`workers::serve`]).
+//!
 //! Nothing here has a name in a file system: the memfd lives as long as a process maps it
 //! and the abstract socket as long as the builder, so a builder or consumer killed with
 //! SIGKILL leaves nothing behind and the next start needs no cleanup.
