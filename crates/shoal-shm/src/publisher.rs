@@ -3,7 +3,7 @@
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant as StdInstant};
 
@@ -66,7 +66,8 @@ pub struct SlicePublisher {
     map: MmapMut,
     attached: Vec<Attached>,
     incoming: mpsc::Receiver<(OwnedFd, Policy, u32)>,
-    stop: Arc<AtomicBool>,
+    /// Dropped to stop the acceptor at once (its end then reads end-of-file).
+    stop: Option<OwnedFd>,
     refused: Arc<AtomicU64>,
     /// Consumers attached now (the acceptor's limit).
     live: Arc<AtomicUsize>,
@@ -102,16 +103,21 @@ impl SlicePublisher {
         })?;
         rustix::net::listen(&listener, 16)?;
         let (tx, incoming) = mpsc::channel();
-        let stop = Arc::new(AtomicBool::new(false));
+        let (stop, stop_rx) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )?;
         let refused = Arc::new(AtomicU64::new(0));
         let live = Arc::new(AtomicUsize::new(0));
         let map_len = layout::CONTROL_LEN + ring;
         let acceptor = {
-            let (stop, refused, live, memfd) = (stop.clone(), refused.clone(), live.clone(), memfd.clone());
+            let (refused, live, memfd) = (refused.clone(), live.clone(), memfd.clone());
             let (run, builder, max, max_hold) = (cfg.run, cfg.builder as u64, cfg.max_consumers, cfg.max_hold);
             std::thread::Builder::new().name(format!("consumers-{builder}")).spawn(move || {
                 let welcome = Msg::Welcome { run, builder, map_len };
-                accept_loop(listener, memfd, welcome, (max, max_hold), tx, stop, refused, live)
+                accept_loop(listener, memfd, welcome, (max, max_hold), tx, stop_rx, refused, live)
             })?
         };
         Ok(Self {
@@ -119,7 +125,7 @@ impl SlicePublisher {
             map,
             attached: Vec::new(),
             incoming,
-            stop,
+            stop: Some(stop),
             refused,
             live,
             acceptor: Some(acceptor),
@@ -278,7 +284,7 @@ impl SlicePublisher {
                 );
             }
         }
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop = None;
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
         }
@@ -291,7 +297,7 @@ impl SlicePublisher {
 
 impl Drop for SlicePublisher {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop = None;
         if let Some(h) = self.acceptor.take() {
             let _ = h.join();
         }
@@ -316,13 +322,14 @@ fn accept_loop(
     welcome: Msg,
     (max, max_hold): (usize, Duration),
     tx: mpsc::Sender<(OwnedFd, Policy, u32)>,
-    stop: Arc<AtomicBool>,
+    stop: OwnedFd,
     refused: Arc<AtomicU64>,
     live: Arc<AtomicUsize>,
 ) {
-    while !stop.load(Ordering::Relaxed) {
-        // A bounded wait so that the stop flag is seen.
-        match sock::wait_readable(&[listener.as_fd()], Some(Duration::from_millis(100))) {
+    loop {
+        // A connection, or the publisher's end of `stop` closed (then this end reads EOF).
+        match sock::wait_readable(&[listener.as_fd(), stop.as_fd()], None) {
+            Ok(r) if r.contains(&1) => break,
             Ok(r) if r.is_empty() => continue,
             Ok(_) => {}
             Err(_) => break,
