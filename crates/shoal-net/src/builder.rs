@@ -519,6 +519,7 @@ pub async fn run_builder(
             ring_bytes: c.ring_mb << 20,
             max_consumers: c.max_consumers,
             max_hold: StdDuration::from_millis(c.max_hold_ms),
+            any_user: c.any_user,
             run: cfg.run.run_number,
             builder: id,
         };

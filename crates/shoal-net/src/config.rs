@@ -476,11 +476,21 @@ pub struct ConsumersConfig {
     /// Longest a `hold` consumer may keep the builder waiting per slice, ms (a consumer's
     /// own bound is cut to this).
     pub max_hold_ms: u64,
+    /// Accept consumers run by any user (abstract sockets have no file permissions; by
+    /// default only the builder's user and root may attach).
+    pub any_user: bool,
 }
 
 impl Default for ConsumersConfig {
     fn default() -> Self {
-        Self { enabled: false, socket: "shoal/b{builder}".into(), ring_mb: 64, max_consumers: 8, max_hold_ms: 2_000 }
+        Self {
+            enabled: false,
+            socket: "shoal/b{builder}".into(),
+            ring_mb: 64,
+            max_consumers: 8,
+            max_hold_ms: 2_000,
+            any_user: false,
+        }
     }
 }
 

@@ -68,6 +68,7 @@ fn main() {
             ring_bytes: ring,
             max_consumers: 1,
             max_hold: Duration::from_secs(60),
+            any_user: false,
             run: 1,
             builder: 0,
         })

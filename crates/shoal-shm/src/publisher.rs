@@ -26,6 +26,9 @@ pub struct PublisherConfig {
     pub max_consumers: usize,
     /// A `Hold` consumer's bound is cut to this (the builder must still answer STOP).
     pub max_hold: Duration,
+    /// Accept consumers of any user. Abstract sockets have no file permissions, so by
+    /// default a consumer whose user is not the builder's (or root) is refused.
+    pub any_user: bool,
     pub run: u64,
     pub builder: u32,
 }
@@ -114,10 +117,11 @@ impl SlicePublisher {
         let map_len = layout::CONTROL_LEN + ring;
         let acceptor = {
             let (refused, live, memfd) = (refused.clone(), live.clone(), memfd.clone());
-            let (run, builder, max, max_hold) = (cfg.run, cfg.builder as u64, cfg.max_consumers, cfg.max_hold);
+            let (run, builder, max, max_hold, any_user) =
+                (cfg.run, cfg.builder as u64, cfg.max_consumers, cfg.max_hold, cfg.any_user);
             std::thread::Builder::new().name(format!("consumers-{builder}")).spawn(move || {
                 let welcome = Msg::Welcome { run, builder, map_len };
-                accept_loop(listener, memfd, welcome, (max, max_hold), tx, stop_rx, refused, live)
+                accept_loop(listener, memfd, welcome, (max, max_hold, any_user), tx, stop_rx, refused, live)
             })?
         };
         Ok(Self {
@@ -320,7 +324,7 @@ fn accept_loop(
     listener: OwnedFd,
     memfd: Arc<OwnedFd>,
     welcome: Msg,
-    (max, max_hold): (usize, Duration),
+    (max, max_hold, any_user): (usize, Duration, bool),
     tx: mpsc::Sender<(OwnedFd, Policy, u32)>,
     stop: OwnedFd,
     refused: Arc<AtomicU64>,
@@ -335,6 +339,18 @@ fn accept_loop(
             Err(_) => break,
         }
         let Ok(conn) = rustix::net::accept_with(&listener, rustix::net::SocketFlags::CLOEXEC) else { continue };
+        if !any_user {
+            let me = rustix::process::getuid();
+            match rustix::net::sockopt::socket_peercred(&conn) {
+                Ok(peer) if peer.uid == me || peer.uid.is_root() => {}
+                other => {
+                    let uid = other.map(|p| p.uid.as_raw().to_string()).unwrap_or_else(|e| e.to_string());
+                    tracing::warn!(uid, "slice consumer of another user refused (builder.consumers.any_user)");
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            }
+        }
         // The hello comes right after connect; one that does not come in a second is refused.
         let hello = match sock::wait_readable(&[conn.as_fd()], Some(Duration::from_secs(1))) {
             Ok(r) if !r.is_empty() => sock::recv(conn.as_fd(), false),

@@ -19,6 +19,7 @@ fn start(tag: &str, ring: u64) -> SlicePublisher {
         ring_bytes: ring,
         max_consumers: 4,
         max_hold: Duration::from_secs(3600),
+        any_user: false,
         run: 7,
         builder: 1,
     })
@@ -167,5 +168,34 @@ fn garbage_on_the_socket_is_refused_and_counted() {
     // The builder closes the connection: a read sees the end.
     let mut b = [0u8; 64];
     assert_eq!(rustix::io::read(&fd, &mut b).unwrap(), 0);
+    assert_eq!(p.finish().refused, 1);
+}
+
+#[test]
+fn a_consumer_of_another_user_is_refused() {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::getuid().is_root() {
+        eprintln!("skipped: needs root to run a consumer as another user");
+        return;
+    }
+    let p = start("other-user", 1 << 13);
+    // A hello from user `nobody`: the connection is closed without a welcome.
+    let script = r#"
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect("\0" + sys.argv[1])
+s.send(struct.pack("<II5Q", 1, 1, 1, 0, 4, 0, 0))
+try:
+    print("closed" if s.recv(64) == b"" else "welcomed")
+except ConnectionResetError:
+    print("closed")
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, &name("other-user")])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "closed", "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(p.finish().refused, 1);
 }
