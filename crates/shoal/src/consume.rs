@@ -45,9 +45,12 @@ fn socket_template(args: &ConsumeArgs) -> anyhow::Result<String> {
     if let Some(path) = &args.config {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let v: toml::Value = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        let s = v.get("builder").and_then(|b| b.get("consumers")).and_then(|c| c.get("socket"));
-        if let Some(s) = s.and_then(|s| s.as_str()) {
-            return Ok(s.to_string());
+        // A process configuration, or a cluster file's `[config]` table.
+        for root in [Some(&v), v.get("config")].into_iter().flatten() {
+            let s = root.get("builder").and_then(|b| b.get("consumers")).and_then(|c| c.get("socket"));
+            if let Some(s) = s.and_then(|s| s.as_str()) {
+                return Ok(s.to_string());
+            }
         }
     }
     Ok(String::new())
