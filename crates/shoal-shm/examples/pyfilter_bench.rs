@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
 use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool, WorkerProgram};
-use shoal_trigger::{FilterConfig, FragmentData, SliceData, build};
+use shoal_trigger::{FilterConfig, SliceData, build, generated_slice};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -25,19 +25,7 @@ fn main() {
     let g =
         PhysicsGenerator::new(PhysicsConfig::default(), Geometry::antares_for_sources(10), Duration::from_millis(10))
             .unwrap();
-    let slices: Vec<SliceData> = (0..n)
-        .map(|slice| SliceData {
-            slice,
-            slice_start_ns: slice * 10_000_000,
-            slice_ns: 10_000_000,
-            fragments: (0..10)
-                .map(|m| {
-                    let f = g.generate(m, slice);
-                    FragmentData { source: m as u32, flags: 0, hit_count: f.hit_count, payload: f.payload }
-                })
-                .collect(),
-        })
-        .collect();
+    let slices: Vec<SliceData> = (0..n).map(|slice| generated_slice(&g, slice)).collect();
     let bytes: usize = slices.iter().flat_map(|s| &s.fragments).map(|f| f.payload.len()).sum();
     let config = "coincidence_ns=20 min_sources=2 cluster_ns=2200 snapshot_ns=1000";
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/python");

@@ -106,12 +106,7 @@ impl SlicePublisher {
         })?;
         rustix::net::listen(&listener, 16)?;
         let (tx, incoming) = mpsc::channel();
-        let (stop, stop_rx) = rustix::net::socketpair(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::SEQPACKET,
-            rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )?;
+        let (stop, stop_rx) = sock::seqpacket_pair()?;
         let refused = Arc::new(AtomicU64::new(0));
         let live = Arc::new(AtomicUsize::new(0));
         let map_len = layout::CONTROL_LEN + ring;

@@ -28,6 +28,11 @@ pub(crate) fn seqpacket() -> io::Result<OwnedFd> {
     Ok(rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
 }
 
+/// A connected pair (a worker's socket, the acceptor's stop signal).
+pub(crate) fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    Ok(rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
+}
+
 pub(crate) fn send(fd: BorrowedFd<'_>, m: &Msg, pass: Option<BorrowedFd<'_>>, block: bool) -> io::Result<()> {
     let bytes = m.encode();
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];

@@ -145,12 +145,7 @@ impl<T> WorkerPool<T> {
     }
 
     fn spawn(&self) -> io::Result<Worker<T>> {
-        let (ours, theirs) = rustix::net::socketpair(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::SEQPACKET,
-            rustix::net::SocketFlags::CLOEXEC,
-            None,
-        )?;
+        let (ours, theirs) = sock::seqpacket_pair()?;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = match &self.cfg.program {
             WorkerProgram::Python { exe, target, path } => {

@@ -11,7 +11,7 @@ use shoal_core::event::{Event, EventHit};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
 use shoal_shm::workers::{Outcome, WorkerConfig, WorkerPool, WorkerProgram};
-use shoal_trigger::{FilterConfig, FragmentData, L1Config, SliceData, build};
+use shoal_trigger::{FilterConfig, L1Config, SliceData, build, generated_slice};
 
 fn python() -> String {
     std::env::var("SHOAL_PYTHON").unwrap_or_else(|_| "python3".into())
@@ -36,19 +36,7 @@ fn slices(n: u64) -> Vec<SliceData> {
     let cfg = PhysicsConfig { muon_rate_hz: 500.0, burst_fraction: 0.2, ..PhysicsConfig::default() };
     let g =
         PhysicsGenerator::new(cfg, Geometry::antares_for_sources(10), std::time::Duration::from_millis(10)).unwrap();
-    (0..n)
-        .map(|slice| SliceData {
-            slice,
-            slice_start_ns: slice * 10_000_000,
-            slice_ns: 10_000_000,
-            fragments: (0..10)
-                .map(|m| {
-                    let f = g.generate(m, slice);
-                    FragmentData { source: m as u32, flags: 0, hit_count: f.hit_count, payload: f.payload }
-                })
-                .collect(),
-        })
-        .collect()
+    (0..n).map(|slice| generated_slice(&g, slice)).collect()
 }
 
 fn canonical(events: Vec<Event>) -> Vec<(u32, Vec<EventHit>)> {

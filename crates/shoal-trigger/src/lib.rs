@@ -75,6 +75,19 @@ pub struct SliceData {
     pub fragments: Vec<FragmentData>,
 }
 
+/// Slice `slice` of `generator` as a builder hands it to its filter: one fragment per module
+/// (the source id is the module's index). For tests, benchmarks and examples.
+pub fn generated_slice(generator: &shoal_detector::physics::PhysicsGenerator, slice: u64) -> SliceData {
+    let slice_ns = u64::from(generator.slice_ns());
+    let fragments = (0..generator.geometry().modules.len())
+        .map(|m| {
+            let f = generator.generate(m, slice);
+            FragmentData { source: m as u32, flags: 0, hit_count: f.hit_count, payload: f.payload }
+        })
+        .collect();
+    SliceData { slice, slice_start_ns: slice * slice_ns, slice_ns, fragments }
+}
+
 /// Filter selection and parameters (the `[builder.filter]` table of the configuration).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -10,7 +10,7 @@ use std::process::Command;
 use shoal_core::event::{Event, EventHit};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
-use shoal_trigger::{FilterConfig, FragmentData, SliceData, build};
+use shoal_trigger::{FilterConfig, SliceData, build, generated_slice};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -57,19 +57,7 @@ fn slices(n: u64) -> Vec<SliceData> {
     let cfg = PhysicsConfig { muon_rate_hz: 500.0, burst_fraction: 0.2, ..PhysicsConfig::default() };
     let g =
         PhysicsGenerator::new(cfg, Geometry::antares_for_sources(10), std::time::Duration::from_millis(10)).unwrap();
-    (0..n)
-        .map(|slice| SliceData {
-            slice,
-            slice_start_ns: slice * 10_000_000,
-            slice_ns: 10_000_000,
-            fragments: (0..10)
-                .map(|m| {
-                    let f = g.generate(m, slice);
-                    FragmentData { source: m as u32, flags: 0, hit_count: f.hit_count, payload: f.payload }
-                })
-                .collect(),
-        })
-        .collect()
+    (0..n).map(|slice| generated_slice(&g, slice)).collect()
 }
 
 /// Events with their hits in a canonical order (ties in the sort key may come out either way).
