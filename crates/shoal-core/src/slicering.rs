@@ -418,9 +418,24 @@ pub mod layout {
         SLOT_HEADER_LEN as u64 + n * FRAGMENT_ENTRY_LEN as u64 + len
     }
 
-    /// Writes a slot into `out` (exactly [`slot_len`] bytes): the header, the table and the
-    /// payloads. One copy of each payload; nothing else is allocated.
-    pub fn write_slot(out: &mut [u8], head: &SlotHeader, fragments: &[(u32, u16, u32, &[u8])]) {
+    /// Writes slot `seq` of slice `slice` into `out` (exactly [`slot_len`] bytes): the header,
+    /// the table and the payloads (`source, flags, hit_count, payload`). One copy of each
+    /// payload; nothing else is allocated. Returns the header written.
+    pub fn write_slot(
+        out: &mut [u8],
+        seq: u64,
+        (slice, slice_start_ns, slice_ns): (u64, u64, u64),
+        fragments: &[(u32, u16, u32, &[u8])],
+    ) -> SlotHeader {
+        let head = SlotHeader {
+            fragment_count: fragments.len() as u32,
+            seq,
+            slice,
+            slice_start_ns,
+            slice_ns,
+            slot_len: out.len() as u64,
+            payload_bytes: fragments.iter().map(|f| f.3.len() as u64).sum(),
+        };
         let table_end = SLOT_HEADER_LEN + fragments.len() * FRAGMENT_ENTRY_LEN;
         let mut at = table_end;
         for (i, (source, flags, hit_count, payload)) in fragments.iter().enumerate() {
@@ -445,6 +460,7 @@ pub mod layout {
         h[40..48].copy_from_slice(&head.slice_ns.to_le_bytes());
         h[48..56].copy_from_slice(&head.slot_len.to_le_bytes());
         h[56..64].copy_from_slice(&head.payload_bytes.to_le_bytes());
+        head
     }
 
     fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -686,16 +702,8 @@ mod tests {
             vec![(3, 1, 1, &[1, 2, 3, 4, 5, 6]), (7, 0, 0, &[]), (9, 4, 2, &[9; 12])];
         let len = layout::slot_len(frags.iter().map(|f| f.3.len())) as usize;
         let mut buf = vec![0u8; len];
-        let head = layout::SlotHeader {
-            fragment_count: 3,
-            seq: 5,
-            slice: 42,
-            slice_start_ns: 7,
-            slice_ns: 100,
-            slot_len: len as u64,
-            payload_bytes: 18,
-        };
-        layout::write_slot(&mut buf, &head, &frags);
+        let head = layout::write_slot(&mut buf, 5, (42, 7, 100), &frags);
+        assert_eq!((head.fragment_count, head.slot_len, head.payload_bytes), (3, len as u64, 18));
         let (h, entries) = layout::read_slot(&buf).unwrap();
         assert_eq!(h, head);
         for (e, f) in entries.iter().zip(&frags) {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use memmap2::MmapMut;
 use shoal_core::Instant;
-use shoal_core::slicering::layout::{self, Control, SlotHeader};
+use shoal_core::slicering::layout::{self, Control};
 use shoal_core::slicering::msg::Msg;
 use shoal_core::slicering::{ConsumerCounters, ConsumerId, Policy, Released, Reserve, RingLedger};
 
@@ -227,17 +227,8 @@ impl SlicePublisher {
             }
         };
         let start = (layout::CONTROL_LEN + offset) as usize;
-        let payload_bytes = fragments.iter().map(|f| f.3.len() as u64).sum();
-        let head = SlotHeader {
-            fragment_count: fragments.len() as u32,
-            seq,
-            slice,
-            slice_start_ns,
-            slice_ns,
-            slot_len: len,
-            payload_bytes,
-        };
-        layout::write_slot(&mut self.map[start..start + len as usize], &head, fragments);
+        let slot = &mut self.map[start..start + len as usize];
+        layout::write_slot(slot, seq, (slice, slice_start_ns, slice_ns), fragments);
         self.report.published += 1;
         let recipients = self.ledger.offer(seq);
         let m = Msg::Slice { seq, offset: start as u64, len, slice };

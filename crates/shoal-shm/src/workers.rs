@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::{Mmap, MmapMut};
 use shoal_core::event::{Event, EventHit};
-use shoal_core::slicering::layout::{self, SlotHeader};
+use shoal_core::slicering::layout;
 use shoal_core::slicering::msg::Msg;
 
 use crate::sock::{self, Recv};
@@ -250,16 +250,7 @@ impl<T> WorkerPool<T> {
             }
         }
         let (fd, map) = w.inbox.as_mut().expect("set above");
-        let head = SlotHeader {
-            fragment_count: fragments.len() as u32,
-            seq,
-            slice,
-            slice_start_ns,
-            slice_ns,
-            slot_len: len as u64,
-            payload_bytes: fragments.iter().map(|f| f.3.len() as u64).sum(),
-        };
-        layout::write_slot(&mut map[..len], &head, fragments);
+        layout::write_slot(&mut map[..len], seq, (slice, slice_start_ns, slice_ns), fragments);
         let m = Msg::Slice { seq, offset: 0, len: len as u64, slice };
         let sent = sock::send(w.sock.as_fd(), &m, pass.map(|_| fd.as_fd()), true);
         let busy = Busy {
