@@ -147,8 +147,11 @@ fn a_consumer_that_disconnects_frees_its_slots_and_the_name_is_reusable() {
     // With an hour's hold this would wait an hour if the departure were not seen.
     p.publish(2, 0, 1, &[(0, 0, 0, &buf)]);
     let report = p.finish();
-    // Slice 2 found nobody: seen as gone, not waited for.
-    assert_eq!((report.published, report.unwatched), (2, 1));
+    // Seen as gone, not waited for: slice 2 found nobody, or (when a fork elsewhere in this
+    // process still held the consumer's socket until its exec) it was written once the
+    // ring, needing the space, saw the socket close, and offered to no one.
+    assert_eq!(report.published + report.unwatched, 3);
+    assert_eq!(report.consumers[0].offered, 2);
     // The abstract name is free again at once.
     let mut p2 = start("gone", 1 << 13);
     assert_eq!(p2.consumers(), 0);
