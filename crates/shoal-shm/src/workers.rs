@@ -256,7 +256,11 @@ impl<T> WorkerPool<T> {
         let busy = Busy {
             seq,
             deadline: Instant::now() + self.cfg.timeout,
-            sources: fragments.iter().map(|f| f.0).collect(),
+            sources: {
+                let mut s: Vec<u32> = fragments.iter().map(|f| f.0).collect();
+                s.sort_unstable();
+                s
+            },
             slice_ns,
             tag,
         };
@@ -402,7 +406,7 @@ pub const RESULT_HIT_LEN: usize = 12;
 
 /// Reads `count` events from a worker's results area: per event `trigger_mask u32,
 /// hit_count u32`, then the hits. Returns the good events and how many were refused.
-fn decode_results(area: &[u8], count: u64, sources: &[u32], slice_ns: u64) -> (Vec<Event>, u64) {
+fn decode_results(area: &[u8], count: u64, sorted_sources: &[u32], slice_ns: u64) -> (Vec<Event>, u64) {
     let mut events = Vec::new();
     let mut bad = 0;
     let mut at = 0usize;
@@ -428,9 +432,7 @@ fn decode_results(area: &[u8], count: u64, sources: &[u32], slice_ns: u64) -> (V
                 triggered: h[10] != 0,
             })
             .collect();
-        let ok = !hits.is_empty()
-            && hits.iter().all(|h| sources.contains(&h.source) && u64::from(h.time_ns) < slice_ns.max(1));
-        if ok {
+        if shoal_trigger::event_is_well_formed(&hits, sorted_sources, slice_ns) {
             events.push(Event { id: events.len() as u32, trigger_mask: mask, overlays: 0, hits });
         } else {
             bad += 1;

@@ -75,6 +75,14 @@ pub struct SliceData {
     pub fragments: Vec<FragmentData>,
 }
 
+/// The rule for events handed back by user code (a C plug-in, a filter worker): at least
+/// one hit, every hit on a source of the slice (`sorted_sources`, ascending) and within the
+/// slice (`time_ns < slice_ns`). Anything else is refused and counted as malformed.
+pub fn event_is_well_formed(hits: &[EventHit], sorted_sources: &[SourceId], slice_ns: u64) -> bool {
+    !hits.is_empty()
+        && hits.iter().all(|h| sorted_sources.binary_search(&h.source).is_ok() && u64::from(h.time_ns) < slice_ns)
+}
+
 /// Slice `slice` of `generator` as a builder hands it to its filter: one fragment per module
 /// (the source id is the module's index). For tests, benchmarks and examples.
 pub fn generated_slice(generator: &shoal_detector::physics::PhysicsGenerator, slice: u64) -> SliceData {

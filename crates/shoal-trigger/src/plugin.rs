@@ -98,12 +98,6 @@ unsafe extern "C" fn emit_event(
         let ok = !hits.is_null() && n > 0 && n <= (1 << 26);
         // SAFETY: the plug-in promises `n` hits at `hits` for the duration of the call.
         let slice = if ok { unsafe { std::slice::from_raw_parts(hits, n as usize) } } else { &[][..] };
-        let valid =
-            ok && slice.iter().all(|h| c.sources.binary_search(&h.source).is_ok() && u64::from(h.time_ns) < c.slice_ns);
-        if !valid {
-            c.malformed += 1;
-            return -1;
-        }
         let mut hits: Vec<EventHit> = slice
             .iter()
             .map(|h| EventHit {
@@ -114,6 +108,10 @@ unsafe extern "C" fn emit_event(
                 triggered: h.triggered != 0,
             })
             .collect();
+        if !crate::event_is_well_formed(&hits, c.sources, c.slice_ns) {
+            c.malformed += 1;
+            return -1;
+        }
         hits.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
         let id = c.events.len() as u32;
         c.events.push(Event { id, trigger_mask, overlays, hits });
