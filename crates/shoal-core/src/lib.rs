@@ -37,6 +37,8 @@
 //! - [`pullmsg`]: the pull control messages (hello, request, assignment, credit) as
 //!   frames, with their checked decoder.
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
+//! - [`clocksync`]: the hosts' clock offsets, measured NTP-style by run control
+//!   ([`clocksync::ClockProber`]), and the tolerance rule ([`clocksync::judge`]).
 //! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
 //!   order, start and end slices, reply deadlines, inactive processes, discovery.
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
@@ -47,6 +49,7 @@
 pub mod alert;
 pub mod assembly;
 pub mod budget;
+pub mod clocksync;
 pub mod cluster;
 pub mod controlhost;
 pub mod datagram;
