@@ -56,6 +56,8 @@ pub struct ClusterSettings {
     /// `["-i", "/etc/shoal/id_ed25519", "-o", "UserKnownHostsFile=/etc/shoal/known_hosts"]`
     /// (`-o BatchMode=yes` is always given: run control never waits for a password).
     pub ssh_options: Vec<String>,
+    /// How run control measures and corrects the processes' clocks (docs/clocks.md).
+    pub clock: crate::clocks::ClockSettings,
 }
 
 impl Default for ClusterSettings {
@@ -74,6 +76,7 @@ impl Default for ClusterSettings {
             start_with_missing: false,
             restarts: 3,
             ssh_options: Vec::new(),
+            clock: Default::default(),
         }
     }
 }

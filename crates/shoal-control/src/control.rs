@@ -26,7 +26,9 @@ use shoal_dispatcher::client::ChClient;
 use shoal_net::clock::WallClock;
 use shoal_net::demo::LedgerSummary;
 use shoal_net::node::{NodeReport, NodeStats, Role};
-use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_REPORT, RC_STATS};
+use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_REPORT, RC_STATS, RC_TIME, RC_TIME_REPLY, TimeAnswer};
+
+use crate::clocks::{ClockRecord, ClockWatch};
 use tokio::sync::mpsc;
 use tracing::warn;
 
@@ -46,10 +48,17 @@ pub enum Incoming {
     ListenerReconnected,
     /// A launched process exited; its exit status.
     Exited(String, String),
+    /// An answer to a clock probe, with the time it arrived (run control's clock).
+    Time(TimeAnswer, shoal_core::Instant),
 }
 
 /// Follows the dispatcher for run control (see the module documentation).
-pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::UnboundedSender<Incoming>) {
+pub async fn listen(
+    mut client: ChClient,
+    shared: Arc<Shared>,
+    incoming: mpsc::UnboundedSender<Incoming>,
+    clock: WallClock,
+) {
     let mut last_stats: HashMap<String, NodeStats> = HashMap::new();
     loop {
         let msg = match client.next_message_or_reconnect().await {
@@ -68,9 +77,15 @@ pub async fn listen(mut client: ChClient, shared: Arc<Shared>, incoming: mpsc::U
                 continue;
             }
         };
+        // First, before anything else takes time: when a clock probe's answer arrived.
+        let arrived = clock.now();
         let tag = msg.tag.to_string();
         let text = String::from_utf8_lossy(&msg.payload);
         let delivered = match tag.as_str() {
+            RC_TIME_REPLY => match TimeAnswer::parse(&text) {
+                Some(a) => incoming.send(Incoming::Time(a, arrived)),
+                None => Ok(()),
+            },
             RC_REPLY => match Reply::parse(&text) {
                 Some(r) => incoming.send(Incoming::Reply(r, text.to_string())),
                 None => {
@@ -133,6 +148,7 @@ pub async fn subscribe_listener(client: &mut ChClient) -> anyhow::Result<()> {
         ("Died", Mode::All),
         (RC_STATS, Mode::Any),
         (ALERT_REPLY_TAG, Mode::All),
+        (RC_TIME_REPLY, Mode::All),
     ] {
         client.subscribe(tag, mode).await?;
     }
@@ -177,6 +193,9 @@ pub struct RunRecord {
     /// events not yet on disk (a Parquet file is whole only once closed).
     pub events_stored: u64,
     pub reports: Vec<NodeReport>,
+    /// The processes' clocks at START and at the end, the skew judged against the policy
+    /// (docs/clocks.md).
+    pub clocks: ClockRecord,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -281,6 +300,7 @@ pub struct Controller {
     finished: Vec<CommandOutcome>,
     /// Processes brought back into the run in progress: (name, slice, when, UNIX ns).
     rejoins: Vec<(String, u64, u64)>,
+    clocks: ClockWatch,
 }
 
 impl Controller {
@@ -290,6 +310,7 @@ impl Controller {
         client: ChClient,
         shared: Arc<Shared>,
         incoming: mpsc::UnboundedReceiver<Incoming>,
+        clock: WallClock,
     ) -> anyhow::Result<Self> {
         let c = &file.cluster;
         let processes = file.processes.iter().map(|p| ClusterProcess { name: p.name.clone(), role: p.role }).collect();
@@ -301,8 +322,18 @@ impl Controller {
         cfg.builder_drain = Duration::from_millis(file.config.builder.drain_timeout_ms);
         cfg.writer_drain = Duration::from_secs(5);
         let state_dir = c.state_dir.clone();
-        let clock = WallClock::new();
+        let roles: Vec<(String, Role)> = file.processes.iter().map(|p| (p.name.clone(), p.role)).collect();
+        let needs = match (file.config.policy(), file.config.slice_clock()) {
+            (Ok(policy), Ok(sc)) => Some(shoal_core::clocksync::ClockNeeds {
+                policy,
+                slice: sc.length(),
+                builder_timeout: Duration::from_millis(file.config.builder.wall_timeout_ms),
+            }),
+            _ => None,
+        };
+        let clocks = ClockWatch::new(c.clock.clone(), &roles, needs, clock.now());
         Ok(Self {
+            clocks,
             control: ClusterControl::new(cfg, clock.now()),
             clock,
             numbers: RunNumbers::new(&state_dir),
@@ -318,6 +349,58 @@ impl Controller {
         })
     }
 
+    /// Sends the clock probes that are due and acts on a finished round (corrections,
+    /// warnings, the status).
+    async fn flush_clocks(&mut self) {
+        while let Some(text) = self.clocks.poll_probe(self.clock.now()) {
+            if let Err(e) = self.client.publish(RC_TIME, text.as_bytes()).await {
+                self.shared.update(|s| s.note(format!("cannot send a clock probe: {e}")));
+                break;
+            }
+        }
+        let running = self.control.run().is_some();
+        let Some(act) = self.clocks.poll_round(self.clock.now().as_nanos(), running) else { return };
+        for text in &act.adjust {
+            if let Err(e) = self.client.publish(RC_TIME, text.as_bytes()).await {
+                self.shared.update(|s| s.note(format!("cannot send a clock correction: {e}")));
+            }
+        }
+        let clocks = self.clocks.clocks().clone();
+        let verdict = self.clocks.verdict();
+        self.shared.update(|s| {
+            for w in &act.warnings {
+                s.warn(w.clone());
+            }
+            for p in &mut s.processes {
+                p.clock = clocks.get(&p.name).cloned();
+            }
+            s.clock_verdict = verdict;
+        });
+    }
+
+    /// One measurement round now, and a second after the corrections it sent: at
+    /// CONFIGURE, so that START finds every clock measured and corrected, and the operator
+    /// is told before START whether the skew left is within what the policy tolerates.
+    async fn settle_clocks(&mut self) -> anyhow::Result<()> {
+        for _ in 0..2 {
+            let round = self.clocks.start_round(self.clock.now());
+            self.flush_clocks().await;
+            // Bounded: a round ends at its answer timeout whoever answered.
+            while self.clocks.rounds_done() < round {
+                self.turn().await?;
+            }
+        }
+        let (heard, expected) = self.clocks.heard();
+        if let Some(v) = self.clocks.verdict() {
+            self.shared.update(|s| {
+                let line = format!("clocks of {heard} of {expected} processes: {}", v.reason);
+                if v.level > shoal_core::clocksync::ClockLevel::Ok { s.warn(line) } else { s.note(line) }
+            });
+        }
+        Ok(())
+    }
+
+
     /// Publishes what the controller has to say and acts on its events.
     async fn flush(&mut self) -> anyhow::Result<()> {
         while let Some(out) = self.control.poll_transmit() {
@@ -328,6 +411,7 @@ impl Controller {
         while let Some(event) = self.control.poll_event() {
             self.on_event(event)?;
         }
+        self.flush_clocks().await;
         self.mirror();
         Ok(())
     }
@@ -370,7 +454,11 @@ impl Controller {
                 self.rejoins.clear();
                 self.run = Some(RunMeta { started, config: self.control.config().configuration.clone() });
                 self.reports.clear();
+                let verdict = self.clocks.run_started();
                 self.shared.update(|s| {
+                    if let Some(v) = &verdict {
+                        s.note(format!("run {run} starts with {}", v.reason));
+                    }
                     s.run = Some(run);
                     s.run_started = Some(humantime::format_rfc3339_seconds(started).to_string());
                     s.note(format!("run {run} starts with slice {start_slice}"));
@@ -433,7 +521,11 @@ impl Controller {
                 }
             }
             Incoming::ListenerReconnected => self.control.handle_answers_missed(),
-            Incoming::Left(name) => self.control.handle_left(t, &name),
+            Incoming::Left(name) => {
+                self.clocks.forget(&name);
+                self.control.handle_left(t, &name)
+            }
+            Incoming::Time(answer, arrived) => self.clocks.handle_answer(&answer, arrived),
             Incoming::Exited(name, how) => self.control.handle_exited(t, &name, &how),
         }
     }
@@ -441,12 +533,12 @@ impl Controller {
     /// Waits for the next input or the controller's next timeout. Cancel-safe: nothing
     /// is taken or sent before it returns.
     async fn wait(&mut self) -> Wake {
-        let due = self.control.poll_timeout();
-        // (A disabled branch's future is still built: keep its deadline in range.)
-        let deadline = self.clock.deadline(due.unwrap_or(self.clock.now() + Duration::from_secs(3600)));
+        // The controller's next deadline or the clock watch's, whichever comes first.
+        let due = self.control.poll_timeout().map_or(self.clocks.poll_timeout(), |t| t.min(self.clocks.poll_timeout()));
+        let deadline = self.clock.deadline(due);
         tokio::select! {
             input = self.incoming.recv() => input.map_or(Wake::Closed, Wake::Input),
-            _ = tokio::time::sleep_until(deadline), if due.is_some() => Wake::Timeout,
+            _ = tokio::time::sleep_until(deadline) => Wake::Timeout,
         }
     }
 
@@ -454,7 +546,13 @@ impl Controller {
     async fn apply(&mut self, wake: Wake) -> anyhow::Result<()> {
         match wake {
             Wake::Input(i) => self.handle(i),
-            Wake::Timeout => self.control.handle_timeout(self.clock.now()),
+            Wake::Timeout => {
+                let now = self.clock.now();
+                if self.control.poll_timeout().is_some_and(|t| t <= now) {
+                    self.control.handle_timeout(now);
+                }
+                self.clocks.handle_timeout(now);
+            }
             Wake::Closed => anyhow::bail!("run control's listener stopped"),
         }
         self.flush().await
@@ -507,6 +605,9 @@ impl Controller {
             if let Some(i) = self.finished.iter().position(|o| o.command == command) {
                 let outcome = self.finished.swap_remove(i);
                 if outcome.is_ok() {
+                    if command == ClusterCommand::Configure {
+                        self.settle_clocks().await?;
+                    }
                     return Ok(());
                 }
                 let list: Vec<String> = outcome.refusals.iter().map(|r| format!("{}: {}", r.name, r.error)).collect();
@@ -522,7 +623,8 @@ impl Controller {
         let meta = self.run.take().unwrap_or(RunMeta { started: SystemTime::now(), config: String::new() });
         let reports = std::mem::take(&mut self.reports);
         self.mirror();
-        let record = self.record(run, &meta, start_slice, end_slice, reports);
+        let clocks = self.clocks.run_ended();
+        let record = self.record(run, &meta, start_slice, end_slice, reports, clocks);
         let dir = self.state_dir.join("runs");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("run{:06}.json", record.run));
@@ -552,6 +654,7 @@ impl Controller {
         start_slice: u64,
         end_slice: u64,
         reports: Vec<NodeReport>,
+        clocks: ClockRecord,
     ) -> RunRecord {
         let stopped = SystemTime::now();
         let mut sources = BTreeMap::new();
@@ -637,6 +740,7 @@ impl Controller {
             events: reports.iter().filter(|r| r.role == "builder").map(|r| r.events).sum(),
             events_stored: reports.iter().filter(|r| r.role == "writer").map(|r| r.events).sum(),
             reports,
+            clocks,
         }
     }
 }

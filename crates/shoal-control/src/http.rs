@@ -156,6 +156,51 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     let run = Gauge::<i64>::default();
     run.set(st.run.map_or(0, |r| r as i64));
     reg.register("shoal_runcontrol_run", "The run in progress (0: none)", run);
+    // Clocks (docs/clocks.md): seconds, as Prometheus wants them.
+    type Seconds = Gauge<f64, std::sync::atomic::AtomicU64>;
+    let families: [(&str, &str, fn(&crate::clocks::ProcessClock) -> f64); 4] = [
+        (
+            "shoal_runcontrol_clock_offset_seconds",
+            "The process's host clock minus run control's, uncorrected",
+            |c| c.offset_ns as f64 * 1e-9,
+        ),
+        (
+            "shoal_runcontrol_clock_residual_seconds",
+            "The process's corrected clock (what its data path runs on) minus run control's",
+            |c| c.residual_ns as f64 * 1e-9,
+        ),
+        (
+            "shoal_runcontrol_clock_uncertainty_seconds",
+            "The measured offset is within this of the true one (half the least round trip)",
+            |c| c.uncertainty_ns as f64 * 1e-9,
+        ),
+        (
+            "shoal_runcontrol_clock_correction_seconds",
+            "The correction run control gave the process (subtracted from its host clock)",
+            |c| c.correction_ns as f64 * 1e-9,
+        ),
+    ];
+    for (name, help, value) in families {
+        let fam = Family::<Vec<(String, String)>, Seconds>::default();
+        for p in &st.processes {
+            if let Some(c) = &p.clock {
+                fam.get_or_create(&vec![("name".into(), p.name.clone()), ("role".into(), p.role.clone())]).set(value(c));
+            }
+        }
+        reg.register(name, help, fam);
+    }
+    if let Some(v) = &st.clock_verdict {
+        let skew = Seconds::default();
+        skew.set(v.skew_ns as f64 * 1e-9);
+        reg.register(
+            "shoal_runcontrol_clock_skew_seconds",
+            "Worst skew between two data processes' corrected clocks, uncertainties included",
+            skew,
+        );
+        let tolerated = Seconds::default();
+        tolerated.set(v.tolerated_ns as f64 * 1e-9);
+        reg.register("shoal_runcontrol_clock_tolerated_seconds", "The skew the run's policy absorbs", tolerated);
+    }
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)

@@ -17,6 +17,7 @@
 //! from the web UI / HTTP API. Ctrl-C stops a run in progress cleanly and switches
 //! everything off. Each run leaves a record in `<state_dir>/runs/`.
 
+pub mod clocks;
 pub mod cluster;
 pub mod control;
 pub mod http;
@@ -253,6 +254,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
                 metrics_addr: None,
                 stats: None,
                 rates: Rates::default(),
+                clock: None,
             })
             .collect(),
         history: control::load_history(&state_dir, 50),
@@ -261,7 +263,10 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         ..Default::default()
     });
     let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
-    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone()));
+    // One clock for the controller and its listener: the listener stamps the clock probes'
+    // answers, the controller their questions.
+    let clock = shoal_net::clock::WallClock::new();
+    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone(), clock));
 
     // Launch, writer first (the order does not matter for correctness: nothing flows
     // before START).
@@ -294,7 +299,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     };
     let exits = watch_exits(launched, incoming_tx, relaunch);
 
-    let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx)?;
+    let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx, clock)?;
     controller.discover().await?;
 
     let http_cancel = CancellationToken::new();

@@ -25,6 +25,8 @@ pub struct ProcStatus {
     pub metrics_addr: Option<String>,
     pub stats: Option<NodeStats>,
     pub rates: Rates,
+    /// Its clock as run control measured it (docs/clocks.md).
+    pub clock: Option<crate::clocks::ProcessClock>,
 }
 
 /// Per-second rates from the last two statistics of a process.
@@ -94,6 +96,8 @@ pub struct ClusterStatus {
     pub time_ms: u64,
     /// The builders' answers to the latest alerts (newest first, at most 50).
     pub alerts: VecDeque<serde_json::Value>,
+    /// The tolerance rule on the data processes' clocks, after the latest round.
+    pub clock_verdict: Option<shoal_core::clocksync::ClockVerdict>,
 }
 
 impl ClusterStatus {

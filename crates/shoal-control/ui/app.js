@@ -135,6 +135,13 @@ function render(s) {
     .map((p) => {
       const r = p.rates;
       const slices = p.role === "builder" ? r.slices_complete_per_s + r.slices_incomplete_per_s : null;
+      // The host clock's offset from run control's (what the process would read), and
+      // what its data path runs on after the correction, with the measurement's bound.
+      const c = p.clock;
+      const clock = c
+        ? `<span title="host ${fmt(c.offset_ns / 1000, 1)} us, corrected by ${fmt(c.correction_ns / 1000, 1)} us">` +
+          `${fmt(c.offset_ns / 1000, 0)} &rarr; ${fmt(c.residual_ns / 1000, 0)} &plusmn; ${fmt(c.uncertainty_ns / 1000, 0)}</span>`
+        : "-";
       const metrics = p.metrics_addr ? `<a href="http://${p.metrics_addr}/metrics">${p.metrics_addr}</a>` : "-";
       return `<tr class="${p.active ? "" : "inactive"}" data-name="${p.name}">
         <td>${p.name}</td><td>${p.role}</td><td>${p.host}</td><td class="num">${p.pid ?? "-"}</td>
@@ -143,9 +150,14 @@ function render(s) {
         <td class="num">${slices === null ? "-" : fmt(slices)}</td>
         <td class="num">${p.role === "builder" ? fmt(r.mbytes_per_s, 2) : "-"}</td>
         <td class="num">${p.role === "builder" && p.stats ? fmt(p.stats.delay_p99_us / 1000, 2) : "-"}</td>
-        <td class="num">${fmt(r.drops_per_s)}</td><td>${metrics}</td><td>${p.last_reply || ""}</td></tr>`;
+        <td class="num">${fmt(r.drops_per_s)}</td><td class="num clock">${clock}</td><td>${metrics}</td><td>${p.last_reply || ""}</td></tr>`;
     })
     .join("");
+
+  const v = s.clock_verdict;
+  const cv = $("clock-verdict");
+  cv.textContent = v ? v.reason : "";
+  cv.className = v && v.level !== "ok" ? "note warn" : "note";
 
   $("history").querySelector("tbody").innerHTML = s.history
     .map(

@@ -56,6 +56,8 @@ pub struct NodeOptions {
     /// Where to serve `/metrics` (`127.0.0.1:0`: any free port, announced in the stats).
     pub metrics: Option<SocketAddr>,
     pub stats_interval: StdDuration,
+    /// The host's clock (with an error injected on purpose in tests: `WallClock::skewed`).
+    pub clock: WallClock,
 }
 
 /// Periodic statistics of one process (payload of `RC_STATS`, JSON). Counters are totals
@@ -137,7 +139,7 @@ struct RunningData {
 /// Runs a run-controlled process until `OFF` (or `cancel`, e.g. Ctrl-C, which stops a
 /// running data path first).
 pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> anyhow::Result<()> {
-    let clock = WallClock::new();
+    let mut clock = opts.clock;
     let live = Arc::new(Live::default());
     let metrics_addr = match opts.metrics {
         Some(addr) => {
@@ -212,6 +214,8 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                     },
                     Command::Start { run, start_slice } => {
                         let cfg = config.clone().expect("READY implies a configuration");
+                        // The clock as run control corrected it; fixed for the run.
+                        clock = agent.clock();
                         match start_data(&opts, cfg, *run, *start_slice, clock, live.clone()).await {
                             Ok(r) => running = Some(r),
                             Err(e) => {

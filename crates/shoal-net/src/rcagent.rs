@@ -11,9 +11,18 @@
 //!   dispatcher with its current state: a command published while it was away is lost,
 //!   and run control sends it again when the announced state shows it was not seen.
 //!
+//! - Clock probes arrive on tag [`RC_TIME`] as `* PROBE <seq> <t1>`; the agent answers at
+//!   once, from a connection and task of its own ([`spawn_clock_responder`]: a busy command
+//!   loop must not delay the answer), on [`RC_TIME_REPLY`] with `<name> <seq> <t2> <t3> <correction>`: its clock when
+//!   the probe arrived and when it answers, and the correction in effect (ns). Run control
+//!   computes the offset (shoal-core's `clocksync`). `<name> ADJUST <ns>` sets the
+//!   correction, outside a run only: a running data path keeps the clock it started with.
+//!
 //! The decisions are shoal-core's [`RunControl`]; this module only moves text.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use shoal_core::alert::{ALERT_TAG, Alert, AlertError};
 use shoal_core::controlhost::Mode;
@@ -21,6 +30,7 @@ use shoal_core::runstate::{Command, CommandParseError, Reply, RunControl, RunSta
 
 use crate::clock::WallClock;
 use shoal_dispatcher::client::{ChClient, ClientError};
+use tokio_util::sync::CancellationToken;
 
 /// Tag of run-control commands.
 pub const RC_CMD: &str = "RC_CMD";
@@ -30,6 +40,38 @@ pub const RC_REPLY: &str = "RC_REPLY";
 pub const RC_STATS: &str = "RC_STATS";
 /// Tag of a process's end-of-run report (JSON, see [`crate::node::NodeReport`]).
 pub const RC_REPORT: &str = "RC_END";
+/// Tag of run control's clock probes and corrections.
+pub const RC_TIME: &str = "RC_TIME";
+/// Tag of the processes' answers to clock probes.
+pub const RC_TIME_REPLY: &str = "RC_TIMEA";
+
+/// An answer to a clock probe, as run control reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TimeAnswer {
+    pub name: String,
+    pub seq: u64,
+    pub t2: u64,
+    pub t3: u64,
+    pub correction_ns: i64,
+}
+
+impl TimeAnswer {
+    pub fn to_text(&self) -> String {
+        format!("{} {} {} {} {}", self.name, self.seq, self.t2, self.t3, self.correction_ns)
+    }
+
+    pub fn parse(text: &str) -> Option<TimeAnswer> {
+        let mut f = text.split_ascii_whitespace();
+        let a = TimeAnswer {
+            name: f.next()?.to_string(),
+            seq: f.next()?.parse().ok()?,
+            t2: f.next()?.parse().ok()?,
+            t3: f.next()?.parse().ok()?,
+            correction_ns: f.next()?.parse().ok()?,
+        };
+        f.next().is_none().then_some(a)
+    }
+}
 
 /// What arrived for the process: a run-control command, or an alert (builders only).
 #[derive(Debug)]
@@ -52,6 +94,8 @@ pub struct RcAgent {
     rc: RunControl,
     name: String,
     clock: WallClock,
+    clock_cell: Arc<ClockCell>,
+    _responder: tokio_util::sync::DropGuard,
 }
 
 impl RcAgent {
@@ -61,7 +105,17 @@ impl RcAgent {
         let mut client = ChClient::connect(addr).await?;
         client.set_nickname(name).await?;
         client.subscribe(RC_CMD, Mode::All).await?;
-        let mut agent = Self { client, rc: RunControl::new(clock.now()), name: name.to_string(), clock };
+        let clock_cell = Arc::new(ClockCell::new(clock));
+        let stop = tokio_util::sync::CancellationToken::new();
+        spawn_clock_responder(addr, name.to_string(), clock_cell.clone(), stop.clone());
+        let mut agent = Self {
+            client,
+            rc: RunControl::new(clock.now()),
+            name: name.to_string(),
+            clock,
+            clock_cell,
+            _responder: stop.drop_guard(),
+        };
         agent.reply(None).await?;
         Ok(agent)
     }
@@ -72,6 +126,12 @@ impl RcAgent {
 
     pub fn run_control(&self) -> &RunControl {
         &self.rc
+    }
+
+    /// The process's clock, with run control's latest correction (for a data path that
+    /// starts now).
+    pub fn clock(&self) -> WallClock {
+        self.clock_cell.get()
     }
 
     async fn reply(&mut self, error: Option<String>) -> Result<(), ClientError> {
@@ -136,6 +196,8 @@ impl RcAgent {
     /// new state (or the transition error).
     pub async fn commit(&mut self, command: Command) -> Result<Applied, ClientError> {
         let result = self.rc.handle_command(self.clock.now(), command.clone());
+        // A running data path keeps the clock it started with: no correction meanwhile.
+        self.clock_cell.freeze(matches!(self.rc.state(), RunState::Running | RunState::Paused));
         self.reply(result.as_ref().err().map(|e| e.to_string())).await?;
         Ok(Applied { command, result })
     }
@@ -155,6 +217,93 @@ impl RcAgent {
                 Ok(command) => return self.commit(command).await,
                 Err(e) => self.refuse(&e.to_string()).await?,
             }
+        }
+    }
+}
+
+/// A process's clock as run control corrects it: read by the command loop at START,
+/// corrected by the clock responder outside runs.
+#[derive(Debug)]
+pub struct ClockCell {
+    clock: Mutex<WallClock>,
+    frozen: AtomicBool,
+}
+
+impl ClockCell {
+    pub fn new(clock: WallClock) -> Self {
+        Self { clock: Mutex::new(clock), frozen: AtomicBool::new(false) }
+    }
+
+    pub fn get(&self) -> WallClock {
+        *self.clock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// While frozen (a run in progress) corrections are refused.
+    pub fn freeze(&self, frozen: bool) {
+        self.frozen.store(frozen, Ordering::Relaxed);
+    }
+
+    /// Applies run control's correction unless frozen; the correction in effect after.
+    pub fn correct(&self, by_ns: i64) -> i64 {
+        let mut c = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.frozen.load(Ordering::Relaxed) {
+            *c = c.corrected(by_ns);
+        }
+        c.correction_ns()
+    }
+}
+
+/// Answers run control's clock probes and corrections for process `name` on a dispatcher
+/// connection of its own, until `stop` (reconnecting when the dispatcher goes away).
+pub fn spawn_clock_responder(addr: SocketAddr, name: String, cell: Arc<ClockCell>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = answer_clock_probes(addr, &name, &cell) => {}
+        }
+    });
+}
+
+async fn answer_clock_probes(addr: SocketAddr, name: &str, cell: &ClockCell) {
+    let mut client = loop {
+        match ChClient::connect(addr).await {
+            Ok(c) => break c,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
+        }
+    };
+    if client.subscribe(RC_TIME, Mode::All).await.is_err() {
+        return;
+    }
+    loop {
+        let msg = match client.next_message().await {
+            Ok(m) => m,
+            Err(_) => {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let received = cell.get().now();
+        let text = String::from_utf8_lossy(&msg.payload);
+        let mut f = text.split_ascii_whitespace();
+        let (Some(target), Some(what), Some(arg)) = (f.next(), f.next(), f.next()) else { continue };
+        if target != "*" && target != name {
+            continue;
+        }
+        let (seq, correction_ns) = match what {
+            "PROBE" => match arg.parse::<u64>() {
+                Ok(seq) => (seq, cell.get().correction_ns()),
+                Err(_) => continue,
+            },
+            "ADJUST" => match arg.parse::<i64>() {
+                Ok(ns) => (0, cell.correct(ns)),
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        let answer =
+            TimeAnswer { name: name.to_string(), seq, t2: received.as_nanos(), t3: cell.get().now().as_nanos(), correction_ns };
+        if client.publish(RC_TIME_REPLY, answer.to_text().as_bytes()).await.is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         }
     }
 }

@@ -230,6 +230,15 @@ struct NodeArgs {
     /// (what `shoal run` passes to the processes it launches).
     #[arg(long)]
     exit_with_parent: bool,
+    /// Test only: run this process's clock this many microseconds ahead of the host's
+    /// (negative: behind), to emulate hosts with different clocks on one machine (Linux
+    /// time namespaces do not move CLOCK_REALTIME). See docs/clocks.md.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    test_clock_offset_us: f64,
+    /// Test only: make this process's clock run fast by this many parts per million
+    /// (negative: slow).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    test_clock_drift_ppm: f64,
 }
 
 #[derive(Parser)]
@@ -593,6 +602,8 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             input: args.input,
             metrics: args.metrics,
             stats_interval: Duration::from_millis(args.stats_ms.max(50)),
+            clock: WallClock::new()
+                .skewed((args.test_clock_offset_us * 1e3) as i64, (args.test_clock_drift_ppm * 1e3) as i64),
         };
         shoal_net::demo::raise_fd_limit();
         let cancel = ctrl_c_token();
