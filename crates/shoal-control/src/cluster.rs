@@ -118,6 +118,17 @@ pub struct ProcessSpec {
     /// `clb:` port), passed as `--input`.
     #[serde(default)]
     pub input: Option<String>,
+    /// Test only: this process's clock runs this far ahead of its host's, us (negative:
+    /// behind), to emulate hosts with different clocks on one machine (docs/clocks.md).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub test_clock_offset_us: f64,
+    /// Test only: and runs fast by this many parts per million.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub test_clock_drift_ppm: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 fn localhost() -> String {

@@ -301,6 +301,8 @@ pub struct Controller {
     /// Processes brought back into the run in progress: (name, slice, when, UNIX ns).
     rejoins: Vec<(String, u64, u64)>,
     clocks: ClockWatch,
+    /// CONFIGURE's clock rounds are on: the command is not done for the operator yet.
+    settling: bool,
 }
 
 impl Controller {
@@ -334,6 +336,7 @@ impl Controller {
         let clocks = ClockWatch::new(c.clock.clone(), &roles, needs, clock.now());
         Ok(Self {
             clocks,
+            settling: false,
             control: ClusterControl::new(cfg, clock.now()),
             clock,
             numbers: RunNumbers::new(&state_dir),
@@ -469,6 +472,8 @@ impl Controller {
             }
             ClusterEvent::CommandDone(outcome) => {
                 let c = outcome.command;
+                // CONFIGURE goes on with its clock rounds (execute_inner): still busy.
+                self.settling = c == ClusterCommand::Configure && outcome.is_ok();
                 self.shared.update(|s| {
                     if !outcome.refusals.is_empty() {
                         let list: Vec<String> =
@@ -488,6 +493,7 @@ impl Controller {
     /// Copies the controller's view of the processes into the shared status.
     fn mirror(&self) {
         let busy = self.control.busy().map(|c| c.name().to_string());
+        let busy = busy.or_else(|| self.settling.then(|| ClusterCommand::Configure.name().to_string()));
         self.shared.update(|s| {
             s.busy = busy;
             for v in self.control.processes() {
@@ -606,7 +612,10 @@ impl Controller {
                 let outcome = self.finished.swap_remove(i);
                 if outcome.is_ok() {
                     if command == ClusterCommand::Configure {
-                        self.settle_clocks().await?;
+                        let settled = self.settle_clocks().await;
+                        self.settling = false;
+                        self.mirror();
+                        settled?;
                     }
                     return Ok(());
                 }

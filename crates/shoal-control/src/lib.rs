@@ -96,6 +96,12 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
         args.push("--input".into());
         args.push(input.clone());
     }
+    if spec.test_clock_offset_us != 0.0 {
+        args.push(format!("--test-clock-offset-us={}", spec.test_clock_offset_us));
+    }
+    if spec.test_clock_drift_ppm != 0.0 {
+        args.push(format!("--test-clock-drift-ppm={}", spec.test_clock_drift_ppm));
+    }
     args
 }
 

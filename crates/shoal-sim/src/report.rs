@@ -58,7 +58,7 @@ fn write_plots(r: &SimResult, dir: &Path, name: &str, paths: &mut Vec<PathBuf>) 
         e.0 += d;
         e.1 = e.1.max(d);
         e.2 += 1;
-        e.3 += (x.sent_ns - x.ready_ns) as f64 / 1e6;
+        e.3 += x.sent_ns.saturating_sub(x.ready_ns) as f64 / 1e6;
     }
     let mean: Vec<(f64, f64)> = per.iter().map(|(&s, e)| (s as f64, e.0 / f64::from(e.2))).collect();
     let max: Vec<(f64, f64)> = per.iter().map(|(&s, e)| (s as f64, e.1)).collect();

@@ -17,6 +17,7 @@ pub struct Scenario {
     pub traffic: Traffic,
     pub tcp: TcpParams,
     pub builder: BuilderParams,
+    pub clocks: ClockModel,
 }
 
 impl Default for Scenario {
@@ -28,7 +29,51 @@ impl Default for Scenario {
             traffic: Traffic::default(),
             tcp: TcpParams::default(),
             builder: BuilderParams::default(),
+            clocks: ClockModel::default(),
         }
+    }
+}
+
+/// The source hosts' clocks (`[clocks]`, docs/clocks.md). Default: one clock for all.
+///
+/// Offsets are spread evenly over `[-spread/2, +spread/2]` and dealt to the sources in an
+/// order drawn from the seed, so the worst pair is exactly `offset_spread_us` apart; each
+/// source's drift is uniform in `[-drift_ppm, +drift_ppm]`. The testbed gives its source
+/// processes the same clocks (`shoal node --test-clock-offset-us`). Builders' clocks only
+/// time their timeouts from a slice's first fragment, so they are not modelled.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClockModel {
+    pub offset_spread_us: f64,
+    pub drift_ppm: f64,
+}
+
+impl ClockModel {
+    pub fn is_zero(&self) -> bool {
+        self.offset_spread_us == 0.0 && self.drift_ppm == 0.0
+    }
+
+    /// Each source's (offset ns, drift parts per billion).
+    pub fn source_clocks(&self, n_sources: u32, seed: u64) -> Vec<(i64, i64)> {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(seed ^ 0x434c_4f43_4b53_u64);
+        let n = n_sources as usize;
+        let spread_ns = self.offset_spread_us * 1e3;
+        let mut offsets: Vec<i64> = (0..n)
+            .map(|i| if n < 2 { 0 } else { (-spread_ns / 2.0 + spread_ns * i as f64 / (n - 1) as f64).round() as i64 })
+            .collect();
+        // Fisher-Yates with the scenario's seed: which source gets which offset.
+        for i in (1..n).rev() {
+            let j = rng.random_range(0..=i);
+            offsets.swap(i, j);
+        }
+        offsets
+            .into_iter()
+            .map(|o| {
+                let drift = if self.drift_ppm == 0.0 { 0.0 } else { rng.random_range(-self.drift_ppm..=self.drift_ppm) };
+                (o, (drift * 1e3).round() as i64)
+            })
+            .collect()
     }
 }
 
@@ -235,6 +280,12 @@ impl Scenario {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        if !(self.clocks.offset_spread_us >= 0.0 && self.clocks.offset_spread_us.is_finite()) {
+            return Err("clocks.offset_spread_us must be a number >= 0".into());
+        }
+        if !(self.clocks.drift_ppm.abs() < 1e5) {
+            return Err("clocks.drift_ppm must be below 100000 in size".into());
+        }
         self.topology.n_sources()?;
         if self.topology.n_builders()? == 0 {
             return Err("topology.builders must be at least 1".into());

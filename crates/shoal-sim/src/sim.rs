@@ -225,6 +225,12 @@ pub struct SimSummary {
     pub shaping_delay_avg_us: f64,
     pub shaping_delay_p99_us: f64,
     pub shaping_delay_max_us: f64,
+    /// From a slice's end (true time) to its last fragment's arrival, complete slices
+    /// only: what a consumer of built slices waits (docs/clocks.md).
+    #[serde(default)]
+    pub slice_delay_avg_us: f64,
+    #[serde(default)]
+    pub slice_delay_p99_us: f64,
     pub tcp_segments: u64,
     pub tcp_retransmitted: u64,
     pub tcp_retransmit_fraction: f64,
@@ -307,6 +313,9 @@ struct World {
     nack: Option<Nack>,
     /// How late each source host wakes (zero: hardware boards in lockstep).
     wake_latency: crate::wake::WakeLatency,
+    /// Each source host's clock (offset ns, drift ppb) when `[clocks]` is set: its node
+    /// sees its own time, its timers fire when its clock says (docs/clocks.md).
+    clocks: Option<Vec<(i64, i64)>>,
 }
 
 /// Timers are scheduled lazily: at most one pending event per timer, unless it moved
@@ -339,7 +348,10 @@ pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     let started = std::time::Instant::now();
     let mut w = World::build(sc, opts)?;
     let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);
-    w.q.schedule(w.slice_clock.end_of(0), Ev::SliceTick(0));
+    if w.clocks.is_none() {
+        // One tick for every source at each slice end (sources in lockstep).
+        w.q.schedule(w.slice_clock.end_of(0), Ev::SliceTick(0));
+    }
     for s in 0..w.sources.len() as u32 {
         w.arm_source(s);
     }
@@ -538,6 +550,7 @@ impl World {
             dfm,
             source_of_host,
             control_packets: 0,
+            clocks: (!sc.clocks.is_zero()).then(|| sc.clocks.source_clocks(n_sources, sc.seed)),
             wake_latency: crate::wake::WakeLatency::new(
                 n_sources,
                 sc.traffic.wake_phase_us,
@@ -596,9 +609,17 @@ impl World {
                 }
             }
             Ev::SourceWake(s) => {
+                let mut local = self.local(s, now);
                 let src = &mut self.sources[s as usize];
                 src.wake = None;
-                src.node.handle_timeout(now, &self.workload);
+                // The host woke for the timer it was armed for: its clock has reached it
+                // (rounding in the conversion must not leave it a nanosecond short).
+                if let Some((due, at)) = src.late
+                    && at <= now
+                {
+                    local = local.max(due);
+                }
+                src.node.handle_timeout(local, &self.workload);
                 self.to_pump.push(s);
             }
             Ev::Rto(c) => {
@@ -699,7 +720,8 @@ impl World {
     /// Drains every source node that may have something to send.
     fn pump(&mut self, now: Instant) {
         while let Some(s) = self.to_pump.pop() {
-            while let Some(tx) = self.sources[s as usize].node.poll_transmit(now) {
+            let local = self.local(s, now);
+            while let Some(tx) = self.sources[s as usize].node.poll_transmit(local) {
                 self.transmit(now, s, tx);
             }
             self.arm_source(s);
@@ -710,10 +732,13 @@ impl World {
     /// slice tick wakes it then).
     fn arm_source(&mut self, s: u32) {
         let clock = self.slice_clock;
-        let due = self.sources[s as usize].node.poll_timeout().filter(|&t| clock.start_of(clock.slice_at(t)) != t);
-        // Every timer of a software host fires late, the slice tick's (above) and these.
+        let ticks = self.clocks.is_none();
+        let due =
+            self.sources[s as usize].node.poll_timeout().filter(|&t| !ticks || clock.start_of(clock.slice_at(t)) != t);
+        // Every timer of a software host fires late, the slice tick's (above) and these;
+        // a host with a clock of its own fires them when its clock says.
         let due = match due {
-            Some(t) if !self.wake_latency.is_zero() => Some(self.late_wake(s, t)),
+            Some(t) if !self.wake_latency.is_zero() || !ticks => Some(self.late_wake(s, t)),
             other => other,
         };
         let src = &mut self.sources[s as usize];
@@ -724,15 +749,33 @@ impl World {
 
     /// When source `s`'s host wakes for a timer due at `due`: drawn once per timer.
     fn late_wake(&mut self, s: u32, due: Instant) -> Instant {
+        let true_due = self.true_time(s, due);
         let src = &mut self.sources[s as usize];
         match src.late {
             Some((d, at)) if d == due => at,
             _ => {
-                let at = due + self.wake_latency.draw(s);
+                let at = true_due + self.wake_latency.draw(s);
                 src.late = Some((due, at));
                 at
             }
         }
+    }
+
+    /// Source `s`'s clock at true time `t`.
+    fn local(&self, s: u32, t: Instant) -> Instant {
+        let Some(clocks) = &self.clocks else { return t };
+        let (offset, drift_ppb) = clocks[s as usize];
+        let ns = t.as_nanos() as i128;
+        Instant::from_nanos((ns + ns * drift_ppb as i128 / 1_000_000_000 + offset as i128).max(0) as u64)
+    }
+
+    /// The true time at which source `s`'s clock reads `local` (never before the start).
+    fn true_time(&self, s: u32, local: Instant) -> Instant {
+        let Some(clocks) = &self.clocks else { return local };
+        let (offset, drift_ppb) = clocks[s as usize];
+        let ns = (local.as_nanos() as i128 - offset as i128) * 1_000_000_000 / (1_000_000_000 + drift_ppb as i128);
+        // Rounded up, so that the host's clock has reached `local` by then.
+        Instant::from_nanos((ns + 1).max(0) as u64)
     }
 
     fn transmit(&mut self, now: Instant, s: u32, tx: SourceTransmit) {
@@ -757,13 +800,15 @@ impl World {
         } else if self.nack.is_some() {
             self.send_datagrams(now, s, &tx);
             if tx.last {
-                self.sources[s as usize].node.handle_sent(now, s, tx.slice);
+                let local = self.local(s, now);
+                self.sources[s as usize].node.handle_sent(local, s, tx.slice);
                 self.to_pump.push(s);
             }
         } else {
             self.send_udp(now, s, &tx);
             if tx.last {
-                self.sources[s as usize].node.handle_sent(now, s, tx.slice);
+                let local = self.local(s, now);
+                self.sources[s as usize].node.handle_sent(local, s, tx.slice);
                 self.to_pump.push(s);
             }
         }
@@ -892,8 +937,9 @@ impl World {
 
     /// Moves pending application writes into the connection's socket buffer.
     fn try_write(&mut self, now: Instant, c: u32) {
+        let source = self.conns[c as usize].source;
+        let local = self.local(source, now);
         let conn = &mut self.conns[c as usize];
-        let source = conn.source;
         loop {
             let used = conn.tx.written() - conn.tx.acked();
             let space = conn.sndbuf.saturating_sub(used);
@@ -911,7 +957,7 @@ impl World {
             if last {
                 conn.ends.push_back((conn.tx.written(), slice, kind));
                 // The last byte is in the socket buffer: the source node counts it sent.
-                self.sources[source as usize].node.handle_sent(now, source, slice);
+                self.sources[source as usize].node.handle_sent(local, source, slice);
                 self.to_pump.push(source);
             }
         }
@@ -1025,7 +1071,8 @@ impl World {
             }
             Body::Request { builder, source, slice } => {
                 let s = self.source_of_host[&host];
-                self.sources[s as usize].node.handle_request(now, source, PullRequest { builder, slice });
+                let local = self.local(s, now);
+                self.sources[s as usize].node.handle_request(local, source, PullRequest { builder, slice });
                 self.to_pump.push(s);
             }
             Body::Assign { builder, slice } => {
@@ -1105,7 +1152,8 @@ impl World {
         let steady_from = shoal_core::node::steady_from(0, self.slice_clock);
         for r in &self.records {
             if r.sent_ns > 0 {
-                shaping.push(r.sent_ns - r.ready_ns);
+                // A source whose clock is ahead sends before the slice's true end.
+                shaping.push(r.sent_ns.saturating_sub(r.ready_ns));
                 if r.arrived_ns > 0 {
                     net_delays.push(r.arrived_ns - r.sent_ns);
                     if r.slice >= steady_from {
@@ -1126,6 +1174,21 @@ impl World {
         let (na, np, nm) = stats(&mut net_delays);
         let (steady_avg, steady_p99, steady_max) = stats(&mut steady);
         let (sa, sp, sm) = stats(&mut shaping);
+        // Per slice (a record for every source and slice): its last arrival, or None once
+        // a fragment of it never arrived.
+        let mut last_arrival: BTreeMap<SliceNumber, Option<u64>> = BTreeMap::new();
+        for r in &self.records {
+            let e = last_arrival.entry(r.slice).or_insert(Some(0));
+            *e = match (*e, r.arrived_ns) {
+                (Some(t), a) if a > 0 => Some(t.max(a)),
+                _ => None,
+            };
+        }
+        let mut slice_delays: Vec<u64> = last_arrival
+            .iter()
+            .filter_map(|(&slice, &t)| Some(t?.saturating_sub(self.slice_clock.end_of(slice).as_nanos())))
+            .collect();
+        let (slice_avg, slice_p99, _) = stats(&mut slice_delays);
         let (mut segs, mut retx, mut tos, mut probes) = (0, 0, 0, 0);
         for c in &self.conns {
             segs += c.tx.stats.segments;
@@ -1167,6 +1230,8 @@ impl World {
             shaping_delay_avg_us: sa,
             shaping_delay_p99_us: sp,
             shaping_delay_max_us: sm,
+            slice_delay_avg_us: slice_avg,
+            slice_delay_p99_us: slice_p99,
             tcp_segments: segs,
             tcp_retransmitted: retx,
             tcp_retransmit_fraction: if segs > 0 { retx as f64 / segs as f64 } else { 0.0 },

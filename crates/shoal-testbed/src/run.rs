@@ -285,7 +285,16 @@ pub fn cluster_file(
     ssh: Option<&SshKeys>,
 ) -> anyhow::Result<ClusterFile> {
     let config = testbed_config(sc, plan, seconds)?;
+    // The scenario's source clocks, the simulator's very ones (docs/clocks.md).
+    let n_sources = plan.hosts.iter().filter(|h| matches!(h.role, HostRole::Source(_))).count() as u32;
+    let clocks = sc.clocks.source_clocks(n_sources, sc.seed);
+    let clock_of = |role: Role, ids: &[u32]| match (role, ids.first()) {
+        (Role::Source, Some(&i)) => clocks.get(i as usize).copied().unwrap_or((0, 0)),
+        _ => (0, 0),
+    };
     let spec = |name: String, role: Role, ids: Vec<u32>, h: &crate::plan::Host| ProcessSpec {
+        test_clock_offset_us: clock_of(role, &ids).0 as f64 / 1e3,
+        test_clock_drift_ppm: clock_of(role, &ids).1 as f64 / 1e3,
         name,
         role,
         ids,
