@@ -39,10 +39,11 @@ def test_offsets_are_measured_within_their_uncertainty_corrected_and_the_run_los
             injected = INJECTED_US.get(p["name"], 0.0) * 1e3
             bound = clock["uncertainty_ns"] + ANCHOR_SLACK_NS
             assert abs(clock["offset_ns"] - injected) <= bound, (p["name"], clock)
-            # The correction put the clock on run control's, within the measurement.
-            assert abs(clock["residual_ns"]) <= bound, (p["name"], clock)
+            # CONFIGURE corrected until a round found nothing worth correcting: within
+            # twice the measurement's own bound (or 10 us).
+            assert abs(clock["residual_ns"]) <= max(2 * clock["uncertainty_ns"], 10_000) + ANCHOR_SLACK_NS, (p["name"], clock)
             if p["name"] in INJECTED_US:
-                assert abs(clock["correction_ns"] - injected) <= bound, (p["name"], clock)
+                assert abs(clock["correction_ns"] + clock["residual_ns"] - injected) <= bound, (p["name"], clock)
         verdict = s["clock_verdict"]
         assert verdict["level"] == "ok", verdict
         assert verdict["skew_ns"] < 1_000_000, "4 ms of host skew corrected to far below 1 ms"

@@ -158,12 +158,11 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     reg.register("shoal_runcontrol_run", "The run in progress (0: none)", run);
     // Clocks (docs/clocks.md): seconds, as Prometheus wants them.
     type Seconds = Gauge<f64, std::sync::atomic::AtomicU64>;
-    let families: [(&str, &str, fn(&crate::clocks::ProcessClock) -> f64); 4] = [
-        (
-            "shoal_runcontrol_clock_offset_seconds",
-            "The process's host clock minus run control's, uncorrected",
-            |c| c.offset_ns as f64 * 1e-9,
-        ),
+    type Field = fn(&crate::clocks::ProcessClock) -> f64;
+    let families: [(&str, &str, Field); 4] = [
+        ("shoal_runcontrol_clock_offset_seconds", "The process's host clock minus run control's, uncorrected", |c| {
+            c.offset_ns as f64 * 1e-9
+        }),
         (
             "shoal_runcontrol_clock_residual_seconds",
             "The process's corrected clock (what its data path runs on) minus run control's",
@@ -184,7 +183,8 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         let fam = Family::<Vec<(String, String)>, Seconds>::default();
         for p in &st.processes {
             if let Some(c) = &p.clock {
-                fam.get_or_create(&vec![("name".into(), p.name.clone()), ("role".into(), p.role.clone())]).set(value(c));
+                fam.get_or_create(&vec![("name".into(), p.name.clone()), ("role".into(), p.role.clone())])
+                    .set(value(c));
             }
         }
         reg.register(name, help, fam);

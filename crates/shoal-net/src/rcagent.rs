@@ -300,8 +300,13 @@ async fn answer_clock_probes(addr: SocketAddr, name: &str, cell: &ClockCell) {
             },
             _ => continue,
         };
-        let answer =
-            TimeAnswer { name: name.to_string(), seq, t2: received.as_nanos(), t3: cell.get().now().as_nanos(), correction_ns };
+        let answer = TimeAnswer {
+            name: name.to_string(),
+            seq,
+            t2: received.as_nanos(),
+            t3: cell.get().now().as_nanos(),
+            correction_ns,
+        };
         if client.publish(RC_TIME_REPLY, answer.to_text().as_bytes()).await.is_err() {
             tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         }

@@ -8,7 +8,7 @@ use shoal_core::runstate::{Command, RunState};
 use shoal_dispatcher::client::ChClient;
 use shoal_dispatcher::server::{DispatcherConfig, spawn_dispatcher};
 use shoal_net::clock::WallClock;
-use shoal_net::rcagent::{RC_CMD, RC_REPLY, RcAgent};
+use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_TIME, RC_TIME_REPLY, RcAgent, TimeAnswer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -111,6 +111,7 @@ async fn node_refuses_bad_configuration_and_reports_at_stop() {
         input: None,
         metrics: None,
         stats_interval: Duration::from_secs(3600),
+        clock: WallClock::new(),
     };
     let node = tokio::spawn(run_controlled(opts, CancellationToken::new()));
     assert_eq!(next_text(&mut control).await, "writer IDLE ok");
@@ -146,5 +147,62 @@ async fn node_refuses_bad_configuration_and_reports_at_stop() {
     assert_eq!(next_text(&mut control).await, "writer OFF ok");
     tokio::time::timeout(Duration::from_secs(10), node).await.unwrap().unwrap().unwrap();
     let _ = std::fs::remove_dir_all(&out);
+    cancel.cancel();
+}
+
+/// The agent's clock responder, on its own connection: a process whose clock is 7 ms ahead
+/// is measured within the exchange's stated bound (half the round trip), and a correction
+/// puts its clock on the prober's; a correction is refused while a run is on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clock_responder_is_measured_within_its_bound_and_corrected() {
+    use shoal_core::clocksync::{TimeSample, estimate};
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cancel = CancellationToken::new();
+    let (h, _core) = spawn_dispatcher(l, DispatcherConfig::default(), cancel.clone()).unwrap();
+    let mut control = ChClient::connect(h.addr).await.unwrap();
+    control.subscribe(RC_TIME_REPLY, Mode::All).await.unwrap();
+    control.subscribe(RC_REPLY, Mode::All).await.unwrap();
+    let clock = WallClock::new();
+    let offset_ns: i64 = 7_000_000;
+    let mut agent = RcAgent::connect(h.addr, "source3", clock.skewed(offset_ns, 0)).await.unwrap();
+    assert_eq!(next_text(&mut control).await, "source3 IDLE ok");
+    // The responder subscribes on its own connection: probe until it answers (bounded).
+    let mut answers = Vec::new();
+    let mut seq = 0;
+    while answers.len() < 8 {
+        seq += 1;
+        assert!(seq < 2_000, "the responder never answered");
+        let t1 = clock.now().as_nanos();
+        control.publish(RC_TIME, format!("* PROBE {seq}").as_bytes()).await.unwrap();
+        let reply = tokio::time::timeout(Duration::from_millis(200), control.next_message()).await;
+        let Ok(reply) = reply else { continue };
+        let t4 = clock.now().as_nanos();
+        let a = TimeAnswer::parse(std::str::from_utf8(&reply.unwrap().payload).unwrap()).unwrap();
+        assert_eq!((a.name.as_str(), a.seq, a.correction_ns), ("source3", seq, 0));
+        answers.push(TimeSample { t1, t2: a.t2, t3: a.t3, t4 });
+    }
+    let e = estimate(&answers).unwrap();
+    let (lo, hi) = e.bounds();
+    assert!(lo <= offset_ns && offset_ns <= hi, "7 ms outside {e:?}");
+
+    control.publish(RC_TIME, format!("source3 ADJUST {}", e.offset_ns).as_bytes()).await.unwrap();
+    let a = TimeAnswer::parse(&next_text(&mut control).await).unwrap();
+    assert_eq!((a.seq, a.correction_ns), (0, e.offset_ns));
+    // Read between two readings of the prober's clock: within the bound of both.
+    let before = clock.now().as_nanos() as i64;
+    let there = agent.clock().now().as_nanos() as i64;
+    let after = clock.now().as_nanos() as i64;
+    let u = e.uncertainty_ns as i64;
+    assert!(before - u <= there && there <= after + u, "{before} {there} {after} +- {u}");
+
+    // During a run the data path keeps its clock: a correction is refused.
+    for cmd in ["INIT", "CONFIGURE [run]\nsources = 1", "START 1"] {
+        control.publish(RC_CMD, format!("source3 {cmd}").as_bytes()).await.unwrap();
+        agent.next_command().await.unwrap();
+        next_text(&mut control).await;
+    }
+    control.publish(RC_TIME, b"source3 ADJUST 1").await.unwrap();
+    let a = TimeAnswer::parse(&next_text(&mut control).await).unwrap();
+    assert_eq!(a.correction_ns, e.offset_ns, "unchanged while RUNNING");
     cancel.cancel();
 }

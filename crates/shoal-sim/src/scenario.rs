@@ -70,7 +70,8 @@ impl ClockModel {
         offsets
             .into_iter()
             .map(|o| {
-                let drift = if self.drift_ppm == 0.0 { 0.0 } else { rng.random_range(-self.drift_ppm..=self.drift_ppm) };
+                let drift =
+                    if self.drift_ppm == 0.0 { 0.0 } else { rng.random_range(-self.drift_ppm..=self.drift_ppm) };
                 (o, (drift * 1e3).round() as i64)
             })
             .collect()
@@ -280,10 +281,10 @@ impl Scenario {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.clocks.offset_spread_us >= 0.0 && self.clocks.offset_spread_us.is_finite()) {
+        if !self.clocks.offset_spread_us.is_finite() || self.clocks.offset_spread_us < 0.0 {
             return Err("clocks.offset_spread_us must be a number >= 0".into());
         }
-        if !(self.clocks.drift_ppm.abs() < 1e5) {
+        if !self.clocks.drift_ppm.is_finite() || self.clocks.drift_ppm.abs() >= 1e5 {
             return Err("clocks.drift_ppm must be below 100000 in size".into());
         }
         self.topology.n_sources()?;
