@@ -46,11 +46,23 @@ impl Default for Scenario {
 pub struct ClockModel {
     pub offset_spread_us: f64,
     pub drift_ppm: f64,
+    /// Testbed only: run control measures and corrects the clocks before START
+    /// (`cluster.clock.correct`). Default false: both sides see the raw offsets. The
+    /// simulator has no run control and refuses it.
+    pub correct: bool,
 }
 
 impl ClockModel {
     pub fn is_zero(&self) -> bool {
         self.offset_spread_us == 0.0 && self.drift_ppm == 0.0
+    }
+
+    /// Whether the simulator can run it (see `correct`).
+    pub fn check_simulated(&self) -> Result<(), String> {
+        if self.correct {
+            return Err("clocks.correct is for the testbed (run control corrects); the simulator has none".into());
+        }
+        Ok(())
     }
 
     /// Each source's (offset ns, drift parts per billion).

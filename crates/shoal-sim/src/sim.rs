@@ -345,6 +345,7 @@ pub fn run(sc: &Scenario) -> Result<SimResult, String> {
 /// [`run`] with options.
 pub fn run_with(sc: &Scenario, opts: RunOptions) -> Result<SimResult, String> {
     sc.validate()?;
+    sc.clocks.check_simulated()?;
     let started = std::time::Instant::now();
     let mut w = World::build(sc, opts)?;
     let end = Instant::ZERO + Duration::from_secs_f64(sc.traffic.load_s + sc.traffic.relax_s);

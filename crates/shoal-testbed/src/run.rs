@@ -329,6 +329,7 @@ pub fn cluster_file(
             seconds,
             binary: Some(opts.shoal.clone()),
             ssh_options: ssh.map(SshKeys::client_options).unwrap_or_default(),
+            clock: shoal_control::clocks::ClockSettings { correct: sc.clocks.correct, ..Default::default() },
             ..ClusterSettings::default()
         },
         processes,

@@ -56,6 +56,40 @@ fn the_ssh_launch_mode_starts_every_process_through_an_sshd_per_host() {
     run_small_scenario(&Small { launch: "ssh", ..Small::tcp("delayed:2", "h") });
 }
 
+/// Hosts whose clocks are 1 ms apart (the source processes' clocks emulated with
+/// `--test-clock-offset-us`, spread evenly over 1 ms) and barrel shifting: run control
+/// measures every clock at CONFIGURE across the emulated network, corrects it, judges the
+/// skew left within what 100 ms slices absorb, and nothing is lost.
+#[test]
+fn hosts_1ms_apart_are_measured_corrected_and_lose_nothing() {
+    let Some(s) = run_small_scenario(&Small { clock_spread_us: 1000.0, ..Small::tcp("delayed:2", "k") }) else {
+        return;
+    };
+    let clocks = &s["record"]["clocks"];
+    let at_start = clocks["at_start"].as_object().unwrap();
+    let sources: Vec<&serde_json::Value> =
+        at_start.iter().filter(|(n, _)| n.starts_with("source")).map(|(_, c)| c).collect();
+    assert_eq!(sources.len(), 6, "{clocks}");
+    // The host clocks as measured: 1 ms from the earliest to the latest, each within its
+    // bound (plus the processes' anchoring, far below).
+    let offset = |c: &serde_json::Value| c["offset_ns"].as_i64().unwrap();
+    let bound = |c: &serde_json::Value| c["uncertainty_ns"].as_i64().unwrap() + 50_000;
+    let hi = sources.iter().max_by_key(|c| offset(c)).unwrap();
+    let lo = sources.iter().min_by_key(|c| offset(c)).unwrap();
+    let spread = offset(hi) - offset(lo);
+    assert!((spread - 1_000_000).abs() <= bound(hi) + bound(lo), "measured spread {spread} ns: {clocks}");
+    // Corrected: what the data paths ran on is within the measurement of run control's.
+    for c in &sources {
+        let residual = c["residual_ns"].as_i64().unwrap();
+        assert!(residual.abs() <= 2 * bound(c).max(10_000), "{c}");
+    }
+    assert_eq!(clocks["verdict_at_start"]["level"], "ok", "{clocks}");
+    eprintln!(
+        "clocks 1 ms apart: measured spread {spread} ns, skew after correction {} ns",
+        clocks["verdict_at_start"]["skew_ns"]
+    );
+}
+
 /// The same with credit-based pull: the data-flow manager runs on the control host, and
 /// every slice is assigned, requested and built across the emulated network.
 #[test]
@@ -91,6 +125,7 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
         loss_pct: 0.1,
         launch: "netns",
         shore_delay_us: 0.0,
+        clock_spread_us: 0.0,
     });
     let Some(s) = s else { return };
     let b = &s["ledger"]["buckets"];
@@ -200,6 +235,8 @@ struct Small {
     loss_pct: f64,
     launch: &'static str,
     shore_delay_us: f64,
+    /// The source hosts' clocks spread over this (`[clocks]`), corrected by run control.
+    clock_spread_us: f64,
 }
 
 impl Small {
@@ -214,6 +251,7 @@ impl Small {
             loss_pct: 0.0,
             launch: "netns",
             shore_delay_us: 0.0,
+            clock_spread_us: 0.0,
         }
     }
 }
@@ -221,7 +259,18 @@ impl Small {
 /// Runs the scenario, checks what every run must satisfy, and returns the summary (None
 /// when the testbed cannot be built here).
 fn run_small_scenario(small: &Small) -> Option<serde_json::Value> {
-    let Small { policy, tag, transport, slice_ms, fragment_bytes, load_s, loss_pct, launch, shore_delay_us } = *small;
+    let Small {
+        policy,
+        tag,
+        transport,
+        slice_ms,
+        fragment_bytes,
+        load_s,
+        loss_pct,
+        launch,
+        shore_delay_us,
+        clock_spread_us,
+    } = *small;
     if let Some(why) = shoal_testbed::netns::unavailable() {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool: {why}");
         return None;
@@ -251,6 +300,9 @@ load_s = {load_s:?}
 [builder]
 max_active = 100000
 wall_timeout_ms = 600000.0
+[clocks]
+offset_spread_us = {clock_spread_us:?}
+correct = true
 "#,
             udp = transport == "udp"
         ),
