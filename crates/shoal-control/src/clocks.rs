@@ -207,11 +207,11 @@ impl ClockWatch {
             } else if c.offset_ns.abs() < bound * 9 / 10 {
                 self.warned.remove(name);
             }
-            // Worth a correction when the residual is clearly more than the measurement's
-            // own error (a correction by noise would only move the clock about).
-            let worth = c.residual_ns.unsigned_abs() > (2 * e.uncertainty_ns).max(10_000);
-            if self.settings.correct && !running && worth {
-                act.adjust.push(format!("{name} ADJUST {}", c.offset_ns));
+            if self.settings.correct
+                && !running
+                && let Some(by) = clocksync::correction(e, c.correction_ns)
+            {
+                act.adjust.push(format!("{name} ADJUST {by}"));
             }
         }
         if let Some(v) = self.verdict() {

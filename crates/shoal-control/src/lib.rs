@@ -6,6 +6,8 @@
 //! - [`cluster`]: the cluster file ([`cluster::ClusterFile`]): processes, hosts, settings;
 //! - [`control`]: the [`control::Controller`] that drives `ClusterControl` over the
 //!   dispatcher and writes the run records ([`control::RunRecord`]);
+//! - [`clocks`]: the processes' clocks ([`clocks::ClockWatch`] over shoal-core's
+//!   `clocksync`): probe rounds, corrections before START, the skew judged per policy;
 //! - [`status`]: the status shared with the UI ([`status::ClusterStatus`]);
 //! - [`http`]: the HTTP API, WebSocket and the web UI (compiled in from `ui/`);
 //! - [`command`]: the whole of `shoal run`, given [`RunOptions`].

@@ -393,6 +393,15 @@ fn worst_pair(clocks: &BTreeMap<String, OffsetEstimate>) -> (u64, Option<(String
     (skew, Some((best.0.1.clone(), best.1.1.clone())))
 }
 
+/// The correction to give a process whose clock, already corrected by `in_effect_ns`, was
+/// just measured `e` from run control's: its host's whole offset, when the residual is
+/// clearly more than the measurement's own error (twice its bound, and at least 10 us: a
+/// correction by noise would only move the clock about); `None` otherwise.
+pub fn correction(e: &OffsetEstimate, in_effect_ns: i64) -> Option<i64> {
+    let worth = e.offset_ns.unsigned_abs() > (2 * e.uncertainty_ns).max(10_000);
+    worth.then(|| in_effect_ns.saturating_add(e.offset_ns))
+}
+
 /// The estimates as they are once each process applied `corrections` (ns subtracted from
 /// its clock): what the next round would measure, were the clocks steady.
 pub fn after_correction(
@@ -524,6 +533,17 @@ mod tests {
         assert_eq!(judge(&needs("direct"), &clocks(&[(1_100 * ms, 0), (0, 0)])).level, ClockLevel::Beyond);
         // One process has no one to disagree with.
         assert_eq!(judge(&needs("direct"), &clocks(&[(9_000 * ms, 0)])).skew_ns, 0);
+    }
+
+    #[test]
+    fn a_correction_is_given_only_for_more_than_the_noise() {
+        let e = |offset_ns, uncertainty_ns| OffsetEstimate { offset_ns, uncertainty_ns, delay_ns: 0, samples: 8 };
+        assert_eq!(correction(&e(3_000_000, 100_000), 0), Some(3_000_000));
+        // Already corrected by 2.9 ms, 100 us left over a bound of 40 us: the whole offset.
+        assert_eq!(correction(&e(100_000, 40_000), 2_900_000), Some(3_000_000));
+        assert_eq!(correction(&e(150_000, 100_000), 2_900_000), None, "within twice the bound");
+        assert_eq!(correction(&e(-9_000, 1_000), 0), None, "under 10 us");
+        assert_eq!(correction(&e(-11_000, 1_000), 5), Some(-10_995));
     }
 
     fn policy() -> impl Strategy<Value = &'static str> {

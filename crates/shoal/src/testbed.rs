@@ -411,6 +411,12 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     same.topology.shore_delay_us = emulated_shore_delay_us(&bed);
     same.topology.builder_delay_us = 0.0;
     same.topology.host_port_loss_ppm = bed.loss_ppm;
+    if same.clocks.correct {
+        // Run control corrected the testbed's clocks to within its measurement (the run
+        // record says how close); the simulator, without run control, runs one clock.
+        same.clocks = shoal_sim::scenario::ClockModel::default();
+        eprintln!("note: clocks corrected on the testbed: the simulator runs them as one clock");
+    }
     if bed.congestion == Congestion::Cubic {
         eprintln!("note: the simulator models NewReno; the testbed runs cubic");
     }
