@@ -120,8 +120,11 @@ def main():
     ap.add_argument("--testbed", action="store_true", help="also run the testbed (root)")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="testbed runs per point of the tolerance table")
     ap.add_argument(
-        "--parts", default="full,incast", help="what to run (full, incast); the others are read from OUT_DIR"
+        "--parts",
+        default="full,incast,tolerance",
+        help="what to run (full, incast, tolerance: the last two need --testbed); the others are read from OUT_DIR",
     )
     args = ap.parse_args()
     out = pathlib.Path(args.out_dir)
@@ -138,19 +141,16 @@ def main():
         rows = full_shape(args, jobs, full_base, work)
         (out / "full-shape.json").write_text(json.dumps(rows, indent=1))
 
-        futs = {
-            ex.submit(simulate, args.shoal, scenario_text(full_base, p, s, load_s=10.0), work): (p, s) for p, s in jobs
-        }
-
-    # 2. The incast shape (15 x 5), simulator and testbed side by side; 3. 100 ms slices
-    # with 1 ms, uncorrected in the simulator, uncorrected and corrected on the testbed.
+    # 2. The incast shape (15 x 5), simulator and testbed side by side (10 ms slices); 3.
+    # 100 ms slices with 1 ms, uncorrected and corrected (tolerance_part).
+    if "tolerance" in args.parts:
+        tolerance_part(args, incast_base, work, out)
     if "incast" not in args.parts:
         incast = json.loads((out / "incast.json").read_text())
         write_tables(out, rows, incast)
         plot(out, rows)
         return
     points = [(p, s, None, False) for p in POLICIES for s in INCAST_SPREADS_US]
-    points += [(p, s, 100, c) for p in POLICIES for s, c in ((0, False), (1000, False), (1000, True))]
     incast = []
     for p, s, slice_ms, correct in points:
         text = scenario_text(incast_base, p, s, slice_ms=slice_ms, correct=correct)
@@ -192,14 +192,48 @@ def main():
     plot(out, rows)
 
 
+def tolerance_part(args, incast_base, work, out):
+    """100 ms slices, source hosts 1 ms apart, uncorrected and corrected, against one clock:
+    `--repeats` testbed runs each (medians), the simulator once (it is deterministic)."""
+    import statistics
+
+    rows = []
+    for p in POLICIES:
+        for s, correct in ((0, False), (1000, False), (1000, True)):
+            text = scenario_text(incast_base, p, s, slice_ms=100, correct=correct)
+            runs = [testbed(args.shoal, text, work, args.seconds) for _ in range(args.repeats)]
+            beds = [v["testbed"] for v in runs]
+            lost = sum(b["ledger"]["produced"] - b["ledger"]["buckets"].get("delivered", 0) for b in beds)
+            sim = None if correct else runs[0]["simulator"]
+            row = {
+                "policy": p,
+                "spread_us": s,
+                "correct": correct,
+                "runs": len(beds),
+                "incomplete": sum(b["slices_incomplete"] for b in beds),
+                "lost": lost,
+                "delay_avg_us_median": statistics.median(b["network_delay_steady_avg_us"] for b in beds),
+                "delay_p99_us_median": statistics.median(b["network_delay_steady_p99_us"] for b in beds),
+                "starved": sum(1 for b in beds if b["starved"]),
+                "sim_slice_delay_avg_us": sim["slice_delay_avg_us"] if sim else None,
+                "sim_network_delay_avg_us": sim["network_delay_steady_avg_us"] if sim else None,
+            }
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    (out / "tolerance.json").write_text(json.dumps(rows, indent=1))
+
+
 def write_tables(out, rows, incast):
     md = ["### Full ANTARES shape (300 x 100, 10 ms slices), simulator", ""]
     md += ["| policy | offset spread | slices complete | slice delay avg | p99 | verdict |", "|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(
-            f"| {r['policy']} | {r['spread_us'] / 1000:g} ms | {r['complete_pct']:.1f} % | "
-            f"{r['slice_delay_avg_us'] / 1000:.2f} ms | {r['slice_delay_p99_us'] / 1000:.2f} ms | {r['verdict']} |"
+        # No complete slice, no slice delay.
+        delays = (
+            f"{r['slice_delay_avg_us'] / 1000:.2f} ms | {r['slice_delay_p99_us'] / 1000:.2f} ms"
+            if r["complete_pct"] > 0
+            else "- | -"
         )
+        md.append(f"| {r['policy']} | {r['spread_us'] / 1000:g} ms | {r['complete_pct']:.1f} % | {delays} | {r['verdict']} |")
     md += ["", "### Incast shape (15 x 5), simulator and testbed", ""]
     md += [
         "| policy | slice | offset spread | corrected | sim complete | sim slice delay | sim delay p99 | sim verdict | testbed complete | testbed delay p99 | testbed lost | testbed verdict | agree |",
@@ -224,6 +258,21 @@ def write_tables(out, rows, incast):
             )
             + (f"{'yes' if hosts['agree'] else 'no'} |" if hosts else "- |")
         )
+    tol = out / "tolerance.json"
+    if tol.exists():
+        md += ["", "### 100 ms slices, source hosts 1 ms apart (testbed medians; simulator)", ""]
+        md += [
+            "| policy | offset spread | corrected | testbed runs | incomplete slices | lost | network delay avg | p99 | sim slice delay |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in json.loads(tol.read_text()):
+            sim = r["sim_slice_delay_avg_us"]
+            md.append(
+                f"| {r['policy']} | {r['spread_us'] / 1000:g} ms | {'yes' if r['correct'] else 'no'} | {r['runs']}"
+                f"{' (' + str(r['starved']) + ' starved)' if r['starved'] else ''} | {r['incomplete']} | {r['lost']} | "
+                f"{r['delay_avg_us_median'] / 1000:.2f} ms | {r['delay_p99_us_median'] / 1000:.2f} ms | "
+                + (f"{sim / 1000:.2f} ms |" if sim is not None else "- |")
+            )
     (out / "tables.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

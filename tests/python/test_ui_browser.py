@@ -89,6 +89,11 @@ def _drive(c, browser):
 
     click("INIT", "STANDBY")
     click("CONFIGURE", "READY")
+    # CONFIGURE measured every process's clock: the column shows offset -> residual +- bound,
+    # and the tolerance rule's verdict is under the table.
+    clocks = lambda: js("return [...document.querySelectorAll('#processes tbody .clock')].map(e => e.textContent)")  # noqa: E731
+    wait.until(lambda _: len(clocks()) == 9 and all("\u00b1" in t for t in clocks()))
+    assert "clock skew" in js("return document.getElementById('clock-verdict').textContent")
     click("START", "RUNNING")
     # Non-zero rates, as the page shows them (the status the page rendered last).
     rate = lambda key: browser.execute_script(  # noqa: E731

@@ -48,6 +48,14 @@ pub struct ProcessClock {
     pub round_trip_ns: u64,
     /// UNIX ns of the latest round that heard the process.
     pub measured_unix_ns: u64,
+    /// How fast the host's clock runs against run control's, parts per million, from the
+    /// first round that heard this process to the latest (the longer apart, the tighter) ...
+    pub drift_ppm: Option<f64>,
+    /// ... within this (both rounds' bounds over the time between them).
+    pub drift_bound_ppm: Option<f64>,
+    /// The first round that heard the process: (offset ns, bound ns, UNIX ns).
+    #[serde(skip)]
+    first: Option<(i64, u64, u64)>,
 }
 
 /// The clocks' part of a run record.
@@ -194,6 +202,16 @@ impl ClockWatch {
             c.uncertainty_ns = e.uncertainty_ns;
             c.round_trip_ns = e.delay_ns;
             c.measured_unix_ns = unix_ns;
+            match c.first {
+                None => c.first = Some((c.offset_ns, e.uncertainty_ns, unix_ns)),
+                // At least a second apart: a drift from rounds closer is mostly noise.
+                Some((o0, u0, t0)) if unix_ns >= t0 + 1_000_000_000 => {
+                    let dt = (unix_ns - t0) as f64;
+                    c.drift_ppm = Some((c.offset_ns - o0) as f64 / dt * 1e6);
+                    c.drift_bound_ppm = Some((u0 + e.uncertainty_ns) as f64 / dt * 1e6);
+                }
+                Some(_) => {}
+            }
             let bound = (self.settings.warn_offset_us * 1e3) as i64;
             if c.offset_ns.abs() > bound {
                 if self.warned.insert(name.clone()) {
@@ -266,6 +284,38 @@ impl ClockWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A host clock running 50 ppm fast: the drift from the first round to the latest, its
+    /// bound shrinking as the rounds grow apart.
+    #[test]
+    fn the_drift_is_measured_between_the_first_round_and_the_latest() {
+        let procs = vec![("s0".to_string(), Role::Source)];
+        let settings = ClockSettings { samples: 1, correct: false, ..Default::default() };
+        let t0 = 1_000_000_000_000u64;
+        let mut w = ClockWatch::new(settings, &procs, None, Instant::from_nanos(t0));
+        let mut bounds = Vec::new();
+        for round in 0..4u64 {
+            let t = Instant::from_nanos(t0 + round * 10_000_000_000);
+            w.start_round(t);
+            let text = w.poll_probe(t).unwrap();
+            let seq: u64 = text.rsplit(' ').next().unwrap().parse().unwrap();
+            let drift = (round * 10_000_000_000 / 1_000_000 * 50) as i64; // 50 ns per ms
+            let (a, t4) = answer("s0", seq, t.as_nanos(), drift, 0);
+            w.handle_answer(&a, t4);
+            let end = w.poll_timeout();
+            w.handle_timeout(end);
+            w.poll_round(t.as_nanos(), false).unwrap();
+            let c = &w.clocks()["s0"];
+            if round == 0 {
+                assert_eq!(c.drift_ppm, None);
+                continue;
+            }
+            let (d, b) = (c.drift_ppm.unwrap(), c.drift_bound_ppm.unwrap());
+            assert!((d - 50.0).abs() <= b, "{d} +- {b}");
+            bounds.push(b);
+        }
+        assert!(bounds.windows(2).all(|w| w[1] < w[0]), "{bounds:?}");
+    }
 
     fn answer(name: &str, seq: u64, t1: u64, offset: i64, correction: i64) -> (TimeAnswer, Instant) {
         let t2 = (t1 + 50_000) as i64 + offset - correction;

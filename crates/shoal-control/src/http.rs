@@ -189,6 +189,17 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         }
         reg.register(name, help, fam);
     }
+    let drift = Family::<Vec<(String, String)>, Seconds>::default();
+    for p in &st.processes {
+        if let Some(d) = p.clock.as_ref().and_then(|c| c.drift_ppm) {
+            drift.get_or_create(&vec![("name".into(), p.name.clone()), ("role".into(), p.role.clone())]).set(d * 1e-6);
+        }
+    }
+    reg.register(
+        "shoal_runcontrol_clock_drift_ratio",
+        "How fast the process's host clock runs against run control's (1e-6: 1 ppm fast), since it was first measured",
+        drift,
+    );
     if let Some(v) = &st.clock_verdict {
         let skew = Seconds::default();
         skew.set(v.skew_ns as f64 * 1e-9);

@@ -139,7 +139,9 @@ function render(s) {
       // what its data path runs on after the correction, with the measurement's bound.
       const c = p.clock;
       const clock = c
-        ? `<span title="host ${fmt(c.offset_ns / 1000, 1)} us, corrected by ${fmt(c.correction_ns / 1000, 1)} us">` +
+        ? `<span title="host ${fmt(c.offset_ns / 1000, 1)} us, corrected by ${fmt(c.correction_ns / 1000, 1)} us` +
+          (c.drift_ppm != null ? `, drift ${fmt(c.drift_ppm, 2)} \u00b1 ${fmt(c.drift_bound_ppm, 2)} ppm` : "") +
+          `">` +
           `${fmt(c.offset_ns / 1000, 0)} &rarr; ${fmt(c.residual_ns / 1000, 0)} &plusmn; ${fmt(c.uncertainty_ns / 1000, 0)}</span>`
         : "-";
       const metrics = p.metrics_addr ? `<a href="http://${p.metrics_addr}/metrics">${p.metrics_addr}</a>` : "-";
