@@ -25,14 +25,20 @@ def clock_cluster(tmp_path, correct: bool) -> str:
     return text.replace("[[process]]", settings, 1)
 
 
+def configured(c: Cluster) -> dict:
+    """Every process announced, INIT, CONFIGURE (which measures and corrects the clocks):
+    the status after."""
+    c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
+    c.run_command("INIT", "STANDBY")
+    c.run_command("CONFIGURE", "READY")
+    return c.status()
+
+
 def test_offsets_are_measured_within_their_uncertainty_corrected_and_the_run_loses_nothing(shoal_bin, tmp_path):
     c = Cluster(shoal_bin, tmp_path, text=clock_cluster(tmp_path, correct=True))
     try:
-        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
-        c.run_command("INIT", "STANDBY")
-        c.run_command("CONFIGURE", "READY")
-        # CONFIGURE measured twice and corrected in between: every process has a clock.
-        s = c.status()
+        # CONFIGURE measured, corrected and measured again: every process has a clock.
+        s = configured(c)
         for p in s["processes"]:
             clock = p["clock"]
             assert clock is not None, p
@@ -79,10 +85,7 @@ def test_offsets_are_measured_within_their_uncertainty_corrected_and_the_run_los
 def test_without_correction_the_skew_is_measured_and_judged(shoal_bin, tmp_path):
     c = Cluster(shoal_bin, tmp_path, text=clock_cluster(tmp_path, correct=False))
     try:
-        c.wait(lambda s: s["state"] == "IDLE", 60, "every process to announce itself")
-        c.run_command("INIT", "STANDBY")
-        c.run_command("CONFIGURE", "READY")
-        s = c.status()
+        s = configured(c)
         for name, us in INJECTED_US.items():
             clock = c.process(s, name)["clock"]
             assert clock["correction_ns"] == 0, clock
