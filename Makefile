@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SHOAL  := target/release/shoal
 
-.PHONY: demo test build lint rust-test py-test py-env py-sdk c-examples rust-examples deps bench clean
+.PHONY: demo test build lint rust-test prom-test py-test py-env py-sdk c-examples rust-examples deps bench clean
 
 demo: build
 	$(SHOAL) demo
@@ -31,14 +31,15 @@ c-examples: build
 	cc $(CFLAGS) -Iinclude examples/c/consumer.c -Ltarget/release -lshoal \
 	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/consumer
 
-test: deps lint rust-test py-test
+test: deps lint rust-test prom-test py-test
 
 # Debian packages the tests and benchmarks use, installed only when we are root and they
 # are missing (CI runs as root on a fresh machine): chromium + chromium-driver for the
 # browser test of the run-control UI, iproute2 + ethtool + nftables (injected loss) for the
-# testbed tests (network namespaces; they skip when not root), the rest for the benchmarks'
-# peers.
-DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables
+# testbed tests (network namespaces; they skip when not root), prometheus (promtool for the
+# alerting rules' tests, the server for tests/python/test_prometheus.py), the rest for the
+# benchmarks' peers.
+DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables prometheus
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -48,6 +49,12 @@ deps:
 	      || echo "warning: could not install$$missing (the browser test and benchmarks need them)"; \
 	  else echo "note: not root, not installing$$missing (the browser test skips without chromium)"; fi; \
 	fi
+
+# deploy/prometheus: the configuration and alerting rules checked, the rules' unit tests run.
+prom-test: deps
+	@if command -v promtool >/dev/null; then \
+	  cd deploy/prometheus && promtool check config prometheus.yml && promtool test rules shoal.rules.test.yml; \
+	else echo "note: promtool missing (Debian prometheus, installed when root): rules not tested"; fi
 
 lint:
 	$(CARGO) fmt --all --check

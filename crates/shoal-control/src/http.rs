@@ -95,6 +95,40 @@ pub async fn send_alert(dispatcher: std::net::SocketAddr, alert: &shoal_core::al
     Ok(())
 }
 
+/// Prometheus HTTP service discovery (`http_sd_configs`, deploy/prometheus): every process's
+/// `/metrics` as it announced it, and the dispatcher's, labelled with process and role.
+async fn prometheus_targets(State(s): State<AppState>) -> impl IntoResponse {
+    Json(prometheus_target_groups(&s.shared.snapshot()))
+}
+
+/// The target groups of [`prometheus_targets`]. A process bound to every address
+/// (`0.0.0.0:PORT`) is reached at its host's name from the cluster file.
+pub fn prometheus_target_groups(st: &crate::status::ClusterStatus) -> Vec<serde_json::Value> {
+    let reachable = |addr: &str, host: &str| match addr.strip_prefix("0.0.0.0:").or_else(|| addr.strip_prefix("[::]:"))
+    {
+        Some(port) => format!("{host}:{port}"),
+        None => addr.to_string(),
+    };
+    let mut groups: Vec<serde_json::Value> = st
+        .processes
+        .iter()
+        .filter_map(|p| {
+            let addr = p.metrics_addr.as_deref()?;
+            Some(serde_json::json!({
+                "targets": [reachable(addr, &p.host)],
+                "labels": { "shoal_cluster": st.cluster, "shoal_process": p.name, "shoal_role": p.role },
+            }))
+        })
+        .collect();
+    if let Some(addr) = &st.dispatcher_metrics {
+        groups.push(serde_json::json!({
+            "targets": [reachable(addr, "localhost")],
+            "labels": { "shoal_cluster": st.cluster, "shoal_process": "dispatcher", "shoal_role": "dispatcher" },
+        }));
+    }
+    groups
+}
+
 async fn runs(State(s): State<AppState>) -> impl IntoResponse {
     Json(s.shared.snapshot().history)
 }
@@ -239,6 +273,7 @@ pub async fn serve(
         .route("/api/runs/{n}", get(run_record))
         .route("/api/ws", get(ws))
         .route("/metrics", get(metrics))
+        .route("/api/prometheus/targets", get(prometheus_targets))
         .with_state(AppState {
             shared,
             commands,
@@ -249,4 +284,38 @@ pub async fn serve(
     let limits = shoal_dispatcher::httpd::HttpLimits::default();
     let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
     shoal_dispatcher::httpd::serve(listener, app, limits, stats, "run control", cancel).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{ClusterStatus, ProcStatus};
+
+    #[test]
+    fn service_discovery_lists_every_announced_process_at_a_reachable_address() {
+        let proc = |name: &str, role: &str, host: &str, addr: Option<&str>| ProcStatus {
+            name: name.into(),
+            role: role.into(),
+            host: host.into(),
+            metrics_addr: addr.map(String::from),
+            ..Default::default()
+        };
+        let st = ClusterStatus {
+            cluster: "sector".into(),
+            processes: vec![
+                proc("builder0", "builder", "daq-07", Some("0.0.0.0:9101")),
+                proc("source0", "source", "localhost", Some("127.0.0.1:40001")),
+                proc("writer", "writer", "localhost", None), // not announced yet
+            ],
+            dispatcher_metrics: Some("127.0.0.1:5554".into()),
+            ..Default::default()
+        };
+        let groups = prometheus_target_groups(&st);
+        assert_eq!(groups.len(), 3, "{groups:?}");
+        assert_eq!(groups[0]["targets"][0], "daq-07:9101", "bound to every address: reached at its host");
+        assert_eq!(groups[0]["labels"]["shoal_role"], "builder");
+        assert_eq!(groups[1]["targets"][0], "127.0.0.1:40001");
+        assert_eq!(groups[2]["labels"]["shoal_process"], "dispatcher");
+        assert_eq!(groups[2]["labels"]["shoal_cluster"], "sector");
+    }
 }

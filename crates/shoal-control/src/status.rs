@@ -8,7 +8,7 @@ use serde::Serialize;
 use shoal_net::node::NodeStats;
 
 /// One process as the UI shows it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct ProcStatus {
     pub name: String,
     pub role: String,
