@@ -1,9 +1,11 @@
 """A real Prometheus (Debian's) with deploy/prometheus's configuration and rules, scraping a
 real `shoal run`: it finds every process through run control's service discovery, sees
-their metrics, and raises ShoalProcessDown for a builder killed during the run."""
+their metrics (every one the Grafana dashboard and the rules name), and raises
+ShoalProcessDown for a builder killed during the run."""
 
 import json
 import os
+import re
 import pathlib
 import shutil
 import signal
@@ -103,6 +105,29 @@ def test_prometheus_scrapes_a_run_and_fires_process_down(shoal_bin, tmp_path, pr
             lambda: len(query(base, "shoal_runcontrol_clock_offset_seconds")) == 9,
         )
         assert clocks
+
+        # Every metric the dashboard and the alerting rules name is one a real run exposes,
+        # and every dashboard query runs.
+        exposed = set(api(base, "/api/v1/label/__name__/values")["data"])
+        dashboard = json.loads((ROOT / "deploy" / "grafana" / "shoal-dashboard.json").read_text())
+        queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+        assert len(queries) >= 15, queries
+        # The rules as Prometheus loaded them.
+        groups = api(base, "/api/v1/rules")["data"]["groups"]
+        rules = [r["query"] for g in groups for r in g["rules"]]
+        assert len(rules) >= 8, rules
+        named = set(re.findall(r"\bshoal_[a-z0-9_]+", " ".join(queries + rules)))
+        assert named and named <= exposed, sorted(named - exposed)
+        for q in queries:
+            r = api(base, "/api/v1/query", query=q.replace("$__rate_interval", "30s"))
+            assert r["status"] == "success", (q, r)
+        delay = wait_for(
+            "a fragment delay percentile",
+            lambda: (r := query(base, dashboard["panels"][3]["targets"][1]["expr"].replace("$__rate_interval", "30s")))
+            and r[0]["value"][1] not in ("NaN", "0")
+            and r,
+        )
+        assert 0 < float(delay[0]["value"][1]) < 60, delay
 
         victim = c.process(c.status(), "builder1")
         os.kill(victim["pid"], signal.SIGKILL)

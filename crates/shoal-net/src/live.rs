@@ -40,6 +40,21 @@ pub struct Live {
     pub tap: std::sync::Arc<crate::tap::Tap>,
     /// Network delays (us) since the last [`Live::take_delays`].
     delays: Mutex<Option<Histogram<u64>>>,
+    /// The same delays since the process started, for Prometheus (cumulative buckets, so a
+    /// percentile over any window: the latency alert of deploy/prometheus).
+    pub delay_histogram: DelayHistogram,
+}
+
+/// Fragment network delays in seconds, Prometheus's cumulative histogram (buckets from
+/// 0.5 ms to 5 s).
+#[derive(Clone, Debug)]
+pub struct DelayHistogram(pub prometheus_client::metrics::histogram::Histogram);
+
+impl Default for DelayHistogram {
+    fn default() -> Self {
+        const BUCKETS: [f64; 13] = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0];
+        Self(prometheus_client::metrics::histogram::Histogram::new(BUCKETS))
+    }
 }
 
 impl Live {
@@ -65,6 +80,8 @@ impl Live {
         let mut d = self.delays.lock().unwrap_or_else(|e| e.into_inner());
         let h = d.get_or_insert_with(|| Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds"));
         let _ = h.record(us.max(1));
+        drop(d);
+        self.delay_histogram.0.observe(us as f64 * 1e-6);
     }
 
     /// The delays recorded since the previous call (empty if none).

@@ -598,6 +598,16 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
         "Bytes the burst saver keeps alive (history and data waiting for disk)",
         held,
     );
+    let h = live.delay_histogram.0.clone();
+    let delays =
+        Family::<Labels, prometheus_client::metrics::histogram::Histogram, _>::new_with_constructor(move || h.clone());
+    // Created with the process's labels, so that the series exists before any delay.
+    let _ = delays.get_or_create(&labels);
+    reg.register(
+        "shoal_node_fragment_delay_seconds",
+        "Network delay of the fragments a builder received (send to complete arrival)",
+        delays,
+    );
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out
