@@ -88,8 +88,12 @@ def test_prometheus_scrapes_a_run_and_fires_process_down(shoal_bin, tmp_path, pr
         c.run_command("START", "RUNNING")
 
         # Every process and the dispatcher found through run control and scraped.
-        targets = api(c.url, "/api/prometheus/targets")
-        assert len(targets) == 10, targets
+        # (A process's metrics address arrives with its first statistics.)
+        targets = wait_for(
+            "every process in the service discovery",
+            lambda: (t := api(c.url, "/api/prometheus/targets")) and len(t) == 10 and t,
+        )
+        assert {g["labels"]["shoal_role"] for g in targets} == {"source", "builder", "writer", "dispatcher"}, targets
         up = wait_for(
             "every process to be scraped",
             lambda: (r := query(base, 'up{job="shoal-processes"} == 1')) and len(r) == 10 and r,
