@@ -161,7 +161,14 @@ impl SourceHandle {
             return Err(SdkError::Run("already closed".into()));
         };
         match t.join() {
-            Ok(r) => r.map_err(SdkError::Run),
+            Ok(r) => r.map_err(SdkError::Run).map(|mut report| {
+                // The source thread took the input's counts when it ended, which after an
+                // abort can be before the caller's last (refused) submissions: the input is
+                // closed now, so its counts are final. (Found by CI: a submission refused
+                // after abort missing from the report.)
+                report.ingest = Some(self.ingest.report());
+                report
+            }),
             Err(_) => Err(SdkError::Run("the source thread panicked".into())),
         }
     }
