@@ -80,9 +80,6 @@ pub struct RoundActions {
     pub adjust: Vec<String>,
     /// Lines for the operator.
     pub warnings: Vec<String>,
-    pub notes: Vec<String>,
-    /// The round's number.
-    pub round: u64,
 }
 
 /// The clock watch (see the module documentation).
@@ -101,6 +98,8 @@ pub struct ClockWatch {
     needs: Option<ClockNeeds>,
     record: ClockRecord,
     rounds_done: u64,
+    /// Whether the latest finished round asked for corrections.
+    last_round_adjusted: bool,
 }
 
 impl ClockWatch {
@@ -122,6 +121,7 @@ impl ClockWatch {
             needs,
             record: ClockRecord::default(),
             rounds_done: 0,
+            last_round_adjusted: false,
         }
     }
 
@@ -194,7 +194,7 @@ impl ClockWatch {
     pub fn poll_round(&mut self, unix_ns: u64, running: bool) -> Option<RoundActions> {
         let done = self.prober.poll_round()?;
         self.rounds_done = done.round;
-        let mut act = RoundActions { round: done.round, ..Default::default() };
+        let mut act = RoundActions::default();
         for (name, e) in &done.estimates {
             let c = self.clocks.entry(name.clone()).or_default();
             c.residual_ns = e.offset_ns;
@@ -248,6 +248,7 @@ impl ClockWatch {
         if running {
             self.record.warnings.extend(act.warnings.iter().cloned());
         }
+        self.last_round_adjusted = !act.adjust.is_empty();
         Some(act)
     }
 
@@ -273,6 +274,11 @@ impl ClockWatch {
     /// The number of the latest round finished.
     pub fn rounds_done(&self) -> u64 {
         self.rounds_done
+    }
+
+    /// Whether the latest finished round asked for corrections (CONFIGURE measures again).
+    pub fn last_round_adjusted(&self) -> bool {
+        self.last_round_adjusted
     }
 
     /// How many processes answered the latest round, of those expected.

@@ -303,8 +303,6 @@ pub struct Controller {
     clocks: ClockWatch,
     /// CONFIGURE's clock rounds are on: the command is not done for the operator yet.
     settling: bool,
-    /// Whether the latest clock round sent corrections.
-    clock_adjusted: Option<bool>,
 }
 
 impl Controller {
@@ -339,7 +337,6 @@ impl Controller {
         Ok(Self {
             clocks,
             settling: false,
-            clock_adjusted: None,
             control: ClusterControl::new(cfg, clock.now()),
             clock,
             numbers: RunNumbers::new(&state_dir),
@@ -358,11 +355,6 @@ impl Controller {
     /// Sends the clock probes that are due and acts on a finished round (corrections,
     /// warnings, the status).
     async fn flush_clocks(&mut self) {
-        self.clock_adjusted = self.flush_clock_round().await.or(self.clock_adjusted);
-    }
-
-    /// [`Controller::flush_clocks`]; whether a round ended that sent corrections.
-    async fn flush_clock_round(&mut self) -> Option<bool> {
         while let Some(text) = self.clocks.poll_probe(self.clock.now()) {
             if let Err(e) = self.client.publish(RC_TIME, text.as_bytes()).await {
                 self.shared.update(|s| s.note(format!("cannot send a clock probe: {e}")));
@@ -370,7 +362,7 @@ impl Controller {
             }
         }
         let running = self.control.run().is_some();
-        let act = self.clocks.poll_round(self.clock.now().as_nanos(), running)?;
+        let Some(act) = self.clocks.poll_round(self.clock.now().as_nanos(), running) else { return };
         for text in &act.adjust {
             if let Err(e) = self.client.publish(RC_TIME, text.as_bytes()).await {
                 self.shared.update(|s| s.note(format!("cannot send a clock correction: {e}")));
@@ -387,7 +379,6 @@ impl Controller {
             }
             s.clock_verdict = verdict;
         });
-        Some(!act.adjust.is_empty())
     }
 
     /// Measurement rounds until one needs no correction (at most four): at CONFIGURE, so
@@ -395,14 +386,13 @@ impl Controller {
     /// before START whether the skew left is within what the policy tolerates.
     async fn settle_clocks(&mut self) -> anyhow::Result<()> {
         for _ in 0..4 {
-            self.clock_adjusted = None;
             let round = self.clocks.start_round(self.clock.now());
             self.flush_clocks().await;
             // Bounded: a round ends at its answer timeout whoever answered.
             while self.clocks.rounds_done() < round {
                 self.turn().await?;
             }
-            if self.clock_adjusted != Some(true) {
+            if !self.clocks.last_round_adjusted() {
                 break;
             }
         }
