@@ -53,6 +53,7 @@ pub mod clocksync;
 pub mod cluster;
 pub mod controlhost;
 pub mod datagram;
+pub mod diagnosis;
 pub mod event;
 pub mod frame;
 pub mod hit;

@@ -95,6 +95,54 @@ pub struct BuilderNodeReport {
     /// Pull policies: assignments, requests, re-asks, fragments given up, waits.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
     pub pull: Option<PullStats>,
+    /// The first and last slice this builder processed (none: it processed none).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slices_first: Option<SliceNumber>,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slices_last: Option<SliceNumber>,
+    /// The incomplete slices with the sources they lacked, in processing order (the
+    /// diagnosis names a cause for each); at most [`MAX_LISTED_SLICES`], the rest counted
+    /// in `incomplete_unlisted`.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub incomplete_slices: Vec<IncompleteSlice>,
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub incomplete_unlisted: u64,
+}
+
+/// Most incomplete slices a builder lists in its report (a run losing more has one cause
+/// that the first ten thousand show).
+pub const MAX_LISTED_SLICES: usize = 10_000;
+/// Most sources listed per incomplete slice (the rest counted).
+pub const MAX_LISTED_SOURCES: usize = 64;
+
+/// One incomplete slice: the sources that sent nothing and those discarded for overload.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct IncompleteSlice {
+    pub slice: SliceNumber,
+    /// Why it was processed (`wall_clock_timeout`, `end_of_run`, ...).
+    pub reason: String,
+    pub missing: Vec<SourceId>,
+    pub dropped: Vec<SourceId>,
+    /// Sources beyond [`MAX_LISTED_SOURCES`] in `missing` and `dropped` together.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub unlisted_sources: u32,
+}
+
+impl IncompleteSlice {
+    fn of<T>(o: &SliceOutcome<T>) -> Self {
+        let missing: Vec<SourceId> = o.missing.iter().copied().take(MAX_LISTED_SOURCES).collect();
+        let dropped: Vec<SourceId> =
+            o.dropped.iter().copied().take(MAX_LISTED_SOURCES.saturating_sub(missing.len())).collect();
+        let unlisted = (o.missing.len() + o.dropped.len()).saturating_sub(missing.len() + dropped.len());
+        Self {
+            slice: o.slice,
+            reason: incomplete_reason(o.reason).to_string(),
+            missing,
+            dropped,
+            unlisted_sources: unlisted as u32,
+        }
+    }
 }
 
 /// A builder process's decisions. See the [module documentation](super).
@@ -313,12 +361,20 @@ impl<T> BuilderNode<T> {
             if let Some(p) = self.pull.as_mut() {
                 p.handle_slice_done(now, o.slice);
             }
+            let r = &mut self.report;
+            r.slices_first = Some(r.slices_first.map_or(o.slice, |f| f.min(o.slice)));
+            r.slices_last = Some(r.slices_last.map_or(o.slice, |l| l.max(o.slice)));
             if o.is_complete() {
-                self.report.slices_complete += 1;
+                r.slices_complete += 1;
             } else {
-                self.report.slices_incomplete += 1;
+                r.slices_incomplete += 1;
                 let name = incomplete_reason(o.reason);
-                *self.report.incomplete_reasons.entry(name.to_string()).or_default() += 1;
+                *r.incomplete_reasons.entry(name.to_string()).or_default() += 1;
+                if r.incomplete_slices.len() < MAX_LISTED_SLICES {
+                    r.incomplete_slices.push(IncompleteSlice::of(&o));
+                } else {
+                    r.incomplete_unlisted += 1;
+                }
             }
             self.out.push_back(o);
         }
@@ -407,6 +463,10 @@ mod tests {
         let r = b.report();
         assert_eq!((r.slices_complete, r.slices_incomplete, r.fragments, r.sources_ended), (1, 1, 3, 2));
         assert_eq!(r.incomplete_reasons["end_of_run"], 1);
+        assert_eq!(r.incomplete_slices.len(), 1, "the incomplete slice is listed with what it lacked");
+        assert_eq!((r.incomplete_slices[0].slice, r.incomplete_slices[0].reason.as_str()), (1, "end_of_run"));
+        assert_eq!(r.incomplete_slices[0].missing, [0]);
+        assert_eq!((r.slices_first, r.slices_last), (Some(0), Some(1)));
         assert_eq!((r.tally.delivered, r.tally.late, r.tally.unaccounted()), (3, 1, 0));
     }
 }

@@ -1,0 +1,321 @@
+//! Diagnosis: which known problem the cluster has, on which processes, since when, and
+//! what to do; and, after a run, one primary cause for every slice it lost.
+//!
+//! Like CMS's DAQExpert, the knowledge is a set of small independent rules
+//! ([`rules`], one module each), every one a function over a [`Snapshot`] of what run
+//! control knows (each process's presence, its counters, how they moved since the last
+//! evaluation, the clocks' verdict). [`Diagnoser`] evaluates them (run control: every
+//! second) and keeps the timeline of [`Episode`]s: when each problem began and ended.
+//!
+//! After the run, [`slices::attribute`] gives every lost slice (incomplete, assembled but
+//! not filtered, or never built) exactly one primary cause, or `unexplained`, from the
+//! builders' lists of incomplete slices, the departures and the timeline, naming the rule
+//! that claimed it ([`SliceDiagnosis`]).
+//!
+//! Sans-IO: time comes in the snapshot (UNIX ns, run control's clock).
+
+pub mod rules;
+pub mod slices;
+
+use std::collections::BTreeMap;
+
+use crate::clocksync::ClockVerdict;
+
+pub use slices::{LostSlice, RunFacts, SliceDiagnosis, SliceLoss, attribute};
+
+/// The known problems, highest priority first: when several could explain a lost slice,
+/// the first one claims it (a dead builder explains its sources' drops, not the reverse).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
+pub enum Rule {
+    ProcessDown,
+    ProcessHung,
+    BuilderDiscarding,
+    FilterBehind,
+    SourceDropping,
+    ConnectionsRefused,
+    ClockSkew,
+}
+
+impl Rule {
+    pub const ALL: [Rule; 7] = [
+        Rule::ProcessDown,
+        Rule::ProcessHung,
+        Rule::BuilderDiscarding,
+        Rule::FilterBehind,
+        Rule::SourceDropping,
+        Rule::ConnectionsRefused,
+        Rule::ClockSkew,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Rule::ProcessDown => "process_down",
+            Rule::ProcessHung => "process_hung",
+            Rule::BuilderDiscarding => "builder_discarding",
+            Rule::FilterBehind => "filter_behind",
+            Rule::SourceDropping => "source_dropping",
+            Rule::ConnectionsRefused => "connections_refused",
+            Rule::ClockSkew => "clock_skew",
+        }
+    }
+
+    /// The best action, for the operator.
+    pub fn action(self) -> &'static str {
+        match self {
+            Rule::ProcessDown => {
+                "run control restarts it (cluster.restart_limit); if it keeps dying, read its log in the \
+                 state directory's logs/"
+            }
+            Rule::ProcessHung => {
+                "it is alive but silent: look at its host (CPU, swap, a stopped process); restart it if it \
+                 does not come back"
+            }
+            Rule::BuilderDiscarding => {
+                "the builder refuses fragments for lack of memory or they come too late: raise \
+                 builder.memory_budget_mb or wall_timeout_ms, or add builders"
+            }
+            Rule::FilterBehind => {
+                "the filter is slower than the slices arrive: add builders or filter workers \
+                 (builder.filter.workers), or make the filter cheaper"
+            }
+            Rule::SourceDropping => {
+                "the source cannot send as fast as it produces (burst limit, back-pressure from its \
+                 builders or the network): check the builders it sends to and its link; raise \
+                 source.burst_cutoff or the queue if it is a burst"
+            }
+            Rule::ConnectionsRefused => {
+                "a process refuses connections (bad frames, a version or configuration mismatch, \
+                 a stranger on its port): compare the processes' configurations and versions"
+            }
+            Rule::ClockSkew => {
+                "hosts' clocks differ beyond what the policy absorbs: let run control correct them \
+                 (cluster.clock.correct) or fix the hosts' time service"
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The counters a rule looks at, for one process (totals since it started).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Counters {
+    pub fragments_produced: u64,
+    pub fragments_dropped_at_source: u64,
+    pub fragments_discarded_at_builder: u64,
+    pub slices_complete: u64,
+    pub slices_incomplete: u64,
+    pub slices_not_filtered: u64,
+    pub rejected_connections: u64,
+}
+
+impl Counters {
+    /// How much each counter grew from `before` (a restarted process starts again from
+    /// zero: no growth, not a wrap).
+    pub fn since(&self, before: &Counters) -> Counters {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        Counters {
+            fragments_produced: d(self.fragments_produced, before.fragments_produced),
+            fragments_dropped_at_source: d(self.fragments_dropped_at_source, before.fragments_dropped_at_source),
+            fragments_discarded_at_builder: d(
+                self.fragments_discarded_at_builder,
+                before.fragments_discarded_at_builder,
+            ),
+            slices_complete: d(self.slices_complete, before.slices_complete),
+            slices_incomplete: d(self.slices_incomplete, before.slices_incomplete),
+            slices_not_filtered: d(self.slices_not_filtered, before.slices_not_filtered),
+            rejected_connections: d(self.rejected_connections, before.rejected_connections),
+        }
+    }
+}
+
+/// Whether run control can reach a process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Presence {
+    /// Announced, answering.
+    #[default]
+    Active,
+    /// Gone: exited, left the dispatcher, or never announced itself (the reason).
+    Down(String),
+    /// Connected but did not answer a command in time (the reason).
+    NotAnswering(String),
+    /// Told OFF: leaving is expected.
+    SwitchedOff,
+}
+
+/// One process as run control sees it now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessView {
+    pub name: String,
+    /// `source`, `builder`, `writer`, `dfm`, or `dispatcher`.
+    pub role: String,
+    pub presence: Presence,
+    /// When its last statistics arrived (run control's clock, UNIX ns); none yet: none.
+    pub last_stats_ns: Option<u64>,
+    pub counters: Counters,
+}
+
+/// What run control knows at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Run control's clock, UNIX ns.
+    pub now_ns: u64,
+    /// How often processes send statistics.
+    pub stats_interval_ns: u64,
+    /// A run is taking data (rules on data flow only speak then).
+    pub running: bool,
+    /// Run control is carrying out a command (processes answering it may be silent).
+    pub busy: bool,
+    pub processes: Vec<ProcessView>,
+    /// The tolerance rule on the data processes' clocks after the latest round.
+    pub clock: Option<ClockVerdict>,
+}
+
+/// One problem found now: a rule, the process it is on, what was seen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    pub rule: Rule,
+    pub process: String,
+    pub role: String,
+    pub detail: String,
+}
+
+/// What a rule is given: the snapshot and each process's counters' growth since the
+/// previous evaluation (none for a process seen for the first time).
+pub struct Evaluation<'a> {
+    pub snapshot: &'a Snapshot,
+    pub growth: &'a BTreeMap<String, Counters>,
+}
+
+impl Evaluation<'_> {
+    pub fn growth_of(&self, name: &str) -> Counters {
+        self.growth.get(name).copied().unwrap_or_default()
+    }
+}
+
+/// A problem over time: when it began, when it ended (none: still on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct Episode {
+    pub rule: Rule,
+    pub process: String,
+    pub role: String,
+    pub began_ns: u64,
+    pub ended_ns: Option<u64>,
+    /// What was seen, latest.
+    pub detail: String,
+    pub action: String,
+}
+
+impl Episode {
+    /// Whether it was on at any time in `[from, to)` (widened by `margin` either side).
+    pub fn overlaps(&self, from: u64, to: u64, margin: u64) -> bool {
+        let end = self.ended_ns.unwrap_or(u64::MAX);
+        self.began_ns < to.saturating_add(margin) && end.saturating_add(margin) > from
+    }
+}
+
+/// Most episodes kept (the oldest ended ones go first; the count of those dropped is kept).
+pub const MAX_EPISODES: usize = 2_000;
+
+/// Evaluates the rules and keeps the timeline. See the module documentation.
+#[derive(Debug, Default)]
+pub struct Diagnoser {
+    previous: BTreeMap<String, Counters>,
+    episodes: Vec<Episode>,
+    forgotten: u64,
+}
+
+/// What changed at one evaluation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub began: Vec<Episode>,
+    pub ended: Vec<Episode>,
+}
+
+impl Diagnoser {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs every rule on `snapshot`; problems found begin an episode (or continue it),
+    /// those not found any more end theirs.
+    pub fn evaluate(&mut self, snapshot: &Snapshot) -> Changes {
+        let mut growth = BTreeMap::new();
+        for p in &snapshot.processes {
+            if let Some(before) = self.previous.get(&p.name) {
+                growth.insert(p.name.clone(), p.counters.since(before));
+            }
+        }
+        let findings = rules::check_all(&Evaluation { snapshot, growth: &growth });
+        self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
+        let now = snapshot.now_ns;
+        let mut changes = Changes::default();
+        for e in self.episodes.iter_mut().filter(|e| e.ended_ns.is_none()) {
+            if !findings.iter().any(|f| f.rule == e.rule && f.process == e.process) {
+                e.ended_ns = Some(now);
+                changes.ended.push(e.clone());
+            }
+        }
+        for f in findings {
+            match self.episodes.iter_mut().find(|e| e.ended_ns.is_none() && e.rule == f.rule && e.process == f.process)
+            {
+                Some(e) => e.detail = f.detail,
+                None => {
+                    let e = Episode {
+                        rule: f.rule,
+                        process: f.process,
+                        role: f.role,
+                        began_ns: now,
+                        ended_ns: None,
+                        detail: f.detail,
+                        action: f.rule.action().to_string(),
+                    };
+                    changes.began.push(e.clone());
+                    self.episodes.push(e);
+                }
+            }
+        }
+        while self.episodes.len() > MAX_EPISODES {
+            match self.episodes.iter().position(|e| e.ended_ns.is_some()) {
+                Some(i) => {
+                    self.episodes.remove(i);
+                    self.forgotten += 1;
+                }
+                None => break,
+            }
+        }
+        changes
+    }
+
+    /// The problems on now, highest priority first.
+    pub fn active(&self) -> Vec<&Episode> {
+        let mut on: Vec<&Episode> = self.episodes.iter().filter(|e| e.ended_ns.is_none()).collect();
+        on.sort_by(|a, b| (a.rule, &a.process).cmp(&(b.rule, &b.process)));
+        on
+    }
+
+    /// Every episode kept, in the order they began.
+    pub fn timeline(&self) -> &[Episode] {
+        &self.episodes
+    }
+
+    /// Episodes on at any time in `[from_ns, to_ns)`.
+    pub fn episodes_between(&self, from_ns: u64, to_ns: u64) -> Vec<Episode> {
+        self.episodes.iter().filter(|e| e.overlaps(from_ns, to_ns, 0)).cloned().collect()
+    }
+
+    /// Ended episodes dropped to keep the timeline bounded.
+    pub fn forgotten(&self) -> u64 {
+        self.forgotten
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,36 @@
+//! A process is alive but silent: connected, yet it did not answer a command, or its
+//! statistics stopped coming during a run (a stopped process, a host swapping or starved
+//! of CPU). Only while a run takes data and no command is in progress (a process busy
+//! with STOP's drain sends no statistics and is not hung).
+
+use super::super::{Evaluation, Finding, Presence, Rule};
+
+/// Silence that makes a process hung: five statistics intervals, at least 3 s (a busy
+/// machine delays a process's timer by a fraction of that, not by all of it).
+pub fn silence_limit_ns(stats_interval_ns: u64) -> u64 {
+    stats_interval_ns.saturating_mul(5).max(3_000_000_000)
+}
+
+pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
+    let s = ev.snapshot;
+    let limit = silence_limit_ns(s.stats_interval_ns);
+    for p in &s.processes {
+        match &p.presence {
+            Presence::NotAnswering(why) => {
+                out.push(super::finding(Rule::ProcessHung, p, format!("{} {} does not answer: {why}", p.role, p.name)))
+            }
+            Presence::Active if s.running && !s.busy => {
+                let Some(last) = p.last_stats_ns else { continue };
+                let silent = s.now_ns.saturating_sub(last);
+                if silent > limit {
+                    out.push(super::finding(
+                        Rule::ProcessHung,
+                        p,
+                        format!("{} {} sent no statistics for {:.1} s", p.role, p.name, silent as f64 * 1e-9),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+}

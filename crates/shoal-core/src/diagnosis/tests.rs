@@ -1,0 +1,249 @@
+use super::*;
+use crate::clocksync::{ClockLevel, ClockVerdict};
+use slices::{Departed, Host};
+
+fn view(name: &str, role: &str) -> ProcessView {
+    ProcessView { name: name.into(), role: role.into(), last_stats_ns: Some(0), ..Default::default() }
+}
+
+fn snapshot(now_s: u64, processes: Vec<ProcessView>) -> Snapshot {
+    Snapshot {
+        now_ns: now_s * 1_000_000_000,
+        stats_interval_ns: 500_000_000,
+        running: true,
+        busy: false,
+        processes,
+        clock: None,
+    }
+}
+
+#[test]
+fn a_process_down_is_an_episode_from_when_it_is_seen_to_when_it_is_back() {
+    let mut d = Diagnoser::new();
+    let mut p = view("builder1", "builder");
+    assert_eq!(d.evaluate(&snapshot(1, vec![p.clone()])), Changes::default());
+    p.presence = Presence::Down("process exited (signal 9)".into());
+    let c = d.evaluate(&snapshot(2, vec![p.clone()]));
+    assert_eq!(c.began.len(), 1);
+    assert_eq!((c.began[0].rule, c.began[0].process.as_str()), (Rule::ProcessDown, "builder1"));
+    assert!(c.began[0].detail.contains("signal 9"));
+    // Still down: the same episode, nothing new.
+    assert_eq!(d.evaluate(&snapshot(3, vec![p.clone()])), Changes::default());
+    assert_eq!(d.active().len(), 1);
+    p.presence = Presence::Active;
+    p.last_stats_ns = Some(4_000_000_000);
+    let c = d.evaluate(&snapshot(4, vec![p]));
+    assert_eq!(c.ended.len(), 1);
+    assert_eq!(c.ended[0].ended_ns, Some(4_000_000_000));
+    assert!(d.active().is_empty());
+    assert_eq!(d.timeline().len(), 1);
+    assert_eq!(d.episodes_between(1_000_000_000, 2_500_000_000).len(), 1);
+    assert!(d.episodes_between(5_000_000_000, 6_000_000_000).is_empty());
+}
+
+#[test]
+fn silence_is_a_hang_only_while_running_and_no_command_is_carried_out() {
+    let mut d = Diagnoser::new();
+    let p = view("builder0", "builder"); // last statistics at 0 s
+    assert!(d.evaluate(&snapshot(2, vec![p.clone()])).began.is_empty(), "2 s of silence is not a hang");
+    let mut busy = snapshot(10, vec![p.clone()]);
+    busy.busy = true;
+    assert!(d.evaluate(&busy).began.is_empty(), "a process answering STOP may be silent");
+    let mut idle = snapshot(10, vec![p.clone()]);
+    idle.running = false;
+    assert!(d.evaluate(&idle).began.is_empty());
+    let c = d.evaluate(&snapshot(10, vec![p.clone()]));
+    assert_eq!(c.began.len(), 1);
+    assert_eq!(c.began[0].rule, Rule::ProcessHung);
+    assert!(c.began[0].detail.contains("10.0 s"), "{}", c.began[0].detail);
+    let mut q = p;
+    q.presence = Presence::NotAnswering("no answer to STOP within 10s".into());
+    let c = d.evaluate(&snapshot(11, vec![q]));
+    assert!(c.began.is_empty() && c.ended.is_empty(), "still the same hang: {c:?}");
+}
+
+#[test]
+fn counter_rules_speak_when_their_counter_grows_and_stop_when_it_does_not() {
+    let mut d = Diagnoser::new();
+    let mut s = view("source2", "source");
+    let mut b = view("builder0", "builder");
+    s.counters.fragments_dropped_at_source = 5;
+    b.counters.slices_not_filtered = 3;
+    b.counters.fragments_discarded_at_builder = 1;
+    // First look: totals are history, not growth.
+    assert!(d.evaluate(&snapshot(1, vec![s.clone(), b.clone()])).began.is_empty());
+    s.counters.fragments_dropped_at_source = 9;
+    s.counters.fragments_produced = 100;
+    b.counters.slices_not_filtered = 4;
+    b.counters.rejected_connections = 1;
+    let c = d.evaluate(&snapshot(2, vec![s.clone(), b.clone()]));
+    let rules: Vec<(Rule, &str)> = c.began.iter().map(|e| (e.rule, e.process.as_str())).collect();
+    assert_eq!(
+        rules,
+        [(Rule::FilterBehind, "builder0"), (Rule::SourceDropping, "source2"), (Rule::ConnectionsRefused, "builder0")]
+    );
+    assert!(c.began[1].detail.contains("dropped 4 of 100"), "{}", c.began[1].detail);
+    let c = d.evaluate(&snapshot(3, vec![s.clone(), b.clone()]));
+    assert_eq!(c.ended.len(), 3);
+    // A restarted process's counters start again from zero: no growth, no alarm.
+    s.counters = Counters::default();
+    s.last_stats_ns = Some(4_000_000_000);
+    b.last_stats_ns = Some(4_000_000_000);
+    assert!(d.evaluate(&snapshot(4, vec![s, b])).began.is_empty());
+}
+
+#[test]
+fn a_clock_skew_is_named_on_the_two_processes_furthest_apart() {
+    let mut d = Diagnoser::new();
+    let mut snap = snapshot(1, vec![view("source0", "source"), view("source1", "source"), view("b", "builder")]);
+    snap.clock = Some(ClockVerdict {
+        skew_ns: 80_000_000,
+        between: Some(("source1".into(), "source0".into())),
+        tolerated_ns: 5_000_000,
+        limit_ns: 50_000_000,
+        level: ClockLevel::Beyond,
+        reason: "skew 80 ms".into(),
+    });
+    let c = d.evaluate(&snap);
+    let names: Vec<&str> = c.began.iter().map(|e| e.process.as_str()).collect();
+    assert_eq!(names, ["source1", "source0"]);
+    assert!(c.began.iter().all(|e| e.rule == Rule::ClockSkew));
+}
+
+const S: u64 = 100_000_000; // 100-ms slices
+
+fn facts() -> RunFacts {
+    let host = |name: &str, role: &str, sources: &[u32], builder: Option<u32>| Host {
+        name: name.into(),
+        role: role.into(),
+        sources: sources.to_vec(),
+        builder,
+    };
+    RunFacts {
+        start_slice: 1000,
+        end_slice: 1100,
+        slice_ns: S,
+        n_builders: 2,
+        margin_ns: 500_000_000,
+        hosts: vec![
+            host("source0", "source", &[0], None),
+            host("source1", "source", &[1], None),
+            host("builder0", "builder", &[], Some(0)),
+            host("builder1", "builder", &[], Some(1)),
+        ],
+        ..Default::default()
+    }
+}
+
+fn lost(slice: u64, loss: SliceLoss, lacking: &[u32]) -> LostSlice {
+    LostSlice { slice, builder: (slice % 2) as u32, loss, lacking: lacking.to_vec() }
+}
+
+fn episode(rule: Rule, process: &str, role: &str, from_slice: u64, to_slice: Option<u64>) -> Episode {
+    Episode {
+        rule,
+        process: process.into(),
+        role: role.into(),
+        began_ns: from_slice * S,
+        ended_ns: to_slice.map(|s| s * S),
+        detail: String::new(),
+        action: String::new(),
+    }
+}
+
+#[test]
+fn a_dead_source_claims_the_slices_that_lack_it_and_nothing_else() {
+    let mut f = facts();
+    f.departures = vec![Departed { name: "source1".into(), to_slice: 1030, rejoined_slice: Some(1050) }];
+    f.lost = (1029..1052).map(|s| lost(s, SliceLoss::Incomplete, &[1])).collect();
+    f.lost.push(lost(1090, SliceLoss::Incomplete, &[0]));
+    let d = attribute(&f);
+    assert_eq!((d.lost_slices, d.explained, d.unexplained), (24, 23, 1));
+    assert_eq!(d.causes[0].rule, "process_down");
+    assert_eq!(d.causes[0].processes, ["source1"]);
+    assert_eq!((d.causes[0].slices, d.causes[0].first_slice, d.causes[0].last_slice), (23, 1029, 1051));
+    assert_eq!(d.causes[1].rule, "unexplained");
+}
+
+#[test]
+fn a_dead_builder_loses_its_slices_until_it_rejoins() {
+    let mut f = facts();
+    f.departures = vec![Departed { name: "builder1".into(), to_slice: 1020, rejoined_slice: Some(1040) }];
+    let d = attribute(&f);
+    // Builder 1 has the odd slices: 1021, 1023, ..., 1039.
+    assert_eq!((d.lost_slices, d.explained), (10, 10));
+    assert_eq!(d.causes[0].losses["not_built"], 10);
+    assert_eq!(d.causes[0].processes, ["builder1"]);
+}
+
+#[test]
+fn a_hung_builder_claims_its_sources_drops_and_the_filter_its_unfiltered_slices() {
+    let mut f = facts();
+    f.episodes = vec![
+        episode(Rule::ProcessHung, "builder0", "builder", 1030, Some(1060)),
+        episode(Rule::SourceDropping, "source0", "source", 1031, Some(1062)),
+        episode(Rule::SourceDropping, "source1", "source", 1080, Some(1081)),
+    ];
+    f.lost = vec![
+        lost(1040, SliceLoss::Incomplete, &[0, 1]), // builder 0's own slice
+        lost(1041, SliceLoss::Incomplete, &[0]),    // builder 1's, lacking a held-back source
+        lost(1081, SliceLoss::Incomplete, &[1]),    // a burst of source 1 alone
+        lost(1095, SliceLoss::NotFiltered, &[]),
+    ];
+    let d = attribute(&f);
+    let by: Vec<(&str, &[String], u64)> =
+        d.causes.iter().map(|c| (c.rule.as_str(), c.processes.as_slice(), c.slices)).collect();
+    assert_eq!(
+        by,
+        [
+            ("process_hung", &["builder0".to_string()][..], 2),
+            ("filter_behind", &["builder1".to_string()][..], 1),
+            ("source_dropping", &["source1".to_string()][..], 1),
+        ]
+    );
+    assert_eq!(d.unexplained, 0);
+}
+
+#[test]
+fn an_episode_far_from_the_slice_does_not_claim_it() {
+    let mut f = facts();
+    f.episodes = vec![episode(Rule::SourceDropping, "source0", "source", 1000, Some(1010))];
+    f.lost = vec![lost(1030, SliceLoss::Incomplete, &[0]), lost(1012, SliceLoss::Incomplete, &[0])];
+    let d = attribute(&f);
+    assert_eq!((d.explained, d.unexplained), (1, 1), "{d:?}");
+}
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the run, every lost slice has exactly one cause: the groups add up.
+        #[test]
+        fn every_lost_slice_has_exactly_one_cause(
+            slices in proptest::collection::btree_set(1000u64..1100, 0..60),
+            lacking in proptest::collection::vec(0u32..2, 0..3),
+            episodes in proptest::collection::vec((0usize..7, 0usize..4, 1000u64..1100, 1u64..30), 0..6),
+            dead in proptest::option::of((0usize..4, 1000u64..1100)),
+        ) {
+            let mut f = facts();
+            let names = ["source0", "source1", "builder0", "builder1"];
+            f.lost = slices.iter().map(|s| lost(*s, if s % 7 == 0 { SliceLoss::NotFiltered } else { SliceLoss::Incomplete }, &lacking)).collect();
+            f.episodes = episodes.iter().map(|(r, p, from, len)| {
+                let role = if *p < 2 { "source" } else { "builder" };
+                episode(Rule::ALL[*r], names[*p], role, *from, Some(from + len))
+            }).collect();
+            if let Some((p, at)) = dead {
+                f.departures.push(Departed { name: names[p].into(), to_slice: at, rejoined_slice: None });
+            }
+            let d = attribute(&f);
+            prop_assert_eq!(d.explained + d.unexplained, d.lost_slices);
+            prop_assert_eq!(d.causes.iter().map(|c| c.slices).sum::<u64>(), d.lost_slices);
+            prop_assert!(d.lost_slices >= slices.len() as u64);
+            for c in &d.causes {
+                prop_assert!(c.rule == "unexplained" || Rule::ALL.iter().any(|r| r.name() == c.rule));
+                prop_assert_eq!(c.losses.values().sum::<u64>(), c.slices);
+            }
+        }
+    }
+}
