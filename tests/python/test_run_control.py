@@ -65,6 +65,9 @@ def test_sector_example_runs_and_leaves_records(shoal_bin, tmp_path, example):
         assert ledger["produced"] > 0 and delivered == ledger["produced"]
         assert record["slices_complete"] > 0 and record["slices_incomplete"] == 0
         assert record["missing_reports"] == []
+        # A fault-free run: nothing lost, and no problem seen by the diagnosis rules.
+        assert record["diagnosis"]["slices"]["lost_slices"] == 0, record["diagnosis"]
+        assert record["diagnosis"]["timeline"] == [], record["diagnosis"]
         assert "[config.run]" in record["configuration"] or "[run]" in record["configuration"]
         assert (tmp_path / "shoal-runs" / "data" / f"run{expected_run:06}.events.parquet").exists()
         if udp:

@@ -29,6 +29,8 @@ use shoal_net::node::{NodeReport, NodeStats, Role};
 use shoal_net::rcagent::{RC_CMD, RC_REPLY, RC_REPORT, RC_STATS, RC_TIME, RC_TIME_REPLY, TimeAnswer};
 
 use crate::clocks::{ClockRecord, ClockWatch};
+use crate::diagnose::RunDiagnosis;
+use shoal_core::diagnosis::Diagnoser;
 use tokio::sync::mpsc;
 use tracing::warn;
 
@@ -106,6 +108,7 @@ pub async fn listen(
                             p.rates = r;
                         }
                         p.stats = Some(stats.clone());
+                        p.stats_received_ns = Some(clock.now().as_nanos());
                     }
                 });
                 last_stats.insert(stats.name.clone(), stats);
@@ -196,6 +199,9 @@ pub struct RunRecord {
     /// The processes' clocks at START and at the end, the skew judged against the policy
     /// (docs/clocks.md).
     pub clocks: ClockRecord,
+    /// Every lost slice's primary cause and the problems seen during the run
+    /// (`shoal diagnose` prints it; docs/monitoring.md).
+    pub diagnosis: RunDiagnosis,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -220,6 +226,8 @@ pub struct ProcessOutcome {
     pub final_state: String,
     pub active: bool,
     pub inactive_reason: Option<String>,
+    /// Builder: its id. Source: the source ids it hosts (none: all).
+    pub ids: Vec<u32>,
 }
 
 fn unix_ns(t: SystemTime) -> u64 {
@@ -303,7 +311,16 @@ pub struct Controller {
     clocks: ClockWatch,
     /// CONFIGURE's clock rounds are on: the command is not done for the operator yet.
     settling: bool,
+    /// The diagnosis rules and their timeline, evaluated every [`DIAGNOSIS_INTERVAL`].
+    diagnoser: Diagnoser,
+    next_diagnosis: shoal_core::Instant,
+    dispatcher_exits_seen: u64,
+    /// A process left: evaluate the rules at once (after the status shows it).
+    diagnose_now: bool,
 }
+
+/// How often run control evaluates the diagnosis rules.
+pub const DIAGNOSIS_INTERVAL: Duration = Duration::from_secs(1);
 
 impl Controller {
     /// Starts discovering the processes at once (`* STATUS`).
@@ -349,7 +366,47 @@ impl Controller {
             reports: Vec::new(),
             finished: Vec::new(),
             rejoins: Vec::new(),
+            diagnoser: Diagnoser::new(),
+            next_diagnosis: shoal_core::Instant::ZERO,
+            dispatcher_exits_seen: 0,
+            diagnose_now: false,
         })
+    }
+
+    /// Evaluates the diagnosis rules on what run control knows now; a problem that begins
+    /// is a warning in the log, one that ends a note; the UI shows the active ones.
+    fn diagnose(&mut self) {
+        let now = self.clock.now();
+        self.next_diagnosis = now + DIAGNOSIS_INTERVAL;
+        let status = self.shared.snapshot();
+        // A dispatcher restarted between two looks was down all the same.
+        let down = status.dispatcher_down.clone().or_else(|| {
+            (status.dispatcher_exits > self.dispatcher_exits_seen).then(|| "exited, started again".to_string())
+        });
+        self.dispatcher_exits_seen = status.dispatcher_exits;
+        let busy = self.control.busy().is_some() || self.settling;
+        let snapshot = crate::diagnose::snapshot(
+            &status,
+            now.as_nanos(),
+            self.file.cluster.stats_interval_ms * 1_000_000,
+            self.control.run().is_some(),
+            busy,
+            down,
+        );
+        let changes = self.diagnoser.evaluate(&snapshot);
+        let active: Vec<_> = self.diagnoser.active().into_iter().cloned().collect();
+        let timeline = self.diagnoser.timeline();
+        let recent = timeline[timeline.len().saturating_sub(100)..].to_vec();
+        self.shared.update(|s| {
+            for e in &changes.began {
+                s.warn(format!("problem {} on {}: {}", e.rule, e.process, e.detail));
+            }
+            for e in &changes.ended {
+                s.note(format!("problem {} on {} is over", e.rule, e.process));
+            }
+            s.problems = active;
+            s.problem_timeline = recent;
+        });
     }
 
     /// Sends the clock probes that are due and acts on a finished round (corrections,
@@ -418,18 +475,26 @@ impl Controller {
         }
         self.flush_clocks().await;
         self.mirror();
+        if std::mem::take(&mut self.diagnose_now) {
+            self.diagnose();
+        }
         Ok(())
     }
 
     fn on_event(&mut self, event: ClusterEvent) -> anyhow::Result<()> {
         match event {
             ClusterEvent::Announced { .. } => {}
-            ClusterEvent::Departed(d) => self.shared.update(|s| {
-                s.note(format!(
-                    "{} left run {} ({}): it took part in slices {}..{}",
-                    d.name, d.run, d.reason, d.from_slice, d.to_slice
-                ))
-            }),
+            ClusterEvent::Departed(d) => {
+                self.shared.update(|s| {
+                    s.note(format!(
+                        "{} left run {} ({}): it took part in slices {}..{}",
+                        d.name, d.run, d.reason, d.from_slice, d.to_slice
+                    ))
+                });
+                // Seen by the rules now: a process restarted within a second would
+                // otherwise never be seen down.
+                self.diagnose_now = true;
+            }
             ClusterEvent::Rejoined { name, run, start_slice } => {
                 self.rejoins.push((name.clone(), start_slice, self.clock.now().as_nanos()));
                 self.shared.update(|s| s.note(format!("{name} rejoins run {run} from slice {start_slice}")));
@@ -445,7 +510,8 @@ impl Controller {
             }),
             ClusterEvent::Back { name, state } => self.shared.update(|s| s.note(format!("{name} is back ({state})"))),
             ClusterEvent::Inactive { name, reason } => {
-                self.shared.update(|s| s.note(format!("{name} inactive: {reason}")))
+                self.shared.update(|s| s.note(format!("{name} inactive: {reason}")));
+                self.diagnose_now = true;
             }
             ClusterEvent::DiscoveryDone { missing } => self.shared.update(|s| {
                 if missing.is_empty() {
@@ -543,6 +609,7 @@ impl Controller {
     async fn wait(&mut self) -> Wake {
         // The controller's next deadline or the clock watch's, whichever comes first.
         let due = self.control.poll_timeout().map_or(self.clocks.poll_timeout(), |t| t.min(self.clocks.poll_timeout()));
+        let due = due.min(self.next_diagnosis);
         let deadline = self.clock.deadline(due);
         tokio::select! {
             input = self.incoming.recv() => input.map_or(Wake::Closed, Wake::Input),
@@ -560,6 +627,9 @@ impl Controller {
                     self.control.handle_timeout(now);
                 }
                 self.clocks.handle_timeout(now);
+                if self.next_diagnosis <= now {
+                    self.diagnose();
+                }
             }
             Wake::Closed => anyhow::bail!("run control's listener stopped"),
         }
@@ -635,7 +705,14 @@ impl Controller {
         let reports = std::mem::take(&mut self.reports);
         self.mirror();
         let clocks = self.clocks.run_ended();
-        let record = self.record(run, &meta, start_slice, end_slice, reports, clocks);
+        let mut record = self.record(run, &meta, start_slice, end_slice, reports, clocks);
+        // The problems seen during the run, then every lost slice's cause from the record
+        // itself (what `shoal diagnose` does with any record).
+        record.diagnosis.timeline = self.diagnoser.episodes_between(record.start_unix_ns, record.stop_unix_ns);
+        match crate::diagnose::diagnose_record(&serde_json::to_value(&record)?) {
+            Ok(d) => record.diagnosis = d,
+            Err(e) => self.shared.update(|s| s.warn(format!("run {run} could not be diagnosed: {e:#}"))),
+        }
         let dir = self.state_dir.join("runs");
         std::fs::create_dir_all(&dir)?;
         let path = dir.join(format!("run{:06}.json", record.run));
@@ -653,6 +730,22 @@ impl Controller {
                 record.slices_incomplete,
                 if record.ledger.balanced { "balanced" } else { "NOT balanced" }
             ));
+            let d = &record.diagnosis.slices;
+            if d.lost_slices > 0 {
+                let top: Vec<String> = d
+                    .causes
+                    .iter()
+                    .take(3)
+                    .map(|c| format!("{} {} on {}", c.slices, c.rule, c.processes.join(",")))
+                    .collect();
+                s.note(format!(
+                    "run {}: {} slices lost, {} unexplained; causes: {}",
+                    record.run,
+                    d.lost_slices,
+                    d.unexplained,
+                    top.join("; ")
+                ));
+            }
             s.history.insert(0, brief);
         });
         Ok(())
@@ -741,6 +834,7 @@ impl Controller {
                     final_state: p.state.map_or_else(|| "UNKNOWN".to_string(), |s| s.to_string()),
                     active: p.active,
                     inactive_reason: p.inactive_reason.as_ref().map(|r| r.to_string()),
+                    ids: spec(&p.name).map(|s| s.ids.clone()).unwrap_or_default(),
                 })
                 .collect(),
             ledger: LedgerSummary::new(&ledger),
@@ -752,6 +846,7 @@ impl Controller {
             events_stored: reports.iter().filter(|r| r.role == "writer").map(|r| r.events).sum(),
             reports,
             clocks,
+            diagnosis: RunDiagnosis::default(),
         }
     }
 }

@@ -246,6 +246,22 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         tolerated.set(v.tolerated_ns as f64 * 1e-9);
         reg.register("shoal_runcontrol_clock_tolerated_seconds", "The skew the run's policy absorbs", tolerated);
     }
+    // The diagnosis rules' problems now: one series per rule and process, 1 while on
+    // (every rule present, so an alert on `> 0` has a series to look at).
+    let problems = Family::<Vec<(String, String)>, Gauge>::default();
+    for rule in shoal_core::diagnosis::Rule::ALL {
+        problems.get_or_create(&vec![("rule".into(), rule.name().into()), ("process".into(), String::new())]).set(0);
+    }
+    for e in &st.problems {
+        problems
+            .get_or_create(&vec![("rule".into(), e.rule.name().into()), ("process".into(), e.process.clone())])
+            .set(1);
+    }
+    reg.register(
+        "shoal_runcontrol_problem",
+        "1 while the diagnosis rule finds its problem on the process (docs/monitoring.md); each rule has a series with no process at 0",
+        problems,
+    );
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)

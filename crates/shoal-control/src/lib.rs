@@ -6,6 +6,9 @@
 //! - [`cluster`]: the cluster file ([`cluster::ClusterFile`]): processes, hosts, settings;
 //! - [`control`]: the [`control::Controller`] that drives `ClusterControl` over the
 //!   dispatcher and writes the run records ([`control::RunRecord`]);
+//! - [`diagnose`]: shoal-core's diagnosis rules fed from run control's view (every
+//!   second, [`diagnose::snapshot`]) and the post-mortem of a run record
+//!   ([`diagnose::diagnose_record`], `shoal diagnose`);
 //! - [`clocks`]: the processes' clocks ([`clocks::ClockWatch`] over shoal-core's
 //!   `clocksync`): probe rounds, corrections before START, the skew judged per policy;
 //! - [`status`]: the status shared with the UI ([`status::ClusterStatus`]);
@@ -22,6 +25,7 @@
 pub mod clocks;
 pub mod cluster;
 pub mod control;
+pub mod diagnose;
 pub mod http;
 pub mod status;
 
@@ -223,27 +227,6 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         });
     }
 
-    let mut dispatcher_child = None;
-    if file.cluster.start_dispatcher {
-        let args = vec![
-            "dispatcher".into(),
-            "--listen".into(),
-            dispatcher.to_string(),
-            "--http".into(),
-            file.cluster.dispatcher_http.clone(),
-            "--exit-with-parent".into(),
-        ];
-        let first = spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?;
-        dispatcher_child =
-            Some(keep_dispatcher(first, binary.clone(), args, logs.join("dispatcher.log"), file.cluster.restarts));
-    }
-    wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
-    let mut listener_client = ChClient::connect(dispatcher).await?;
-    let mut client = ChClient::connect(dispatcher).await?;
-    client.set_nickname("runcontrol").await?;
-    control::subscribe_listener(&mut listener_client).await?;
-    await_subscription(&mut client, &mut listener_client).await?;
-
     let shared = Shared::new(ClusterStatus {
         cluster: file.cluster.name.clone(),
         processes: file
@@ -261,6 +244,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
                 last_reply: None,
                 metrics_addr: None,
                 stats: None,
+                stats_received_ns: None,
                 rates: Rates::default(),
                 clock: None,
             })
@@ -270,6 +254,33 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
             .then(|| file.cluster.dispatcher_http.clone()),
         ..Default::default()
     });
+    let mut dispatcher_child = None;
+    if file.cluster.start_dispatcher {
+        let args = vec![
+            "dispatcher".into(),
+            "--listen".into(),
+            dispatcher.to_string(),
+            "--http".into(),
+            file.cluster.dispatcher_http.clone(),
+            "--exit-with-parent".into(),
+        ];
+        let first = spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?;
+        dispatcher_child = Some(keep_dispatcher(
+            first,
+            binary.clone(),
+            args,
+            logs.join("dispatcher.log"),
+            file.cluster.restarts,
+            KeepWatch { shared: shared.clone(), addr: dispatcher },
+        ));
+    }
+    wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
+    let mut listener_client = ChClient::connect(dispatcher).await?;
+    let mut client = ChClient::connect(dispatcher).await?;
+    client.set_nickname("runcontrol").await?;
+    control::subscribe_listener(&mut listener_client).await?;
+    await_subscription(&mut client, &mut listener_client).await?;
+
     let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
     // One clock for the controller and its listener: the listener stamps the clock probes'
     // answers, the controller their questions.
@@ -441,12 +452,19 @@ impl KeptDispatcher {
     }
 }
 
+/// Where a kept dispatcher's outages are told (the diagnosis sees them).
+struct KeepWatch {
+    shared: std::sync::Arc<Shared>,
+    addr: std::net::SocketAddr,
+}
+
 fn keep_dispatcher(
     mut child: Child,
     binary: std::path::PathBuf,
     args: Vec<String>,
     log: std::path::PathBuf,
     limit: u32,
+    watch: KeepWatch,
 ) -> KeptDispatcher {
     let stop = CancellationToken::new();
     let watching = stop.clone();
@@ -462,6 +480,11 @@ fn keep_dispatcher(
                 }
             };
             let failed = status.as_ref().map_or(true, |st| !st.success());
+            let how = status.as_ref().map_or_else(|e| e.to_string(), |st| st.to_string());
+            watch.shared.update(|s| {
+                s.dispatcher_down = Some(format!("the dispatcher exited ({how})"));
+                s.dispatcher_exits += 1;
+            });
             if !failed || restarts >= limit {
                 eprintln!("the dispatcher exited ({status:?}); not starting it again");
                 return;
@@ -469,7 +492,12 @@ fn keep_dispatcher(
             restarts += 1;
             eprintln!("the dispatcher exited ({status:?}); starting it again ({restarts} of {limit})");
             match spawn_logged(&binary, &args, &log, true) {
-                Ok(c) => child = c,
+                Ok(c) => {
+                    child = c;
+                    if wait_for_port(watch.addr, Duration::from_secs(10)).await.is_ok() {
+                        watch.shared.update(|s| s.dispatcher_down = None);
+                    }
+                }
                 Err(e) => {
                     eprintln!("the dispatcher could not be started again: {e:#}");
                     return;

@@ -24,6 +24,8 @@ pub struct ProcStatus {
     pub last_reply: Option<String>,
     pub metrics_addr: Option<String>,
     pub stats: Option<NodeStats>,
+    /// When its last statistics arrived (run control's clock, UNIX ns).
+    pub stats_received_ns: Option<u64>,
     pub rates: Rates,
     /// Its clock as run control measured it (docs/clocks.md).
     pub clock: Option<crate::clocks::ProcessClock>,
@@ -98,6 +100,14 @@ pub struct ClusterStatus {
     pub alerts: VecDeque<serde_json::Value>,
     /// The tolerance rule on the data processes' clocks, after the latest round.
     pub clock_verdict: Option<shoal_core::clocksync::ClockVerdict>,
+    /// The problems the diagnosis rules see now, highest priority first (docs/monitoring.md).
+    pub problems: Vec<shoal_core::diagnosis::Episode>,
+    /// The latest problems, on or over, oldest first (at most 100).
+    pub problem_timeline: Vec<shoal_core::diagnosis::Episode>,
+    /// Run control's dispatcher exited and is not back yet (why).
+    pub dispatcher_down: Option<String>,
+    /// How often it exited.
+    pub dispatcher_exits: u64,
 }
 
 impl ClusterStatus {

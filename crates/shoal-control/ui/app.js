@@ -156,6 +156,28 @@ function render(s) {
     })
     .join("");
 
+  // Problems the diagnosis rules see now, with the action; then when each began and ended.
+  const hhmmss = (ns) => new Date(ns / 1e6).toLocaleTimeString();
+  const problems = s.problems || [];
+  $("problems-count").textContent = problems.length ? `(${problems.length})` : "none";
+  $("problems-count").className = problems.length ? "count warn" : "count";
+  $("problems").querySelector("tbody").innerHTML = problems
+    .map(
+      (e) => `<tr class="problem" data-rule="${e.rule}" data-process="${e.process}"><td>${hhmmss(e.began_ns)}</td>
+        <td><b>${e.rule}</b></td><td>${e.process}</td><td>${e.detail}</td><td>${e.action}</td></tr>`,
+    )
+    .join("");
+  $("problem-timeline").querySelector("tbody").innerHTML = (s.problem_timeline || [])
+    .slice()
+    .reverse()
+    .map(
+      (e) => `<tr class="${e.ended_ns ? "" : "on"}"><td>${hhmmss(e.began_ns)}</td>
+        <td>${e.ended_ns ? hhmmss(e.ended_ns) : "on"}</td>
+        <td class="num">${e.ended_ns ? fmt((e.ended_ns - e.began_ns) / 1e9, 1) : "-"}</td>
+        <td>${e.rule}</td><td>${e.process}</td><td>${e.detail}</td></tr>`,
+    )
+    .join("");
+
   const v = s.clock_verdict;
   const cv = $("clock-verdict");
   cv.textContent = v ? v.reason : "";

@@ -91,6 +91,9 @@ pub struct BuilderReport {
     /// than the load), or still held at the end of the drain. Their fragments were
     /// delivered; their events are lost.
     pub slices_not_filtered: u64,
+    /// Their slice numbers (at most `shoal_core::node::MAX_LISTED_SLICES`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_filtered_slices: Vec<u64>,
     /// Slices the filter failed on (a plug-in's error return; their events so far kept).
     #[serde(default)]
     pub filter_failed: u64,
@@ -506,7 +509,7 @@ pub async fn run_builder(
     let (out_tx, out_rx) = std::sync::mpsc::sync_channel::<SliceOutcome<FragmentData>>(FILTER_QUEUE_SLICES);
     let abandon = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let filter_abandon = abandon.clone();
-    let mut not_filtered = 0u64;
+    let mut not_filtered = Unfiltered::default();
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let filter_live = live.clone();
     let filter_link = writer_link.clone();
@@ -630,7 +633,7 @@ pub async fn run_builder(
                 break;
             }
         }
-        not_filtered += forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
+        forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
             // Pull: the manager hears the clean end after the last credits, on the same
@@ -651,7 +654,7 @@ pub async fn run_builder(
     let connections = accept_task.await.unwrap_or(0);
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
-    not_filtered += forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock);
+    forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
     drop(out_tx);
     // Open alerts close with what they have; the spool ships the rest before the writer
     // hears this builder's end of stream.
@@ -683,11 +686,13 @@ pub async fn run_builder(
         }
     }
     .expect("join filter thread");
-    not_filtered += abandoned;
-    if not_filtered > 0 {
+    for slice in abandoned {
+        not_filtered.add(slice);
+    }
+    if not_filtered.count > 0 {
         warn!(
             builder = id,
-            slices = not_filtered,
+            slices = not_filtered.count,
             "slices processed but not filtered: the filter is slower than the load"
         );
     }
@@ -723,7 +728,8 @@ pub async fn run_builder(
         hits: measured.hits,
         events,
         filter_busy_s: busy,
-        slices_not_filtered: not_filtered,
+        slices_not_filtered: not_filtered.count,
+        not_filtered_slices: not_filtered.slices,
         filter_failed: failed_slices,
         filter_timeout: timeout_slices,
         filter_workers: workers,
@@ -967,8 +973,8 @@ fn forward(
     out: &std::sync::mpsc::SyncSender<SliceOutcome<FragmentData>>,
     live: &Live,
     clock: WallClock,
-) -> u64 {
-    let mut not_filtered = 0;
+    not_filtered: &mut Unfiltered,
+) {
     if let Some(s) = saving.as_mut() {
         s.drain();
     }
@@ -997,15 +1003,32 @@ fn forward(
         let bytes = o.bytes;
         match out.try_send(o) {
             Ok(()) => {}
-            Err(std::sync::mpsc::TrySendError::Full(_)) => {
-                not_filtered += 1;
+            Err(std::sync::mpsc::TrySendError::Full(o)) => {
+                not_filtered.add(o.slice);
+                Live::add(&live.slices_not_filtered, 1);
                 node.handle_released(bytes);
             }
             // The filter thread is gone (it only ends after we drop the sender).
             Err(std::sync::mpsc::TrySendError::Disconnected(_)) => node.handle_released(bytes),
         }
     }
-    not_filtered
+}
+
+/// Slices assembled but never filtered: counted, and listed up to a bound (the diagnosis
+/// names a cause for each).
+#[derive(Debug, Default)]
+struct Unfiltered {
+    count: u64,
+    slices: Vec<u64>,
+}
+
+impl Unfiltered {
+    fn add(&mut self, slice: u64) {
+        self.count += 1;
+        if self.slices.len() < shoal_core::node::MAX_LISTED_SLICES {
+            self.slices.push(slice);
+        }
+    }
 }
 
 /// Builds the builder's filter stage: a Python worker pool (started here, so that a
@@ -1200,12 +1223,13 @@ fn filter_loop(
     } = job;
     let mut em = Emitter { id, link, live, released, tap_events, store_slices, publisher, events: 0 };
     let mut busy = StdDuration::ZERO;
-    let mut abandoned = 0;
+    let mut abandoned = Vec::new();
     let mut tally = WorkerTally::default();
     for o in rx {
         let (slice, bytes) = (o.slice, o.bytes);
         if abandon.load(std::sync::atomic::Ordering::Relaxed) {
-            abandoned += 1;
+            abandoned.push(slice);
+            Live::add(&em.live.slices_not_filtered, 1);
             let _ = em.released.send(bytes);
             continue;
         }
@@ -1228,6 +1252,7 @@ fn filter_loop(
                     worker_outcome(&mut em, &slice_clock, &mut tally, d);
                 }
                 busy += t.elapsed();
+                Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
                 continue;
             }
         };
@@ -1249,6 +1274,7 @@ fn filter_loop(
             std::thread::sleep(rest);
         }
         busy += t.elapsed();
+        Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
         em.emit(&data, slice_start, &selected, false, bytes);
     }
     let (failed_slices, malformed_events, workers) = match stage {
@@ -1283,7 +1309,8 @@ fn filter_loop(
 struct FilterThreadReport {
     events: u64,
     busy_s: f64,
-    abandoned: u64,
+    /// Slices left in the queue at the end of the drain.
+    abandoned: Vec<u64>,
     km3net: Option<crate::km3out::Km3OutReport>,
     failed_slices: u64,
     timeout_slices: u64,

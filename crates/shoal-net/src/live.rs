@@ -24,6 +24,11 @@ pub struct Live {
     pub fragments_dropped_at_source: AtomicU64,
     /// Fragments the builders discarded (late, duplicate, overload, unknown source).
     pub fragments_discarded_at_builder: AtomicU64,
+    /// Slices assembled but not filtered (the filter's queue was full, or still held at
+    /// the end of the drain).
+    pub slices_not_filtered: AtomicU64,
+    /// Time the filter spent on slices, ns (a filter busy all the time is behind).
+    pub filter_busy_ns: AtomicU64,
     /// Run control's end of the run: the first slice sources must not produce (0: none).
     pub end_slice: AtomicU64,
     /// Run control paused the run: sources keep the slice schedule with empty fragments.

@@ -81,6 +81,12 @@ pub struct NodeStats {
     pub rejected_connections: u64,
     pub fragments_dropped_at_source: u64,
     pub fragments_discarded_at_builder: u64,
+    /// Slices assembled but never filtered (a filter slower than the load).
+    #[serde(default)]
+    pub slices_not_filtered: u64,
+    /// Time the filter spent on slices, ns (the process's clock).
+    #[serde(default)]
+    pub filter_busy_ns: u64,
     pub delay_p50_us: u64,
     pub delay_p99_us: u64,
     pub delay_max_us: u64,
@@ -536,6 +542,8 @@ fn snapshot(
         rejected_connections: Live::get(&live.rejected_connections),
         fragments_dropped_at_source: Live::get(&live.fragments_dropped_at_source),
         fragments_discarded_at_builder: Live::get(&live.fragments_discarded_at_builder),
+        slices_not_filtered: Live::get(&live.slices_not_filtered),
+        filter_busy_ns: Live::get(&live.filter_busy_ns),
         delay_p50_us: delays.p50_us,
         delay_p99_us: delays.p99_us,
         delay_max_us: delays.max_us,

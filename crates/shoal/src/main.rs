@@ -9,6 +9,7 @@
 //! - `shoal dispatcher`: a ControlHost-compatible message dispatcher.
 //! - `shoal ledger REPORT.json...`: one ledger over a run's per-process reports (the
 //!   source SDK's close reports included); exit 1 when it does not balance.
+//! - `shoal diagnose RUN_RECORD`: every lost slice of a run with its primary cause.
 //!
 //! The rest (`sim`, `testbed`, `validate`, `replay`, `trigger-eval`, `alert`, probes) are
 //! listed by `shoal --help`.
@@ -30,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 mod alert;
 mod consume;
+mod diagnose;
 mod filter_worker;
 mod km3net;
 mod ledger;
@@ -100,6 +102,9 @@ enum Command {
     /// Combine the end-of-run reports of hand-started processes (and source SDK handles)
     /// into the run's ledger; exits 1 when it does not balance.
     Ledger(ledger::LedgerArgs),
+    /// Every lost slice of a past run with its primary cause, and the problems run control
+    /// saw during it; exits 1 when a lost slice has no known cause.
+    Diagnose(diagnose::DiagnoseArgs),
     /// Attach to a builder's shared-memory slice ring (`builder.consumers`) and print what
     /// arrives, slice by slice, and each run's counters.
     Consume(consume::ConsumeArgs),
@@ -365,6 +370,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Demo(args) => demo(args).await,
         Command::Node(args) => node(args).await,
         Command::Ledger(args) => ledger::run(args),
+        Command::Diagnose(args) => diagnose::run(args),
         Command::Consume(args) => tokio::task::spawn_blocking(move || consume::run(args)).await?,
         Command::FilterWorker(args) => tokio::task::spawn_blocking(move || filter_worker::run(args)).await?,
         Command::ClbEmulate(args) => km3net::emulate(args),

@@ -36,6 +36,19 @@ fn a_source_killed_mid_run_is_restarted_and_rejoins_with_its_production_attribut
     // What it held when it died is lost with it; nothing is unknown or lost in transport.
     assert_eq!(buckets["lost_in_transport"], 0, "{buckets}");
     assert!(record["slices_complete"].as_u64().unwrap() > 0);
+    // Every slice it cost is put down to its death, and the death was seen live.
+    let causes = assert_causes(&record, &[("process_down", "source1")]);
+    assert!(timeline(&record).contains(&("process_down".into(), "source1".into())), "{}", record["diagnosis"]);
+    println!("diagnosis: {causes:?}");
+    // `shoal diagnose` says the same of the record, in text and JSON.
+    let path = dir.join("state/runs/run000001.json");
+    let out = shoal().args(["diagnose", path.to_str().unwrap()]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("0 unexplained") && text.contains("process_down") && text.contains("source1"), "{text}");
+    let out = shoal().args(["diagnose", "--json", path.to_str().unwrap()]).output().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["slices"], record["diagnosis"]["slices"]);
     // Slices after the rejoin are complete again (the builders saw source 1 again).
     let first_after = rejoined;
     println!(
@@ -67,6 +80,10 @@ fn a_builder_killed_mid_run_is_restarted_and_the_sources_reconnect() {
     let reports = record["reports"].as_array().unwrap();
     let b1 = reports.iter().find(|r| r["name"] == "builder1").expect("builder1's report");
     assert!(b1["slices_complete"].as_u64().unwrap() > 0, "{b1}");
+    let causes = assert_causes(&record, &[("process_down", "builder1")]);
+    let lost: u64 = causes.iter().map(|c| c.2).sum();
+    assert!(lost > 0, "the slices builder1 was gone for are lost");
+    println!("diagnosis: {causes:?}");
     println!(
         "fault builder SIGKILL: started again and sent START {:.2} s after the kill; builder1 built {} slices \
          after its restart; ledger {}",
@@ -93,6 +110,10 @@ fn a_builder_hung_for_10_s_costs_counted_data_and_the_run_goes_on() {
     let b0 = reports.iter().find(|r| r["name"] == "builder0").unwrap();
     assert!(b1["slices_complete"].as_u64().unwrap() > 50, "builder1 kept building: {b1}");
     assert!(b0["slices_complete"].as_u64().unwrap() > 0, "builder0 built again after it resumed: {b0}");
+    // The hang is seen (its statistics stop) and claims what it cost.
+    assert!(timeline(&record).contains(&("process_hung".into(), "builder0".into())), "{}", record["diagnosis"]);
+    let causes = assert_causes(&record, &[("process_hung", "builder0")]);
+    println!("diagnosis: {causes:?}");
     println!(
         "fault builder SIGSTOP 10 s ({:.1} s): builder0 {} complete / {} incomplete, builder1 {} complete; ledger {}",
         (resumed - stopped) as f64 * 1e-9,
@@ -170,6 +191,7 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
     // The second is a whole Parquet file (the restarted writer closed it at the end).
     let tail = std::fs::read(data.join("run000001.events.part2.parquet")).unwrap();
     assert!(tail.ends_with(b"PAR1"), "the second file has no Parquet footer");
+    assert!(timeline(&record).contains(&("process_down".into(), "writer".into())), "{}", record["diagnosis"]);
     let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
     assert!(writer["error"].is_null(), "{writer}");
     // What died with the first writer is said: events selected, fewer stored.
@@ -208,6 +230,8 @@ fn a_filter_too_slow_for_the_load_costs_counted_fragments_not_memory() {
     let builders: Vec<_> = record["reports"].as_array().unwrap().iter().filter(|r| r["role"] == "builder").collect();
     assert_eq!(builders.len(), 2, "both builders reported");
     let not_filtered: u64 = builders.iter().map(|b| b["detail"]["slices_not_filtered"].as_u64().unwrap()).sum();
+    let causes = assert_causes(&record, &[("filter_behind", "builder0"), ("filter_behind", "builder1")]);
+    println!("diagnosis: {causes:?}");
     println!(
         "fault slow filter (400 ms per 200-ms slice, 4 MiB per builder): {} complete, {} incomplete; \
          dropped_overload {}; slices not filtered {}; ledger {}",
@@ -256,6 +280,9 @@ fn the_dispatcher_killed_mid_run_is_restarted_and_control_comes_back() {
     );
     let b = &record["ledger"]["buckets"];
     assert_eq!((b["lost_in_transport"].as_u64(), b["send_failed"].as_u64()), (Some(0), Some(0)), "{b}");
+    // The outage is in the timeline; it cost no slice (the data path does not use it).
+    assert!(timeline(&record).contains(&("process_down".into(), "dispatcher".into())), "{}", record["diagnosis"]);
+    assert_causes(&record, &[]);
     let log = std::fs::read_to_string(dir.join("run-control.log")).unwrap_or_default();
     let again = log.lines().filter(|l| l.contains("sent again")).count();
     println!(

@@ -24,14 +24,15 @@ use crate::clocksync::ClockVerdict;
 pub use slices::{LostSlice, RunFacts, SliceDiagnosis, SliceLoss, attribute};
 
 /// The known problems, highest priority first: when several could explain a lost slice,
-/// the first one claims it (a dead builder explains its sources' drops, not the reverse).
+/// the first one claims it (a dead builder explains its sources' drops, not the reverse;
+/// a filter behind fills its builder's memory, so it explains the builder's discards).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum Rule {
     ProcessDown,
     ProcessHung,
-    BuilderDiscarding,
     FilterBehind,
+    BuilderDiscarding,
     SourceDropping,
     ConnectionsRefused,
     ClockSkew,
@@ -41,8 +42,8 @@ impl Rule {
     pub const ALL: [Rule; 7] = [
         Rule::ProcessDown,
         Rule::ProcessHung,
-        Rule::BuilderDiscarding,
         Rule::FilterBehind,
+        Rule::BuilderDiscarding,
         Rule::SourceDropping,
         Rule::ConnectionsRefused,
         Rule::ClockSkew,
@@ -112,6 +113,11 @@ pub struct Counters {
     pub slices_complete: u64,
     pub slices_incomplete: u64,
     pub slices_not_filtered: u64,
+    /// Time the builder's filter spent on slices, ns.
+    pub filter_busy_ns: u64,
+    /// When the process took these counters (its clock, ns): the time base of the
+    /// counters' growth.
+    pub taken_ns: u64,
     pub rejected_connections: u64,
 }
 
@@ -130,6 +136,8 @@ impl Counters {
             slices_complete: d(self.slices_complete, before.slices_complete),
             slices_incomplete: d(self.slices_incomplete, before.slices_incomplete),
             slices_not_filtered: d(self.slices_not_filtered, before.slices_not_filtered),
+            filter_busy_ns: d(self.filter_busy_ns, before.filter_busy_ns),
+            taken_ns: d(self.taken_ns, before.taken_ns),
             rejected_connections: d(self.rejected_connections, before.rejected_connections),
         }
     }

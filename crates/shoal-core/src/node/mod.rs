@@ -28,7 +28,9 @@ mod slice_map;
 mod source;
 mod workload;
 
-pub use builder::{Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport, IncompleteSlice};
+pub use builder::{
+    Arrival, ArrivalOutcome, BuilderNode, BuilderNodeConfig, BuilderNodeReport, IncompleteSlice, MAX_LISTED_SLICES,
+};
 pub use dfm::{Assignment, DataFlowManager, DfmConfig, DfmEvent, DfmStats};
 pub use pull::{ASSIGNED_HISTORY, FragmentRequest, PullRequester, PullStats};
 pub use source::{

@@ -211,3 +211,41 @@ pub fn no_process_left(dir: &Path) {
     assert!(out.stdout.is_empty(), "processes left: {}", String::from_utf8_lossy(&out.stdout));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The run record's diagnosis names only the `expected` causes (rule, process) for the
+/// slices it lost, each at least once, and leaves none unexplained. Returns the causes.
+pub fn assert_causes(record: &serde_json::Value, expected: &[(&str, &str)]) -> Vec<(String, String, u64)> {
+    let d = &record["diagnosis"]["slices"];
+    let causes: Vec<(String, String, u64)> = d["causes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no diagnosis in the record: {}", record["diagnosis"]))
+        .iter()
+        .map(|c| {
+            let names: Vec<&str> = c["processes"].as_array().unwrap().iter().filter_map(|p| p.as_str()).collect();
+            (c["rule"].as_str().unwrap().to_string(), names.join(","), c["slices"].as_u64().unwrap())
+        })
+        .collect();
+    let shown = || format!("causes {causes:?}; timeline {}", record["diagnosis"]["timeline"]);
+    assert_eq!(d["unexplained"], 0, "every lost slice explained: {}", shown());
+    for (rule, process, _) in &causes {
+        assert!(
+            expected.iter().any(|(r, p)| r == rule && p == process),
+            "unexpected cause {rule} on {process}: {}",
+            shown()
+        );
+    }
+    for (rule, process) in expected {
+        assert!(causes.iter().any(|(r, p, _)| r == rule && p == process), "{rule} on {process} not named: {}", shown());
+    }
+    causes
+}
+
+/// The problems seen during the run, as (rule, process).
+pub fn timeline(record: &serde_json::Value) -> Vec<(String, String)> {
+    record["diagnosis"]["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["rule"].as_str().unwrap().to_string(), e["process"].as_str().unwrap().to_string()))
+        .collect()
+}
