@@ -133,3 +133,54 @@ def _drive(c, browser):
     browser.find_element(By.ID, "cmd-OFF").click()
     # OFF switches every process off and ends `shoal run` itself.
     assert c.proc.wait(timeout=90) == 0
+
+
+def test_ui_shows_a_hung_builder_with_its_action(shoal_bin, tmp_path, browser):
+    """A builder stopped (SIGSTOP) during a run: within seconds the Problems table names
+    `process_hung` on it with the rule's action (a screenshot is kept for
+    docs/monitoring.md); once it runs again the problem ends, and the run record puts
+    every slice the run lost down to a named cause, none unexplained."""
+    import json
+    import signal
+
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    c = Cluster(shoal_bin, tmp_path, sources=3, builders=2)
+    pid = None
+    try:
+        c.run_command("INIT", "STANDBY")
+        c.run_command("CONFIGURE", "READY")
+        c.run_command("START", "RUNNING")
+        browser.get(c.url + "/")
+        wait = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException])
+        js = browser.execute_script
+        rows = lambda: js(  # noqa: E731
+            "return [...document.querySelectorAll('#problems tbody tr')]"
+            ".map(e => [e.dataset.rule, e.dataset.process, e.textContent])"
+        )
+        wait.until(lambda _: js("return document.getElementById('problems-count').textContent") == "none")
+        pid = c.process(c.status(), "builder1")["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        wait.until(lambda _: any(r[:2] == ["process_hung", "builder1"] for r in rows()))
+        (row,) = [r for r in rows() if r[:2] == ["process_hung", "builder1"]]
+        assert "sent no statistics" in row[2] and "alive but silent" in row[2], row
+        js("document.getElementById('problem-timeline-box').open = true")
+        SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+        shot = SCREENSHOT_DIR / "run-control-problems.png"
+        assert browser.save_screenshot(str(shot)), "screenshot failed"
+        print(f"screenshot: {shot}")
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        wait.until(lambda _: not any(r[:2] == ["process_hung", "builder1"] for r in rows()))
+        c.run_command("STOP", "READY", timeout=90)
+        record = json.loads(c.wait_file(c.state_dir / "runs" / "run000001.json").read_text())
+        d = record["diagnosis"]
+        assert any(e["rule"] == "process_hung" and e["process"] == "builder1" and e["ended_ns"] for e in d["timeline"]), d
+        assert d["slices"]["unexplained"] == 0, d
+        causes = {(x["rule"], tuple(x["processes"])) for x in d["slices"]["causes"]}
+        assert d["slices"]["lost_slices"] == 0 or ("process_hung", ("builder1",)) in causes, d
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        c.close()
