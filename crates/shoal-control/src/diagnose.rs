@@ -197,8 +197,9 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
     Ok(RunDiagnosis { slices: shoal_core::diagnosis::attribute(&run), timeline })
 }
 
-/// `shoal diagnose`'s text: the causes, largest first, then the timeline.
-pub fn describe(d: &RunDiagnosis, run: u64) -> String {
+/// `shoal diagnose`'s text: the causes, largest first, then the timeline (times from
+/// `start_unix_ns`, the run's start).
+pub fn describe(d: &RunDiagnosis, run: u64, start_unix_ns: u64) -> String {
     use std::fmt::Write;
     let s = &d.slices;
     let mut out = String::new();
@@ -228,13 +229,14 @@ pub fn describe(d: &RunDiagnosis, run: u64) -> String {
         let _ = writeln!(out, "no problem seen while the run was on");
     } else {
         let _ = writeln!(out, "problems seen while the run was on:");
-        let t0 = d.timeline.iter().map(|e| e.began_ns).min().unwrap_or(0);
+        let _ = writeln!(out, "  (seconds from the run's start)");
+        let at = |t: u64| (t as i128 - start_unix_ns as i128) as f64 * 1e-9;
         for e in &d.timeline {
-            let end = e.ended_ns.map_or("the end".to_string(), |t| format!("{:.1} s", (t - t0) as f64 * 1e-9));
+            let end = e.ended_ns.map_or("the end".to_string(), |t| format!("{:.1} s", at(t)));
             let _ = writeln!(
                 out,
                 "  {:>7.1} s .. {:<8} {:<20} {:<12} {}",
-                (e.began_ns - t0) as f64 * 1e-9,
+                at(e.began_ns),
                 end,
                 e.rule.name(),
                 e.process,

@@ -26,8 +26,8 @@ pub fn run(args: DiagnoseArgs) -> anyhow::Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&d)?);
     } else {
-        let run = record.get("run").and_then(|r| r.as_u64()).unwrap_or(0);
-        print!("{}", shoal_control::diagnose::describe(&d, run));
+        let get = |k: &str| record.get(k).and_then(|r| r.as_u64()).unwrap_or(0);
+        print!("{}", shoal_control::diagnose::describe(&d, get("run"), get("start_unix_ns")));
     }
     Ok(if d.slices.unexplained > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }

@@ -5,7 +5,9 @@
 //! ([`rules`], one module each), every one a function over a [`Snapshot`] of what run
 //! control knows (each process's presence, its counters, how they moved since the last
 //! evaluation, the clocks' verdict). [`Diagnoser`] evaluates them (run control: every
-//! second) and keeps the timeline of [`Episode`]s: when each problem began and ended.
+//! second) and keeps the timeline of [`Episode`]s: when each problem began and ended. An
+//! episode ends after [`QUIET_NS`] without its problem (a filter that is busy 120 % of one
+//! second and 80 % of the next is one episode, not one a second).
 //!
 //! After the run, [`slices::attribute`] gives every lost slice (incomplete, assembled but
 //! not filtered, or never built) exactly one primary cause, or `unexplained`, from the
@@ -216,6 +218,9 @@ pub struct Episode {
     pub role: String,
     pub began_ns: u64,
     pub ended_ns: Option<u64>,
+    /// The last evaluation that found it.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub last_seen_ns: u64,
     /// What was seen, latest.
     pub detail: String,
     pub action: String,
@@ -228,6 +233,10 @@ impl Episode {
         self.began_ns < to.saturating_add(margin) && end.saturating_add(margin) > from
     }
 }
+
+/// An episode ends when its problem was not found for this long (it ends at the last time
+/// it was found).
+pub const QUIET_NS: u64 = 3_000_000_000;
 
 /// Most episodes kept (the oldest ended ones go first; the count of those dropped is kept).
 pub const MAX_EPISODES: usize = 2_000;
@@ -253,7 +262,7 @@ impl Diagnoser {
     }
 
     /// Runs every rule on `snapshot`; problems found begin an episode (or continue it),
-    /// those not found any more end theirs.
+    /// those not found for [`QUIET_NS`] end theirs.
     pub fn evaluate(&mut self, snapshot: &Snapshot) -> Changes {
         let mut growth = BTreeMap::new();
         for p in &snapshot.processes {
@@ -266,15 +275,19 @@ impl Diagnoser {
         let now = snapshot.now_ns;
         let mut changes = Changes::default();
         for e in self.episodes.iter_mut().filter(|e| e.ended_ns.is_none()) {
-            if !findings.iter().any(|f| f.rule == e.rule && f.process == e.process) {
-                e.ended_ns = Some(now);
+            let found = findings.iter().any(|f| f.rule == e.rule && f.process == e.process);
+            if !found && now.saturating_sub(e.last_seen_ns) >= QUIET_NS {
+                e.ended_ns = Some(e.last_seen_ns);
                 changes.ended.push(e.clone());
             }
         }
         for f in findings {
             match self.episodes.iter_mut().find(|e| e.ended_ns.is_none() && e.rule == f.rule && e.process == f.process)
             {
-                Some(e) => e.detail = f.detail,
+                Some(e) => {
+                    e.detail = f.detail;
+                    e.last_seen_ns = now;
+                }
                 None => {
                     let e = Episode {
                         rule: f.rule,
@@ -282,6 +295,7 @@ impl Diagnoser {
                         role: f.role,
                         began_ns: now,
                         ended_ns: None,
+                        last_seen_ns: now,
                         detail: f.detail,
                         action: f.rule.action().to_string(),
                     };

@@ -31,10 +31,15 @@ fn a_process_down_is_an_episode_from_when_it_is_seen_to_when_it_is_back() {
     assert_eq!(d.evaluate(&snapshot(3, vec![p.clone()])), Changes::default());
     assert_eq!(d.active().len(), 1);
     p.presence = Presence::Active;
-    p.last_stats_ns = Some(4_000_000_000);
-    let c = d.evaluate(&snapshot(4, vec![p]));
+    // Back: the episode ends once it has not been seen for QUIET_NS, at the last sight.
+    for t in 4..6 {
+        p.last_stats_ns = Some(t * 1_000_000_000);
+        assert_eq!(d.evaluate(&snapshot(t, vec![p.clone()])), Changes::default(), "quiet for {} s", t - 3);
+    }
+    p.last_stats_ns = Some(6_000_000_000);
+    let c = d.evaluate(&snapshot(6, vec![p]));
     assert_eq!(c.ended.len(), 1);
-    assert_eq!(c.ended[0].ended_ns, Some(4_000_000_000));
+    assert_eq!(c.ended[0].ended_ns, Some(3_000_000_000));
     assert!(d.active().is_empty());
     assert_eq!(d.timeline().len(), 1);
     assert_eq!(d.episodes_between(1_000_000_000, 2_500_000_000).len(), 1);
@@ -83,13 +88,37 @@ fn counter_rules_speak_when_their_counter_grows_and_stop_when_it_does_not() {
         [(Rule::FilterBehind, "builder0"), (Rule::SourceDropping, "source2"), (Rule::ConnectionsRefused, "builder0")]
     );
     assert!(c.began[1].detail.contains("dropped 4 of 100"), "{}", c.began[1].detail);
-    let c = d.evaluate(&snapshot(3, vec![s.clone(), b.clone()]));
+    // Not found again: over after QUIET_NS, not at once.
+    for t in 3..5 {
+        s.last_stats_ns = Some(t * 1_000_000_000);
+        b.last_stats_ns = Some(t * 1_000_000_000);
+        assert!(d.evaluate(&snapshot(t, vec![s.clone(), b.clone()])).ended.is_empty());
+    }
+    s.last_stats_ns = Some(5_000_000_000);
+    b.last_stats_ns = Some(5_000_000_000);
+    let c = d.evaluate(&snapshot(5, vec![s.clone(), b.clone()]));
     assert_eq!(c.ended.len(), 3);
     // A restarted process's counters start again from zero: no growth, no alarm.
     s.counters = Counters::default();
-    s.last_stats_ns = Some(4_000_000_000);
-    b.last_stats_ns = Some(4_000_000_000);
-    assert!(d.evaluate(&snapshot(4, vec![s, b])).began.is_empty());
+    s.last_stats_ns = Some(6_000_000_000);
+    b.last_stats_ns = Some(6_000_000_000);
+    assert!(d.evaluate(&snapshot(6, vec![s, b])).began.is_empty());
+}
+
+#[test]
+fn a_flapping_problem_is_one_episode() {
+    let mut d = Diagnoser::new();
+    let mut b = view("builder0", "builder");
+    d.evaluate(&snapshot(0, vec![b.clone()]));
+    for t in 1..10u64 {
+        b.last_stats_ns = Some(t * 1_000_000_000);
+        if t % 2 == 1 {
+            b.counters.slices_not_filtered += 1;
+        }
+        d.evaluate(&snapshot(t, vec![b.clone()]));
+    }
+    assert_eq!(d.timeline().len(), 1, "{:?}", d.timeline());
+    assert_eq!(d.active().len(), 1);
 }
 
 #[test]
@@ -146,6 +175,7 @@ fn episode(rule: Rule, process: &str, role: &str, from_slice: u64, to_slice: Opt
         role: role.into(),
         began_ns: from_slice * S,
         ended_ns: to_slice.map(|s| s * S),
+        last_seen_ns: to_slice.map_or(from_slice * S, |s| s * S),
         detail: String::new(),
         action: String::new(),
     }

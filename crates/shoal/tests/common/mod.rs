@@ -191,6 +191,12 @@ impl Cluster {
         assert!(st.success(), "shoal run exited {st}");
         let path = self.dir.join("state").join("runs").join("run000001.json");
         let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        // For the docs' examples: keep the record where asked (`SHOAL_KEEP_RECORDS=DIR`).
+        if let Some(keep) = std::env::var_os("SHOAL_KEEP_RECORDS") {
+            let name = self.dir.file_name().unwrap().to_string_lossy().to_string();
+            let _ = std::fs::create_dir_all(&keep);
+            let _ = std::fs::copy(&path, std::path::Path::new(&keep).join(format!("{name}.json")));
+        }
         (record, self.dir.clone())
     }
 }

@@ -10,7 +10,7 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
             out.push(super::finding(
                 Rule::BuilderDiscarding,
                 p,
-                format!("builder {} discarded {n} fragments (overload or late) since the last look", p.name),
+                format!("discarded {n} fragments (overload or late) since the last look"),
             ));
         }
     }

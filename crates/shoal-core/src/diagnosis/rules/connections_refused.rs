@@ -11,7 +11,7 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
             out.push(super::finding(
                 Rule::ConnectionsRefused,
                 p,
-                format!("{} {} refused {n} connections since the last look", p.role, p.name),
+                format!("refused {n} connections since the last look"),
             ));
         }
     }

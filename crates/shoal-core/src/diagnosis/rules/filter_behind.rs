@@ -18,16 +18,13 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
             out.push(super::finding(
                 Rule::FilterBehind,
                 p,
-                format!(
-                    "builder {}: {} slices not filtered (the filter's queue was full)",
-                    p.name, g.slices_not_filtered
-                ),
+                format!("{} slices not filtered (the filter's queue was full)", g.slices_not_filtered),
             ));
         } else if busy >= BUSY_SHARE {
             out.push(super::finding(
                 Rule::FilterBehind,
                 p,
-                format!("builder {}: the filter was busy {:.0} % of the time", p.name, busy * 100.0),
+                format!("the filter was busy {:.0} % of the time", (busy * 100.0).min(100.0)),
             ));
         }
     }

@@ -6,7 +6,7 @@ use super::super::{Evaluation, Finding, Presence, Rule};
 pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
     for p in &ev.snapshot.processes {
         if let Presence::Down(why) = &p.presence {
-            out.push(super::finding(Rule::ProcessDown, p, format!("{} {} is down: {why}", p.role, p.name)));
+            out.push(super::finding(Rule::ProcessDown, p, format!("down: {why}")));
         }
     }
 }

@@ -17,7 +17,7 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
     for p in &s.processes {
         match &p.presence {
             Presence::NotAnswering(why) => {
-                out.push(super::finding(Rule::ProcessHung, p, format!("{} {} does not answer: {why}", p.role, p.name)))
+                out.push(super::finding(Rule::ProcessHung, p, format!("does not answer: {why}")))
             }
             Presence::Active if s.running && !s.busy => {
                 let Some(last) = p.last_stats_ns else { continue };
@@ -26,7 +26,7 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
                     out.push(super::finding(
                         Rule::ProcessHung,
                         p,
-                        format!("{} {} sent no statistics for {:.1} s", p.role, p.name, silent as f64 * 1e-9),
+                        format!("sent no statistics for {:.1} s", silent as f64 * 1e-9),
                     ));
                 }
             }

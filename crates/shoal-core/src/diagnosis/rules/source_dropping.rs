@@ -14,8 +14,8 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
                 Rule::SourceDropping,
                 p,
                 format!(
-                    "source {} dropped {} of {} fragments since the last look",
-                    p.name, g.fragments_dropped_at_source, g.fragments_produced
+                    "dropped {} of {} fragments since the last look",
+                    g.fragments_dropped_at_source, g.fragments_produced
                 ),
             ));
         }
