@@ -218,8 +218,13 @@ pub fn no_process_left(dir: &Path) {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// The run record's diagnosis names only the `expected` causes (rule, process) for the
-/// slices it lost, each at least once, and leaves none unexplained. Returns the causes.
+/// Causes a loaded machine adds to any run (late fragments, a filter starved of CPU, a
+/// source behind): named, so allowed beside the injected fault's, never instead of it.
+pub const LOAD_CAUSES: [&str; 3] = ["builder_discarding", "source_dropping", "filter_behind"];
+
+/// The run record's diagnosis names the `expected` causes (rule, process) for the slices it
+/// lost, each at least once, any other only from [`LOAD_CAUSES`], and leaves none
+/// unexplained. Returns the causes.
 pub fn assert_causes(record: &serde_json::Value, expected: &[(&str, &str)]) -> Vec<(String, String, u64)> {
     let d = &record["diagnosis"]["slices"];
     let causes: Vec<(String, String, u64)> = d["causes"]
@@ -234,11 +239,8 @@ pub fn assert_causes(record: &serde_json::Value, expected: &[(&str, &str)]) -> V
     let shown = || format!("causes {causes:?}; timeline {}", record["diagnosis"]["timeline"]);
     assert_eq!(d["unexplained"], 0, "every lost slice explained: {}", shown());
     for (rule, process, _) in &causes {
-        assert!(
-            expected.iter().any(|(r, p)| r == rule && p == process),
-            "unexpected cause {rule} on {process}: {}",
-            shown()
-        );
+        let fault = expected.iter().any(|(r, p)| r == rule && p == process);
+        assert!(fault || LOAD_CAUSES.contains(&rule.as_str()), "unexpected cause {rule} on {process}: {}", shown());
     }
     for (rule, process) in expected {
         assert!(causes.iter().any(|(r, p, _)| r == rule && p == process), "{rule} on {process} not named: {}", shown());
