@@ -199,6 +199,9 @@ pub struct RunRecord {
     /// The processes' clocks at START and at the end, the skew judged against the policy
     /// (docs/clocks.md).
     pub clocks: ClockRecord,
+    /// Writers that died during the run: the files they did not close and the slices
+    /// whose events were in them (bounded by `writer.checkpoint_s`).
+    pub events_lost_with_writer: Vec<crate::diagnose::EventsLostWithWriter>,
     /// Every lost slice's primary cause and the problems seen during the run
     /// (`shoal diagnose` prints it; docs/monitoring.md).
     pub diagnosis: RunDiagnosis,
@@ -709,7 +712,9 @@ impl Controller {
         // The problems seen during the run, then every lost slice's cause from the record
         // itself (what `shoal diagnose` does with any record).
         record.diagnosis.timeline = self.diagnoser.episodes_between(record.start_unix_ns, record.stop_unix_ns);
-        match crate::diagnose::diagnose_record(&serde_json::to_value(&record)?) {
+        let value = serde_json::to_value(&record)?;
+        record.events_lost_with_writer = crate::diagnose::events_lost_with_writer(&value);
+        match crate::diagnose::diagnose_record(&value) {
             Ok(d) => record.diagnosis = d,
             Err(e) => self.shared.update(|s| s.warn(format!("run {run} could not be diagnosed: {e:#}"))),
         }
@@ -846,6 +851,7 @@ impl Controller {
             events_stored: reports.iter().filter(|r| r.role == "writer").map(|r| r.events).sum(),
             reports,
             clocks,
+            events_lost_with_writer: Vec::new(),
             diagnosis: RunDiagnosis::default(),
         }
     }

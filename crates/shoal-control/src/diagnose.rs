@@ -116,7 +116,13 @@ struct ReportFacts {
     #[serde(default)]
     builder: Option<(u32, serde_json::Value)>,
     #[serde(default)]
-    detail: BuilderDetail,
+    detail: serde_json::Value,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct WriterDetail {
+    #[serde(default)]
+    lost_with_previous: Option<shoal_net::writer::LostWithWriter>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -135,11 +141,11 @@ struct BuilderDetail {
 /// the record holds (none for a record from before diagnosis: departures and the
 /// builders' lists alone).
 pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosis> {
-    let facts: RecordFacts = serde_json::from_value(record.clone()).context("not a shoal run record")?;
+    let mut facts: RecordFacts = serde_json::from_value(record.clone()).context("not a shoal run record")?;
     let config = shoal_net::config::Config::from_toml_str(&facts.configuration)
         .map_err(|e| anyhow::anyhow!("the record's configuration: {e}"))?;
     let slice_ns = config.slice_clock().map_err(|e| anyhow::anyhow!("{e}"))?.length().as_nanos() as u64;
-    let timeline = facts.diagnosis.map(|d| d.timeline).unwrap_or_default();
+    let timeline = facts.diagnosis.take().map(|d| d.timeline).unwrap_or_default();
     let n_sources = config.run.sources;
     let hosts = facts
         .processes
@@ -158,9 +164,21 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
         .collect();
     let mut lost = Vec::new();
     let mut unlisted = 0;
+    for r in facts.reports.iter().filter(|r| r.role == "writer") {
+        let Ok(w) = serde_json::from_value::<WriterDetail>(r.detail.clone()) else { continue };
+        if let Some((from, to)) = w.lost_with_previous.as_ref().map(|l| events_lost_window(l, &facts)) {
+            lost.extend((from..to).map(|slice| LostSlice {
+                slice,
+                builder: shoal_core::slice::builder_for(slice, config.run.builders.max(1)),
+                loss: SliceLoss::EventsLost,
+                lacking: Vec::new(),
+            }));
+        }
+    }
     for r in facts.reports.iter().filter(|r| r.role == "builder") {
         let Some((id, _)) = &r.builder else { continue };
-        let d = &r.detail;
+        let d: BuilderDetail = serde_json::from_value(r.detail.clone()).unwrap_or_default();
+        let d = &d;
         lost.extend(d.incomplete_slices.iter().map(|s| LostSlice {
             slice: s.slice,
             builder: *id,
@@ -195,6 +213,40 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
         episodes: timeline.clone(),
     };
     Ok(RunDiagnosis { slices: shoal_core::diagnosis::attribute(&run), timeline })
+}
+
+/// The slices whose events died with a writer, `from..to`: after the last slice of a file
+/// it closed (or from the run's start), before the first its successor received (or to
+/// the run's end).
+fn events_lost_window(l: &shoal_net::writer::LostWithWriter, facts: &RecordFacts) -> (u64, u64) {
+    let from = l.after_slice.map_or(facts.start_slice, |s| s + 1).max(facts.start_slice);
+    let to = l.before_slice.unwrap_or(facts.end_slice).min(facts.end_slice);
+    (from, to.max(from))
+}
+
+/// The slices whose events were lost with a writer that died, from a record's writer
+/// reports (the run record's `events_lost_with_writer`).
+pub fn events_lost_with_writer(record: &serde_json::Value) -> Vec<EventsLostWithWriter> {
+    let Ok(facts) = serde_json::from_value::<RecordFacts>(record.clone()) else { return Vec::new() };
+    facts
+        .reports
+        .iter()
+        .filter(|r| r.role == "writer")
+        .filter_map(|r| {
+            let w: WriterDetail = serde_json::from_value(r.detail.clone()).ok()?;
+            let l = w.lost_with_previous?;
+            let (from_slice, to_slice) = events_lost_window(&l, &facts);
+            Some(EventsLostWithWriter { unclosed_files: l.unclosed_files, from_slice, to_slice })
+        })
+        .collect()
+}
+
+/// Slices `from_slice..to_slice` had their events in files a writer did not close.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EventsLostWithWriter {
+    pub unclosed_files: Vec<std::path::PathBuf>,
+    pub from_slice: u64,
+    pub to_slice: u64,
 }
 
 /// `shoal diagnose`'s text: the causes, largest first, then the timeline (times from

@@ -536,11 +536,16 @@ pub struct WriterConfig {
     /// control, where run numbers are not reused; not a file setting).
     #[serde(skip)]
     pub keep_existing: bool,
+    /// Close the events file and go on in the next part (`.part2`, ...) once the events
+    /// reach this many seconds of data past the file's first slice: a writer killed loses
+    /// at most this window of events (a Parquet file is whole only once closed). Every
+    /// closed file is listed in `run{N:06}.events.manifest.jsonl`. 0: one file per run.
+    pub checkpoint_s: f64,
 }
 
 impl Default for WriterConfig {
     fn default() -> Self {
-        Self { listen: None, out_dir: PathBuf::from("shoal-out"), keep_existing: false }
+        Self { listen: None, out_dir: PathBuf::from("shoal-out"), keep_existing: false, checkpoint_s: 60.0 }
     }
 }
 
@@ -625,6 +630,10 @@ impl Config {
         }
         if self.builder.id >= r.builders {
             return invalid(format!("builder.id {} but run.builders is {}", self.builder.id, r.builders));
+        }
+        let cp = self.writer.checkpoint_s;
+        if !(cp.is_finite() && (cp == 0.0 || (0.1..=86_400.0).contains(&cp))) {
+            return invalid("writer.checkpoint_s must be 0 (one file per run) or 0.1 to 86400 seconds");
         }
         let sv = &self.saver;
         if !(sv.history_s.is_finite() && sv.history_s > 0.0 && sv.history_s <= 3600.0) {

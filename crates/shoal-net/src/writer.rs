@@ -29,7 +29,15 @@ use crate::framed::{FrameReader, ReadEnd};
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct WriterReport {
     pub run: u64,
+    /// The events files' totals (`path`: the first one this writer wrote).
     pub file: EventFileStats,
+    /// Every events file this writer closed, in order (also in the run's manifest).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<ClosedEventFile>,
+    /// Started again during the run: what the previous incarnation(s) left unclosed, and
+    /// the slices whose events were lost with them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lost_with_previous: Option<LostWithWriter>,
     pub summary_path: PathBuf,
     /// Processed slices reported by the builders (one EVENTS frame each).
     pub slices: u64,
@@ -52,6 +60,195 @@ pub struct WriterReport {
     /// Every alert's report, one per builder.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub alerts: Vec<AlertReport>,
+}
+
+/// One closed events file: a line of `run{N:06}.events.manifest.jsonl`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClosedEventFile {
+    pub path: PathBuf,
+    pub first_slice: u64,
+    pub last_slice: u64,
+    pub slices: u64,
+    pub events: u64,
+    pub hits: u64,
+    pub bytes: u64,
+}
+
+/// What a writer started again during a run finds of its predecessor's: the files it did
+/// not close (unreadable, their events lost) and the slices whose events were lost: after
+/// the last slice of a closed file (`after_slice`; none: from the run's first slice) and
+/// before the first slice this writer received (`before_slice`; none: it received none).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LostWithWriter {
+    pub unclosed_files: Vec<PathBuf>,
+    pub after_slice: Option<u64>,
+    pub before_slice: Option<u64>,
+}
+
+/// The events files of a run: one open at a time, closed and listed in the manifest once
+/// its events span `checkpoint_ns` of data time, the next part opened.
+struct EventFiles {
+    run: u64,
+    dir: PathBuf,
+    keep_existing: bool,
+    checkpoint_ns: u64,
+    manifest: PathBuf,
+    open: Option<OpenEventFile>,
+    parts: u32,
+    closed: Vec<ClosedEventFile>,
+    first_path: PathBuf,
+}
+
+struct OpenEventFile {
+    writer: EventFileWriter,
+    path: PathBuf,
+    /// Data time of the first slice it holds (none: empty).
+    opened_data_ns: Option<u64>,
+    first_slice: u64,
+    last_slice: u64,
+    slices: u64,
+}
+
+impl EventFiles {
+    fn new(cfg: &Config) -> Result<Self, shoal_store::StoreError> {
+        let run = cfg.run.run_number;
+        let dir = cfg.writer.out_dir.clone();
+        let checkpoint_ns = (cfg.writer.checkpoint_s.max(0.0) * 1e9) as u64;
+        let manifest = dir.join(format!("run{run:06}.events.manifest.jsonl"));
+        let mut files = Self {
+            run,
+            dir,
+            keep_existing: cfg.writer.keep_existing,
+            checkpoint_ns,
+            manifest,
+            open: None,
+            parts: 0,
+            closed: Vec::new(),
+            first_path: PathBuf::new(),
+        };
+        if !files.keep_existing {
+            // A run number used again outside run control: its old manifest goes.
+            let _ = std::fs::remove_file(&files.manifest);
+        }
+        // The first file exists from the start, events or not.
+        files.open_next()?;
+        files.first_path = files.open.as_ref().map(|o| o.path.clone()).unwrap_or_default();
+        Ok(files)
+    }
+
+    fn open_next(&mut self) -> Result<(), shoal_store::StoreError> {
+        self.parts += 1;
+        let stem = format!("run{:06}.events", self.run);
+        let path = match (self.keep_existing, self.parts) {
+            (true, _) => unused_path(&self.dir, &stem, "parquet"),
+            (false, 1) => self.dir.join(format!("{stem}.parquet")),
+            (false, k) => self.dir.join(format!("{stem}.part{k}.parquet")),
+        };
+        let writer = EventFileWriter::create(&path, self.run)?;
+        self.open =
+            Some(OpenEventFile { writer, path, opened_data_ns: None, first_slice: 0, last_slice: 0, slices: 0 });
+        Ok(())
+    }
+
+    fn write(
+        &mut self,
+        builder: u32,
+        slice: u64,
+        start_ns: u64,
+        events: &[Event],
+    ) -> Result<(), shoal_store::StoreError> {
+        let due = self
+            .open
+            .as_ref()
+            .and_then(|o| o.opened_data_ns)
+            .is_some_and(|t| self.checkpoint_ns > 0 && start_ns >= t.saturating_add(self.checkpoint_ns));
+        if due {
+            self.close_open()?;
+            self.open_next()?;
+        }
+        let o = self.open.as_mut().expect("a file is open between checkpoints");
+        o.writer.write_slice(builder, slice, start_ns, events)?;
+        if o.opened_data_ns.is_none() {
+            o.opened_data_ns = Some(start_ns);
+            o.first_slice = slice;
+            o.last_slice = slice;
+        }
+        o.first_slice = o.first_slice.min(slice);
+        o.last_slice = o.last_slice.max(slice);
+        o.slices += 1;
+        Ok(())
+    }
+
+    /// Closes the open file and lists it in the manifest (written through to the disk:
+    /// what the manifest lists survives a crash).
+    fn close_open(&mut self) -> Result<(), shoal_store::StoreError> {
+        use std::io::Write;
+        let Some(o) = self.open.take() else { return Ok(()) };
+        let stats = o.writer.close()?;
+        let closed = ClosedEventFile {
+            path: o.path,
+            first_slice: o.first_slice,
+            last_slice: o.last_slice,
+            slices: o.slices,
+            events: stats.events,
+            hits: stats.hits,
+            bytes: stats.bytes,
+        };
+        let mut line = serde_json::to_vec(&closed).expect("a closed file's line serialises");
+        line.push(b'\n');
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.manifest)
+            .and_then(|mut m| {
+                m.write_all(&line)?;
+                m.sync_data()
+            })
+            .map_err(|source| shoal_store::StoreError::Create { path: self.manifest.clone(), source })?;
+        self.closed.push(closed);
+        Ok(())
+    }
+
+    /// Closes the last file; the totals and every file closed.
+    fn finish(mut self) -> Result<(EventFileStats, Vec<ClosedEventFile>), shoal_store::StoreError> {
+        self.close_open()?;
+        let total = EventFileStats {
+            path: self.first_path,
+            events: self.closed.iter().map(|f| f.events).sum(),
+            hits: self.closed.iter().map(|f| f.hits).sum(),
+            bytes: self.closed.iter().map(|f| f.bytes).sum(),
+        };
+        Ok((total, self.closed))
+    }
+}
+
+/// A writer started again during its run: the files of the run its predecessors left
+/// unclosed (not in the manifest, no Parquet footer) and the last slice a closed file holds.
+fn find_previous(dir: &std::path::Path, run: u64, own_first: &std::path::Path) -> Option<LostWithWriter> {
+    let stem = format!("run{run:06}.events");
+    let manifest = std::fs::read_to_string(dir.join(format!("{stem}.manifest.jsonl"))).unwrap_or_default();
+    let closed: Vec<ClosedEventFile> = manifest.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let mut unclosed: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with(&stem) && name.ends_with(".parquet") && p != own_first
+        })
+        .filter(|p| !closed.iter().any(|c| &c.path == p))
+        .filter(|p| !std::fs::read(p).is_ok_and(|b| b.len() >= 8 && b.ends_with(b"PAR1")))
+        .collect();
+    unclosed.sort();
+    if unclosed.is_empty() {
+        return None;
+    }
+    Some(LostWithWriter {
+        unclosed_files: unclosed,
+        after_slice: closed.iter().map(|c| c.last_slice).max(),
+        before_slice: None,
+    })
 }
 
 enum Incoming {
@@ -147,9 +344,10 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
         true => unused_path(dir, &format!("run{run:06}.{stem}"), ext),
         false => dir.join(format!("run{run:06}.{stem}.{ext}")),
     };
-    let path = name("events", "parquet");
     let summary_path = name("writer", "json");
-    let mut file = EventFileWriter::create(&path, run)?;
+    let mut files = EventFiles::new(&cfg)?;
+    let path = files.first_path.clone();
+    let mut lost_with_previous = if cfg.writer.keep_existing { find_previous(dir, run, &path) } else { None };
 
     let (tx, mut rx) = mpsc::channel::<Incoming>(1024);
     let readers = CancellationToken::new();
@@ -193,7 +391,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
         while let Some(work) = disk_rx.blocking_recv() {
             match work {
                 DiskWork::Events(builder, slice, start, events, _room) => {
-                    file.write_slice(builder, slice, start, &events)?
+                    files.write(builder, slice, start, &events)?
                 }
                 DiskWork::Raw(r, _room) => {
                     if r.head.kind == RawKind::AlertOpened {
@@ -228,7 +426,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
         }
         let raw = raw.map(RawFileWriter::close).transpose()?;
         let slices = slices.map(RawFileWriter::close).transpose()?;
-        Ok::<_, shoal_store::StoreError>((file.close()?, raw, slices))
+        Ok::<_, shoal_store::StoreError>((files.finish()?, raw, slices))
     })?;
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
@@ -241,6 +439,11 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
             m = rx.recv() => match m {
                 Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
                     report.slices += 1;
+                    // The first slice after a restart: the events lost with the
+                    // predecessor are those before it.
+                    if let Some(l) = lost_with_previous.as_mut() {
+                        l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
+                    }
                     *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
                     let permit = room(&queue_room, events_bytes(&events)).await;
                     // After a disk failure (reported below, with every event received as
@@ -280,14 +483,20 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     drop(disk_tx);
     report.builders_ended = ended.len();
     match tokio::task::spawn_blocking(move || disk.join()).await? {
-        Ok(Ok((stats, raw, slices))) => {
+        Ok(Ok(((stats, closed), raw, slices))) => {
             report.slices_file = slices;
             report.file = stats;
+            report.files = closed;
             report.raw = raw;
         }
         Ok(Err(e)) => report.error = Some(format!("writing {}: {e}", path.display())),
         Err(_) => report.error = Some("writer disk thread panicked".into()),
     }
+    if let Some(l) = &lost_with_previous {
+        warn!(unclosed = ?l.unclosed_files, after_slice = ?l.after_slice, before_slice = ?l.before_slice,
+            "a previous writer of this run left files unclosed: their events are lost");
+    }
+    report.lost_with_previous = lost_with_previous.take();
     if report.error.is_some() {
         // What the failed file held is gone too (a Parquet file is whole only once closed).
         let received: u64 = report.events_per_builder.values().sum();
@@ -304,6 +513,45 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_close_a_file_a_window_and_a_restart_finds_what_was_left_open() {
+        let dir = std::env::temp_dir().join(format!("shoal-checkpoints-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cfg = Config::default();
+        cfg.run.run_number = 3;
+        cfg.writer.out_dir = dir.clone();
+        cfg.writer.keep_existing = true;
+        cfg.writer.checkpoint_s = 1.0;
+        let mut files = EventFiles::new(&cfg).unwrap();
+        // 100-ms slices over 2.5 s of data: files of slices 10-19, 20-29, 30-34.
+        for slice in 10..35u64 {
+            files.write(0, slice, slice * 100_000_000, &[]).unwrap();
+        }
+        // A crash here: the third file is open, the manifest lists two.
+        std::mem::forget(files);
+        let manifest = std::fs::read_to_string(dir.join("run000003.events.manifest.jsonl")).unwrap();
+        let closed: Vec<ClosedEventFile> = manifest.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let spans: Vec<(u64, u64)> = closed.iter().map(|c| (c.first_slice, c.last_slice)).collect();
+        assert_eq!(spans, [(10, 19), (20, 29)]);
+        // The writer started again: a fourth part, and the third found unclosed.
+        let again = EventFiles::new(&cfg).unwrap();
+        assert_eq!(again.first_path, dir.join("run000003.events.part4.parquet"));
+        let lost = find_previous(&dir, 3, &again.first_path).expect("the open file is found");
+        assert_eq!(lost.unclosed_files, [dir.join("run000003.events.part3.parquet")]);
+        assert_eq!(lost.after_slice, Some(29));
+        let (total, closed) = again.finish().unwrap();
+        assert_eq!((total.events, closed.len()), (0, 1));
+        // Outside run control (no restart to continue from): no manifest left from before.
+        cfg.writer.keep_existing = false;
+        let fresh = EventFiles::new(&cfg).unwrap();
+        assert!(!dir.join("run000003.events.manifest.jsonl").exists());
+        drop(fresh.finish().unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_restarted_writer_never_overwrites_the_runs_files() {
         let dir = std::env::temp_dir().join(format!("shoal-unused-path-{}", std::process::id()));

@@ -172,9 +172,11 @@ fn hostile_clients_on_run_controls_http_port_do_not_stall_it() {
     no_process_left(&dir);
 }
 
+/// With `writer.checkpoint_s = 1` the writer closes its file every second of data: what
+/// the killed writer had closed survives, what it had open is lost and said.
 #[test]
 fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
-    let c = Cluster::start("kill-writer", 12);
+    let c = Cluster::start_with_writer("kill-writer", 12, "wall_timeout_ms = 1500", "checkpoint_s = 1.0");
     std::thread::sleep(Duration::from_secs(3));
     let killed = c.kill_and_await_restart("writer");
     let (record, dir) = c.finish();
@@ -183,14 +185,36 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
     assert_eq!(d.len(), 1, "{d:?}");
     assert_eq!(d[0]["name"], "writer");
     let rejoined = d[0]["rejoined_unix_ns"].as_u64().expect("the writer rejoined");
-    // The first file is kept; the restarted writer wrote a second one.
+    // The killed writer closed a file a second (listed in the manifest, whole); the one it
+    // had open is lost, and the record says which slices' events were in it.
     let data = dir.join("data");
-    let size = |name: &str| std::fs::metadata(data.join(name)).map(|m| m.len());
-    let first = size("run000001.events.parquet").expect("the first file is kept");
-    let second = size("run000001.events.part2.parquet").expect("a second file");
-    // The second is a whole Parquet file (the restarted writer closed it at the end).
-    let tail = std::fs::read(data.join("run000001.events.part2.parquet")).unwrap();
-    assert!(tail.ends_with(b"PAR1"), "the second file has no Parquet footer");
+    let manifest = std::fs::read_to_string(data.join("run000001.events.manifest.jsonl")).unwrap();
+    let closed: Vec<serde_json::Value> = manifest.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let whole = |p: &serde_json::Value| std::fs::read(p.as_str().unwrap()).unwrap().ends_with(b"PAR1");
+    assert!(closed.iter().all(|f| whole(&f["path"])), "{manifest}");
+    let lost = record["events_lost_with_writer"].as_array().unwrap();
+    assert_eq!(lost.len(), 1, "{}", record["events_lost_with_writer"]);
+    let (from, to) = (lost[0]["from_slice"].as_u64().unwrap(), lost[0]["to_slice"].as_u64().unwrap());
+    let unclosed = lost[0]["unclosed_files"].as_array().unwrap();
+    assert_eq!(unclosed.len(), 1, "{lost:?}");
+    assert!(!whole(&unclosed[0]), "the unclosed file has no footer");
+    // Nothing closed before the kill is in the lost window; the restarted writer's
+    // files (after it) are whole and come after it.
+    let before_kill: Vec<_> = closed.iter().filter(|f| f["last_slice"].as_u64().unwrap() < from).collect();
+    let after: Vec<_> = closed.iter().filter(|f| f["first_slice"].as_u64().unwrap() >= to).collect();
+    assert_eq!(before_kill.len() + after.len(), closed.len(), "a closed file overlaps the lost window: {manifest}");
+    assert!(!after.is_empty(), "the restarted writer closed its files: {manifest}");
+    let (first, second) = (before_kill.len(), after.len());
+    // The diagnosis puts those slices down to the writer's death.
+    let causes = assert_causes(&record, &[("process_down", "writer")]);
+    let by_writer = &record["diagnosis"]["slices"]["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "process_down")
+        .unwrap()["losses"];
+    assert_eq!(by_writer["events_lost"].as_u64(), Some(to - from), "{by_writer}");
+    println!("diagnosis: {causes:?}; events of slices {from}..{to} lost ({} slices)", to - from);
     assert!(timeline(&record).contains(&("process_down".into(), "writer".into())), "{}", record["diagnosis"]);
     let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
     assert!(writer["error"].is_null(), "{writer}");
@@ -198,11 +222,10 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
     let (events, stored) = (record["events"].as_u64().unwrap(), record["events_stored"].as_u64().unwrap());
     assert!(stored <= events, "{events} selected, {stored} stored");
     println!(
-        "fault writer SIGKILL: started again and sent START {:.2} s after the kill; first file {} bytes \
-         (footer: {}), second file {} bytes; events selected {}, stored {}; ledger {}",
+        "fault writer SIGKILL: started again and sent START {:.2} s after the kill; {} files closed before the \
+         kill, {} after; events selected {}, stored {}; ledger {}",
         rejoined.saturating_sub(killed) as f64 * 1e-9,
         first,
-        std::fs::read(data.join("run000001.events.parquet")).unwrap().ends_with(b"PAR1"),
         second,
         events,
         stored,

@@ -1,11 +1,12 @@
 //! One primary cause for every slice a run lost.
 //!
 //! A slice is lost when it was processed incomplete (a source sent nothing for it, or its
-//! fragment was discarded), assembled but never filtered (its events lost), or never
-//! built (its builder was gone). [`attribute`] looks for a cause in this order, the first
+//! fragment was discarded), assembled but never filtered (its events lost), never built
+//! (its builder was gone), or its events died with a writer before their file was closed. [`attribute`] looks for a cause in this order, the first
 //! found claims the slice:
 //! 1. a departure: the slice's builder, or the process hosting a source it lacked, was
 //!    gone at the slice's time (from [`RunFacts::departures`]): [`Rule::ProcessDown`];
+//!    events lost with a writer are that writer's;
 //! 2. an [`Episode`] of the timeline, in [`Rule`]'s priority order, on a process involved
 //!    in the slice (its builder, the hosts of the sources it lacked), on at the slice's
 //!    time give or take [`RunFacts::margin_ns`]. A builder hung or down while the hosts of
@@ -30,6 +31,9 @@ pub enum SliceLoss {
     NotFiltered,
     /// Its builder was gone: never built.
     NotBuilt,
+    /// Built and filtered, its events sent to a writer that died before closing the file
+    /// they were in.
+    EventsLost,
 }
 
 /// One lost slice and what is known of it.
@@ -146,6 +150,16 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
                 && s.slice < d.rejoined_slice.unwrap_or(u64::MAX).saturating_add(margin_slices)
         })
     };
+    if s.loss == SliceLoss::EventsLost {
+        // Only a writer that died leaves events unclosed: the one that departed, or the
+        // run's writer if run control did not see it go.
+        let writers = || facts.hosts.iter().filter(|h| h.role == "writer");
+        if let Some(w) =
+            writers().find(|w| facts.departures.iter().any(|d| d.name == w.name)).or_else(|| writers().next())
+        {
+            return cause(Rule::ProcessDown, &w.name);
+        }
+    }
     if let Some(b) = builder_host
         && (s.loss == SliceLoss::NotBuilt || gone(&b.name))
     {
@@ -225,6 +239,7 @@ pub fn attribute(facts: &RunFacts) -> SliceDiagnosis {
             SliceLoss::Incomplete => "incomplete",
             SliceLoss::NotFiltered => "not_filtered",
             SliceLoss::NotBuilt => "not_built",
+            SliceLoss::EventsLost => "events_lost",
         };
         *g.losses.entry(kind.to_string()).or_default() += 1;
     }

@@ -84,6 +84,11 @@ impl Cluster {
 
     /// `builder` is added to the run configuration's `[builder]` table.
     pub fn start_with(name: &str, seconds: u32, builder: &str) -> Cluster {
+        Self::start_with_writer(name, seconds, builder, "")
+    }
+
+    /// ... and `writer` to its `[writer]` table.
+    pub fn start_with_writer(name: &str, seconds: u32, builder: &str, writer: &str) -> Cluster {
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -106,7 +111,7 @@ impl Cluster {
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
-             [config.writer]\nout_dir = \"{}\"\n",
+             [config.writer]\nout_dir = \"{}\"\n{writer}\n",
             addrs.join(", "),
             free_port(),
             dir.join("data").display()
