@@ -36,7 +36,7 @@ fn stats(name: &str, role: &str, t: u64, k: u64) -> NodeStats {
         fragments_received: 3_000 * t / 1_000_000_000,
         slices_complete: 10 * t / 1_000_000_000,
         // A quarter of the sources drop a little every second.
-        fragments_dropped_at_source: if k % 4 == 0 { t / 1_000_000_000 } else { 0 },
+        fragments_dropped_at_source: if k.is_multiple_of(4) { t / 1_000_000_000 } else { 0 },
         filter_busy_ns: t / 2,
         ..Default::default()
     }
