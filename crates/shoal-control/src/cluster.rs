@@ -58,7 +58,24 @@ pub struct ClusterSettings {
     pub ssh_options: Vec<String>,
     /// How run control measures and corrects the processes' clocks (docs/clocks.md).
     pub clock: crate::clocks::ClockSettings,
+    /// Automatic recovery per diagnosis rule (docs/monitoring.md), none by default:
+    /// `[{ rule = "process_hung", after_s = 10 }]` kills a process hung for 10 s so that
+    /// run control starts it again and it rejoins the run (processes it launched).
+    pub auto_recover: Vec<AutoRecover>,
 }
+
+/// One rule's automatic recovery.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AutoRecover {
+    /// A diagnosis rule with an automatic action: `process_hung` (restart the process).
+    pub rule: String,
+    /// How long the problem must last before the action.
+    pub after_s: f64,
+}
+
+/// The rules run control knows an automatic action for.
+pub const RECOVERABLE_RULES: [&str; 1] = ["process_hung"];
 
 impl Default for ClusterSettings {
     fn default() -> Self {
@@ -77,6 +94,7 @@ impl Default for ClusterSettings {
             restarts: 3,
             ssh_options: Vec::new(),
             clock: Default::default(),
+            auto_recover: Vec::new(),
         }
     }
 }
@@ -145,6 +163,18 @@ impl ClusterFile {
 
     pub fn validate(&self) -> anyhow::Result<()> {
         self.config.validate()?;
+        for a in &self.cluster.auto_recover {
+            if !RECOVERABLE_RULES.contains(&a.rule.as_str()) {
+                bail!(
+                    "cluster.auto_recover: rule {:?} has no automatic recovery (known: {})",
+                    a.rule,
+                    RECOVERABLE_RULES.join(", ")
+                );
+            }
+            if !(a.after_s.is_finite() && a.after_s >= 0.0) {
+                bail!("cluster.auto_recover: after_s of {:?} must be a non-negative number of seconds", a.rule);
+            }
+        }
         self.dispatcher_addr()?;
         let mut names = std::collections::BTreeSet::new();
         let run = &self.config.run;

@@ -202,6 +202,8 @@ pub struct RunRecord {
     /// Writers that died during the run: the files they did not close and the slices
     /// whose events were in them (bounded by `writer.checkpoint_s`).
     pub events_lost_with_writer: Vec<crate::diagnose::EventsLostWithWriter>,
+    /// Automatic recoveries carried out during the run (`cluster.auto_recover`).
+    pub recoveries: Vec<Recovery>,
     /// Every lost slice's primary cause and the problems seen during the run
     /// (`shoal diagnose` prints it; docs/monitoring.md).
     pub diagnosis: RunDiagnosis,
@@ -320,6 +322,19 @@ pub struct Controller {
     dispatcher_exits_seen: u64,
     /// A process left: evaluate the rules at once (after the status shows it).
     diagnose_now: bool,
+    /// Automatic recoveries carried out (`cluster.auto_recover`), for the run record.
+    recoveries: Vec<Recovery>,
+}
+
+/// An automatic recovery run control carried out.
+#[derive(Clone, Debug, Serialize)]
+pub struct Recovery {
+    pub rule: String,
+    pub process: String,
+    /// When the problem began and when run control acted (UNIX ns).
+    pub problem_began_ns: u64,
+    pub at_unix_ns: u64,
+    pub action: String,
 }
 
 /// How often run control evaluates the diagnosis rules.
@@ -373,7 +388,53 @@ impl Controller {
             next_diagnosis: shoal_core::Instant::ZERO,
             dispatcher_exits_seen: 0,
             diagnose_now: false,
+            recoveries: Vec::new(),
         })
+    }
+
+    /// `cluster.auto_recover`: a process hung for the configured time is killed, so that
+    /// the exit watcher starts it again and it rejoins the run. Once per episode; only
+    /// processes run control launched (it knows their pid and restarts them).
+    fn auto_recover(
+        &mut self,
+        active: &[shoal_core::diagnosis::Episode],
+        status: &crate::status::ClusterStatus,
+        now: u64,
+    ) {
+        for a in &self.file.cluster.auto_recover {
+            for e in active.iter().filter(|e| e.rule.name() == a.rule) {
+                let due = now.saturating_sub(e.began_ns) as f64 * 1e-9 >= a.after_s;
+                let done = self.recoveries.iter().any(|r| r.process == e.process && r.problem_began_ns == e.began_ns);
+                if !due || done {
+                    continue;
+                }
+                let spec = self.file.processes.iter().find(|p| p.name == e.process);
+                let launched = spec
+                    .is_some_and(|p| matches!(p.launch, crate::cluster::Launch::Local | crate::cluster::Launch::Netns));
+                let pid = status.processes.iter().find(|p| p.name == e.process).and_then(|p| p.pid);
+                let action = match (launched, pid) {
+                    (true, Some(pid)) => {
+                        match std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status() {
+                            Ok(st) if st.success() => format!("killed pid {pid} to restart it"),
+                            Ok(st) => format!("kill of pid {pid} failed ({st})"),
+                            Err(err) => format!("kill of pid {pid} failed ({err})"),
+                        }
+                    }
+                    (false, _) => "not launched by run control: nothing done".to_string(),
+                    (true, None) => "no pid known: nothing done".to_string(),
+                };
+                self.shared.update(|s| {
+                    s.warn(format!("auto-recovery for {} on {}: {action}", e.rule, e.process));
+                });
+                self.recoveries.push(Recovery {
+                    rule: e.rule.name().to_string(),
+                    process: e.process.clone(),
+                    problem_began_ns: e.began_ns,
+                    at_unix_ns: now,
+                    action,
+                });
+            }
+        }
     }
 
     /// Evaluates the diagnosis rules on what run control knows now; a problem that begins
@@ -398,6 +459,7 @@ impl Controller {
         );
         let changes = self.diagnoser.evaluate(&snapshot);
         let active: Vec<_> = self.diagnoser.active().into_iter().cloned().collect();
+        self.auto_recover(&active, &status, now.as_nanos());
         let timeline = self.diagnoser.timeline();
         let recent = timeline[timeline.len().saturating_sub(100)..].to_vec();
         self.shared.update(|s| {
@@ -852,6 +914,12 @@ impl Controller {
             reports,
             clocks,
             events_lost_with_writer: Vec::new(),
+            recoveries: self
+                .recoveries
+                .iter()
+                .filter(|r| r.at_unix_ns >= unix_ns(meta.started) && r.at_unix_ns <= unix_ns(stopped))
+                .cloned()
+                .collect(),
             diagnosis: RunDiagnosis::default(),
         }
     }

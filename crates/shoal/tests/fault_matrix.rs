@@ -125,6 +125,43 @@ fn a_builder_hung_for_10_s_costs_counted_data_and_the_run_goes_on() {
     no_process_left(&dir);
 }
 
+/// `cluster.auto_recover`: a builder hung (SIGSTOP) is killed 2 s after run control sees
+/// the hang, started again, and rejoins the run; the record lists the recovery, and the
+/// slices lost are put down to the builder.
+#[test]
+fn a_hung_builder_is_restarted_by_auto_recovery() {
+    let c = Cluster::start_full(
+        "auto-recover",
+        16,
+        "auto_recover = [{ rule = \"process_hung\", after_s = 2.0 }]",
+        "wall_timeout_ms = 1500",
+        "",
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let (old, stopped) = c.signal("builder0", "STOP");
+    c.wait_for("builder0 killed and started again", |s| {
+        Cluster::process(s, "builder0")["pid"].as_u64().is_some_and(|pid| pid as u32 != old)
+    });
+    let restarted = unix_ns();
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let r = record["recoveries"].as_array().unwrap();
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!((r[0]["rule"].as_str(), r[0]["process"].as_str()), (Some("process_hung"), Some("builder0")));
+    assert_eq!(r[0]["action"], format!("killed pid {old} to restart it"));
+    let d = record["departures"].as_array().unwrap();
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0]["name"], "builder0");
+    assert!(d[0]["rejoined_slice"].as_u64().is_some(), "builder0 rejoined: {d:?}");
+    let causes = assert_causes(&record, &[("process_down", "builder0")]);
+    assert!(timeline(&record).contains(&("process_hung".into(), "builder0".into())), "{}", record["diagnosis"]);
+    println!(
+        "auto-recovery: builder0 stopped, killed and running again {:.1} s later; diagnosis {causes:?}",
+        restarted.saturating_sub(stopped) as f64 * 1e-9
+    );
+    no_process_left(&dir);
+}
+
 /// Hostile clients on run control's HTTP port during a run: live views (WebSockets) that
 /// never read, up to and past their limit, and a slowloris; the API keeps answering and
 /// the run ends normally with nothing lost.

@@ -89,6 +89,11 @@ impl Cluster {
 
     /// ... and `writer` to its `[writer]` table.
     pub fn start_with_writer(name: &str, seconds: u32, builder: &str, writer: &str) -> Cluster {
+        Self::start_full(name, seconds, "", builder, writer)
+    }
+
+    /// ... and `cluster` to the `[cluster]` table.
+    pub fn start_full(name: &str, seconds: u32, cluster: &str, builder: &str, writer: &str) -> Cluster {
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -96,7 +101,7 @@ impl Cluster {
         let dispatcher = format!("127.0.0.1:{}", free_port());
         let mut text = format!(
             "[cluster]\nname = \"{name}\"\ndispatcher = \"{dispatcher}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
-             reply_timeout_ms = 10000\nstats_interval_ms = 500\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
+             reply_timeout_ms = 10000\nstats_interval_ms = 500\n{cluster}\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
             dir.join("state").display()
         );
         for b in 0..builders {
