@@ -55,6 +55,7 @@ pub fn snapshot(
                     slices_complete: s.slices_complete,
                     slices_incomplete: s.slices_incomplete,
                     slices_not_filtered: s.slices_not_filtered,
+                    fragments_refused_by_budget: s.fragments_refused_by_budget,
                     filter_busy_ns: s.filter_busy_ns,
                     taken_ns: s.time_ns,
                     rejected_connections: s.rejected_connections,

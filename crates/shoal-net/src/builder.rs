@@ -924,6 +924,9 @@ fn on_frame(
         Live::add(&live.bytes_received, h.payload_len as u64 + frame::HEADER_LEN as u64);
     } else {
         Live::add(&live.fragments_discarded_at_builder, 1);
+        if o.admission == Admission::DroppedOverload {
+            Live::add(&live.fragments_refused_by_budget, 1);
+        }
     }
 }
 

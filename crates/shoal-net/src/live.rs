@@ -27,6 +27,8 @@ pub struct Live {
     /// Slices assembled but not filtered (the filter's queue was full, or still held at
     /// the end of the drain).
     pub slices_not_filtered: AtomicU64,
+    /// Of the discarded fragments: those the builder's memory budget had no room for.
+    pub fragments_refused_by_budget: AtomicU64,
     /// Time the filter spent on slices, ns (a filter busy all the time is behind).
     pub filter_busy_ns: AtomicU64,
     /// Run control's end of the run: the first slice sources must not produce (0: none).

@@ -87,6 +87,9 @@ pub struct NodeStats {
     /// Time the filter spent on slices, ns (the process's clock).
     #[serde(default)]
     pub filter_busy_ns: u64,
+    /// Of the fragments discarded: those the memory budget had no room for.
+    #[serde(default)]
+    pub fragments_refused_by_budget: u64,
     pub delay_p50_us: u64,
     pub delay_p99_us: u64,
     pub delay_max_us: u64,
@@ -544,6 +547,7 @@ fn snapshot(
         fragments_discarded_at_builder: Live::get(&live.fragments_discarded_at_builder),
         slices_not_filtered: Live::get(&live.slices_not_filtered),
         filter_busy_ns: Live::get(&live.filter_busy_ns),
+        fragments_refused_by_budget: Live::get(&live.fragments_refused_by_budget),
         delay_p50_us: delays.p50_us,
         delay_p99_us: delays.p99_us,
         delay_max_us: delays.max_us,
@@ -559,7 +563,7 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
     type Labels = Vec<(String, String)>;
     let labels: Labels = vec![("name".into(), opts.name.clone()), ("role".into(), opts.role.name().into())];
     let mut reg = Registry::default();
-    let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 12] = [
+    let counters: [(&str, &str, &std::sync::atomic::AtomicU64); 14] = [
         ("shoal_node_fragments_produced", "Fragments produced by this process's sources", &live.fragments_produced),
         ("shoal_node_fragments_received", "Fragments accepted into slices", &live.fragments_received),
         ("shoal_node_bytes_received", "Bytes of accepted fragments", &live.bytes_received),
@@ -576,6 +580,16 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
             "shoal_node_fragments_discarded_at_builder",
             "Fragments discarded by a builder (late, duplicate, overload, unknown source)",
             &live.fragments_discarded_at_builder,
+        ),
+        (
+            "shoal_node_fragments_refused_by_budget",
+            "Of the fragments discarded by a builder: those its memory budget had no room for",
+            &live.fragments_refused_by_budget,
+        ),
+        (
+            "shoal_node_slices_not_filtered",
+            "Slices assembled but never filtered (the filter's queue full: a filter slower than the load)",
+            &live.slices_not_filtered,
         ),
         ("shoal_node_alerts_answered", "Alerts this builder answered (saved what it held)", &live.alerts_answered),
         ("shoal_node_fragments_saved", "Fragments saved for alerts (to the raw file)", &live.fragments_saved),

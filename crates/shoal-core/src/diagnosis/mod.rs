@@ -112,6 +112,8 @@ pub struct Counters {
     pub fragments_produced: u64,
     pub fragments_dropped_at_source: u64,
     pub fragments_discarded_at_builder: u64,
+    /// Of those: refused by the builder's memory budget.
+    pub fragments_refused_by_budget: u64,
     pub slices_complete: u64,
     pub slices_incomplete: u64,
     pub slices_not_filtered: u64,
@@ -135,6 +137,7 @@ impl Counters {
                 self.fragments_discarded_at_builder,
                 before.fragments_discarded_at_builder,
             ),
+            fragments_refused_by_budget: d(self.fragments_refused_by_budget, before.fragments_refused_by_budget),
             slices_complete: d(self.slices_complete, before.slices_complete),
             slices_incomplete: d(self.slices_incomplete, before.slices_incomplete),
             slices_not_filtered: d(self.slices_not_filtered, before.slices_not_filtered),

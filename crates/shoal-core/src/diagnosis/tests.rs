@@ -106,6 +106,24 @@ fn counter_rules_speak_when_their_counter_grows_and_stop_when_it_does_not() {
 }
 
 #[test]
+fn a_builder_discarding_says_how_much_its_budget_refused() {
+    let mut d = Diagnoser::new();
+    let mut b = view("builder0", "builder");
+    d.evaluate(&snapshot(0, vec![b.clone()]));
+    b.counters.fragments_discarded_at_builder = 5;
+    b.counters.fragments_refused_by_budget = 3;
+    let c = d.evaluate(&snapshot(0, vec![b]));
+    assert_eq!(c.began.len(), 1);
+    assert_eq!(c.began[0].rule, Rule::BuilderDiscarding);
+    assert!(
+        c.began[0].detail.contains("5 fragments")
+            && c.began[0].detail.contains("3 refused by its memory budget, 2 late"),
+        "{}",
+        c.began[0].detail
+    );
+}
+
+#[test]
 fn a_flapping_problem_is_one_episode() {
     let mut d = Diagnoser::new();
     let mut b = view("builder0", "builder");
