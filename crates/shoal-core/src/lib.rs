@@ -39,6 +39,9 @@
 //! - [`runstate`]: the run-control state machine (IDLE, STANDBY, READY, RUNNING, PAUSED).
 //! - [`clocksync`]: the hosts' clock offsets, measured NTP-style by run control
 //!   ([`clocksync::ClockProber`]), and the tolerance rule ([`clocksync::judge`]).
+//! - [`diagnosis`]: the diagnosis rules over run control's snapshot, the timeline of the
+//!   problems they find ([`diagnosis::Diagnoser`]), and one primary cause for every slice a
+//!   run lost ([`diagnosis::attribute`]).
 //! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
 //!   order, start and end slices, reply deadlines, inactive processes, discovery.
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
