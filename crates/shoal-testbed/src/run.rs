@@ -327,6 +327,8 @@ pub fn cluster_file(
             http: "off".into(),
             state_dir: opts.dir.join("state"),
             seconds,
+            // Twice a second: run control's diagnosis sees a silent process within 3 s.
+            stats_interval_ms: 500,
             binary: Some(opts.shoal.clone()),
             ssh_options: ssh.map(SshKeys::client_options).unwrap_or_default(),
             clock: shoal_control::clocks::ClockSettings { correct: sc.clocks.correct, ..Default::default() },

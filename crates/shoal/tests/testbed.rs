@@ -209,6 +209,13 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
     let Some(s) = s else { return };
     let cut = cut.expect("the partition happened during the run");
     // run_small_scenario checked: every fragment delivered, no slice incomplete, balanced.
+    // Run control lost builder 1 for the 5 s too (its statistics stopped): the diagnosis
+    // saw it, though nothing was lost.
+    let timeline = s["record"]["diagnosis"]["timeline"].as_array().unwrap();
+    assert!(
+        timeline.iter().any(|e| e["process"] == "builder1" && e["rule"] == "process_hung"),
+        "the partition in the timeline: {timeline:?}"
+    );
     eprintln!(
         "builder 1 partitioned for {:.1} s: {} TCP segments retransmitted, {} timeouts; delay p99 {} us, max {} us; \
          every fragment delivered",
@@ -370,6 +377,9 @@ correct = true
     let record = std::fs::read_to_string(dir.join("out/state/runs/run000001.json")).unwrap();
     let mut s = s;
     s["record"] = serde_json::from_str(&record).unwrap();
+    // Nothing lost, so nothing for the diagnosis to explain (its timeline may still name
+    // what a fault did without loss: see the partition test).
+    assert_eq!(s["record"]["diagnosis"]["slices"]["lost_slices"], 0, "{}", s["record"]["diagnosis"]);
     let _ = std::fs::remove_dir_all(&dir);
     Some(s)
 }
