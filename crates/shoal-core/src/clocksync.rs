@@ -275,6 +275,11 @@ pub struct ClockVerdict {
     /// Worst difference between two data processes' clocks, each taken at the far end
     /// of its uncertainty, ns.
     pub skew_ns: u64,
+    /// The least skew the measurements allow: the same two clocks' difference taken at
+    /// the near ends of their uncertainty (0 when the bounds overlap). A skew beyond the
+    /// limit only at the far ends may be a slow round trip, not a clock.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub skew_certain_ns: u64,
     /// The two processes of that skew (ahead, behind).
     pub between: Option<(String, String)>,
     /// The skew the policy absorbs without effect on completeness or slice delay, ns.
@@ -368,7 +373,11 @@ pub fn judge(needs: &ClockNeeds, clocks: &BTreeMap<String, OffsetEstimate>) -> C
             needs.policy
         ),
     };
-    ClockVerdict { skew_ns, between, tolerated_ns, limit_ns, level, reason }
+    let skew_certain_ns = between.as_ref().map_or(0, |(ahead, behind)| {
+        let (a, b) = (clocks[ahead].bounds().0, clocks[behind].bounds().1);
+        (a as i128 - b as i128).max(0) as u64
+    });
+    ClockVerdict { skew_ns, skew_certain_ns, between, tolerated_ns, limit_ns, level, reason }
 }
 
 /// The worst skew between two different processes, each clock at the far end of its
@@ -522,8 +531,13 @@ mod tests {
             let v = judge(&needs(policy), &clocks(&[(ms / 2, 50_000), (-ms / 2, 50_000), (0, 10)]));
             assert_eq!(v.level, ClockLevel::Ok, "{policy}: {v:?}");
             assert_eq!(v.skew_ns, 1_100_000);
+            // At the near ends: 1 ms less the two bounds.
+            assert_eq!(v.skew_certain_ns, 900_000);
             assert_eq!(v.between, Some(("p0".into(), "p1".into())));
         }
+        // A slow round trip alone (a 120-ms one): far ends 60 ms apart, near ends overlapping.
+        let v = judge(&needs("delayed:8"), &clocks(&[(0, 60 * MS), (0, 10)]));
+        assert_eq!((v.level, v.skew_certain_ns), (ClockLevel::Beyond, 0), "{v:?}");
         let v = judge(&needs("delayed:8"), &clocks(&[(60 * ms, 0), (0, 0)]));
         assert_eq!(v.level, ClockLevel::Beyond, "{v:?}");
         let v = judge(&needs("delayed:8"), &clocks(&[(20 * ms, 0), (0, 0)]));

@@ -145,12 +145,19 @@ fn a_clock_skew_is_named_on_the_two_processes_furthest_apart() {
     let mut snap = snapshot(1, vec![view("source0", "source"), view("source1", "source"), view("b", "builder")]);
     snap.clock = Some(ClockVerdict {
         skew_ns: 80_000_000,
+        skew_certain_ns: 79_000_000,
         between: Some(("source1".into(), "source0".into())),
         tolerated_ns: 5_000_000,
         limit_ns: 50_000_000,
         level: ClockLevel::Beyond,
         reason: "skew 80 ms".into(),
     });
+    // Beyond only at the far ends of the measurements (one slow round trip): no problem.
+    let mut slow = snap.clone();
+    if let Some(v) = slow.clock.as_mut() {
+        v.skew_certain_ns = 1_000_000;
+    }
+    assert!(Diagnoser::new().evaluate(&slow).began.is_empty());
     let c = d.evaluate(&snap);
     let names: Vec<&str> = c.began.iter().map(|e| e.process.as_str()).collect();
     assert_eq!(names, ["source1", "source0"]);
