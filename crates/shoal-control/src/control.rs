@@ -627,11 +627,18 @@ impl Controller {
     fn mirror(&self) {
         let busy = self.control.busy().map(|c| c.name().to_string());
         let busy = busy.or_else(|| self.settling.then(|| ClusterCommand::Configure.name().to_string()));
+        let now = self.clock.now().as_nanos();
         self.shared.update(|s| {
             s.busy = busy;
             for v in self.control.processes() {
                 if let Some(p) = s.process_mut(&v.name) {
                     p.state = v.state.map_or_else(|| "UNKNOWN".to_string(), |st| st.to_string());
+                    if v.active && !p.active {
+                        // Back (restarted, or answering again): its silence counts from
+                        // now, not from its previous incarnation's last statistics (a
+                        // fresh process must not look hung, let alone be killed for it).
+                        p.stats_received_ns = Some(now);
+                    }
                     p.active = v.active;
                     p.inactive_reason = v.inactive_reason.as_ref().map(|r| r.to_string());
                     p.switched_off = v.switched_off;
