@@ -222,6 +222,23 @@ impl EventFiles {
     }
 }
 
+/// Whether `path` ends with Parquet's footer magic (a file closed whole); reads its last
+/// four bytes only (an unclosed file can hold a minute of events).
+fn has_parquet_footer(path: &std::path::Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut tail = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| {
+            if f.metadata()?.len() < 8 {
+                return Ok(false);
+            }
+            f.seek(SeekFrom::End(-4))?;
+            f.read_exact(&mut tail)?;
+            Ok(&tail == b"PAR1")
+        })
+        .unwrap_or(false)
+}
+
 /// A writer started again during its run: the files of the run its predecessors left
 /// unclosed (not in the manifest, no Parquet footer) and the last slice a closed file holds.
 fn find_previous(dir: &std::path::Path, run: u64, own_first: &std::path::Path) -> Option<LostWithWriter> {
@@ -238,7 +255,7 @@ fn find_previous(dir: &std::path::Path, run: u64, own_first: &std::path::Path) -
             name.starts_with(&stem) && name.ends_with(".parquet") && p != own_first
         })
         .filter(|p| !closed.iter().any(|c| &c.path == p))
-        .filter(|p| !std::fs::read(p).is_ok_and(|b| b.len() >= 8 && b.ends_with(b"PAR1")))
+        .filter(|p| !has_parquet_footer(p))
         .collect();
     unclosed.sort();
     if unclosed.is_empty() {
