@@ -59,14 +59,28 @@ pub fn snapshot(
                     filter_busy_ns: s.filter_busy_ns,
                     taken_ns: s.time_ns,
                     rejected_connections: s.rejected_connections,
+                    fragments_cut_off: s.fragments_cut_off,
+                    link_failures: s.link_failures,
+                    tcp_segments_out: s.tcp_segments_out,
+                    tcp_retransmitted: s.tcp_retransmitted,
+                    udp_datagrams: s.udp_datagrams,
+                    udp_retransmitted: s.udp_retransmitted,
+                    tcp_links_stalled: s.tcp_links_stalled,
+                    storage_failed: s.storage_failed,
+                    storage_busy_ns: s.storage_busy_ns,
                 })
                 .unwrap_or_default();
+            let stats = p.stats.as_ref();
             ProcessView {
                 name: p.name.clone(),
                 role: p.role.clone(),
                 presence,
                 last_stats_ns: p.stats_received_ns,
                 counters,
+                pid: stats.map(|s| s.pid),
+                version: stats.map(|s| s.version.clone()).unwrap_or_default(),
+                config_digest: stats.map(|s| s.config_digest.clone()).unwrap_or_default(),
+                hosted_sources: stats.map(|s| s.hosted_sources.clone()).unwrap_or_default(),
             }
         })
         .collect();
@@ -75,7 +89,7 @@ pub fn snapshot(
         role: "dispatcher".into(),
         presence: dispatcher_down.map_or(Presence::Active, Presence::Down),
         last_stats_ns: None,
-        counters: Counters::default(),
+        ..Default::default()
     });
     Snapshot { now_ns, stats_interval_ns, running, busy, processes, clock: status.clock_verdict.clone() }
 }
@@ -124,6 +138,8 @@ struct ReportFacts {
 struct WriterDetail {
     #[serde(default)]
     lost_with_previous: Option<shoal_net::writer::LostWithWriter>,
+    #[serde(default)]
+    not_stored: Option<shoal_net::writer::LostWithWriter>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -167,11 +183,12 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
     let mut unlisted = 0;
     for r in facts.reports.iter().filter(|r| r.role == "writer") {
         let Ok(w) = serde_json::from_value::<WriterDetail>(r.detail.clone()) else { continue };
-        if let Some((from, to)) = w.lost_with_previous.as_ref().map(|l| events_lost_window(l, &facts)) {
+        for (window, loss) in [(&w.lost_with_previous, SliceLoss::EventsLost), (&w.not_stored, SliceLoss::NotStored)] {
+            let Some((from, to)) = window.as_ref().map(|l| events_lost_window(l, &facts)) else { continue };
             lost.extend((from..to).map(|slice| LostSlice {
                 slice,
                 builder: shoal_core::slice::builder_for(slice, config.run.builders.max(1)),
-                loss: SliceLoss::EventsLost,
+                loss,
                 lacking: Vec::new(),
             }));
         }
@@ -233,11 +250,12 @@ pub fn events_lost_with_writer(record: &serde_json::Value) -> Vec<EventsLostWith
         .reports
         .iter()
         .filter(|r| r.role == "writer")
-        .filter_map(|r| {
-            let w: WriterDetail = serde_json::from_value(r.detail.clone()).ok()?;
-            let l = w.lost_with_previous?;
+        .filter_map(|r| serde_json::from_value::<WriterDetail>(r.detail.clone()).ok())
+        .flat_map(|w| [(w.lost_with_previous, "writer_died"), (w.not_stored, "disk_failed")])
+        .filter_map(|(l, reason)| {
+            let l = l?;
             let (from_slice, to_slice) = events_lost_window(&l, &facts);
-            Some(EventsLostWithWriter { unclosed_files: l.unclosed_files, from_slice, to_slice })
+            Some(EventsLostWithWriter { unclosed_files: l.unclosed_files, from_slice, to_slice, reason: reason.into() })
         })
         .collect()
 }
@@ -248,6 +266,10 @@ pub struct EventsLostWithWriter {
     pub unclosed_files: Vec<std::path::PathBuf>,
     pub from_slice: u64,
     pub to_slice: u64,
+    /// `writer_died` (a writer killed before closing them) or `disk_failed` (its disk
+    /// refused a write: they, and everything after, were not stored).
+    #[serde(default)]
+    pub reason: String,
 }
 
 /// `shoal diagnose`'s text: the causes, largest first, then the timeline (times from

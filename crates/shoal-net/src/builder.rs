@@ -45,7 +45,7 @@ use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, ReceivePath, Transport};
 use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
-use crate::link::{Backoff, Chunk, Link, LinkReport};
+use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 use crate::spool::{SpoolConfig, SpoolReport, SpoolWork};
 use crate::udp::{Received, UdpReceiveReport};
@@ -473,7 +473,15 @@ pub async fn run_builder(
         min: StdDuration::from_millis(cfg.source.reconnect_min_ms.max(1)),
         max: StdDuration::from_millis(cfg.source.reconnect_max_ms.max(1)),
     };
-    let writer_link = Arc::new(Link::spawn(id, writer_addr, clock, backoff, wreport_tx, wclosing.clone()));
+    let writer_link = Arc::new(Link::spawn_with(
+        id,
+        writer_addr,
+        clock,
+        backoff,
+        wreport_tx,
+        wclosing.clone(),
+        LinkOptions { paths: Some(live.paths.clone()), ..LinkOptions::default() },
+    ));
     // The burst saver and its spool thread.
     let (spooled_tx, mut spooled_rx) = mpsc::unbounded_channel::<u64>();
     // Only a builder with a saver listens: an alert nobody can take is refused upstream.

@@ -911,6 +911,14 @@ impl Config {
     }
 
     /// Source ids this process hosts.
+    /// A digest of the configuration as this version of shoal reads it (every field,
+    /// defaults filled in): processes given the same text by run control but reading it
+    /// differently (another version, other defaults) have different digests.
+    pub fn digest(&self) -> String {
+        let text = serde_json::to_vec(self).unwrap_or_default();
+        format!("{:08x}", crc32c::crc32c(&text))
+    }
+
     pub fn hosted_sources(&self) -> Vec<SourceId> {
         if self.source.ids.is_empty() { (0..self.run.sources).collect() } else { self.source.ids.clone() }
     }

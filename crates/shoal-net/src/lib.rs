@@ -50,6 +50,7 @@ pub mod listen;
 pub mod live;
 pub use shoal_dispatcher::lograte;
 pub mod node;
+pub mod paths;
 pub mod prefetch;
 pub mod probe;
 pub mod rcagent;

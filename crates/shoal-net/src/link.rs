@@ -78,6 +78,9 @@ pub struct Link {
 /// What a pull source's link adds: hellos after each connect, and the requests read back.
 #[derive(Clone, Debug, Default)]
 pub struct LinkOptions {
+    /// Where the link counts its failures and registers its TCP connection (none: not
+    /// counted).
+    pub paths: Option<Arc<crate::paths::NetPaths>>,
     /// Sent (one `SourceHello` each) before anything else on every new connection.
     pub hello: Vec<SourceId>,
     /// Where requests read from the connection go, with the link's id; `None`: the link
@@ -220,6 +223,15 @@ async fn run(
     options: LinkOptions,
 ) {
     let mut stream: Option<OwnedWriteHalf> = None;
+    // The connection's registration for TCP counters, while it is up.
+    let mut registered: Option<crate::paths::Registered> = None;
+    let paths = options.paths.clone();
+    let register = |s: &OwnedWriteHalf| paths.as_ref().and_then(|p| p.register(s.as_ref()));
+    let unregister = |r: &mut Option<crate::paths::Registered>| {
+        if let (Some(p), Some(r)) = (&paths, r.take()) {
+            p.unregister(r);
+        }
+    };
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
@@ -232,6 +244,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
+                    registered = register(&s);
                     stream = Some(s);
                 }
                 Err(e) => {
@@ -261,6 +274,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
+                    registered = register(&s);
                     stream.insert(s)
                 }
                 Err(e) => {
@@ -303,11 +317,16 @@ async fn run(
                 if let Some(held_back) = WRITE_FAILED.check() {
                     warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
                 }
+                unregister(&mut registered);
+                if let Some(p) = &paths {
+                    p.count_link_failure();
+                }
                 stream = None;
                 fail(id, chunk, &queued, &reports, &mut skipping);
             }
         }
     }
+    unregister(&mut registered);
     if let Some(mut s) = stream {
         let _ = s.shutdown().await;
         info!(link = id, %addr, "closed");

@@ -31,6 +31,15 @@ pub struct Live {
     pub fragments_refused_by_budget: AtomicU64,
     /// Time the filter spent on slices, ns (a filter busy all the time is behind).
     pub filter_busy_ns: AtomicU64,
+    /// Fragments the burst rate cutoff replaced by an empty marker (sources).
+    pub fragments_cut_off: AtomicU64,
+    /// What the outgoing data links see of the network (failures, retransmissions).
+    pub paths: std::sync::Arc<crate::paths::NetPaths>,
+    /// The writer's disk refused a write: what arrives since is not stored (0 or 1).
+    pub storage_failed: AtomicU64,
+    /// Time the writer's disk thread spent writing, ns (a disk busy all the time is too
+    /// slow for the data).
+    pub storage_busy_ns: AtomicU64,
     /// Run control's end of the run: the first slice sources must not produce (0: none).
     pub end_slice: AtomicU64,
     /// Run control paused the run: sources keep the slice schedule with empty fragments.

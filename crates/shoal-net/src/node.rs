@@ -90,6 +90,38 @@ pub struct NodeStats {
     /// Of the fragments discarded: those the memory budget had no room for.
     #[serde(default)]
     pub fragments_refused_by_budget: u64,
+    /// Fragments the burst rate cutoff replaced by empty markers (sources).
+    #[serde(default)]
+    pub fragments_cut_off: u64,
+    /// The outgoing data links: connections lost, TCP segments sent and sent again,
+    /// links stalled in retransmission timeouts now, datagrams sent and sent again on a
+    /// NACK.
+    #[serde(default)]
+    pub link_failures: u64,
+    #[serde(default)]
+    pub tcp_segments_out: u64,
+    #[serde(default)]
+    pub tcp_retransmitted: u64,
+    #[serde(default)]
+    pub tcp_links_stalled: u64,
+    #[serde(default)]
+    pub udp_datagrams: u64,
+    #[serde(default)]
+    pub udp_retransmitted: u64,
+    /// The writer's disk refused a write (0 or 1), and the time it spent writing, ns.
+    #[serde(default)]
+    pub storage_failed: u64,
+    #[serde(default)]
+    pub storage_busy_ns: u64,
+    /// This process's shoal version, and a digest of the configuration it runs (the
+    /// parts every process shares): processes that differ disagree on the run.
+    #[serde(default)]
+    pub version: String,
+    #[serde(default)]
+    pub config_digest: String,
+    /// Source processes: the sources it hosts.
+    #[serde(default)]
+    pub hosted_sources: Vec<u32>,
     pub delay_p50_us: u64,
     pub delay_p99_us: u64,
     pub delay_max_us: u64,
@@ -173,6 +205,8 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
     }
     info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
     let mut config: Option<Config> = None;
+    // What the statistics say of the configuration (for run control's config_mismatch).
+    let mut configured: Option<Configured> = None;
     let mut running: Option<RunningData> = None;
     // The end-of-run report of the command carried out last: a repeat of that command
     // (run control did not see the answer) is answered again, not carried out again.
@@ -215,7 +249,10 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                 let mut report_sent = None;
                 match &command {
                     Command::Configure(text) => match check_config(&opts, text) {
-                        Ok(c) => config = Some(c),
+                        Ok(c) => {
+                            configured = Some(Configured::of(&opts, &c, text));
+                            config = Some(c);
+                        }
                         Err(e) => {
                             agent.refuse(&format!("configuration refused: {e:#}")).await?;
                             continue;
@@ -248,7 +285,10 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                         }
                         live.paused.store(false, Ordering::Relaxed);
                     }
-                    Command::Reset => config = None,
+                    Command::Reset => {
+                        config = None;
+                        configured = None;
+                    }
                     Command::Init | Command::Status => {}
                 }
                 let applied = agent.commit(command).await?;
@@ -266,7 +306,7 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                 }
             }
             _ = tick.tick() => {
-                let stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock);
+                let stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock, configured.as_ref());
                 agent.publish(RC_STATS, &serde_json::to_vec(&stats)?).await?;
             }
             _ = cancel.cancelled() => {
@@ -326,6 +366,23 @@ pub fn watch_parent(cancel: CancellationToken) {
             }
         }
     });
+}
+
+/// What a configured process says of its configuration in its statistics.
+#[derive(Clone, Debug, Default)]
+struct Configured {
+    /// [`Config::digest`] of the text run control sent, as this process reads it.
+    digest: String,
+    hosted_sources: Vec<u32>,
+}
+
+impl Configured {
+    fn of(opts: &NodeOptions, cfg: &Config, text: &str) -> Self {
+        Configured {
+            digest: Config::from_toml_str(text).map(|c| c.digest()).unwrap_or_default(),
+            hosted_sources: if opts.role == Role::Source { cfg.hosted_sources() } else { Vec::new() },
+        }
+    }
 }
 
 /// Parses a `CONFIGURE` payload and checks that this process can play its part in it.
@@ -430,7 +487,7 @@ async fn start_data(
             let listener = crate::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
             let c = cancel.clone();
             tokio::spawn(async move {
-                match crate::writer::run_writer(cfg, listener, c).await {
+                match crate::writer::run_writer_with(cfg, listener, c, live).await {
                     Ok(r) => NodeReport {
                         events: r.file.events,
                         error: r.error.clone(),
@@ -526,8 +583,10 @@ fn snapshot(
     live: &Live,
     metrics_addr: Option<String>,
     clock: WallClock,
+    configured: Option<&Configured>,
 ) -> NodeStats {
     let delays = live.take_delays().map(|h| DelayStats::from_histogram(&h)).unwrap_or_default();
+    let paths = live.paths.sample();
     NodeStats {
         name: opts.name.clone(),
         role: opts.role.name().into(),
@@ -548,6 +607,18 @@ fn snapshot(
         slices_not_filtered: Live::get(&live.slices_not_filtered),
         filter_busy_ns: Live::get(&live.filter_busy_ns),
         fragments_refused_by_budget: Live::get(&live.fragments_refused_by_budget),
+        fragments_cut_off: Live::get(&live.fragments_cut_off),
+        link_failures: paths.link_failures,
+        tcp_segments_out: paths.tcp_segments_out,
+        tcp_retransmitted: paths.tcp_retransmitted,
+        tcp_links_stalled: paths.tcp_links_stalled,
+        udp_datagrams: paths.udp_datagrams,
+        udp_retransmitted: paths.udp_retransmitted,
+        storage_failed: Live::get(&live.storage_failed),
+        storage_busy_ns: Live::get(&live.storage_busy_ns),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        config_digest: configured.map(|c| c.digest.clone()).unwrap_or_default(),
+        hosted_sources: configured.map(|c| c.hosted_sources.clone()).unwrap_or_default(),
         delay_p50_us: delays.p50_us,
         delay_p99_us: delays.p99_us,
         delay_max_us: delays.max_us,
@@ -601,7 +672,35 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
         reg.register(name, help, fam);
     }
     let tap = live.tap.stats();
+    let paths = live.paths.sample();
     for (name, help, value) in [
+        (
+            "shoal_node_fragments_cut_off",
+            "Fragments the burst rate cutoff replaced by empty markers",
+            Live::get(&live.fragments_cut_off),
+        ),
+        (
+            "shoal_node_link_failures",
+            "Outgoing data connections lost while writing (peer gone or path cut)",
+            paths.link_failures,
+        ),
+        ("shoal_node_tcp_segments_out", "TCP segments the outgoing data links sent", paths.tcp_segments_out),
+        (
+            "shoal_node_tcp_retransmitted",
+            "TCP segments the outgoing data links sent again (the path lost or delayed them)",
+            paths.tcp_retransmitted,
+        ),
+        ("shoal_node_udp_datagrams", "Datagrams the outgoing data links sent", paths.udp_datagrams),
+        (
+            "shoal_node_udp_retransmitted",
+            "Datagrams sent again in answer to a NACK (the path lost them)",
+            paths.udp_retransmitted,
+        ),
+        (
+            "shoal_node_storage_busy_ns",
+            "Time the writer's disk thread spent writing, ns",
+            Live::get(&live.storage_busy_ns),
+        ),
         ("shoal_node_tap_published", "Monitoring tap messages published (SHL_EVT, SHL_RAW)", tap.published),
         (
             "shoal_node_tap_dropped",
@@ -611,6 +710,22 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
     ] {
         let fam = Family::<Labels, Counter>::default();
         fam.get_or_create(&labels).inc_by(value);
+        reg.register(name, help, fam);
+    }
+    for (name, help, value) in [
+        (
+            "shoal_node_tcp_links_stalled",
+            "Outgoing TCP data links in retransmission timeouts now",
+            paths.tcp_links_stalled,
+        ),
+        (
+            "shoal_node_storage_failed",
+            "1 when the writer's disk refused a write (what arrives is not stored)",
+            Live::get(&live.storage_failed),
+        ),
+    ] {
+        let fam = Family::<Labels, prometheus_client::metrics::gauge::Gauge>::default();
+        fam.get_or_create(&labels).set(value as i64);
         reg.register(name, help, fam);
     }
     let held = Family::<Labels, prometheus_client::metrics::gauge::Gauge>::default();

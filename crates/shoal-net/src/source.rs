@@ -112,8 +112,10 @@ pub async fn run_source_with(
     // Pull: each link greets its builder for every hosted source and reads its requests.
     let (request_tx, mut requests) = mpsc::unbounded_channel();
     let options = match node_cfg.policy.pull() {
-        Some(_) => LinkOptions { hello: node_cfg.sources.clone(), requests: Some(request_tx) },
-        None => LinkOptions::default(),
+        Some(_) => {
+            LinkOptions { hello: node_cfg.sources.clone(), requests: Some(request_tx), paths: Some(live.paths.clone()) }
+        }
+        None => LinkOptions { paths: Some(live.paths.clone()), ..LinkOptions::default() },
     };
     let transport = cfg.transport()?;
     let spawn = |b: usize, options: LinkOptions| match transport {
@@ -143,7 +145,7 @@ pub async fn run_source_with(
             .iter()
             .map(|&s| {
                 // Each connection greets its builder for its own source only.
-                let options = LinkOptions { hello: vec![s], requests: options.requests.clone() };
+                let options = LinkOptions { hello: vec![s], ..options.clone() };
                 (s, (0..addrs.len()).map(|b| spawn(b, options.clone())).collect())
             })
             .collect();
@@ -389,6 +391,7 @@ fn sync_live(node: &SourceNode, live: &Live, seen: &mut SourceTotals) {
     let t = node.totals();
     Live::add(&live.fragments_produced, t.produced - seen.produced);
     Live::add(&live.fragments_dropped_at_source, t.dropped - seen.dropped);
+    Live::add(&live.fragments_cut_off, t.cut_off - seen.cut_off);
     *seen = t;
 }
 

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::framed::{FrameReader, ReadEnd};
+use crate::live::Live;
 
 /// What the writer reports at the end (also written as `run{N:06}.writer.json`).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -38,6 +39,11 @@ pub struct WriterReport {
     /// the slices whose events were lost with them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lost_with_previous: Option<LostWithWriter>,
+    /// The disk failed: the file open then (lost, never closed) and the slices whose
+    /// events were not stored (after the last slice of a file closed before the failure,
+    /// to the end of the run).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_stored: Option<LostWithWriter>,
     pub summary_path: PathBuf,
     /// Processed slices reported by the builders (one EVENTS frame each).
     pub slices: u64,
@@ -60,6 +66,14 @@ pub struct WriterReport {
     /// Every alert's report, one per builder.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub alerts: Vec<AlertReport>,
+}
+
+/// The disk thread's failure: the error, the files it had closed whole before it, and the
+/// one open then (lost).
+struct DiskFailure {
+    error: shoal_store::StoreError,
+    closed: Vec<ClosedEventFile>,
+    open: Option<PathBuf>,
 }
 
 /// One closed events file: a line of `run{N:06}.events.manifest.jsonl`.
@@ -209,6 +223,11 @@ impl EventFiles {
         Ok(())
     }
 
+    /// The file open now, if any.
+    fn open_path(&self) -> Option<PathBuf> {
+        self.open.as_ref().map(|o| o.path.clone())
+    }
+
     /// Closes the last file; the totals and every file closed.
     fn finish(mut self) -> Result<(EventFileStats, Vec<ClosedEventFile>), shoal_store::StoreError> {
         self.close_open()?;
@@ -351,6 +370,17 @@ pub fn unused_path(dir: &std::path::Path, stem: &str, ext: &str) -> std::path::P
 /// Runs the writer on a bound listener until every builder has ended its stream (or
 /// `cancel`), then closes the files.
 pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: CancellationToken) -> anyhow::Result<WriterReport> {
+    run_writer_with(cfg, listener, cancel, Arc::new(Live::default())).await
+}
+
+/// [`run_writer`] counting into `live` (a run-controlled writer's statistics: the disk's
+/// busy time, whether it failed).
+pub async fn run_writer_with(
+    cfg: Config,
+    listener: TcpListener,
+    cancel: CancellationToken,
+    live: Arc<Live>,
+) -> anyhow::Result<WriterReport> {
     let run = cfg.run.run_number;
     let n_builders = cfg.run.builders as usize;
     std::fs::create_dir_all(&cfg.writer.out_dir)?;
@@ -401,11 +431,12 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     let queue_room = Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB));
     let raw_path = name("raw", "parquet");
     let slices_path = name("slices", "parquet");
+    let disk_live = live.clone();
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
         let mut raw: Option<RawFileWriter> = None;
         let mut slices: Option<RawFileWriter> = None;
         let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
-        while let Some(work) = disk_rx.blocking_recv() {
+        let mut store = |work: DiskWork| -> Result<(), shoal_store::StoreError> {
             match work {
                 DiskWork::Events(builder, slice, start, events, _room) => {
                     files.write(builder, slice, start, &events)?
@@ -416,7 +447,7 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                             .map(|a| a.name)
                             .unwrap_or_else(|_| "unnamed".into());
                         names.insert((r.head.builder, r.head.record), name);
-                        continue;
+                        return Ok(());
                     }
                     let (file, path) = if r.head.kind == RawKind::SliceData {
                         (&mut slices, &slices_path)
@@ -440,10 +471,36 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
                     })?;
                 }
             }
+            Ok(())
+        };
+        let mut failed = None;
+        while let Some(work) = disk_rx.blocking_recv() {
+            let began = std::time::Instant::now();
+            let r = store(work);
+            Live::add(&disk_live.storage_busy_ns, began.elapsed().as_nanos() as u64);
+            if let Err(e) = r {
+                // A disk that refused once (full, gone) is not tried again: what comes is
+                // taken and counted as not stored (the receiving side sees the thread end).
+                disk_live.storage_failed.store(1, std::sync::atomic::Ordering::Relaxed);
+                failed = Some(e);
+                break;
+            }
         }
-        let raw = raw.map(RawFileWriter::close).transpose()?;
-        let slices = slices.map(RawFileWriter::close).transpose()?;
-        Ok::<_, shoal_store::StoreError>((files.finish()?, raw, slices))
+        if let Some(error) = failed {
+            return Err(DiskFailure { error, closed: files.closed.clone(), open: files.open_path() });
+        }
+        let closing = (|| {
+            let raw = raw.map(RawFileWriter::close).transpose()?;
+            let slices = slices.map(RawFileWriter::close).transpose()?;
+            Ok::<_, shoal_store::StoreError>((raw, slices))
+        })();
+        let open = files.open_path();
+        let closed_before = files.closed.clone();
+        let finished = closing.and_then(|(raw, slices)| Ok((files.finish()?, raw, slices)));
+        finished.map_err(|error| {
+            disk_live.storage_failed.store(1, std::sync::atomic::Ordering::Relaxed);
+            DiskFailure { error, closed: closed_before, open }
+        })
     })?;
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
@@ -506,7 +563,23 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
             report.files = closed;
             report.raw = raw;
         }
-        Ok(Err(e)) => report.error = Some(format!("writing {}: {e}", path.display())),
+        Ok(Err(f)) => {
+            report.error = Some(format!("writing {}: {}", f.open.as_ref().unwrap_or(&path).display(), f.error));
+            // The files closed before the failure are whole; the events of the file open
+            // then, and of everything after, are not stored.
+            report.file = EventFileStats {
+                path: path.clone(),
+                events: f.closed.iter().map(|c| c.events).sum(),
+                hits: f.closed.iter().map(|c| c.hits).sum(),
+                bytes: f.closed.iter().map(|c| c.bytes).sum(),
+            };
+            report.not_stored = Some(LostWithWriter {
+                unclosed_files: f.open.into_iter().collect(),
+                after_slice: f.closed.iter().map(|c| c.last_slice).max(),
+                before_slice: None,
+            });
+            report.files = f.closed;
+        }
         Err(_) => report.error = Some("writer disk thread panicked".into()),
     }
     if let Some(l) = &lost_with_previous {
@@ -517,8 +590,8 @@ pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: Cancellation
     if report.error.is_some() {
         // What the failed file held is gone too (a Parquet file is whole only once closed).
         let received: u64 = report.events_per_builder.values().sum();
-        report.events_not_stored = received;
-        warn!(error = ?report.error, events_not_stored = received, raw_not_stored = report.raw_not_stored, "the writer could not store the run");
+        report.events_not_stored = received.saturating_sub(report.file.events);
+        warn!(error = ?report.error, events_not_stored = report.events_not_stored, raw_not_stored = report.raw_not_stored, "the writer could not store the run");
     }
     if let Err(e) = std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?) {
         warn!(path = %summary_path.display(), error = %e, "cannot write the writer's summary");

@@ -271,6 +271,61 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
     no_process_left(&dir);
 }
 
+/// The writer's disk fills up mid-run (a small tmpfs; root only, skipped otherwise), with
+/// `writer.checkpoint_s = 1`: the files closed before are whole, the events from the one
+/// open then to the end are not stored, and the diagnosis puts exactly those slices down
+/// to `storage_failing` on the writer, live and in the record.
+#[test]
+fn the_writers_disk_filling_up_is_named_and_costs_only_what_was_not_stored() {
+    if !is_root() {
+        eprintln!("skipped: mounting a small tmpfs needs root");
+        return;
+    }
+    let disk = Mounted::tmpfs(&std::env::temp_dir().join(format!("shoal-fault-disk-{}", std::process::id())), "24k");
+    let c = Cluster::start_with_writer(
+        "disk-full",
+        12,
+        "wall_timeout_ms = 1500",
+        &format!("out_dir = \"{}\"\ncheckpoint_s = 1.0", disk.0.display()),
+    );
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
+    let error = writer["error"].as_str().unwrap_or_default();
+    assert!(error.contains("No space left on device"), "{writer}");
+    let lost = record["events_lost_with_writer"].as_array().unwrap();
+    assert_eq!(lost.len(), 1, "{}", record["events_lost_with_writer"]);
+    assert_eq!(lost[0]["reason"], "disk_failed", "{lost:?}");
+    let (from, to) = (lost[0]["from_slice"].as_u64().unwrap(), lost[0]["to_slice"].as_u64().unwrap());
+    assert_eq!(to, record["end_slice"].as_u64().unwrap(), "not stored to the run's end: {lost:?}");
+    // The files closed before the disk filled are whole and before the window.
+    let closed = writer["detail"]["files"].as_array().cloned().unwrap_or_default();
+    assert!(!closed.is_empty(), "some files closed before the disk filled: {writer}");
+    for f in &closed {
+        let bytes = std::fs::read(f["path"].as_str().unwrap()).unwrap();
+        assert!(bytes.ends_with(b"PAR1"), "{f}");
+        assert!(f["last_slice"].as_u64().unwrap() < from, "{f} in the lost window {from}..{to}");
+    }
+    let causes = assert_causes(&record, &[("storage_failing", "writer")]);
+    let by_disk = &record["diagnosis"]["slices"]["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["rule"] == "storage_failing")
+        .unwrap()["losses"];
+    assert_eq!(by_disk["not_stored"].as_u64(), Some(to - from), "{by_disk}");
+    assert!(timeline(&record).contains(&("storage_failing".into(), "writer".into())), "{}", record["diagnosis"]);
+    let stored = writer["detail"]["file"]["events"].as_u64().unwrap();
+    let not_stored = writer["detail"]["events_not_stored"].as_u64().unwrap();
+    println!(
+        "fault writer's disk full: {} files closed whole ({stored} events), slices {from}..{to} not stored \
+         ({not_stored} events); diagnosis {causes:?}",
+        closed.len()
+    );
+    drop(disk);
+    no_process_left(&dir);
+}
+
 /// A filter 2x too slow for the load (each builder gets a slice every 200 ms, its filter
 /// takes 400 ms) for 20 s: the filter queue is bounded by the builder's memory, what does
 /// not fit is dropped and counted, the run ends with every fragment accounted.

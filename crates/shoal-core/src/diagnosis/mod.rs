@@ -33,21 +33,29 @@ pub use slices::{LostSlice, RunFacts, SliceDiagnosis, SliceLoss, attribute};
 pub enum Rule {
     ProcessDown,
     ProcessHung,
+    ConfigMismatch,
+    StorageFailing,
     FilterBehind,
+    NetworkPath,
     BuilderDiscarding,
     SourceDropping,
     ConnectionsRefused,
+    SourceCutOff,
     ClockSkew,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 7] = [
+    pub const ALL: [Rule; 11] = [
         Rule::ProcessDown,
         Rule::ProcessHung,
+        Rule::ConfigMismatch,
+        Rule::StorageFailing,
         Rule::FilterBehind,
+        Rule::NetworkPath,
         Rule::BuilderDiscarding,
         Rule::SourceDropping,
         Rule::ConnectionsRefused,
+        Rule::SourceCutOff,
         Rule::ClockSkew,
     ];
 
@@ -60,6 +68,10 @@ impl Rule {
             Rule::SourceDropping => "source_dropping",
             Rule::ConnectionsRefused => "connections_refused",
             Rule::ClockSkew => "clock_skew",
+            Rule::ConfigMismatch => "config_mismatch",
+            Rule::StorageFailing => "storage_failing",
+            Rule::NetworkPath => "network_path",
+            Rule::SourceCutOff => "source_cut_off",
         }
     }
 
@@ -95,6 +107,25 @@ impl Rule {
                 "hosts' clocks differ beyond what the policy absorbs: let run control correct them \
                  (cluster.clock.correct) or fix the hosts' time service"
             }
+            Rule::ConfigMismatch => {
+                "processes disagree on the run (another shoal version, the configuration read \
+                 differently, a source hosted twice): install one version everywhere and check each \
+                 process's --ids"
+            }
+            Rule::StorageFailing => {
+                "the writer's disk is full, gone or too slow: free space or point writer.out_dir at \
+                 another disk (a failed disk is not tried again in this run), then start a new run"
+            }
+            Rule::NetworkPath => {
+                "the path between these processes loses or stalls packets (retransmissions, a \
+                 connection lost): check the links, switch ports and their error counters \
+                 (ip -s link, ethtool -S)"
+            }
+            Rule::SourceCutOff => {
+                "a burst went over the source's rate limit and the cutoff emptied fragments (their \
+                 slices complete, their data gone): raise source.cutoff_head/cutoff_tail or the \
+                 bandwidth if the bursts are physics"
+            }
         }
     }
 }
@@ -123,6 +154,21 @@ pub struct Counters {
     /// counters' growth.
     pub taken_ns: u64,
     pub rejected_connections: u64,
+    /// Fragments the burst rate cutoff emptied.
+    pub fragments_cut_off: u64,
+    /// The outgoing data links: connections lost while writing, TCP segments sent and
+    /// sent again, datagrams sent and sent again on a NACK.
+    pub link_failures: u64,
+    pub tcp_segments_out: u64,
+    pub tcp_retransmitted: u64,
+    pub udp_datagrams: u64,
+    pub udp_retransmitted: u64,
+    /// A gauge, not a total: links in retransmission timeouts now.
+    pub tcp_links_stalled: u64,
+    /// A gauge: the writer's disk refused a write (1) or not (0).
+    pub storage_failed: u64,
+    /// Time the writer's disk thread spent writing, ns.
+    pub storage_busy_ns: u64,
 }
 
 impl Counters {
@@ -144,6 +190,16 @@ impl Counters {
             filter_busy_ns: d(self.filter_busy_ns, before.filter_busy_ns),
             taken_ns: d(self.taken_ns, before.taken_ns),
             rejected_connections: d(self.rejected_connections, before.rejected_connections),
+            fragments_cut_off: d(self.fragments_cut_off, before.fragments_cut_off),
+            link_failures: d(self.link_failures, before.link_failures),
+            tcp_segments_out: d(self.tcp_segments_out, before.tcp_segments_out),
+            tcp_retransmitted: d(self.tcp_retransmitted, before.tcp_retransmitted),
+            udp_datagrams: d(self.udp_datagrams, before.udp_datagrams),
+            udp_retransmitted: d(self.udp_retransmitted, before.udp_retransmitted),
+            // Gauges: their value now.
+            tcp_links_stalled: self.tcp_links_stalled,
+            storage_failed: self.storage_failed,
+            storage_busy_ns: d(self.storage_busy_ns, before.storage_busy_ns),
         }
     }
 }
@@ -172,6 +228,13 @@ pub struct ProcessView {
     /// When its last statistics arrived (run control's clock, UNIX ns); none yet: none.
     pub last_stats_ns: Option<u64>,
     pub counters: Counters,
+    /// Its process id (a new one: it was restarted).
+    pub pid: Option<u32>,
+    /// Its shoal version and the digest of its configuration (empty: not known).
+    pub version: String,
+    pub config_digest: String,
+    /// Source processes: the sources it hosts.
+    pub hosted_sources: Vec<u32>,
 }
 
 /// What run control knows at one moment.
@@ -204,11 +267,21 @@ pub struct Finding {
 pub struct Evaluation<'a> {
     pub snapshot: &'a Snapshot,
     pub growth: &'a BTreeMap<String, Counters>,
+    /// When each process was last seen gone, silent or replaced by a new incarnation
+    /// (run control's clock): what its peers' connections saw then is its doing.
+    pub last_away_ns: &'a BTreeMap<String, u64>,
 }
 
 impl Evaluation<'_> {
     pub fn growth_of(&self, name: &str) -> Counters {
         self.growth.get(name).copied().unwrap_or_default()
+    }
+
+    /// Whether a process of `role` was gone, silent or restarted within `window_ns`.
+    pub fn role_away_within(&self, role: &str, window_ns: u64) -> bool {
+        self.snapshot.processes.iter().filter(|p| p.role == role).any(|p| {
+            self.last_away_ns.get(&p.name).is_some_and(|&t| self.snapshot.now_ns.saturating_sub(t) <= window_ns)
+        })
     }
 }
 
@@ -248,6 +321,8 @@ pub const MAX_EPISODES: usize = 2_000;
 #[derive(Debug, Default)]
 pub struct Diagnoser {
     previous: BTreeMap<String, Counters>,
+    previous_pid: BTreeMap<String, u32>,
+    last_away_ns: BTreeMap<String, u64>,
     episodes: Vec<Episode>,
     forgotten: u64,
 }
@@ -273,9 +348,18 @@ impl Diagnoser {
                 growth.insert(p.name.clone(), p.counters.since(before));
             }
         }
-        let findings = rules::check_all(&Evaluation { snapshot, growth: &growth });
-        self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
         let now = snapshot.now_ns;
+        for p in &snapshot.processes {
+            let replaced = p.pid.zip(self.previous_pid.get(&p.name)).is_some_and(|(a, &b)| a != b);
+            if replaced || !matches!(p.presence, Presence::Active) {
+                self.last_away_ns.insert(p.name.clone(), now);
+            }
+            if let Some(pid) = p.pid {
+                self.previous_pid.insert(p.name.clone(), pid);
+            }
+        }
+        let findings = rules::check_all(&Evaluation { snapshot, growth: &growth, last_away_ns: &self.last_away_ns });
+        self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
         let mut changes = Changes::default();
         for e in self.episodes.iter_mut().filter(|e| e.ended_ns.is_none()) {
             let found = findings.iter().any(|f| f.rule == e.rule && f.process == e.process);

@@ -2,9 +2,11 @@
 //!
 //! A slice is lost when it was processed incomplete (a source sent nothing for it, or its
 //! fragment was discarded), assembled but never filtered (its events lost), never built
-//! (its builder was gone), or its events died with a writer before their file was closed. [`attribute`] looks for a cause in this order, the first
-//! found claims the slice:
-//! 1. a departure: the slice's builder, or the process hosting a source it lacked, was
+//! (its builder was gone), its events died with a writer before their file was closed, or
+//! the writer's disk refused them. [`attribute`] looks for a cause in this order, the
+//! first found claims the slice:
+//! 1. events the writer's disk refused: [`Rule::StorageFailing`] on the writer; a
+//!    departure: the slice's builder, or the process hosting a source it lacked, was
 //!    gone at the slice's time (from [`RunFacts::departures`]): [`Rule::ProcessDown`];
 //!    events lost with a writer are that writer's;
 //! 2. an [`Episode`] of the timeline, in [`Rule`]'s priority order, on a process involved
@@ -34,6 +36,9 @@ pub enum SliceLoss {
     /// Built and filtered, its events sent to a writer that died before closing the file
     /// they were in.
     EventsLost,
+    /// Built and filtered, its events sent to a writer whose disk refused them (or the
+    /// file they were in).
+    NotStored,
 }
 
 /// One lost slice and what is known of it.
@@ -150,6 +155,11 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
                 && s.slice < d.rejoined_slice.unwrap_or(u64::MAX).saturating_add(margin_slices)
         })
     };
+    if s.loss == SliceLoss::NotStored
+        && let Some(w) = facts.hosts.iter().find(|h| h.role == "writer")
+    {
+        return cause(Rule::StorageFailing, &w.name);
+    }
     if s.loss == SliceLoss::EventsLost {
         // Only a writer that died leaves events unclosed: the one that departed, or the
         // run's writer if run control did not see it go.
@@ -240,6 +250,7 @@ pub fn attribute(facts: &RunFacts) -> SliceDiagnosis {
             SliceLoss::NotFiltered => "not_filtered",
             SliceLoss::NotBuilt => "not_built",
             SliceLoss::EventsLost => "events_lost",
+            SliceLoss::NotStored => "not_stored",
         };
         *g.losses.entry(kind.to_string()).or_default() += 1;
     }

@@ -164,6 +164,129 @@ fn a_clock_skew_is_named_on_the_two_processes_furthest_apart() {
     assert!(c.began.iter().all(|e| e.rule == Rule::ClockSkew));
 }
 
+/// The rules found at the second of two looks, `before` then `after` (growth between).
+fn found_after(before: Vec<ProcessView>, after: Vec<ProcessView>) -> Vec<(Rule, String, String)> {
+    let mut d = Diagnoser::new();
+    d.evaluate(&snapshot(1, before));
+    d.evaluate(&snapshot(2, after)).began.into_iter().map(|e| (e.rule, e.process, e.detail)).collect()
+}
+
+#[test]
+fn a_path_that_retransmits_stalls_or_loses_connections_with_its_peers_up_is_named() {
+    let mut s = view("source0", "source");
+    s.counters.tcp_segments_out = 10_000;
+    let b = view("builder0", "builder");
+    // 0.1 % sent again: below the share; 1 %: the path loses.
+    let mut quiet = s.clone();
+    quiet.counters.tcp_segments_out += 10_000;
+    quiet.counters.tcp_retransmitted = 10;
+    assert!(found_after(vec![s.clone(), b.clone()], vec![quiet, b.clone()]).is_empty());
+    let mut lossy = s.clone();
+    lossy.counters.tcp_segments_out += 10_000;
+    lossy.counters.tcp_retransmitted = 100;
+    let f = found_after(vec![s.clone(), b.clone()], vec![lossy, b.clone()]);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!((f[0].0, f[0].1.as_str()), (Rule::NetworkPath, "source0"));
+    assert!(f[0].2.contains("100 of 10000 TCP segments again (1.00 %)"), "{}", f[0].2);
+    // A link in retransmission timeouts is a stall, whatever the counts.
+    let mut stalled = s.clone();
+    stalled.counters.tcp_links_stalled = 2;
+    let f = found_after(vec![s.clone(), b.clone()], vec![stalled, b.clone()]);
+    assert!(f[0].2.contains("2 links in retransmission timeouts"), "{f:?}");
+    // Datagrams sent again on NACKs.
+    let mut udp = s.clone();
+    udp.counters.udp_datagrams = 5_000;
+    udp.counters.udp_retransmitted = 40;
+    let f = found_after(vec![s.clone(), b.clone()], vec![udp, b.clone()]);
+    assert!(f[0].2.contains("40 datagrams again"), "{f:?}");
+    // A connection lost while every builder is up: the path.
+    let mut failed = s.clone();
+    failed.counters.link_failures = 1;
+    let f = found_after(vec![s.clone(), b.clone()], vec![failed.clone(), b.clone()]);
+    assert!(f[0].2.contains("lost 1 connections"), "{f:?}");
+    // ... but a builder that died or was restarted meanwhile broke it: not the path.
+    let mut down = b.clone();
+    down.presence = Presence::Down("exited".into());
+    let f = found_after(vec![s.clone(), down], vec![failed.clone(), b.clone()]);
+    assert!(f.iter().all(|x| x.0 != Rule::NetworkPath), "{f:?}");
+    let (mut old, mut new) = (b.clone(), b.clone());
+    old.pid = Some(10);
+    new.pid = Some(11);
+    let f = found_after(vec![s.clone(), old], vec![failed, new]);
+    assert!(f.iter().all(|x| x.0 != Rule::NetworkPath), "{f:?}");
+}
+
+#[test]
+fn a_writer_whose_disk_refused_or_is_too_slow_is_named() {
+    let mut w = view("writer", "writer");
+    w.counters.taken_ns = 1_000_000_000;
+    let mut failed = w.clone();
+    failed.counters.storage_failed = 1;
+    let f = found_after(vec![w.clone()], vec![failed]);
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0].0, Rule::StorageFailing);
+    assert!(f[0].2.contains("refused a write"), "{}", f[0].2);
+    let mut slow = w.clone();
+    slow.counters.taken_ns += 1_000_000_000;
+    slow.counters.storage_busy_ns = 950_000_000;
+    let f = found_after(vec![w.clone()], vec![slow]);
+    assert!(f[0].2.contains("busy writing 95 %"), "{f:?}");
+    let mut fine = w.clone();
+    fine.counters.taken_ns += 1_000_000_000;
+    fine.counters.storage_busy_ns = 300_000_000;
+    assert!(found_after(vec![w], vec![fine]).is_empty());
+}
+
+#[test]
+fn a_burst_cut_off_is_named_though_nothing_is_lost() {
+    let s = view("source3", "source");
+    let mut cut = s.clone();
+    cut.counters.fragments_produced = 50;
+    cut.counters.fragments_cut_off = 12;
+    let f = found_after(vec![s], vec![cut]);
+    assert_eq!(f.len(), 1);
+    assert_eq!((f[0].0, f[0].1.as_str()), (Rule::SourceCutOff, "source3"));
+    assert!(f[0].2.contains("12 of 50"), "{}", f[0].2);
+}
+
+#[test]
+fn processes_that_disagree_on_the_run_are_named_the_majority_is_not() {
+    let p = |name: &str, role: &str, version: &str, digest: &str, sources: &[u32]| ProcessView {
+        version: version.into(),
+        config_digest: digest.into(),
+        hosted_sources: sources.to_vec(),
+        ..view(name, role)
+    };
+    let agree = vec![
+        p("source0", "source", "0.1.0", "aa", &[0, 1]),
+        p("source1", "source", "0.1.0", "aa", &[2, 3]),
+        p("builder0", "builder", "0.1.0", "aa", &[]),
+    ];
+    let found_now = |processes: Vec<ProcessView>| -> Vec<(Rule, String, String)> {
+        Diagnoser::new()
+            .evaluate(&snapshot(1, processes))
+            .began
+            .into_iter()
+            .map(|e| (e.rule, e.process, e.detail))
+            .collect()
+    };
+    assert!(found_now(agree).is_empty());
+    let differ = vec![
+        p("source0", "source", "0.1.0", "aa", &[0, 1]),
+        p("source1", "source", "0.1.0", "aa", &[1, 2, 3]),
+        p("builder0", "builder", "0.2.0", "bb", &[]),
+        p("builder1", "builder", "0.1.0", "aa", &[]),
+    ];
+    let f = found_now(differ);
+    let named: Vec<(&str, &str)> = f.iter().map(|x| (x.1.as_str(), x.2.as_str())).collect();
+    assert_eq!(f.len(), 3, "{named:?}");
+    assert!(f.iter().all(|x| x.0 == Rule::ConfigMismatch));
+    assert!(named[0].0 == "builder0" && named[0].1.contains("runs shoal 0.2.0, most processes 0.1.0"), "{named:?}");
+    assert!(named[0].1.contains("as bb, most processes as aa"), "{named:?}");
+    assert!(named[1].0 == "source0" && named[1].1.contains("hosts source 1, as do source0 and source1"), "{named:?}");
+    assert_eq!(named[2].0, "source1");
+}
+
 const S: u64 = 100_000_000; // 100-ms slices
 
 fn facts() -> RunFacts {
@@ -301,4 +424,19 @@ mod props {
             }
         }
     }
+}
+
+#[test]
+fn events_the_writers_disk_refused_are_the_disks_not_the_writers_death() {
+    let mut f = facts();
+    f.hosts.push(Host { name: "writer".into(), role: "writer".into(), sources: Vec::new(), builder: None });
+    f.lost = (1050..1060).map(|s| lost(s, SliceLoss::NotStored, &[])).collect();
+    let d = attribute(&f);
+    assert_eq!((d.lost_slices, d.explained, d.unexplained), (10, 10, 0));
+    assert_eq!(d.causes.len(), 1);
+    assert_eq!(
+        (d.causes[0].rule.as_str(), d.causes[0].processes.as_slice()),
+        ("storage_failing", &["writer".to_string()][..])
+    );
+    assert_eq!(d.causes[0].losses.get("not_stored"), Some(&10));
 }

@@ -228,6 +228,8 @@ pub struct SourceTotals {
     pub produced: u64,
     /// Dropped at the source (queue limit) plus failed sends.
     pub dropped: u64,
+    /// Replaced by an empty marker by the burst rate cutoff (delivered, data gone).
+    pub cut_off: u64,
 }
 
 #[derive(Debug)]
@@ -922,6 +924,7 @@ impl SourceNode {
         }
         let (hit_count, payload) = if cut {
             flags = flags | Flags::CUT_OFF;
+            self.totals.cut_off += 1;
             (0, Bytes::new())
         } else {
             (frag.hit_count, frag.payload)

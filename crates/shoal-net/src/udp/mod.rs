@@ -213,6 +213,9 @@ async fn run_link(
             outgoing.clear();
             outgoing.extend(std::iter::from_fn(|| s.poll_transmit()));
             if !outgoing.is_empty() {
+                if let Some(p) = &options.paths {
+                    p.count_datagrams(outgoing.len() as u64, 0);
+                }
                 let o = sock.send_all(addr, &outgoing).await;
                 if o.refused > 0 {
                     debug!(builder, refused = o.refused, "datagrams not sent");
@@ -276,7 +279,15 @@ async fn run_link(
                                 requests_read += 1;
                                 let _ = requests.send((builder, PullRequestFrame { source: d.header.source, slice: d.header.slice }));
                             }
-                            _ => senders.get_mut(&d.header.source).expect("checked").handle_datagram(now, &d),
+                            _ => {
+                                let s = senders.get_mut(&d.header.source).expect("checked");
+                                let before = s.stats().retransmitted;
+                                s.handle_datagram(now, &d);
+                                // A NACK's datagrams, sent again: the path lost them.
+                                if let Some(p) = &options.paths {
+                                    p.count_datagrams(0, s.stats().retransmitted - before);
+                                }
+                            }
                         }
                     }
                     _ => refused += 1,

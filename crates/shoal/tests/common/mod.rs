@@ -19,6 +19,29 @@ pub fn shoal() -> Command {
 /// gives) can be taken by any outgoing connection between the choice and the process's
 /// bind, and on a busy machine one was ("binding builder port ...: Address already in
 /// use"). Candidates are drawn at random so that tests running at once rarely try the same.
+/// A small tmpfs mounted for a test (root only), unmounted and removed when dropped.
+pub struct Mounted(pub PathBuf);
+
+impl Mounted {
+    pub fn tmpfs(dir: &Path, size: &str) -> Mounted {
+        std::fs::create_dir_all(dir).unwrap();
+        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(dir).status();
+        assert!(ok.unwrap().success(), "mount failed");
+        Mounted(dir.to_path_buf())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+pub fn is_root() -> bool {
+    Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
@@ -116,10 +139,11 @@ impl Cluster {
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
-             [config.writer]\nout_dir = \"{}\"\n{writer}\n",
+             [config.writer]\n{}{writer}\n",
             addrs.join(", "),
             free_port(),
-            dir.join("data").display()
+            // The test's own output directory, or the cluster's.
+            if writer.contains("out_dir") { String::new() } else { format!("out_dir = \"{}\"\n", dir.join("data").display()) }
         );
         let file = dir.join("cluster.toml");
         std::fs::write(&file, &text).unwrap();

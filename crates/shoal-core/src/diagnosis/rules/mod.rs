@@ -4,11 +4,15 @@
 
 pub mod builder_discarding;
 pub mod clock_skew;
+pub mod config_mismatch;
 pub mod connections_refused;
 pub mod filter_behind;
+pub mod network_path;
 pub mod process_down;
 pub mod process_hung;
+pub mod source_cut_off;
 pub mod source_dropping;
+pub mod storage_failing;
 
 use super::{Evaluation, Finding, ProcessView, Rule};
 
@@ -24,6 +28,10 @@ pub fn check_all(ev: &Evaluation) -> Vec<Finding> {
             Rule::SourceDropping => source_dropping::check(ev, &mut out),
             Rule::ConnectionsRefused => connections_refused::check(ev, &mut out),
             Rule::ClockSkew => clock_skew::check(ev, &mut out),
+            Rule::ConfigMismatch => config_mismatch::check(ev, &mut out),
+            Rule::StorageFailing => storage_failing::check(ev, &mut out),
+            Rule::NetworkPath => network_path::check(ev, &mut out),
+            Rule::SourceCutOff => source_cut_off::check(ev, &mut out),
         }
     }
     out

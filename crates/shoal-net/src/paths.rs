@@ -1,0 +1,182 @@
+//! What a process's outgoing data links see of the network: connections that failed,
+//! TCP segments the kernel sent again, datagrams sent again on a NACK, and links stalled
+//! in retransmission timeouts right now. Run control's `network_path` rule reads them
+//! from the statistics (`shoal_core::diagnosis::rules::network_path`).
+//!
+//! TCP's own counters come from the kernel (`TCP_INFO`): each link registers a duplicate
+//! of its socket's descriptor while connected ([`NetPaths::register`]), and a sample
+//! ([`NetPaths::sample`], once per statistics interval) reads every registered socket
+//! plus what closed ones had counted. Reading from the statistics task rather than
+//! after each write also sees a link whose write is blocked on a path that stopped
+//! carrying anything, which is the stall worth seeing.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One TCP connection's counters, as the kernel keeps them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpSample {
+    /// Segments sent since the connection opened.
+    pub segments_out: u64,
+    /// Of those, sent again (timeouts, fast retransmits, tail loss probes).
+    pub retransmitted: u64,
+    /// In retransmission timeouts now: consecutive timeouts without an acknowledgement.
+    pub stalled: bool,
+}
+
+/// The kernel's `TCP_INFO` for one socket (none: not a TCP socket, or closed).
+#[allow(unsafe_code)]
+pub fn tcp_sample(fd: BorrowedFd<'_>) -> Option<TcpSample> {
+    // SAFETY: tcp_info is a plain C struct of integers, valid when zeroed; getsockopt
+    // writes at most `len` bytes into it and the descriptor is borrowed (open) for the
+    // call.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    Some(TcpSample {
+        segments_out: u64::from(info.tcpi_segs_out),
+        retransmitted: u64::from(info.tcpi_total_retrans),
+        stalled: info.tcpi_backoff > 0 || info.tcpi_retransmits > 0,
+    })
+}
+
+/// Totals over a process's data links (counters since the process started; `stalled` is
+/// the links stalled now).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PathTotals {
+    pub link_failures: u64,
+    pub tcp_segments_out: u64,
+    pub tcp_retransmitted: u64,
+    pub tcp_links_stalled: u64,
+    pub udp_datagrams: u64,
+    pub udp_retransmitted: u64,
+}
+
+/// A process's data links' view of the network. See the module documentation.
+#[derive(Debug, Default)]
+pub struct NetPaths {
+    /// Connections lost while writing, or refused after having been up.
+    link_failures: AtomicU64,
+    udp_datagrams: AtomicU64,
+    udp_retransmitted: AtomicU64,
+    tcp: Mutex<TcpRegistry>,
+}
+
+#[derive(Debug, Default)]
+struct TcpRegistry {
+    next: u64,
+    open: BTreeMap<u64, OwnedFd>,
+    /// What connections closed since the start had counted.
+    closed_segments_out: u64,
+    closed_retransmitted: u64,
+}
+
+/// A link's registration: hand it back to [`NetPaths::unregister`] when the connection
+/// closes.
+#[derive(Debug)]
+pub struct Registered(u64);
+
+impl NetPaths {
+    pub fn count_link_failure(&self) {
+        self.link_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count_datagrams(&self, sent: u64, retransmitted: u64) {
+        self.udp_datagrams.fetch_add(sent, Ordering::Relaxed);
+        self.udp_retransmitted.fetch_add(retransmitted, Ordering::Relaxed);
+    }
+
+    /// Follows a connected TCP socket (a duplicate of its descriptor, so a number reused
+    /// after the link closes is never read by mistake). None if it cannot be duplicated
+    /// (out of descriptors: the socket then goes unsampled, said nowhere else).
+    pub fn register(&self, socket: &impl AsFd) -> Option<Registered> {
+        let fd = socket.as_fd().try_clone_to_owned().ok()?;
+        let mut r = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        r.next += 1;
+        let key = r.next;
+        r.open.insert(key, fd);
+        Some(Registered(key))
+    }
+
+    /// The connection is closing: what it counted stays in the totals.
+    pub fn unregister(&self, reg: Registered) {
+        let mut r = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(fd) = r.open.remove(&reg.0)
+            && let Some(s) = tcp_sample(fd.as_fd())
+        {
+            r.closed_segments_out += s.segments_out;
+            r.closed_retransmitted += s.retransmitted;
+        }
+    }
+
+    /// The totals now (reads every open TCP connection's counters).
+    pub fn sample(&self) -> PathTotals {
+        let r = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = PathTotals {
+            link_failures: self.link_failures.load(Ordering::Relaxed),
+            tcp_segments_out: r.closed_segments_out,
+            tcp_retransmitted: r.closed_retransmitted,
+            tcp_links_stalled: 0,
+            udp_datagrams: self.udp_datagrams.load(Ordering::Relaxed),
+            udp_retransmitted: self.udp_retransmitted.load(Ordering::Relaxed),
+        };
+        for fd in r.open.values() {
+            if let Some(s) = tcp_sample(fd.as_fd()) {
+                t.tcp_segments_out += s.segments_out;
+                t.tcp_retransmitted += s.retransmitted;
+                t.tcp_links_stalled += u64::from(s.stalled);
+            }
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    #[test]
+    fn a_connected_socket_counts_its_segments_and_keeps_them_after_it_closes() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; 100_000];
+            server.read_exact(&mut got).map(|()| got)
+        });
+        let paths = NetPaths::default();
+        let reg = paths.register(&client).expect("registered");
+        client.write_all(&[7u8; 100_000]).unwrap();
+        assert!(reader.join().unwrap().unwrap().iter().all(|&b| b == 7));
+        let open = paths.sample();
+        assert!(open.tcp_segments_out > 0, "{open:?}");
+        paths.unregister(reg);
+        drop(client);
+        let closed = paths.sample();
+        assert!(closed.tcp_segments_out >= open.tcp_segments_out, "{closed:?} after {open:?}");
+        paths.count_link_failure();
+        paths.count_datagrams(10, 2);
+        let t = paths.sample();
+        assert_eq!((t.link_failures, t.udp_datagrams, t.udp_retransmitted), (1, 10, 2));
+    }
+
+    #[test]
+    fn a_socket_that_is_not_tcp_gives_no_sample() {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert_eq!(tcp_sample(udp.as_fd()), None);
+    }
+}
