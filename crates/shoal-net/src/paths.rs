@@ -18,11 +18,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// One TCP connection's counters, as the kernel keeps them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TcpSample {
-    /// Segments sent since the connection opened.
+    /// Data segments sent since the connection opened.
     pub segments_out: u64,
-    /// Of those, sent again (timeouts, fast retransmits, tail loss probes).
+    /// Of those, sent again because the path lost them (timeouts, fast retransmits, tail
+    /// loss probes), less those the peer reported as duplicates (D-SACK): on loopback a
+    /// busy host's tail loss probes fire about once per hundred segments and are all
+    /// duplicates, which says nothing of the path.
     pub retransmitted: u64,
-    /// In retransmission timeouts now: consecutive timeouts without an acknowledgement.
+    /// In retransmission timeouts now: consecutive timeouts without an acknowledgement
+    /// (zero-window probes do not count).
     pub stalled: bool,
 }
 
@@ -47,9 +51,13 @@ pub fn tcp_sample(fd: BorrowedFd<'_>) -> Option<TcpSample> {
         return None;
     }
     Some(TcpSample {
-        segments_out: u64::from(info.tcpi_segs_out),
-        retransmitted: u64::from(info.tcpi_total_retrans),
-        stalled: info.tcpi_backoff > 0 || info.tcpi_retransmits > 0,
+        segments_out: u64::from(info.tcpi_data_segs_out),
+        retransmitted: u64::from(info.tcpi_total_retrans).saturating_sub(u64::from(info.tcpi_dsack_dups)),
+        // Retransmission timeouts without an acknowledgement: nothing comes back from the
+        // peer's host. Not the back-off of zero-window probes, which a peer process that
+        // stopped reading causes while its host still answers (a hung builder, not the
+        // path).
+        stalled: info.tcpi_retransmits > 0,
     })
 }
 

@@ -112,6 +112,9 @@ fn a_builder_hung_for_10_s_costs_counted_data_and_the_run_goes_on() {
     assert!(b0["slices_complete"].as_u64().unwrap() > 0, "builder0 built again after it resumed: {b0}");
     // The hang is seen (its statistics stop) and claims what it cost.
     assert!(timeline(&record).contains(&("process_hung".into(), "builder0".into())), "{}", record["diagnosis"]);
+    // Its host still answered (the sources' links saw a closed window, not timeouts): not
+    // the network.
+    assert!(!timeline(&record).iter().any(|(rule, _)| rule == "network_path"), "{}", record["diagnosis"]);
     let causes = assert_causes(&record, &[("process_hung", "builder0")]);
     println!("diagnosis: {causes:?}");
     println!(

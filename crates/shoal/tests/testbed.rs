@@ -159,9 +159,26 @@ fn a_tcp_scenario_through_1pct_loss_delivers_everything() {
         eprintln!("SKIPPED: {why}");
         return;
     }
-    let Some(s) = run_small_scenario(&Small { loss_pct: 1.0, ..Small::tcp("delayed:2", "l") }) else { return };
+    // 60-kB fragments for 3 s: enough segments for the 1 % to show each second.
+    let Some(s) = run_small_scenario(&Small {
+        loss_pct: 1.0,
+        fragment_bytes: 60_000,
+        load_s: 3.0,
+        ..Small::tcp("delayed:2", "l")
+    }) else {
+        return;
+    };
     assert!(s["injected_drops"].as_u64().unwrap() > 0, "the loss rule dropped packets: {s}");
     assert!(s["tcp_retransmitted"].as_u64().unwrap() > 0, "TCP retransmitted: {s}");
+    // Nothing was lost, but the diagnosis saw the path losing: the sources' links sent
+    // segments again (their kernels' TCP_INFO).
+    let timeline = s["record"]["diagnosis"]["timeline"].as_array().unwrap();
+    let lossy: Vec<&serde_json::Value> = timeline.iter().filter(|e| e["rule"] == "network_path").collect();
+    assert!(
+        lossy.iter().any(|e| e["process"].as_str().is_some_and(|p| p.starts_with("source"))),
+        "the lossy path in the timeline: {timeline:?}"
+    );
+    eprintln!("diagnosis: {:?}", lossy.iter().map(|e| (&e["process"], &e["detail"])).collect::<Vec<_>>());
     eprintln!(
         "TCP through 1% loss: {} packets dropped, {} segments retransmitted, {} timeouts; every fragment delivered",
         s["injected_drops"], s["tcp_retransmitted"], s["tcp_timeouts"]
@@ -215,6 +232,13 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
     assert!(
         timeline.iter().any(|e| e["process"] == "builder1" && e["rule"] == "process_hung"),
         "the partition in the timeline: {timeline:?}"
+    );
+    // ... and the sources' links to it stalled in retransmission timeouts: the path.
+    assert!(
+        timeline
+            .iter()
+            .any(|e| e["rule"] == "network_path" && e["process"].as_str().is_some_and(|p| p.starts_with("source"))),
+        "the stalled path in the timeline: {timeline:?}"
     );
     eprintln!(
         "builder 1 partitioned for {:.1} s: {} TCP segments retransmitted, {} timeouts; delay p99 {} us, max {} us; \

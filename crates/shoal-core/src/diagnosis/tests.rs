@@ -181,6 +181,11 @@ fn a_path_that_retransmits_stalls_or_loses_connections_with_its_peers_up_is_name
     quiet.counters.tcp_segments_out += 10_000;
     quiet.counters.tcp_retransmitted = 10;
     assert!(found_after(vec![s.clone(), b.clone()], vec![quiet, b.clone()]).is_empty());
+    // Two of a hundred: a large share, but too few to be more than a probe in flight.
+    let mut few = s.clone();
+    few.counters.tcp_segments_out += 100;
+    few.counters.tcp_retransmitted = 2;
+    assert!(found_after(vec![s.clone(), b.clone()], vec![few, b.clone()]).is_empty());
     let mut lossy = s.clone();
     lossy.counters.tcp_segments_out += 10_000;
     lossy.counters.tcp_retransmitted = 100;

@@ -143,7 +143,11 @@ impl Cluster {
             addrs.join(", "),
             free_port(),
             // The test's own output directory, or the cluster's.
-            if writer.contains("out_dir") { String::new() } else { format!("out_dir = \"{}\"\n", dir.join("data").display()) }
+            if writer.contains("out_dir") {
+                String::new()
+            } else {
+                format!("out_dir = \"{}\"\n", dir.join("data").display())
+            }
         );
         let file = dir.join("cluster.toml");
         std::fs::write(&file, &text).unwrap();

@@ -8,12 +8,13 @@
 use super::super::{Evaluation, Finding, Rule};
 
 /// Share of the segments (or datagrams) sent again from which a path is losing: a healthy
-/// switch and loopback send none again; a busy host's spurious tail-loss probes are far
-/// below this.
+/// switch and loopback lose none (the processes count a busy host's spurious tail-loss
+/// probes out: the peer reports them as duplicates).
 pub const RETRANSMIT_SHARE: f64 = 0.002;
 
-/// And at least this many since the last look (a handful on a quiet link is noise).
-pub const MIN_RETRANSMITTED: u64 = 10;
+/// And at least this many since the last look (a probe whose duplicate report had not
+/// come back yet when the counters were read is one or two).
+pub const MIN_RETRANSMITTED: u64 = 3;
 
 /// How long after a builder or the writer was gone, silent or restarted the connections
 /// lost are put down to it, not to the path.
