@@ -838,7 +838,11 @@ impl Controller {
         let mut sources = BTreeMap::new();
         let mut builders = BTreeMap::new();
         for r in &reports {
-            sources.extend(r.source_tallies.iter().map(|(k, v)| (*k, v.clone())));
+            // Merged, not replaced: two processes hosting one source (a configuration
+            // mismatch) both produced it, and the ledger must say so.
+            for (id, t) in &r.source_tallies {
+                sources.entry(*id).or_insert_with(shoal_core::ledger::SourceTally::default).merge(t);
+            }
             if let Some((id, t)) = &r.builder {
                 builders.insert(*id, t.clone());
             }

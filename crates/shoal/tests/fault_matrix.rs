@@ -137,6 +137,7 @@ fn a_hung_builder_is_restarted_by_auto_recovery() {
         "auto-recover",
         16,
         "auto_recover = [{ rule = \"process_hung\", after_s = 2.0 }]",
+        "",
         "wall_timeout_ms = 1500",
         "",
     );
@@ -326,6 +327,59 @@ fn the_writers_disk_filling_up_is_named_and_costs_only_what_was_not_stored() {
         closed.len()
     );
     drop(disk);
+    no_process_left(&dir);
+}
+
+/// Sources in bioluminescence bursts most of the time with the burst rate cutoff on (the
+/// first and last 2 slices of a burst sent, the middle emptied): the slices stay complete,
+/// nothing is lost, and the diagnosis names the sources that cut data off.
+#[test]
+fn a_burst_over_the_cutoff_is_named_though_no_slice_is_lost() {
+    let c = Cluster::start_full(
+        "cutoff",
+        10,
+        "",
+        "generator = \"bursts\"\ncutoff = true\ncutoff_head = 2\ncutoff_tail = 2\n\
+         [config.source.bursts]\nfraction = 0.9\nmax_s = 3.0\nbase_bytes = 2000\nburst_bytes = 20000",
+        "wall_timeout_ms = 1500",
+        "",
+    );
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let cut = record["ledger"]["buckets"]["cut_off"].as_u64().unwrap_or(0);
+    assert!(cut > 0, "bursts 90 % of the time, up to 3 s each, were cut: {}", record["ledger"]);
+    let named: Vec<String> =
+        timeline(&record).into_iter().filter(|(rule, _)| rule == "source_cut_off").map(|(_, p)| p).collect();
+    assert!(!named.is_empty() && named.iter().all(|p| p.starts_with("source")), "{}", record["diagnosis"]);
+    // The markers complete the slices: nothing for the cutoff to explain.
+    let causes = assert_causes(&record, &[]);
+    println!("fault bursts over the cutoff: {cut} fragments cut off, named on {named:?}; lost slices {causes:?}");
+    no_process_left(&dir);
+}
+
+/// A source process started by hand with the wrong `--ids` (source2 given source 1,
+/// already source1's): source 1 comes twice and source 2 never. Run control sees two
+/// processes hosting one source; the diagnosis names the mismatch and puts the slices
+/// lacking source 2 down to it.
+#[test]
+fn a_source_started_with_another_ones_ids_is_a_configuration_mismatch() {
+    let c = Cluster::start_external("mismatch", 8, ["", "", "wall_timeout_ms = 1500", ""], &[("source2", "1")]);
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let timeline = timeline(&record);
+    for p in ["source1", "source2"] {
+        assert!(timeline.contains(&("config_mismatch".into(), p.into())), "{}", record["diagnosis"]);
+    }
+    assert!(record["slices_incomplete"].as_u64().unwrap() > 0, "source 2 was never sent");
+    let causes = assert_causes(&record, &[("config_mismatch", "source2")]);
+    assert!(causes.iter().any(|c| c.0 == "config_mismatch"), "{causes:?}");
+    let detail = &record["diagnosis"]["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["rule"] == "config_mismatch")
+        .unwrap()["detail"];
+    println!("fault source started with another's ids: {detail}; diagnosis {causes:?}");
     no_process_left(&dir);
 }
 

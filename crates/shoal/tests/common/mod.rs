@@ -85,6 +85,8 @@ pub struct Cluster {
     pub dir: PathBuf,
     pub ui: String,
     pub dispatcher: String,
+    /// Source processes the test started itself (`launch = "external"`).
+    pub external: Vec<std::process::Child>,
 }
 
 impl Drop for Cluster {
@@ -92,6 +94,10 @@ impl Drop for Cluster {
         if let Ok(None) = self.child.try_wait() {
             let _ = Command::new("kill").args(["-KILL", &format!("-{}", self.child.id())]).status();
             let _ = self.child.wait();
+        }
+        for e in &mut self.external {
+            let _ = e.kill();
+            let _ = e.wait();
         }
         // Processes restarted by run control are in their own groups: the OFF at the
         // end (or their parent watch) ends them. The directory goes with a passed test
@@ -112,11 +118,19 @@ impl Cluster {
 
     /// ... and `writer` to its `[writer]` table.
     pub fn start_with_writer(name: &str, seconds: u32, builder: &str, writer: &str) -> Cluster {
-        Self::start_full(name, seconds, "", builder, writer)
+        Self::start_full(name, seconds, "", "", builder, writer)
     }
 
     /// ... and `cluster` to the `[cluster]` table.
-    pub fn start_full(name: &str, seconds: u32, cluster: &str, builder: &str, writer: &str) -> Cluster {
+    pub fn start_full(name: &str, seconds: u32, cluster: &str, source: &str, builder: &str, writer: &str) -> Cluster {
+        Self::start_external(name, seconds, [cluster, source, builder, writer], &[])
+    }
+
+    /// ... with the source processes `external` names (name, the `--ids` it is started
+    /// with) started by the test as someone else would (`launch = "external"`), whatever
+    /// ids the cluster file gives them.
+    pub fn start_external(name: &str, seconds: u32, tables: [&str; 4], external: &[(&str, &str)]) -> Cluster {
+        let [cluster, source, builder, writer] = tables;
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -132,12 +146,15 @@ impl Cluster {
         }
         for s in 0..sources {
             text += &format!("[[process]]\nname = \"source{s}\"\nrole = \"source\"\nids = [{s}]\n");
+            if external.iter().any(|(n, _)| *n == format!("source{s}")) {
+                text += "launch = \"external\"\n";
+            }
         }
         let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
         text += &format!(
             "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"direct\"\n\
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
-             [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n[config.source.noise]\nrate_hz = 20000.0\n\
+             [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n{source}\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
              [config.writer]\n{}{writer}\n",
             addrs.join(", "),
@@ -169,8 +186,40 @@ impl Cluster {
                 }
             }
         });
+        // Started as soon as the dispatcher listens: run control waits 10 s for them to
+        // announce themselves.
+        if !external.is_empty() {
+            let waiting = Instant::now();
+            while TcpStream::connect(&dispatcher).is_err() {
+                assert!(waiting.elapsed() < Duration::from_secs(120), "the dispatcher never listened");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let external: Vec<std::process::Child> = external
+            .iter()
+            .map(|(name, ids)| {
+                shoal()
+                    .args([
+                        "node",
+                        "--role",
+                        "source",
+                        "--name",
+                        name,
+                        "--dispatcher",
+                        &dispatcher,
+                        "--stats-ms",
+                        "500",
+                    ])
+                    .args(["--metrics", "127.0.0.1:0", "--ids", ids])
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(dir.join(format!("{name}.external.log"))).unwrap())
+                    .process_group(0)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
         let ui = rx.recv_timeout(Duration::from_secs(120)).expect("shoal run printed its UI address");
-        let c = Cluster { child, dir, ui, dispatcher };
+        let c = Cluster { child, dir, ui, dispatcher, external };
         c.wait_for("the cluster RUNNING", |s| s["state"] == "RUNNING");
         c
     }
@@ -227,6 +276,15 @@ impl Cluster {
             std::thread::sleep(Duration::from_millis(200));
         };
         assert!(st.success(), "shoal run exited {st}");
+        // Run control's OFF ends them too; a process that did not leave is ended here.
+        for mut e in self.external.drain(..) {
+            let waiting = Instant::now();
+            while e.try_wait().unwrap().is_none() && waiting.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = e.kill();
+            let _ = e.wait();
+        }
         let path = self.dir.join("state").join("runs").join("run000001.json");
         let record: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         // For the docs' examples: keep the record where asked (`SHOAL_KEEP_RECORDS=DIR`).
