@@ -641,6 +641,8 @@ impl Controller {
                     }
                     p.active = v.active;
                     p.inactive_reason = v.inactive_reason.as_ref().map(|r| r.to_string());
+                    p.not_answering =
+                        matches!(v.inactive_reason, Some(shoal_core::cluster::InactiveReason::NoAnswer { .. }));
                     p.switched_off = v.switched_off;
                 }
             }

@@ -43,7 +43,7 @@ pub fn snapshot(
             } else {
                 let why = p.inactive_reason.clone().unwrap_or_else(|| "inactive".into());
                 // Connected but silent is a hang; gone is down.
-                if why.starts_with("no answer") { Presence::NotAnswering(why) } else { Presence::Down(why) }
+                if p.not_answering { Presence::NotAnswering(why) } else { Presence::Down(why) }
             };
             let counters = p
                 .stats

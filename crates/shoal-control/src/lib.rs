@@ -240,6 +240,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
                 state: "UNKNOWN".into(),
                 active: true,
                 inactive_reason: None,
+                not_answering: false,
                 switched_off: false,
                 last_reply: None,
                 metrics_addr: None,

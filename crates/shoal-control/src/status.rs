@@ -19,6 +19,10 @@ pub struct ProcStatus {
     /// Answered the last command in time and is still connected.
     pub active: bool,
     pub inactive_reason: Option<String>,
+    /// Inactive because it did not answer a command in time (connected but silent: hung),
+    /// not gone.
+    #[serde(default)]
+    pub not_answering: bool,
     /// Run control told it OFF: leaving the dispatcher and exiting is expected now.
     pub switched_off: bool,
     pub last_reply: Option<String>,
