@@ -38,6 +38,13 @@ fn stats(name: &str, role: &str, t: u64, k: u64) -> NodeStats {
         // A quarter of the sources drop a little every second.
         fragments_dropped_at_source: if k.is_multiple_of(4) { t / 1_000_000_000 } else { 0 },
         filter_busy_ns: t / 2,
+        // What config_mismatch and network_path read: every process the same version and
+        // configuration, each source process its own source, its links' TCP counters.
+        version: "0.1.0".into(),
+        config_digest: "5e1f00d5".into(),
+        hosted_sources: if role == "source" { vec![k as u32] } else { Vec::new() },
+        tcp_segments_out: 700 * t / 1_000_000_000,
+        tcp_retransmitted: if k.is_multiple_of(10) { t / 1_000_000_000 } else { 0 },
         ..Default::default()
     }
 }
