@@ -116,6 +116,9 @@ pub struct Plan {
     /// long. The boards' and builders' links (a microsecond or so) are not delayed: that is
     /// far below what the delay line can resolve.
     pub shore_delay_us: f64,
+    /// What this testbed emulates differently from the scenario (and the simulator), said
+    /// before the run and in its summary.
+    pub warnings: Vec<String>,
 }
 
 /// Frame length classes (bridge `meta length`: Ethernet header included, no FCS) and the
@@ -157,8 +160,21 @@ impl Plan {
         if prefix.is_empty() || prefix.len() > 6 || !prefix.chars().all(|c| c.is_ascii_alphanumeric()) {
             return Err(format!("testbed prefix {prefix:?}: 1 to 6 letters or digits"));
         }
+        let mut warnings = Vec::new();
         let switch_queue = match (t.queue_packets, t.queue_bytes) {
-            (_, Some(b)) => Queue::Bytes(b),
+            (Some(p), Some(b)) => {
+                // A fifo holds one limit: bfifo counts bytes only. The simulator applies
+                // both, so they differ where the packet limit binds first: small packets
+                // (ACKs, small fragments' datagrams) fill `p` slots before `b` bytes.
+                warnings.push(format!(
+                    "topology.queue_bytes = {b} replaces queue_packets = {p} on the testbed's switch ports (one \
+                     limit per fifo); the simulator applies both, so the two agree only where the byte limit binds \
+                     first ({p} full frames are {} bytes)",
+                    p as u64 * 1514
+                ));
+                Queue::Bytes(b)
+            }
+            (None, Some(b)) => Queue::Bytes(b),
             (Some(p), None) => Queue::Packets(p),
             (None, None) => Queue::Packets(1000),
         };
@@ -225,7 +241,20 @@ impl Plan {
             loss_ppm: 0,
             shore_ber: t.shore_ber,
             shore_delay_us: t.shore_delay_us,
+            warnings,
         })
+    }
+
+    /// The control host's ports (`namespace/device`, as the drop counters name them): its
+    /// own interface and the switch port toward it. Their drops are run control's traffic.
+    pub fn control_ports(&self) -> Vec<String> {
+        let control: Vec<&str> =
+            self.hosts.iter().filter(|h| h.role == HostRole::Control).map(|h| h.netns.as_str()).collect();
+        self.links
+            .iter()
+            .filter(|l| control.contains(&l.a_netns.as_str()))
+            .flat_map(|l| [format!("{}/{}", l.a_netns, l.a_dev), format!("{}/{}", l.b_netns, l.b_dev)])
+            .collect()
     }
 
     /// One switch, `senders` hosts on links of `sender_mbps` and one receiver behind a port
@@ -257,6 +286,7 @@ impl Plan {
             loss_ppm: 0,
             shore_ber: 0.0,
             shore_delay_us: 0.0,
+            warnings: Vec::new(),
         };
         let mut attach = |netns: String, role: HostRole, addr: Ipv4Addr, port: String, mbps: f64, queue: Queue| {
             plan.hosts.push(Host { netns: netns.clone(), role, addr });
@@ -474,6 +504,8 @@ mod tests {
         assert_eq!(p.links.len(), 21);
         assert_eq!(p.host(HostRole::Source(300)), None);
         assert_eq!(p.host(HostRole::Builder(3)).unwrap().addr, Ipv4Addr::new(198, 19, 0, 4));
+        // Run control's ports, whose drops are not the data path's.
+        assert_eq!(p.control_ports(), ["tb-ctl/eth0", "tb-core/ctl"]);
     }
 
     #[test]
@@ -502,6 +534,13 @@ mod tests {
         sc.topology.queue_bytes = Some(108_000);
         let p = Plan::new(&sc, "x1", Congestion::Reno).unwrap();
         assert!(p.namespace_script("x1-core").contains("bfifo limit 108000"));
+        // The scenario's default packet limit is replaced, and the plan says so (the
+        // simulator applies both).
+        assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
+        assert!(p.warnings[0].contains("queue_bytes = 108000 replaces queue_packets = 100"), "{:?}", p.warnings);
+        sc.topology.queue_packets = None;
+        assert!(Plan::new(&sc, "x1", Congestion::Reno).unwrap().warnings.is_empty());
+        assert!(Plan::new(&scenario(3, 1), "x1", Congestion::Reno).unwrap().warnings.is_empty());
         assert!(Plan::new(&sc, "bad-prefix", Congestion::Reno).is_err());
         assert!(Plan::new(&scenario(1200, 10), "tb", Congestion::Reno).unwrap_err().contains("1023"));
     }

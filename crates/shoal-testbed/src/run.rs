@@ -128,6 +128,12 @@ pub struct TestbedSummary {
     /// are these), and separately what connection set-up and configuration sent before.
     pub tcp: netns::TcpCounters,
     pub setup_tcp: netns::TcpCounters,
+    /// The control host's TCP over the run (run control, the dispatcher, a pull run's
+    /// data-flow manager: control connections only), kept out of `tcp` and the verdict.
+    /// The data hosts' own control connections (their statistics and commands) are still
+    /// in `tcp`: one namespace's counters do not tell connections apart.
+    #[serde(default)]
+    pub control_tcp: netns::TcpCounters,
     /// The hosts' UDP counters over the run: datagrams their full receive buffers dropped
     /// are lost inside a host, not in the network.
     #[serde(default)]
@@ -135,9 +141,18 @@ pub struct TestbedSummary {
     pub tcp_segments: u64,
     pub tcp_retransmitted: u64,
     pub tcp_timeouts: u64,
-    /// Packets dropped by the switch output buffers, and by the hosts' own queues.
+    /// Packets dropped by the switch output buffers, and by the hosts' own queues, on the
+    /// data path (the control host's ports are apart: `control_queue_drops`).
     pub queue_drops: u64,
     pub host_queue_drops: u64,
+    /// Drops at the control host's switch port and its own queue: run control's
+    /// traffic, not data; kept out of `queue_drops` and the comparison with the simulator.
+    #[serde(default)]
+    pub control_queue_drops: u64,
+    /// What the testbed cannot emulate as the scenario asks (e.g. a byte-limited switch
+    /// buffer, which replaces the packet limit here while the simulator applies both).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Packets the injected loss and the shore links' bit errors dropped (the nft rules'
     /// counters), and the rates asked for.
     pub injected_drops: u64,
@@ -403,6 +418,8 @@ pub fn preflight(plan: &Plan) -> anyhow::Result<()> {
 #[derive(Clone, Debug, Default)]
 struct Counters {
     tcp: netns::TcpCounters,
+    /// The control host's, apart.
+    control_tcp: netns::TcpCounters,
     udp: netns::UdpCounters,
     host_drops: std::collections::BTreeMap<String, u64>,
     switch_drops: std::collections::BTreeMap<String, u64>,
@@ -415,7 +432,11 @@ impl Counters {
         let mut c = Counters { cpu: cpu_times(), ..Counters::default() };
         for h in &plan.hosts {
             let (tcp, udp) = netns::counters(&h.netns)?;
-            c.tcp.add(&tcp);
+            if h.role == HostRole::Control {
+                c.control_tcp.add(&tcp);
+            } else {
+                c.tcp.add(&tcp);
+            }
             c.udp.add(&udp);
         }
         for h in &plan.hosts {
@@ -570,8 +591,11 @@ fn run_on(
     let udp_hosts = at_end.udp.since(&at_start.udp);
     let host = drops_since(&at_end.host_drops, &at_start.host_drops);
     let switch = drops_since(&at_end.switch_drops, &at_start.switch_drops);
-    let host_drops: u64 = host.values().sum();
-    let switch_drops: u64 = switch.values().sum();
+    let control_ports = plan.control_ports();
+    let is_control = |port: &String| control_ports.contains(port);
+    let control_drops: u64 = host.iter().chain(&switch).filter(|(p, _)| is_control(p)).map(|(_, d)| d).sum();
+    let host_drops: u64 = host.iter().filter(|(p, _)| !is_control(p)).map(|(_, d)| d).sum();
+    let switch_drops: u64 = switch.iter().filter(|(p, _)| !is_control(p)).map(|(_, d)| d).sum();
     let mut by_port = host;
     by_port.extend(switch);
     let injected = at_end.injected.saturating_sub(at_start.injected);
@@ -609,9 +633,12 @@ fn run_on(
         tcp_timeouts: tcp.timeouts,
         tcp,
         setup_tcp,
+        control_tcp: at_end.control_tcp.since(&at_start.control_tcp),
         udp_hosts,
         queue_drops: switch_drops,
         host_queue_drops: host_drops,
+        control_queue_drops: control_drops,
+        warnings: plan.warnings.clone(),
         drops_by_port: by_port,
         injected_drops: injected,
         loss_ppm: plan.loss_ppm,

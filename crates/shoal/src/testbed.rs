@@ -330,8 +330,15 @@ fn table(s: &TestbedSummary) -> String {
         (
             "drops",
             format!(
-                "{} at switch ports, {} in host queues, {} injected ({} ppm toward hosts, shore BER {:e})",
-                s.queue_drops, s.host_queue_drops, s.injected_drops, s.loss_ppm, s.shore_ber
+                "{} at switch ports, {} in host queues, {} injected ({} ppm toward hosts, shore BER {:e}); control \
+                 host apart: {} dropped, {} TCP segments sent again",
+                s.queue_drops,
+                s.host_queue_drops,
+                s.injected_drops,
+                s.loss_ppm,
+                s.shore_ber,
+                s.control_queue_drops,
+                s.control_tcp.retransmitted_segments
             ),
         ),
         (
@@ -372,6 +379,9 @@ fn table(s: &TestbedSummary) -> String {
     let mut o = String::from("shoal testbed summary\n");
     for (k, v) in rows {
         o.push_str(&format!("  {k:<10} {v}\n"));
+    }
+    for w in &s.warnings {
+        o.push_str(&format!("  {:<10} {w}\n", "warning"));
     }
     o
 }
