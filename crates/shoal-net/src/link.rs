@@ -210,6 +210,14 @@ async fn read_requests(
     }
 }
 
+/// A link's connection, with its registration for TCP counters first: fields drop in
+/// order, so the registration goes before the socket closes (also when the task is
+/// aborted).
+struct Connection {
+    registered: Option<crate::paths::Registered>,
+    write: OwnedWriteHalf,
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn run(
     id: u32,
@@ -222,16 +230,10 @@ async fn run(
     closing: CancellationToken,
     options: LinkOptions,
 ) {
-    let mut stream: Option<OwnedWriteHalf> = None;
-    // The connection's registration for TCP counters, while it is up.
-    let mut registered: Option<crate::paths::Registered> = None;
+    let mut stream: Option<Connection> = None;
     let paths = options.paths.clone();
-    let register = |s: &OwnedWriteHalf| paths.as_ref().and_then(|p| p.register(s.as_ref()));
-    let unregister = |r: &mut Option<crate::paths::Registered>| {
-        if let (Some(p), Some(r)) = (&paths, r.take()) {
-            p.unregister(r);
-        }
-    };
+    let connection =
+        |write: OwnedWriteHalf| Connection { registered: paths.as_ref().map(|p| p.register(write.as_ref())), write };
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
@@ -244,8 +246,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
-                    registered = register(&s);
-                    stream = Some(s);
+                    stream = Some(connection(s));
                 }
                 Err(e) => {
                     debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
@@ -274,8 +275,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
-                    registered = register(&s);
-                    stream.insert(s)
+                    stream.insert(connection(s))
                 }
                 Err(e) => {
                     if closing.is_cancelled() {
@@ -302,7 +302,7 @@ async fn run(
         } else {
             &chunk.head
         };
-        let result = s.write_all_buf(&mut head.chain(&chunk.body[..])).await;
+        let result = s.write.write_all_buf(&mut head.chain(&chunk.body[..])).await;
         match result {
             Ok(()) => {
                 queued.fetch_sub(len, Ordering::Relaxed);
@@ -317,7 +317,6 @@ async fn run(
                 if let Some(held_back) = WRITE_FAILED.check() {
                     warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
                 }
-                unregister(&mut registered);
                 if let Some(p) = &paths {
                     p.count_link_failure();
                 }
@@ -326,9 +325,10 @@ async fn run(
             }
         }
     }
-    unregister(&mut registered);
-    if let Some(mut s) = stream {
-        let _ = s.shutdown().await;
+    if let Some(mut c) = stream {
+        // The counters are read one last time while the socket is open.
+        c.registered = None;
+        let _ = c.write.shutdown().await;
         info!(link = id, %addr, "closed");
     }
 }

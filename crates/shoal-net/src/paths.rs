@@ -3,17 +3,19 @@
 //! in retransmission timeouts right now. Run control's `network_path` rule reads them
 //! from the statistics (`shoal_core::diagnosis::rules::network_path`).
 //!
-//! TCP's own counters come from the kernel (`TCP_INFO`): each link registers a duplicate
-//! of its socket's descriptor while connected ([`NetPaths::register`]), and a sample
-//! ([`NetPaths::sample`], once per statistics interval) reads every registered socket
-//! plus what closed ones had counted. Reading from the statistics task rather than
-//! after each write also sees a link whose write is blocked on a path that stopped
-//! carrying anything, which is the stall worth seeing.
+//! TCP's own counters come from the kernel (`TCP_INFO`): each link registers its socket
+//! while connected ([`NetPaths::register`], a guard that unregisters when dropped, before
+//! the socket closes), and a sample ([`NetPaths::sample`], once per statistics interval)
+//! reads every registered socket plus what closed ones had counted. Reading from the
+//! statistics task rather than after each write also sees a link whose write is blocked
+//! on a path that stopped carrying anything, which is the stall worth seeing. The
+//! registry keeps descriptor numbers, not duplicates: an embedded run near the process's
+//! open-file limit (`shoal demo` at full shape) has no descriptor to spare per link.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::Mutex;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// One TCP connection's counters, as the kernel keeps them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,22 +32,21 @@ pub struct TcpSample {
     pub stalled: bool,
 }
 
-/// The kernel's `TCP_INFO` for one socket (none: not a TCP socket, or closed).
+/// The kernel's `TCP_INFO` for the socket `fd` (none: not a TCP socket, or not open).
 #[allow(unsafe_code)]
-pub fn tcp_sample(fd: BorrowedFd<'_>) -> Option<TcpSample> {
+pub fn tcp_sample(fd: &impl AsRawFd) -> Option<TcpSample> {
+    raw_tcp_sample(fd.as_raw_fd())
+}
+
+#[allow(unsafe_code)]
+fn raw_tcp_sample(fd: RawFd) -> Option<TcpSample> {
     // SAFETY: tcp_info is a plain C struct of integers, valid when zeroed; getsockopt
-    // writes at most `len` bytes into it and the descriptor is borrowed (open) for the
-    // call.
+    // writes at most `len` bytes into it, and on a descriptor that is not open it fails
+    // with EBADF (it reads nothing else of the process's memory).
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
     let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len)
     };
     if rc != 0 {
         return None;
@@ -86,16 +87,26 @@ pub struct NetPaths {
 #[derive(Debug, Default)]
 struct TcpRegistry {
     next: u64,
-    open: BTreeMap<u64, OwnedFd>,
+    /// Registered sockets: open while listed (their guards unregister them first).
+    open: BTreeMap<u64, RawFd>,
     /// What connections closed since the start had counted.
     closed_segments_out: u64,
     closed_retransmitted: u64,
 }
 
-/// A link's registration: hand it back to [`NetPaths::unregister`] when the connection
-/// closes.
+/// A link's registration, held beside its socket and dropped before it: what the
+/// connection counted stays in the totals.
 #[derive(Debug)]
-pub struct Registered(u64);
+pub struct Registered {
+    paths: Arc<NetPaths>,
+    key: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.paths.unregister(self.key);
+    }
+}
 
 impl NetPaths {
     pub fn count_link_failure(&self) {
@@ -107,23 +118,22 @@ impl NetPaths {
         self.udp_retransmitted.fetch_add(retransmitted, Ordering::Relaxed);
     }
 
-    /// Follows a connected TCP socket (a duplicate of its descriptor, so a number reused
-    /// after the link closes is never read by mistake). None if it cannot be duplicated
-    /// (out of descriptors: the socket then goes unsampled, said nowhere else).
-    pub fn register(&self, socket: &impl AsFd) -> Option<Registered> {
-        let fd = socket.as_fd().try_clone_to_owned().ok()?;
+    /// Follows a connected TCP socket until the guard is dropped. The guard must be
+    /// dropped before the socket closes (keep both in one struct, the guard first: fields
+    /// drop in order), so that a descriptor number is never read after it was reused.
+    pub fn register(self: &Arc<Self>, socket: &impl AsRawFd) -> Registered {
         let mut r = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
         r.next += 1;
         let key = r.next;
-        r.open.insert(key, fd);
-        Some(Registered(key))
+        r.open.insert(key, socket.as_raw_fd());
+        Registered { paths: self.clone(), key }
     }
 
     /// The connection is closing: what it counted stays in the totals.
-    pub fn unregister(&self, reg: Registered) {
+    fn unregister(&self, key: u64) {
         let mut r = self.tcp.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(fd) = r.open.remove(&reg.0)
-            && let Some(s) = tcp_sample(fd.as_fd())
+        if let Some(fd) = r.open.remove(&key)
+            && let Some(s) = raw_tcp_sample(fd)
         {
             r.closed_segments_out += s.segments_out;
             r.closed_retransmitted += s.retransmitted;
@@ -141,8 +151,8 @@ impl NetPaths {
             udp_datagrams: self.udp_datagrams.load(Ordering::Relaxed),
             udp_retransmitted: self.udp_retransmitted.load(Ordering::Relaxed),
         };
-        for fd in r.open.values() {
-            if let Some(s) = tcp_sample(fd.as_fd()) {
+        for &fd in r.open.values() {
+            if let Some(s) = raw_tcp_sample(fd) {
                 t.tcp_segments_out += s.segments_out;
                 t.tcp_retransmitted += s.retransmitted;
                 t.tcp_links_stalled += u64::from(s.stalled);
@@ -166,13 +176,13 @@ mod tests {
             let mut got = vec![0u8; 100_000];
             server.read_exact(&mut got).map(|()| got)
         });
-        let paths = NetPaths::default();
-        let reg = paths.register(&client).expect("registered");
+        let paths = Arc::new(NetPaths::default());
+        let reg = paths.register(&client);
         client.write_all(&[7u8; 100_000]).unwrap();
         assert!(reader.join().unwrap().unwrap().iter().all(|&b| b == 7));
         let open = paths.sample();
         assert!(open.tcp_segments_out > 0, "{open:?}");
-        paths.unregister(reg);
+        drop(reg);
         drop(client);
         let closed = paths.sample();
         assert!(closed.tcp_segments_out >= open.tcp_segments_out, "{closed:?} after {open:?}");
@@ -185,6 +195,6 @@ mod tests {
     #[test]
     fn a_socket_that_is_not_tcp_gives_no_sample() {
         let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        assert_eq!(tcp_sample(udp.as_fd()), None);
+        assert_eq!(tcp_sample(&udp), None);
     }
 }
