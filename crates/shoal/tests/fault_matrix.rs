@@ -248,12 +248,7 @@ fn the_writer_killed_mid_run_is_restarted_and_continues_in_a_second_file() {
     let (first, second) = (before_kill.len(), after.len());
     // The diagnosis puts those slices down to the writer's death.
     let causes = assert_causes(&record, &[("process_down", "writer")]);
-    let by_writer = &record["diagnosis"]["slices"]["causes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == "process_down")
-        .unwrap()["losses"];
+    let by_writer = losses_put_down_to(&record, "process_down");
     assert_eq!(by_writer["events_lost"].as_u64(), Some(to - from), "{by_writer}");
     println!("diagnosis: {causes:?}; events of slices {from}..{to} lost ({} slices)", to - from);
     assert!(timeline(&record).contains(&("process_down".into(), "writer".into())), "{}", record["diagnosis"]);
@@ -311,12 +306,7 @@ fn the_writers_disk_filling_up_is_named_and_costs_only_what_was_not_stored() {
         assert!(f["last_slice"].as_u64().unwrap() < from, "{f} in the lost window {from}..{to}");
     }
     let causes = assert_causes(&record, &[("storage_failing", "writer")]);
-    let by_disk = &record["diagnosis"]["slices"]["causes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["rule"] == "storage_failing")
-        .unwrap()["losses"];
+    let by_disk = losses_put_down_to(&record, "storage_failing");
     assert_eq!(by_disk["not_stored"].as_u64(), Some(to - from), "{by_disk}");
     assert!(timeline(&record).contains(&("storage_failing".into(), "writer".into())), "{}", record["diagnosis"]);
     let stored = writer["detail"]["file"]["events"].as_u64().unwrap();

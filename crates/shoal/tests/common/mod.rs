@@ -305,6 +305,13 @@ pub fn assert_accounted(record: &serde_json::Value) {
     assert_eq!(l["excess_received"], 0, "{l}");
 }
 
+/// How the slices the diagnosis put down to `rule` were lost (`incomplete`, `events_lost`,
+/// ... with counts): its first group of causes.
+pub fn losses_put_down_to<'a>(record: &'a serde_json::Value, rule: &str) -> &'a serde_json::Value {
+    let causes = record["diagnosis"]["slices"]["causes"].as_array().expect("the record's diagnosis");
+    &causes.iter().find(|c| c["rule"] == rule).unwrap_or_else(|| panic!("no slice put down to {rule}: {causes:?}"))["losses"]
+}
+
 /// Nothing of the cluster runs any more (every process was launched with this directory's
 /// cluster file); the directory goes.
 pub fn no_process_left(dir: &Path) {
