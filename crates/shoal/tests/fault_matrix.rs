@@ -361,8 +361,9 @@ fn a_source_started_with_another_ones_ids_is_a_configuration_mismatch() {
         assert!(timeline.contains(&("config_mismatch".into(), p.into())), "{}", record["diagnosis"]);
     }
     assert!(record["slices_incomplete"].as_u64().unwrap() > 0, "source 2 was never sent");
-    let causes = assert_causes(&record, &[("config_mismatch", "source2")]);
-    assert!(causes.iter().any(|c| c.0 == "config_mismatch"), "{causes:?}");
+    // Source 2's slices are the mismatch's on source2; a slice that also lacked source 1
+    // (a fragment late on a busy machine) is put on source1, the other side of it.
+    let causes = assert_causes_allowing(&record, &[("config_mismatch", "source2")], &[("config_mismatch", "source1")]);
     let detail = &record["diagnosis"]["timeline"]
         .as_array()
         .unwrap()

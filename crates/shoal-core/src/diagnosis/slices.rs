@@ -190,6 +190,8 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
         .episodes
         .iter()
         .filter(on)
+        // A cut-off fragment arrives (an empty marker): the cutoff never loses a slice.
+        .filter(|e| e.rule != Rule::SourceCutOff)
         .filter(|e| {
             involved(&e.process)
                 || (sources_dropping && e.role == "builder" && matches!(e.rule, Rule::ProcessDown | Rule::ProcessHung))

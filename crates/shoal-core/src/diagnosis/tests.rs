@@ -445,3 +445,14 @@ fn events_the_writers_disk_refused_are_the_disks_not_the_writers_death() {
     );
     assert_eq!(d.causes[0].losses.get("not_stored"), Some(&10));
 }
+
+#[test]
+fn a_burst_cut_off_claims_no_lost_slice() {
+    let mut f = facts();
+    f.lost = vec![lost(1030, SliceLoss::Incomplete, &[0])];
+    f.episodes = vec![episode(Rule::SourceCutOff, "source0", "source", 1020, Some(1040))];
+    assert_eq!(attribute(&f).unexplained, 1, "the markers arrive: a cut-off source lost nothing");
+    f.episodes.push(episode(Rule::SourceDropping, "source0", "source", 1020, Some(1040)));
+    let d = attribute(&f);
+    assert_eq!((d.unexplained, d.causes[0].rule.as_str()), (0, "source_dropping"));
+}
