@@ -41,6 +41,19 @@ pub enum SliceLoss {
     NotStored,
 }
 
+impl SliceLoss {
+    /// How much of the slice is gone (the larger, the more).
+    pub fn severity(self) -> u8 {
+        match self {
+            SliceLoss::Incomplete => 0,
+            SliceLoss::NotFiltered => 1,
+            SliceLoss::EventsLost => 2,
+            SliceLoss::NotStored => 3,
+            SliceLoss::NotBuilt => 4,
+        }
+    }
+}
+
 /// One lost slice and what is known of it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LostSlice {
@@ -219,8 +232,10 @@ pub fn attribute(facts: &RunFacts) -> SliceDiagnosis {
             lost.extend(not_built(facts, b, d));
         }
     }
-    lost.sort_by_key(|l| (l.slice, l.loss));
-    // A slice listed twice (not filtered and incomplete) is lost once.
+    // A slice listed twice (not filtered and incomplete, incomplete and its events not
+    // stored) is lost once, by what lost the most of it: never built, then its output gone
+    // whole, then not filtered, then incomplete.
+    lost.sort_by_key(|l| (l.slice, std::cmp::Reverse(l.loss.severity())));
     lost.dedup_by_key(|l| l.slice);
     let mut groups: BTreeMap<(String, Vec<String>), CauseSummary> = BTreeMap::new();
     let mut d = SliceDiagnosis { lost_slices: lost.len() as u64, not_listed: facts.unlisted, ..Default::default() };

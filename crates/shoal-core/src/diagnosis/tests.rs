@@ -456,3 +456,15 @@ fn a_burst_cut_off_claims_no_lost_slice() {
     let d = attribute(&f);
     assert_eq!((d.unexplained, d.causes[0].rule.as_str()), (0, "source_dropping"));
 }
+
+#[test]
+fn a_slice_lost_twice_is_lost_by_what_lost_the_most_of_it() {
+    let mut f = facts();
+    f.hosts.push(Host { name: "writer".into(), role: "writer".into(), sources: Vec::new(), builder: None });
+    f.episodes = vec![episode(Rule::SourceDropping, "source0", "source", 1020, Some(1040))];
+    // Incomplete (source 0 dropping) and its events not stored: the disk's.
+    f.lost = vec![lost(1030, SliceLoss::Incomplete, &[0]), lost(1030, SliceLoss::NotStored, &[])];
+    let d = attribute(&f);
+    assert_eq!((d.lost_slices, d.causes.len()), (1, 1));
+    assert_eq!(d.causes[0].rule, "storage_failing");
+}

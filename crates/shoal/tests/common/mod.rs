@@ -322,8 +322,8 @@ pub fn no_process_left(dir: &Path) {
 }
 
 /// Causes a loaded machine adds to any run (late fragments, a filter starved of CPU, a
-/// source behind): named, so allowed beside the injected fault's, never instead of it.
-pub const LOAD_CAUSES: [&str; 3] = ["builder_discarding", "source_dropping", "filter_behind"];
+/// source behind, a process starved so long its statistics stop for 3 s): named, so allowed beside the injected fault's, never instead of it.
+pub const LOAD_CAUSES: [&str; 4] = ["builder_discarding", "source_dropping", "filter_behind", "process_hung"];
 
 /// The run record's diagnosis names the `expected` causes (rule, process) for the slices it
 /// lost, each at least once, any other only from [`LOAD_CAUSES`], and leaves none
