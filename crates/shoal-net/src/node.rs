@@ -249,8 +249,8 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                 let mut report_sent = None;
                 match &command {
                     Command::Configure(text) => match check_config(&opts, text) {
-                        Ok(c) => {
-                            configured = Some(Configured::of(&opts, &c, text));
+                        Ok((c, said)) => {
+                            configured = Some(said);
                             config = Some(c);
                         }
                         Err(e) => {
@@ -376,18 +376,12 @@ struct Configured {
     hosted_sources: Vec<u32>,
 }
 
-impl Configured {
-    fn of(opts: &NodeOptions, cfg: &Config, text: &str) -> Self {
-        Configured {
-            digest: Config::from_toml_str(text).map(|c| c.digest()).unwrap_or_default(),
-            hosted_sources: if opts.role == Role::Source { cfg.hosted_sources() } else { Vec::new() },
-        }
-    }
-}
-
-/// Parses a `CONFIGURE` payload and checks that this process can play its part in it.
-fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
+/// Parses a `CONFIGURE` payload and checks that this process can play its part in it; with
+/// what its statistics will say of it.
+fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<(Config, Configured)> {
     let mut cfg = Config::from_toml_str(text)?;
+    // As read, before this process's own parts (its ids, its input) are filled in.
+    let digest = cfg.digest();
     match opts.role {
         Role::Source => {
             if !opts.ids.is_empty() {
@@ -413,7 +407,8 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<Config> {
     }
     cfg.validate()?;
     apply_memory_plan(&mut cfg, opts.role)?;
-    Ok(cfg)
+    let hosted_sources = if opts.role == Role::Source { cfg.hosted_sources() } else { Vec::new() };
+    Ok((cfg, Configured { digest, hosted_sources }))
 }
 
 /// Divides this process's memory budget for its role (or refuses the configuration with

@@ -113,9 +113,13 @@ impl NetPaths {
         self.link_failures.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn count_datagrams(&self, sent: u64, retransmitted: u64) {
-        self.udp_datagrams.fetch_add(sent, Ordering::Relaxed);
-        self.udp_retransmitted.fetch_add(retransmitted, Ordering::Relaxed);
+    pub fn count_datagrams_sent(&self, n: u64) {
+        self.udp_datagrams.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Datagrams sent again on a NACK (they are counted sent when they go).
+    pub fn count_datagrams_resent(&self, n: u64) {
+        self.udp_retransmitted.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Follows a connected TCP socket until the guard is dropped. The guard must be
@@ -187,7 +191,8 @@ mod tests {
         let closed = paths.sample();
         assert!(closed.tcp_segments_out >= open.tcp_segments_out, "{closed:?} after {open:?}");
         paths.count_link_failure();
-        paths.count_datagrams(10, 2);
+        paths.count_datagrams_sent(10);
+        paths.count_datagrams_resent(2);
         let t = paths.sample();
         assert_eq!((t.link_failures, t.udp_datagrams, t.udp_retransmitted), (1, 10, 2));
     }

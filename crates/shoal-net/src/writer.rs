@@ -111,6 +111,8 @@ struct EventFiles {
     parts: u32,
     closed: Vec<ClosedEventFile>,
     first_path: PathBuf,
+    /// The file whose closing failed (its writer is gone with it).
+    failed_to_close: Option<PathBuf>,
 }
 
 struct OpenEventFile {
@@ -139,6 +141,7 @@ impl EventFiles {
             parts: 0,
             closed: Vec::new(),
             first_path: PathBuf::new(),
+            failed_to_close: None,
         };
         if !files.keep_existing {
             // A run number used again outside run control: its old manifest goes.
@@ -198,9 +201,10 @@ impl EventFiles {
     fn close_open(&mut self) -> Result<(), shoal_store::StoreError> {
         use std::io::Write;
         let Some(o) = self.open.take() else { return Ok(()) };
-        let stats = o.writer.close()?;
+        let path = o.path.clone();
+        let stats = o.writer.close().inspect_err(|_| self.failed_to_close = Some(path.clone()))?;
         let closed = ClosedEventFile {
-            path: o.path,
+            path,
             first_slice: o.first_slice,
             last_slice: o.last_slice,
             slices: o.slices,
@@ -223,21 +227,25 @@ impl EventFiles {
         Ok(())
     }
 
-    /// The file open now, if any.
-    fn open_path(&self) -> Option<PathBuf> {
-        self.open.as_ref().map(|o| o.path.clone())
+    /// The file not closed whole: the one open now, or the one whose closing failed.
+    fn unclosed(&self) -> Option<PathBuf> {
+        self.open.as_ref().map(|o| o.path.clone()).or_else(|| self.failed_to_close.clone())
     }
 
     /// Closes the last file; the totals and every file closed.
-    fn finish(mut self) -> Result<(EventFileStats, Vec<ClosedEventFile>), shoal_store::StoreError> {
+    fn finish(&mut self) -> Result<(EventFileStats, Vec<ClosedEventFile>), shoal_store::StoreError> {
         self.close_open()?;
-        let total = EventFileStats {
-            path: self.first_path,
-            events: self.closed.iter().map(|f| f.events).sum(),
-            hits: self.closed.iter().map(|f| f.hits).sum(),
-            bytes: self.closed.iter().map(|f| f.bytes).sum(),
-        };
-        Ok((total, self.closed))
+        Ok((totals(&self.first_path, &self.closed), std::mem::take(&mut self.closed)))
+    }
+}
+
+/// The totals of the events files closed (`path`: the run's first).
+fn totals(path: &std::path::Path, closed: &[ClosedEventFile]) -> EventFileStats {
+    EventFileStats {
+        path: path.to_path_buf(),
+        events: closed.iter().map(|f| f.events).sum(),
+        hits: closed.iter().map(|f| f.hits).sum(),
+        bytes: closed.iter().map(|f| f.bytes).sum(),
     }
 }
 
@@ -345,6 +353,88 @@ enum DiskWork {
     Raw(RawRecord, tokio::sync::OwnedSemaphorePermit),
 }
 
+/// What the disk thread closed at the end: the events files' totals and list, the raw and
+/// whole-slice files.
+type DiskDone = ((EventFileStats, Vec<ClosedEventFile>), Option<RawFileStats>, Option<RawFileStats>);
+
+/// The writer's disk thread: events into the run's events files, raw records (alert
+/// windows, late fragments, whole slices) into theirs. A disk that refused once (full,
+/// gone) is not tried again: the thread ends, and what arrives after is counted as not
+/// stored by the receiving side.
+struct DiskWriter {
+    run: u64,
+    files: EventFiles,
+    raw: Option<RawFileWriter>,
+    slices: Option<RawFileWriter>,
+    raw_path: PathBuf,
+    slices_path: PathBuf,
+    /// Alert names by (builder, alert record), for the raw rows.
+    names: BTreeMap<(u32, u32), String>,
+    /// The disk's busy time, and whether it failed (run control's `storage_failing`).
+    live: Arc<Live>,
+}
+
+impl DiskWriter {
+    /// Stores what comes until the queue closes, then closes every file.
+    fn run(mut self, mut rx: mpsc::Receiver<DiskWork>) -> Result<DiskDone, DiskFailure> {
+        while let Some(work) = rx.blocking_recv() {
+            let began = std::time::Instant::now();
+            let stored = self.store(work);
+            Live::add(&self.live.storage_busy_ns, began.elapsed().as_nanos() as u64);
+            stored.map_err(|e| self.failed(e))?;
+        }
+        self.close().map_err(|e| self.failed(e))
+    }
+
+    fn store(&mut self, work: DiskWork) -> Result<(), shoal_store::StoreError> {
+        match work {
+            DiskWork::Events(builder, slice, start, events, _room) => {
+                self.files.write(builder, slice, start, &events)?
+            }
+            DiskWork::Raw(r, _room) => {
+                if r.head.kind == RawKind::AlertOpened {
+                    let name =
+                        shoal_core::alert::Alert::parse(&r.body).map(|a| a.name).unwrap_or_else(|_| "unnamed".into());
+                    self.names.insert((r.head.builder, r.head.record), name);
+                    return Ok(());
+                }
+                let (file, path) = if r.head.kind == RawKind::SliceData {
+                    (&mut self.slices, &self.slices_path)
+                } else {
+                    (&mut self.raw, &self.raw_path)
+                };
+                let w = match file.as_mut() {
+                    Some(w) => w,
+                    None => file.insert(RawFileWriter::create(path, self.run)?),
+                };
+                w.write(&RawRow {
+                    whole_slice: r.head.kind == RawKind::SliceData,
+                    builder: r.head.builder,
+                    alert: r.head.record,
+                    alert_name: self.names.get(&(r.head.builder, r.head.record)).map(String::as_str),
+                    slice: r.head.slice,
+                    source: r.head.source,
+                    slice_start_ns: r.head.slice_start.as_nanos(),
+                    hit_count: r.head.hit_count,
+                    payload: &r.body,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<DiskDone, shoal_store::StoreError> {
+        let raw = self.raw.take().map(RawFileWriter::close).transpose()?;
+        let slices = self.slices.take().map(RawFileWriter::close).transpose()?;
+        Ok((self.files.finish()?, raw, slices))
+    }
+
+    fn failed(&self, error: shoal_store::StoreError) -> DiskFailure {
+        self.live.storage_failed.store(1, std::sync::atomic::Ordering::Relaxed);
+        DiskFailure { error, closed: self.files.closed.clone(), open: self.files.unclosed() }
+    }
+}
+
 /// Room in the disk queue for `bytes`, waiting while it is full.
 async fn room(queue: &Arc<tokio::sync::Semaphore>, bytes: usize) -> tokio::sync::OwnedSemaphorePermit {
     let kib = bytes.div_ceil(1024).clamp(1, DISK_QUEUE_KIB) as u32;
@@ -392,7 +482,7 @@ pub async fn run_writer_with(
         false => dir.join(format!("run{run:06}.{stem}.{ext}")),
     };
     let summary_path = name("writer", "json");
-    let mut files = EventFiles::new(&cfg)?;
+    let files = EventFiles::new(&cfg)?;
     let path = files.first_path.clone();
     let mut lost_with_previous = if cfg.writer.keep_existing { find_previous(dir, run, &path) } else { None };
 
@@ -427,81 +517,19 @@ pub async fn run_writer_with(
     // Parquet encoding on its own thread.
     // Bounded: a disk slower than the network holds up the builders' connections (they
     // queue at the builders, counted there) instead of growing the writer's memory.
-    let (disk_tx, mut disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
+    let (disk_tx, disk_rx) = mpsc::channel::<DiskWork>(DISK_QUEUE);
     let queue_room = Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB));
-    let raw_path = name("raw", "parquet");
-    let slices_path = name("slices", "parquet");
-    let disk_live = live.clone();
-    let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || {
-        let mut raw: Option<RawFileWriter> = None;
-        let mut slices: Option<RawFileWriter> = None;
-        let mut names: BTreeMap<(u32, u32), String> = BTreeMap::new();
-        let mut store = |work: DiskWork| -> Result<(), shoal_store::StoreError> {
-            match work {
-                DiskWork::Events(builder, slice, start, events, _room) => {
-                    files.write(builder, slice, start, &events)?
-                }
-                DiskWork::Raw(r, _room) => {
-                    if r.head.kind == RawKind::AlertOpened {
-                        let name = shoal_core::alert::Alert::parse(&r.body)
-                            .map(|a| a.name)
-                            .unwrap_or_else(|_| "unnamed".into());
-                        names.insert((r.head.builder, r.head.record), name);
-                        return Ok(());
-                    }
-                    let (file, path) = if r.head.kind == RawKind::SliceData {
-                        (&mut slices, &slices_path)
-                    } else {
-                        (&mut raw, &raw_path)
-                    };
-                    let w = match file.as_mut() {
-                        Some(w) => w,
-                        None => file.insert(RawFileWriter::create(path, run)?),
-                    };
-                    w.write(&RawRow {
-                        whole_slice: r.head.kind == RawKind::SliceData,
-                        builder: r.head.builder,
-                        alert: r.head.record,
-                        alert_name: names.get(&(r.head.builder, r.head.record)).map(String::as_str),
-                        slice: r.head.slice,
-                        source: r.head.source,
-                        slice_start_ns: r.head.slice_start.as_nanos(),
-                        hit_count: r.head.hit_count,
-                        payload: &r.body,
-                    })?;
-                }
-            }
-            Ok(())
-        };
-        let mut failed = None;
-        while let Some(work) = disk_rx.blocking_recv() {
-            let began = std::time::Instant::now();
-            let r = store(work);
-            Live::add(&disk_live.storage_busy_ns, began.elapsed().as_nanos() as u64);
-            if let Err(e) = r {
-                // A disk that refused once (full, gone) is not tried again: what comes is
-                // taken and counted as not stored (the receiving side sees the thread end).
-                disk_live.storage_failed.store(1, std::sync::atomic::Ordering::Relaxed);
-                failed = Some(e);
-                break;
-            }
-        }
-        if let Some(error) = failed {
-            return Err(DiskFailure { error, closed: files.closed.clone(), open: files.open_path() });
-        }
-        let closing = (|| {
-            let raw = raw.map(RawFileWriter::close).transpose()?;
-            let slices = slices.map(RawFileWriter::close).transpose()?;
-            Ok::<_, shoal_store::StoreError>((raw, slices))
-        })();
-        let open = files.open_path();
-        let closed_before = files.closed.clone();
-        let finished = closing.and_then(|(raw, slices)| Ok((files.finish()?, raw, slices)));
-        finished.map_err(|error| {
-            disk_live.storage_failed.store(1, std::sync::atomic::Ordering::Relaxed);
-            DiskFailure { error, closed: closed_before, open }
-        })
-    })?;
+    let disk = DiskWriter {
+        run,
+        files,
+        raw: None,
+        slices: None,
+        raw_path: name("raw", "parquet"),
+        slices_path: name("slices", "parquet"),
+        names: BTreeMap::new(),
+        live,
+    };
+    let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || disk.run(disk_rx))?;
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
     let mut ended = BTreeSet::new();
@@ -567,12 +595,7 @@ pub async fn run_writer_with(
             report.error = Some(format!("writing {}: {}", f.open.as_ref().unwrap_or(&path).display(), f.error));
             // The files closed before the failure are whole; the events of the file open
             // then, and of everything after, are not stored.
-            report.file = EventFileStats {
-                path: path.clone(),
-                events: f.closed.iter().map(|c| c.events).sum(),
-                hits: f.closed.iter().map(|c| c.hits).sum(),
-                bytes: f.closed.iter().map(|c| c.bytes).sum(),
-            };
+            report.file = totals(&path, &f.closed);
             report.not_stored = Some(LostWithWriter {
                 unclosed_files: f.open.into_iter().collect(),
                 after_slice: f.closed.iter().map(|c| c.last_slice).max(),
@@ -627,7 +650,7 @@ mod tests {
         let spans: Vec<(u64, u64)> = closed.iter().map(|c| (c.first_slice, c.last_slice)).collect();
         assert_eq!(spans, [(10, 19), (20, 29)]);
         // The writer started again: a fourth part, and the third found unclosed.
-        let again = EventFiles::new(&cfg).unwrap();
+        let mut again = EventFiles::new(&cfg).unwrap();
         assert_eq!(again.first_path, dir.join("run000003.events.part4.parquet"));
         let lost = find_previous(&dir, 3, &again.first_path).expect("the open file is found");
         assert_eq!(lost.unclosed_files, [dir.join("run000003.events.part3.parquet")]);
@@ -636,7 +659,7 @@ mod tests {
         assert_eq!((total.events, closed.len()), (0, 1));
         // Outside run control (no restart to continue from): no manifest left from before.
         cfg.writer.keep_existing = false;
-        let fresh = EventFiles::new(&cfg).unwrap();
+        let mut fresh = EventFiles::new(&cfg).unwrap();
         assert!(!dir.join("run000003.events.manifest.jsonl").exists());
         drop(fresh.finish().unwrap());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -214,7 +214,7 @@ async fn run_link(
             outgoing.extend(std::iter::from_fn(|| s.poll_transmit()));
             if !outgoing.is_empty() {
                 if let Some(p) = &options.paths {
-                    p.count_datagrams(outgoing.len() as u64, 0);
+                    p.count_datagrams_sent(outgoing.len() as u64);
                 }
                 let o = sock.send_all(addr, &outgoing).await;
                 if o.refused > 0 {
@@ -285,7 +285,7 @@ async fn run_link(
                                 s.handle_datagram(now, &d);
                                 // A NACK's datagrams, sent again: the path lost them.
                                 if let Some(p) = &options.paths {
-                                    p.count_datagrams(0, s.stats().retransmitted - before);
+                                    p.count_datagrams_resent(s.stats().retransmitted - before);
                                 }
                             }
                         }
