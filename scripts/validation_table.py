@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--testbed-records", type=pathlib.Path,
                     help="compare with the testbed runs recorded in this directory instead of running them")
     ap.add_argument("--wake-phase-us", type=float, help="the simulator's wake-up phase (shoal validate's default)")
-    ap.add_argument("--tcp-model", choices=["linux", "newreno"], help="the simulator's TCP (shoal validate's default)")
+    ap.add_argument("--tcp-model", choices=["linux", "rack", "newreno"], help="the simulator's TCP (shoal validate's default)")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     results = []

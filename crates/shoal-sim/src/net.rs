@@ -2,7 +2,8 @@
 //!
 //! A duplex link is two [`Port`]s, one per direction. A port serialises one packet at a
 //! time at its rate, then the packet propagates for the port's delay and arrives at the
-//! other end. Packets waiting plus the one being serialised count against the drop-tail
+//! other end; or, with a token bucket ([`PortSpec::bucket_bytes`], the testbed's `tbf`),
+//! sends its head packet at once when the bucket holds its bytes, else when it will. Packets waiting plus the one being serialised count against the drop-tail
 //! limit (packets and/or bytes); a packet that does not fit is dropped and counted. A packet
 //! of `b` bits is damaged on a port with bit error rate `ber` with probability
 //! `1 - (1 - ber)^b`; the next node (a store-and-forward switch or a host) discards it,
@@ -42,6 +43,10 @@ pub struct PortSpec {
     /// Probability that a packet is lost on the way, whatever its size (the testbed's
     /// injected random loss, `--loss-pct`, on every switch port toward a host).
     pub loss: f64,
+    /// A token bucket of this depth refilled at `rate_bps` in place of serialisation: an
+    /// idle port lets this many bytes through at once (a software shaper over a link with
+    /// no rate of its own). None: a wire.
+    pub bucket_bytes: Option<u64>,
 }
 
 /// A packet in flight. `body` is the transport's business.
@@ -75,7 +80,20 @@ pub struct Port<B> {
     queue: VecDeque<Packet<B>>,
     queued_bytes: u64,
     busy: bool,
+    /// With a bucket: its bytes as of `tokens_at`.
+    tokens: f64,
+    tokens_at: Instant,
     pub stats: PortStats,
+}
+
+impl<B> Port<B> {
+    /// Tokens accrued at the rate since last counted, up to the bucket's depth.
+    fn refill(&mut self, now: Instant) {
+        let depth = self.spec.bucket_bytes.unwrap_or(0) as f64;
+        let accrued = (now - self.tokens_at).as_nanos() as f64 * self.spec.rate_bps as f64 / 8e9;
+        self.tokens = (self.tokens + accrued).min(depth);
+        self.tokens_at = now;
+    }
 }
 
 #[derive(Debug)]
@@ -129,6 +147,8 @@ impl<B> Network<B> {
                 queue: VecDeque::new(),
                 queued_bytes: 0,
                 busy: false,
+                tokens: spec.bucket_bytes.unwrap_or(0) as f64,
+                tokens_at: Instant::ZERO,
                 stats: PortStats::default(),
             });
             self.ports.len() - 1
@@ -212,10 +232,17 @@ impl<B> Network<B> {
 
     fn start_tx(&mut self, now: Instant, port: PortId, sched: &mut impl FnMut(Instant, NetEvent<B>)) {
         let p = &mut self.ports[port];
-        if let Some(head) = p.queue.front() {
-            p.busy = true;
-            sched(now + Self::serialization(&p.spec, head.size), NetEvent::TxDone(port));
-        }
+        let Some(size) = p.queue.front().map(|head| head.size) else { return };
+        p.busy = true;
+        let wait = if p.spec.bucket_bytes.is_some() {
+            p.refill(now);
+            // Until the bucket holds the packet's bytes.
+            let short = (f64::from(size) - p.tokens).max(0.0);
+            Duration::from_nanos((short * 8e9 / p.spec.rate_bps as f64).ceil() as u64)
+        } else {
+            Self::serialization(&p.spec, size)
+        };
+        sched(now + wait, NetEvent::TxDone(port));
     }
 
     /// Handles [`NetEvent::TxDone`]: the head packet leaves (maybe damaged), the next starts.
@@ -224,6 +251,10 @@ impl<B> Network<B> {
         p.busy = false;
         let Some(mut packet) = p.queue.pop_front() else { return };
         p.queued_bytes -= u64::from(packet.size);
+        if p.spec.bucket_bytes.is_some() {
+            p.refill(now);
+            p.tokens = (p.tokens - f64::from(packet.size)).max(0.0);
+        }
         p.stats.packets += 1;
         p.stats.bytes += u64::from(packet.size);
         if p.spec.ber > 0.0 {
@@ -287,6 +318,7 @@ mod tests {
             queue_bytes: None,
             ber: 0.0,
             loss: 0.0,
+            bucket_bytes: None,
         }
     }
 
@@ -359,6 +391,35 @@ mod tests {
         assert_eq!(got.iter().map(|g| g.2).collect::<Vec<_>>(), [0, 1, 2, 3]);
         assert_eq!(bottleneck.stats.dropped, 6);
         assert_eq!(bottleneck.stats.max_queue, 4);
+    }
+
+    #[test]
+    fn a_token_bucket_lets_its_depth_through_at_once_then_paces_at_the_rate() {
+        // The testbed's tbf: 3000 bytes of bucket at 1 Mbit/s, a link with no rate of its own.
+        let mut net = Network::new(1);
+        let a = net.add_host();
+        let s = net.add_switch();
+        let b = net.add_host();
+        net.link(a, s, spec(10_000_000_000, 0, None), spec(10_000_000_000, 0, None));
+        let shaped = PortSpec { bucket_bytes: Some(3000), ..spec(1_000_000, 0, None) };
+        net.link(s, b, shaped, spec(1_000_000, 0, None));
+        net.build_routes();
+        let mut q = EventQueue::new();
+        let burst = |net: &mut Network<u32>, q: &mut EventQueue<NetEvent<u32>>, at: Instant, first: u32| {
+            for i in first..first + 3 {
+                let pkt = Packet { src: a, dst: b, size: 1500, damaged: false, body: i };
+                net.send(at, a, pkt, &mut |t, e| q.schedule(t, e));
+            }
+        };
+        burst(&mut net, &mut q, Instant::ZERO, 0);
+        let got = run(&mut net, &mut q);
+        let ms = |g: &(u64, NodeId, u32)| g.0 / 1_000_000;
+        // Two at once (the first hop's 1.2 us apart), the third when 1500 bytes accrued: 12 ms.
+        assert_eq!(got.iter().map(ms).collect::<Vec<_>>(), [0, 0, 12]);
+        // After 100 ms idle the bucket is full again (never more than its depth).
+        burst(&mut net, &mut q, Instant::from_nanos(100_000_000), 3);
+        let got = run(&mut net, &mut q);
+        assert_eq!(got.iter().map(ms).collect::<Vec<_>>(), [100, 100, 112]);
     }
 
     #[test]

@@ -121,6 +121,12 @@ pub struct Topology {
     /// Random loss on every switch port toward a host, packets per million (the testbed's
     /// `--loss-pct`; loss where `shore_ber` damages by size).
     pub host_port_loss_ppm: u32,
+    /// Every port as the testbed shapes it (a `tbf` with the drop-tail queue as its child):
+    /// a token bucket holding this many microseconds at the port's rate, at least two full
+    /// frames, lets that much through at once after an idle spell, where a wire serialises
+    /// every packet. 0: wires, as hardware has (the default). `shoal validate` sets the
+    /// testbed's 250 for its hosts model.
+    pub shaper_bucket_us: f64,
 }
 
 impl Default for Topology {
@@ -141,6 +147,7 @@ impl Default for Topology {
             queue_bytes: None,
             host_queue_packets: 1000,
             host_port_loss_ppm: 0,
+            shaper_bucket_us: 0.0,
         }
     }
 }
@@ -255,6 +262,12 @@ pub struct TcpParams {
     /// Linux's loss recovery besides NewReno: tail-loss probes and RACK-style detection
     /// after one duplicate ACK (crate::tcp). Off: NewReno as the RFCs have it.
     pub rack_tlp: bool,
+    /// SACK blocks and the sender's scoreboard (RFC 6675) with RACK's time-based loss
+    /// marking (RFC 8985): with `rack_tlp`, Linux's loss recovery in full (crate::tcp::sack).
+    pub sack: bool,
+    /// The senders' kernel timer frequency (`CONFIG_HZ`), where Linux counts the tail-loss
+    /// probe's timeout in ticks (at 250 Hz at least 12 ms, not 2 SRTT + 2 ms). 0: exact.
+    pub kernel_hz: u32,
 }
 
 impl Default for TcpParams {
@@ -267,6 +280,8 @@ impl Default for TcpParams {
             min_rto_ms: 200.0,
             delayed_ack_ms: 40.0,
             rack_tlp: false,
+            sack: false,
+            kernel_hz: 0,
         }
     }
 }
@@ -327,6 +342,7 @@ impl Scenario {
         for (name, v) in [
             ("traffic.wake_phase_us", self.traffic.wake_phase_us),
             ("traffic.wake_jitter_us", self.traffic.wake_jitter_us),
+            ("topology.shaper_bucket_us", self.topology.shaper_bucket_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be zero or positive"));

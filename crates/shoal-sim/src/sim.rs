@@ -42,7 +42,7 @@ use shoal_detector::Generator;
 use crate::engine::EventQueue;
 use crate::net::{NetEvent, Network, NodeId, Packet, PortSpec, wire_size};
 use crate::scenario::Scenario;
-use crate::tcp::{AckDecision, Segment, TcpConfig, TcpReceiver, TcpSender};
+use crate::tcp::{AckDecision, SackBlocks, Segment, TcpConfig, TcpReceiver, TcpSender};
 
 /// IP header bytes; UDP header bytes; largest IP payload per fragment (MTU 1500).
 const IP_HEADER: u32 = 20;
@@ -60,6 +60,7 @@ enum Body {
     Ack {
         conn: u32,
         ack: u64,
+        sack: SackBlocks,
     },
     Udp {
         source: u32,
@@ -374,7 +375,13 @@ impl World {
         let slice_clock = SliceClock::try_new(slice_len).ok_or("traffic.slice_ms is too small")?;
         let n_slices = ((sc.traffic.load_s * 1e9) as u64 / slice_len.as_nanos() as u64).max(1);
         let mut net = Network::new(sc.seed ^ 0x5eed);
+        // The testbed's tbf bucket: 250 us at the rate, never below two full frames.
+        let bucket = |rate: f64| {
+            (t.shaper_bucket_us > 0.0)
+                .then(|| ((rate * t.shaper_bucket_us / 8.0) as u64).max(2 * u64::from(wire_size(1500))))
+        };
         let switch_q = |rate: f64, delay: f64, ber: f64| PortSpec {
+            bucket_bytes: bucket(rate),
             rate_bps: mbps(rate),
             delay: us(delay),
             queue_packets: t.queue_packets,
@@ -383,6 +390,7 @@ impl World {
             loss: 0.0,
         };
         let host_q = |rate: f64, delay: f64| PortSpec {
+            bucket_bytes: bucket(rate),
             rate_bps: mbps(rate),
             delay: us(delay),
             queue_packets: Some(t.host_queue_packets),
@@ -448,6 +456,8 @@ impl World {
             min_rto: Duration::from_nanos((sc.tcp.min_rto_ms * 1e6) as u64),
             delayed_ack: Duration::from_nanos((sc.tcp.delayed_ack_ms * 1e6) as u64),
             rack_tlp: sc.tcp.rack_tlp,
+            sack: sc.tcp.sack,
+            tick: (sc.tcp.kernel_hz > 0).then(|| Duration::from_nanos(1_000_000_000 / u64::from(sc.tcp.kernel_hz))),
             ..TcpConfig::default()
         };
         let tcp = sc.traffic.transport == "tcp";
@@ -992,7 +1002,7 @@ impl World {
             dst: conn.src,
             size: wire_size(crate::tcp::HEADER),
             damaged: false,
-            body: Body::Ack { conn: c, ack: conn.rx.delivered() },
+            body: Body::Ack { conn: c, ack: conn.rx.delivered(), sack: conn.rx.sack_blocks() },
         };
         let host = conn.dst;
         let q = &mut self.q;
@@ -1033,10 +1043,10 @@ impl World {
                 }
                 self.arm_conn(c);
             }
-            Body::Ack { conn: c, ack } => {
+            Body::Ack { conn: c, ack, sack } => {
                 let mut segs = std::mem::take(&mut self.segs);
                 segs.clear();
-                self.conns[c as usize].tx.handle_ack(now, ack, &mut segs);
+                self.conns[c as usize].tx.handle_ack(now, ack, &sack, &mut segs);
                 self.send_segments(now, c, &segs);
                 self.segs = segs;
                 self.try_write(now, c);

@@ -460,12 +460,17 @@ impl Plan {
     }
 }
 
+/// How long a shaper's bucket lasts at its rate: shorter is timer-limited at 1 Gbit/s
+/// (docs/testbed.md). The simulator models it for `shoal validate`
+/// (`topology.shaper_bucket_us`): after an idle spell a port lets this much through at once.
+pub const SHAPER_BUCKET_US: f64 = 250.0;
+
 /// A token bucket at the link rate (it spaces packets, where htb lets bursts through:
-/// ../shared/testbed.md) with the drop-tail queue as its child. The bucket holds 250 us
-/// at the rate, never less than two frames.
+/// ../shared/testbed.md) with the drop-tail queue as its child. The bucket holds
+/// [`SHAPER_BUCKET_US`] at the rate, never less than two frames.
 fn shaper(dev: &str, s: Shaping) -> String {
     let rate_bps = s.mbps * 1e6;
-    let burst = ((rate_bps / 8.0 * 250e-6) as u64).max(2 * FRAME);
+    let burst = ((rate_bps / 8.0 * SHAPER_BUCKET_US * 1e-6) as u64).max(2 * FRAME);
     let child = match s.queue {
         Queue::Packets(n) => format!("pfifo limit {}", n.max(1)),
         Queue::Bytes(b) => format!("bfifo limit {}", b.max(FRAME)),

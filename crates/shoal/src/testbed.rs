@@ -111,17 +111,38 @@ pub struct ValidateArgs {
     /// delay are the record's.
     #[arg(long, value_name = "JSON")]
     pub testbed_record: Option<PathBuf>,
-    /// The simulator's TCP for the testbed's hosts: `linux` (NewReno with tail-loss probes
-    /// and RACK-style loss detection, Linux's defaults) or `newreno` (the RFCs alone, the
-    /// model before; the lockstep column always runs the scenario as written).
+    /// The simulator's TCP for the testbed's hosts: `linux` (Linux's loss recovery: SACK
+    /// scoreboard, RACK loss marking, tail-loss probes), `rack` (NewReno with tail-loss
+    /// probes and RACK-style detection of one hole per round trip, the model before SACK)
+    /// or `newreno` (the RFCs alone; the lockstep column always runs the scenario as written).
     #[arg(long, default_value = "linux")]
     pub tcp_model: TcpModel,
+    /// The testbed kernel's `CONFIG_HZ` for the `linux` TCP model: Linux counts the
+    /// tail-loss probe's timeout in timer ticks (this machine's kernel: 250).
+    #[arg(long, default_value_t = 250)]
+    pub kernel_hz: u32,
+    /// Model the testbed's shapers' token buckets in the hosts model (microseconds at the
+    /// rate; the testbed's are 250): an idle port lets that much through at once. 0: ports
+    /// serialise as wires (docs/validation.md measures both).
+    #[arg(long, default_value_t = 0.0)]
+    pub shaper_bucket_us: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TcpModel {
     Linux,
+    Rack,
     Newreno,
+}
+
+impl TcpModel {
+    fn name(self) -> &'static str {
+        match self {
+            TcpModel::Linux => "linux",
+            TcpModel::Rack => "rack",
+            TcpModel::Newreno => "newreno",
+        }
+    }
 }
 
 /// The shore delay the testbed had: what was asked for, plus the delay lines' median
@@ -435,7 +456,10 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     // software hosts, waking as late as its sources measured, with Linux's loss recovery.
     let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
     let mut hosts = same.clone();
-    hosts.tcp.rack_tlp = args.tcp_model == TcpModel::Linux;
+    hosts.topology.shaper_bucket_us = args.shaper_bucket_us;
+    hosts.tcp.rack_tlp = args.tcp_model != TcpModel::Newreno;
+    hosts.tcp.sack = args.tcp_model == TcpModel::Linux;
+    hosts.tcp.kernel_hz = if args.tcp_model == TcpModel::Linux { args.kernel_hz } else { 0 };
     hosts.traffic.wake_phase_us = args.wake_phase_us;
     hosts.traffic.wake_jitter_us =
         args.wake_jitter_us.unwrap_or((bed.source_wake_lag_avg_us - args.wake_phase_us / 2.0).max(0.0));
@@ -459,7 +483,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             "congestion": bed.congestion.name(),
             "testbed_record": args.testbed_record,
             "simulated_shore_delay_us": same.topology.shore_delay_us,
-            "tcp_model": if hosts.tcp.rack_tlp { "linux" } else { "newreno" },
+            "tcp_model": args.tcp_model.name(),
             "wake_phase_us": hosts.traffic.wake_phase_us,
             "wake_jitter_us": hosts.traffic.wake_jitter_us,
             "simulator": sim,
