@@ -8,6 +8,10 @@
 //! of `b` bits is damaged on a port with bit error rate `ber` with probability
 //! `1 - (1 - ber)^b`; the next node (a store-and-forward switch or a host) discards it,
 //! counted. Switches forward by destination host along shortest paths.
+//!
+//! With a [`SharedCpu`] (software nodes on one machine, as the testbed's namespaces are),
+//! every node takes a packet in only once a core has spent the per-packet cost on it, first
+//! come first served: a burst of packets waits for the cores as it waits in a queue.
 
 use std::collections::VecDeque;
 
@@ -109,6 +113,37 @@ pub enum NetEvent<B> {
     TxDone(PortId),
     /// A packet reaches the far end of a port.
     Arrive(PortId, Packet<B>),
+    /// With a [`SharedCpu`]: a core has taken in a packet that arrived over the port.
+    Processed(PortId, Packet<B>),
+}
+
+/// The cores every software node shares: each packet a node (host or switch) takes in
+/// costs one core `per_packet`, served in arrival order by the first core free.
+#[derive(Clone, Debug)]
+pub struct SharedCpu {
+    free_at: Vec<Instant>,
+    per_packet: Duration,
+    /// Core time spent, in total.
+    pub busy: Duration,
+}
+
+impl SharedCpu {
+    pub fn new(cores: usize, per_packet: Duration) -> Self {
+        Self { free_at: vec![Instant::ZERO; cores.max(1)], per_packet, busy: Duration::ZERO }
+    }
+
+    /// The cores' busy fraction over `span`.
+    pub fn busy_fraction(&self, span: Duration) -> f64 {
+        self.busy.as_secs_f64() / (self.free_at.len() as f64 * span.as_secs_f64()).max(f64::MIN_POSITIVE)
+    }
+
+    /// A packet arrives at `now`: when a core has taken it in.
+    fn take(&mut self, now: Instant) -> Instant {
+        let core = self.free_at.iter_mut().min().expect("at least one core");
+        *core = (*core).max(now) + self.per_packet;
+        self.busy += self.per_packet;
+        *core
+    }
 }
 
 /// The topology and its queues.
@@ -119,11 +154,22 @@ pub struct Network<B> {
     rng: Pcg64Mcg,
     /// Damaged packets discarded at hosts (they count in the sending port's `damaged`).
     pub discarded_damaged: u64,
+    /// Software nodes sharing cores (None: nodes take no time).
+    pub cpu: Option<SharedCpu>,
+    /// Packets taken in by a node (host or switch), in total.
+    pub arrivals: u64,
 }
 
 impl<B> Network<B> {
     pub fn new(seed: u64) -> Self {
-        Self { nodes: Vec::new(), ports: Vec::new(), rng: Pcg64Mcg::seed_from_u64(seed), discarded_damaged: 0 }
+        Self {
+            nodes: Vec::new(),
+            ports: Vec::new(),
+            rng: Pcg64Mcg::seed_from_u64(seed),
+            discarded_damaged: 0,
+            cpu: None,
+            arrivals: 0,
+        }
     }
 
     pub fn add_host(&mut self) -> NodeId {
@@ -284,11 +330,29 @@ impl<B> Network<B> {
         packet: Packet<B>,
         sched: &mut impl FnMut(Instant, NetEvent<B>),
     ) -> Option<(NodeId, Packet<B>)> {
-        let node = self.ports[port].to;
         if packet.damaged {
+            // The receiving port drops a bad frame before any CPU sees it.
             self.discarded_damaged += 1;
             return None;
         }
+        self.arrivals += 1;
+        if let Some(cpu) = &mut self.cpu {
+            sched(cpu.take(now), NetEvent::Processed(port, packet));
+            return None;
+        }
+        self.handle_processed(now, port, packet, sched)
+    }
+
+    /// Handles [`NetEvent::Processed`] (and an arrival, without a CPU model): a switch
+    /// forwards, a host receives (`Some`).
+    pub fn handle_processed(
+        &mut self,
+        now: Instant,
+        port: PortId,
+        packet: Packet<B>,
+        sched: &mut impl FnMut(Instant, NetEvent<B>),
+    ) -> Option<(NodeId, Packet<B>)> {
+        let node = self.ports[port].to;
         match &self.nodes[node] {
             Node::Host { .. } => Some((node, packet)),
             Node::Switch { route } => {
@@ -332,6 +396,11 @@ mod tests {
                 NetEvent::TxDone(p) => net.handle_tx_done(now, p, &mut sched),
                 NetEvent::Arrive(p, pkt) => {
                     if let Some((host, pkt)) = net.handle_arrive(now, p, pkt, &mut sched) {
+                        got.push((now.as_nanos(), host, pkt.body));
+                    }
+                }
+                NetEvent::Processed(p, pkt) => {
+                    if let Some((host, pkt)) = net.handle_processed(now, p, pkt, &mut sched) {
                         got.push((now.as_nanos(), host, pkt.body));
                     }
                 }
@@ -420,6 +489,35 @@ mod tests {
         burst(&mut net, &mut q, Instant::from_nanos(100_000_000), 3);
         let got = run(&mut net, &mut q);
         assert_eq!(got.iter().map(ms).collect::<Vec<_>>(), [100, 100, 112]);
+    }
+
+    #[test]
+    fn shared_cores_take_packets_in_turn() {
+        // Two cores at 10 us a packet: four packets arriving at once at the switch are
+        // forwarded at 10, 10, 20, 20 us; the host's turn for the first two comes when the
+        // cores have done the switch's last two (20 us), first come first served.
+        let mut net = Network::new(1);
+        let a = net.add_host();
+        let s = net.add_switch();
+        let b = net.add_host();
+        let fast = spec(1_000_000_000_000, 0, None);
+        net.link(a, s, fast, fast);
+        net.link(s, b, fast, fast);
+        net.build_routes();
+        net.cpu = Some(SharedCpu::new(2, Duration::from_micros(10)));
+        let mut q = EventQueue::new();
+        for i in 0..4 {
+            let pkt = Packet { src: a, dst: b, size: 100, damaged: false, body: i };
+            net.send(Instant::ZERO, a, pkt, &mut |t, e| q.schedule(t, e));
+        }
+        let got = run(&mut net, &mut q);
+        let us: Vec<u64> = got.iter().map(|g| g.0 / 1000).collect();
+        assert_eq!(us, [30, 30, 40, 40], "in arrival order, two at a time");
+        assert_eq!(got.iter().map(|g| g.2).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert_eq!(net.arrivals, 8);
+        let cpu = net.cpu.as_ref().unwrap();
+        assert_eq!(cpu.busy, Duration::from_micros(80));
+        assert!((cpu.busy_fraction(Duration::from_micros(40)) - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -127,6 +127,13 @@ pub struct Topology {
     /// every packet. 0: wires, as hardware has (the default). `shoal validate` sets the
     /// testbed's 250 for its hosts model.
     pub shaper_bucket_us: f64,
+    /// Hosts and switches as software on one machine with this many cores (the testbed):
+    /// every packet a node takes in costs a core `cpu_packet_us`, first come first served.
+    /// 0: nodes take no time (hardware; the default).
+    pub cpu_cores: u32,
+    /// ... the cost of one packet taken in, all the machine's work per packet included
+    /// (calibrated from the testbed's CPU use: docs/validation.md).
+    pub cpu_packet_us: f64,
 }
 
 impl Default for Topology {
@@ -148,6 +155,8 @@ impl Default for Topology {
             host_queue_packets: 1000,
             host_port_loss_ppm: 0,
             shaper_bucket_us: 0.0,
+            cpu_cores: 0,
+            cpu_packet_us: 0.0,
         }
     }
 }
@@ -343,6 +352,7 @@ impl Scenario {
             ("traffic.wake_phase_us", self.traffic.wake_phase_us),
             ("traffic.wake_jitter_us", self.traffic.wake_jitter_us),
             ("topology.shaper_bucket_us", self.topology.shaper_bucket_us),
+            ("topology.cpu_packet_us", self.topology.cpu_packet_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be zero or positive"));

@@ -238,6 +238,11 @@ pub struct SimSummary {
     pub tcp_timeouts: u64,
     /// Tail-loss probes sent (with `tcp.rack_tlp`).
     pub tcp_loss_probes: u64,
+    /// Packets taken in by a node, host or switch (what the CPU model charges for).
+    pub packet_arrivals: u64,
+    /// With the CPU model (`topology.cpu_cores`): the cores' busy fraction over the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_busy_fraction: Option<f64>,
     pub udp_ip_fragments_sent: u64,
     pub udp_fragments_sent: u64,
     pub udp_fragments_lost: u64,
@@ -448,6 +453,9 @@ impl World {
             builder_hosts.push(h);
         }
         net.build_routes();
+        if t.cpu_cores > 0 {
+            net.cpu = Some(crate::net::SharedCpu::new(t.cpu_cores as usize, us(t.cpu_packet_us)));
+        }
 
         let tcp_cfg = TcpConfig {
             mss: sc.tcp.mss,
@@ -592,6 +600,14 @@ impl World {
             Ev::Net(NetEvent::Arrive(port, pkt)) => {
                 let q = &mut self.q;
                 if let Some((host, pkt)) = self.net.handle_arrive(now, port, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)))
+                {
+                    self.receive(now, host, pkt);
+                }
+            }
+            Ev::Net(NetEvent::Processed(port, pkt)) => {
+                let q = &mut self.q;
+                if let Some((host, pkt)) =
+                    self.net.handle_processed(now, port, pkt, &mut |t, e| q.schedule(t, Ev::Net(e)))
                 {
                     self.receive(now, host, pkt);
                 }
@@ -1248,6 +1264,8 @@ impl World {
             tcp_retransmit_fraction: if segs > 0 { retx as f64 / segs as f64 } else { 0.0 },
             tcp_timeouts: tos,
             tcp_loss_probes: probes,
+            packet_arrivals: self.net.arrivals,
+            cpu_busy_fraction: self.net.cpu.as_ref().map(|c| c.busy_fraction(end - Instant::ZERO)),
             udp_ip_fragments_sent: self.udp_ip_sent,
             udp_fragments_sent: self.udp_frags_sent,
             udp_fragments_lost: udp_lost,

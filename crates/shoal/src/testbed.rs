@@ -126,6 +126,13 @@ pub struct ValidateArgs {
     /// serialise as wires (docs/validation.md measures both).
     #[arg(long, default_value_t = 0.0)]
     pub shaper_bucket_us: f64,
+    /// The hosts model's CPU: the testbed machine's cores shared by every namespace, each
+    /// packet a node takes in costing `--cpu-packet-us` (topology.cpu_cores). 0: off.
+    #[arg(long, default_value_t = 0)]
+    pub cpu_cores: u32,
+    /// ... the cost of one packet taken in (scripts/calibrate_cpu.py).
+    #[arg(long, default_value_t = 0.0)]
+    pub cpu_packet_us: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -457,6 +464,8 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
     let mut hosts = same.clone();
     hosts.topology.shaper_bucket_us = args.shaper_bucket_us;
+    hosts.topology.cpu_cores = args.cpu_cores;
+    hosts.topology.cpu_packet_us = args.cpu_packet_us;
     hosts.tcp.rack_tlp = args.tcp_model != TcpModel::Newreno;
     hosts.tcp.sack = args.tcp_model == TcpModel::Linux;
     hosts.tcp.kernel_hz = if args.tcp_model == TcpModel::Linux { args.kernel_hz } else { 0 };
