@@ -53,6 +53,7 @@ def main():
     tbf.sh("ip", "netns", "del", tbf.NS, check=False)
     tbf.sh("ip", "netns", "add", tbf.NS)
     cpu = {(b, p): [] for b in binaries for p in ["direct"] + rates}
+    got = {(b, p): [] for b in binaries for p in rates}
     bad = 0
     try:
         tbf.ns("ip", "link", "set", "lo", "mtu", "1500", "up")
@@ -63,18 +64,21 @@ def main():
                 bad += not ok
                 cpu[(b, "direct")].append(per_gb)
                 for rate in rates:
-                    _, ok, per_gb = tbf.shoal_run(b, 1, 1, rate)
+                    mbit, ok, per_gb = tbf.shoal_run(b, 1, 1, rate)
                     bad += not ok
                     cpu[(b, rate)].append(per_gb)
+                    got[(b, rate)].append(mbit)
     finally:
         tbf.sh("ip", "netns", "del", tbf.NS, check=False)
-    lines = ["| binary | policy | CPU s/GB (median) | min / max | / direct |", "| --- | --- | ---: | ---: | ---: |"]
+    lines = ["| binary | policy | rate (Mbit/s, median) | CPU s/GB (median) | min / max | / direct |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for b in binaries:
         d = statistics.median(cpu[(b, "direct")])
         for p in ["direct"] + rates:
             v = cpu[(b, p)]
             name = "direct" if p == "direct" else f"tbf:{p}Mbit:{tbf.burst_bytes(p)}"
-            lines.append(f"| {os.path.basename(os.path.dirname(os.path.dirname(b)))}/{os.path.basename(b)} | {name} "
+            rate = "-" if p == "direct" else f"{statistics.median(got[(b, p)]):.1f}"
+            lines.append(f"| {os.path.basename(b)} | {name} | {rate} "
                          f"| {statistics.median(v):.2f} | {min(v):.2f} / {max(v):.2f} | {statistics.median(v) / d:.2f} |")
     text = "\n".join(lines)
     print(text)
