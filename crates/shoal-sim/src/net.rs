@@ -386,6 +386,18 @@ mod tests {
         }
     }
 
+    /// Host `a` -> switch -> host `b`: a fast first hop, `to_b` from the switch to `b`.
+    fn line(to_b: PortSpec) -> (Network<u32>, NodeId, NodeId, NodeId) {
+        let mut net = Network::new(1);
+        let a = net.add_host();
+        let s = net.add_switch();
+        let b = net.add_host();
+        net.link(a, s, spec(10_000_000_000, 0, None), spec(10_000_000_000, 0, None));
+        net.link(s, b, to_b, spec(to_b.rate_bps, 0, None));
+        net.build_routes();
+        (net, a, s, b)
+    }
+
     /// Runs until idle; returns (arrival time, packet id) at hosts.
     fn run(net: &mut Network<u32>, q: &mut EventQueue<NetEvent<u32>>) -> Vec<(u64, NodeId, u32)> {
         let mut got = Vec::new();
@@ -441,13 +453,7 @@ mod tests {
     #[test]
     fn drop_tail_drops_exactly_when_full() {
         // A burst of 10 packets into a port that holds 4: 4 pass, 6 are dropped.
-        let mut net = Network::new(1);
-        let a = net.add_host();
-        let s = net.add_switch();
-        let b = net.add_host();
-        net.link(a, s, spec(10_000_000_000, 0, None), spec(10_000_000_000, 0, None));
-        net.link(s, b, spec(1_000_000, 0, Some(4)), spec(1_000_000, 0, None));
-        net.build_routes();
+        let (mut net, a, s, b) = line(spec(1_000_000, 0, Some(4)));
         let mut q = EventQueue::new();
         for i in 0..10 {
             let pkt = Packet { src: a, dst: b, size: 1000, damaged: false, body: i };
@@ -465,14 +471,7 @@ mod tests {
     #[test]
     fn a_token_bucket_lets_its_depth_through_at_once_then_paces_at_the_rate() {
         // The testbed's tbf: 3000 bytes of bucket at 1 Mbit/s, a link with no rate of its own.
-        let mut net = Network::new(1);
-        let a = net.add_host();
-        let s = net.add_switch();
-        let b = net.add_host();
-        net.link(a, s, spec(10_000_000_000, 0, None), spec(10_000_000_000, 0, None));
-        let shaped = PortSpec { bucket_bytes: Some(3000), ..spec(1_000_000, 0, None) };
-        net.link(s, b, shaped, spec(1_000_000, 0, None));
-        net.build_routes();
+        let (mut net, a, _, b) = line(PortSpec { bucket_bytes: Some(3000), ..spec(1_000_000, 0, None) });
         let mut q = EventQueue::new();
         let burst = |net: &mut Network<u32>, q: &mut EventQueue<NetEvent<u32>>, at: Instant, first: u32| {
             for i in first..first + 3 {
@@ -522,14 +521,7 @@ mod tests {
 
     #[test]
     fn byte_limit_counts_bytes() {
-        let mut net = Network::new(1);
-        let a = net.add_host();
-        let s = net.add_switch();
-        let b = net.add_host();
-        net.link(a, s, spec(10_000_000_000, 0, None), spec(10_000_000_000, 0, None));
-        let limited = PortSpec { queue_bytes: Some(2500), ..spec(1_000_000, 0, None) };
-        net.link(s, b, limited, spec(1_000_000, 0, None));
-        net.build_routes();
+        let (mut net, a, _, b) = line(PortSpec { queue_bytes: Some(2500), ..spec(1_000_000, 0, None) });
         let mut q = EventQueue::new();
         for (i, size) in [1000u32, 1000, 600, 400, 100].into_iter().enumerate() {
             let pkt = Packet { src: a, dst: b, size, damaged: false, body: i as u32 };

@@ -425,6 +425,20 @@ impl TcpSender {
         };
     }
 
+    /// The tail-loss probe's flight is acknowledged up to `ack`. Had the probe repaired a
+    /// loss (it was a retransmission), Linux reduces the window as after a fast recovery.
+    fn probe_acknowledged(&mut self, ack: u64) {
+        if let Some(high) = self.probe_high
+            && ack >= high
+        {
+            if self.probe_was_retransmission && !self.in_recovery {
+                self.ssthresh = (self.cwnd / 2).max(2 * self.mss());
+                self.cwnd = self.ssthresh;
+            }
+            self.probe_high = None;
+        }
+    }
+
     /// An ACK arrived acknowledging everything below `ack` and the ranges in `sack` (read
     /// only with [`TcpConfig::sack`]).
     pub fn handle_ack(&mut self, now: Instant, ack: u64, sack: &SackBlocks, out: &mut Vec<Segment>) {
@@ -459,17 +473,7 @@ impl TcpSender {
             }
             self.dupacks = 0;
             self.rack_at = None;
-            if let Some(high) = self.probe_high
-                && ack >= high
-            {
-                // The probe's flight is acknowledged. Had the probe repaired a loss (it was
-                // a retransmission), Linux reduces the window as after a fast recovery.
-                if self.probe_was_retransmission && !self.in_recovery {
-                    self.ssthresh = (self.cwnd / 2).max(2 * mss);
-                    self.cwnd = self.ssthresh;
-                }
-                self.probe_high = None;
-            }
+            self.probe_acknowledged(ack);
             self.timer = (self.una < self.nxt).then(|| now + self.rto);
             self.schedule_probe(now);
         } else if ack == self.una && self.nxt > self.una {
@@ -528,15 +532,7 @@ impl TcpSender {
             }
         }
         self.detect_losses(now, delivered, advanced);
-        if let Some(high) = self.probe_high
-            && ack >= high
-        {
-            if self.probe_was_retransmission && !self.in_recovery {
-                self.ssthresh = (self.cwnd / 2).max(2 * mss);
-                self.cwnd = self.ssthresh;
-            }
-            self.probe_high = None;
-        }
+        self.probe_acknowledged(ack);
         if advanced {
             self.schedule_probe(now);
         }
