@@ -13,6 +13,7 @@ and each token bucket's ratio to the same binary's `direct`.
 usage (root): scripts/tbf_cpu.py OUT_DIR BINARY [BINARY ...] [--rates 500,1000] [--repeats 5]
 """
 import os
+import resource
 import statistics
 import sys
 
@@ -24,7 +25,6 @@ DIRECT_SLICES = 100_000  # 900 MB
 
 
 def direct_run(shoal):
-    import resource
     cfg = saturated_demo.config(1, 1, tbf.FRAGMENT, DIRECT_SLICES, "direct")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = saturated_demo.run(shoal, cfg, prefix=("ip", "netns", "exec", tbf.NS))

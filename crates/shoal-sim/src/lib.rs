@@ -7,9 +7,11 @@
 //! - [`engine::EventQueue`]: timestamp-ordered events (ties broken by insertion order), no
 //!   wall clock; time is [`shoal_core::Instant`] in ns since the start of the simulation.
 //! - [`net::Network`]: hosts and switches joined by unidirectional ports (rate,
-//!   propagation delay, drop-tail queue in packets or bytes, bit error rate); switches
-//!   forward by destination.
-//! - [`tcp`]: a NewReno TCP model; [`udp`]: datagrams split into IP fragments.
+//!   propagation delay, drop-tail queue in packets or bytes, bit error rate, optionally a
+//!   token bucket), switches forward by destination; [`net::SharedCpu`]: software nodes
+//!   taking packets in on shared cores (off by default).
+//! - [`tcp`]: a NewReno TCP model, with Linux's RACK, tail-loss probes and (in
+//!   [`tcp::sack`]) SACK recovery as options; [`udp`]: datagrams split into IP fragments.
 //! - [`wake::WakeLatency`]: how late software sources wake after a slice ends (off for
 //!   hardware boards).
 //!

@@ -123,25 +123,27 @@ pub enum NetEvent<B> {
 pub struct SharedCpu {
     free_at: Vec<Instant>,
     per_packet: Duration,
-    /// Core time spent, in total.
-    pub busy: Duration,
 }
 
 impl SharedCpu {
     pub fn new(cores: usize, per_packet: Duration) -> Self {
-        Self { free_at: vec![Instant::ZERO; cores.max(1)], per_packet, busy: Duration::ZERO }
+        Self { free_at: vec![Instant::ZERO; cores.max(1)], per_packet }
     }
 
-    /// The cores' busy fraction over `span`.
-    pub fn busy_fraction(&self, span: Duration) -> f64 {
-        self.busy.as_secs_f64() / (self.free_at.len() as f64 * span.as_secs_f64()).max(f64::MIN_POSITIVE)
+    /// Core time spent on `packets` taken in ([`Network::arrivals`]).
+    pub fn busy(&self, packets: u64) -> Duration {
+        Duration::from_nanos((self.per_packet.as_nanos() as u64).saturating_mul(packets))
+    }
+
+    /// The cores' busy fraction over `span` for `packets` taken in.
+    pub fn busy_fraction(&self, packets: u64, span: Duration) -> f64 {
+        self.busy(packets).as_secs_f64() / (self.free_at.len() as f64 * span.as_secs_f64()).max(f64::MIN_POSITIVE)
     }
 
     /// A packet arrives at `now`: when a core has taken it in.
     fn take(&mut self, now: Instant) -> Instant {
         let core = self.free_at.iter_mut().min().expect("at least one core");
         *core = (*core).max(now) + self.per_packet;
-        self.busy += self.per_packet;
         *core
     }
 }
@@ -515,8 +517,8 @@ mod tests {
         assert_eq!(got.iter().map(|g| g.2).collect::<Vec<_>>(), [0, 1, 2, 3]);
         assert_eq!(net.arrivals, 8);
         let cpu = net.cpu.as_ref().unwrap();
-        assert_eq!(cpu.busy, Duration::from_micros(80));
-        assert!((cpu.busy_fraction(Duration::from_micros(40)) - 1.0).abs() < 1e-9);
+        assert_eq!(cpu.busy(net.arrivals), Duration::from_micros(80));
+        assert!((cpu.busy_fraction(net.arrivals, Duration::from_micros(40)) - 1.0).abs() < 1e-9);
     }
 
     #[test]

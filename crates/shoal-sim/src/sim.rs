@@ -1265,7 +1265,7 @@ impl World {
             tcp_timeouts: tos,
             tcp_loss_probes: probes,
             packet_arrivals: self.net.arrivals,
-            cpu_busy_fraction: self.net.cpu.as_ref().map(|c| c.busy_fraction(end - Instant::ZERO)),
+            cpu_busy_fraction: self.net.cpu.as_ref().map(|c| c.busy_fraction(self.net.arrivals, end - Instant::ZERO)),
             udp_ip_fragments_sent: self.udp_ip_sent,
             udp_fragments_sent: self.udp_frags_sent,
             udp_fragments_lost: udp_lost,

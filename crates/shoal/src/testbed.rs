@@ -142,16 +142,6 @@ pub enum TcpModel {
     Newreno,
 }
 
-impl TcpModel {
-    fn name(self) -> &'static str {
-        match self {
-            TcpModel::Linux => "linux",
-            TcpModel::Rack => "rack",
-            TcpModel::Newreno => "newreno",
-        }
-    }
-}
-
 /// The shore delay the testbed had: what was asked for, plus the delay lines' median
 /// lateness (averaged over the lines).
 fn emulated_shore_delay_us(bed: &TestbedSummary) -> f64 {
@@ -420,6 +410,22 @@ fn agree(sim: f64, bed: f64, tolerance: f64, floor: f64) -> bool {
     (sim - bed).abs() <= (tolerance * bed.abs()).max(floor)
 }
 
+/// The simulator's model of the testbed's software hosts: `same` (the network the testbed
+/// had) with sources waking as late as the record's did, the TCP and the host models asked.
+fn hosts_model(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> Scenario {
+    let mut hosts = same.clone();
+    hosts.topology.shaper_bucket_us = args.shaper_bucket_us;
+    hosts.topology.cpu_cores = args.cpu_cores;
+    hosts.topology.cpu_packet_us = args.cpu_packet_us;
+    hosts.tcp.rack_tlp = args.tcp_model != TcpModel::Newreno;
+    hosts.tcp.sack = args.tcp_model == TcpModel::Linux;
+    hosts.tcp.kernel_hz = if args.tcp_model == TcpModel::Linux { args.kernel_hz } else { 0 };
+    hosts.traffic.wake_phase_us = args.wake_phase_us;
+    hosts.traffic.wake_jitter_us =
+        args.wake_jitter_us.unwrap_or((bed.source_wake_lag_avg_us - args.wake_phase_us / 2.0).max(0.0));
+    hosts
+}
+
 pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     let mut sc = load(&args.scenario)?;
     let bed = match &args.testbed_record {
@@ -432,8 +438,10 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             bed
         }
         None => {
-            let opts =
-                TestbedOptions { loss_ppm: loss_ppm(args.loss_pct)?, ..options(&args.common, args.dir, args.seconds)? };
+            let opts = TestbedOptions {
+                loss_ppm: loss_ppm(args.loss_pct)?,
+                ..options(&args.common, args.dir.clone(), args.seconds)?
+            };
             if let Some(s) = args.seconds {
                 sc.traffic.load_s = s;
             }
@@ -462,16 +470,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     // it sets traffic.wake_*, NewReno unless it sets tcp.rack_tlp). After: the testbed's
     // software hosts, waking as late as its sources measured, with Linux's loss recovery.
     let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
-    let mut hosts = same.clone();
-    hosts.topology.shaper_bucket_us = args.shaper_bucket_us;
-    hosts.topology.cpu_cores = args.cpu_cores;
-    hosts.topology.cpu_packet_us = args.cpu_packet_us;
-    hosts.tcp.rack_tlp = args.tcp_model != TcpModel::Newreno;
-    hosts.tcp.sack = args.tcp_model == TcpModel::Linux;
-    hosts.tcp.kernel_hz = if args.tcp_model == TcpModel::Linux { args.kernel_hz } else { 0 };
-    hosts.traffic.wake_phase_us = args.wake_phase_us;
-    hosts.traffic.wake_jitter_us =
-        args.wake_jitter_us.unwrap_or((bed.source_wake_lag_avg_us - args.wake_phase_us / 2.0).max(0.0));
+    let hosts = hosts_model(&same, &args, &bed);
     let sim = shoal_sim::sim::run(&hosts).map_err(anyhow::Error::msg)?.summary;
     let sim_verdict = Verdict::of_simulation(&sim);
     let lockstep_verdict = Verdict::of_simulation(&lockstep);
@@ -492,7 +491,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             "congestion": bed.congestion.name(),
             "testbed_record": args.testbed_record,
             "simulated_shore_delay_us": same.topology.shore_delay_us,
-            "tcp_model": args.tcp_model.name(),
+            "tcp_model": clap::ValueEnum::to_possible_value(&args.tcp_model).map(|v| v.get_name().to_owned()),
             "wake_phase_us": hosts.traffic.wake_phase_us,
             "wake_jitter_us": hosts.traffic.wake_jitter_us,
             "simulator": sim,

@@ -375,10 +375,10 @@ impl TcpSender {
 
     fn emit(&mut self, now: Instant, seq: u64, len: u32, out: &mut Vec<Segment>) {
         let retransmission = seq < self.high;
-        if self.in_recovery {
-            self.prr_out += u64::from(len);
-        }
         if self.cfg.sack {
+            if self.in_recovery {
+                self.prr_out += u64::from(len);
+            }
             if retransmission {
                 self.board.resent(now, seq);
             } else {
@@ -398,6 +398,16 @@ impl TcpSender {
             self.timer = Some(now + self.rto);
         }
         out.push(Segment { seq, len, retransmission });
+    }
+
+    /// An ACK for everything below `ack`: the RTT sample, if it completes the one timed.
+    fn take_rtt_sample(&mut self, now: Instant, ack: u64) {
+        if let Some((probe, sent)) = self.rtt_probe
+            && ack >= probe
+        {
+            self.sample_rtt(now - sent);
+            self.rtt_probe = None;
+        }
     }
 
     fn sample_rtt(&mut self, r: Duration) {
@@ -448,12 +458,7 @@ impl TcpSender {
         let mss = self.mss();
         if ack > self.una {
             let acked = ack - self.una;
-            if let Some((probe, sent)) = self.rtt_probe
-                && ack >= probe
-            {
-                self.sample_rtt(now - sent);
-                self.rtt_probe = None;
-            }
+            self.take_rtt_sample(now, ack);
             self.una = ack;
             // A late ACK after a go-back-N may cover bytes we were about to resend.
             self.nxt = self.nxt.max(self.una);
@@ -503,12 +508,8 @@ impl TcpSender {
         let ack = ack.min(self.nxt); // never past what was sent
         let mss = self.mss();
         let advanced = ack > self.una;
-        if advanced
-            && let Some((probe, sent)) = self.rtt_probe
-            && ack >= probe
-        {
-            self.sample_rtt(now - sent);
-            self.rtt_probe = None;
+        if advanced {
+            self.take_rtt_sample(now, ack);
         }
         let delivered = self.board.handle_ack(now, ack, sack, self.min_rtt);
         if advanced {
@@ -674,10 +675,11 @@ impl TcpReceiver {
     }
 
     /// The SACK blocks of the ACK for what has arrived (RFC 2018): the range extended last
-    /// first, then the others most recently extended, at most [`sack::MAX_BLOCKS`].
+    /// first, then the others most recently extended, at most [`sack::MAX_BLOCKS`]. None
+    /// without [`TcpConfig::sack`] (no work per ACK for a sender that would not read them).
     pub fn sack_blocks(&self) -> SackBlocks {
         let mut blocks = SackBlocks::default();
-        if self.ooo.is_empty() {
+        if !self.cfg.sack || self.ooo.is_empty() {
             return blocks;
         }
         let mut recent: [Option<(u64, u64, u64)>; sack::MAX_BLOCKS] = [None; sack::MAX_BLOCKS];
@@ -879,7 +881,7 @@ mod tests {
 
     #[test]
     fn receiver_reports_merged_ranges_most_recent_first() {
-        let mut r = TcpReceiver::new(TcpConfig::default());
+        let mut r = TcpReceiver::new(with_sack());
         for seq in [2, 4, 6, 8] {
             r.handle_segment(t(0), seq * 100, 100);
         }
