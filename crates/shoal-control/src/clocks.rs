@@ -216,8 +216,9 @@ impl ClockWatch {
             if c.offset_ns.abs() > bound {
                 if self.warned.insert(name.clone()) {
                     act.warnings.push(format!(
-                        "{name}: host clock {:+.0} us from run control's (bound {:.0} us){}",
+                        "{name}: host clock {:+.0} us (+/- {:.0}) from run control's (bound {:.0} us){}",
                         c.offset_ns as f64 / 1e3,
+                        c.uncertainty_ns as f64 / 1e3,
                         self.settings.warn_offset_us,
                         if self.settings.correct { ", corrected" } else { "" }
                     ));
