@@ -25,6 +25,7 @@ pub mod eval;
 mod l1;
 pub mod muon;
 pub mod plugin;
+pub mod scan;
 
 pub use l1::{L1Config, L1Multiplicity};
 pub use muon::{MuonConfig, MuonFilter};
@@ -58,8 +59,11 @@ impl FragmentData {
         if let Ok(p) = self.hits() {
             out.extend(p.hits());
         }
+        // Readouts send hits in time order, ties on a time in any order: the stable sort
+        // merges the runs that leaves (the whole key orders, so equal hits are identical
+        // and the result is that of any sort).
         if !out.is_sorted() {
-            out.sort_unstable();
+            out.sort();
         }
     }
 }

@@ -30,6 +30,7 @@ use shoal_core::hit::Hit;
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{C_LIGHT, N_WATER, cherenkov_angle};
 
+use crate::scan::{DirectionScan, ScanScratch};
 use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData};
 
 /// Trigger bit of the causality cluster trigger.
@@ -158,6 +159,12 @@ fn distance(a: [f64; 3], b: [f64; 3]) -> f64 {
     ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
 }
 
+/// tan of the Cherenkov angle, computed once (the road test asks for it per pair).
+pub fn tan_cherenkov() -> f64 {
+    static TAN: std::sync::LazyLock<f64> = std::sync::LazyLock::new(|| cherenkov_angle().tan());
+    *TAN
+}
+
 /// The plain 3D causality relation.
 pub fn causal(a: &TriggerHit, b: &TriggerHit, t_extra: f64) -> bool {
     (a.t - b.t).abs() <= distance(a.pos, b.pos) * N_WATER / C_LIGHT + t_extra
@@ -173,15 +180,28 @@ pub fn causal_along(a: &TriggerHit, b: &TriggerHit, dir: [f64; 3], road: f64, t_
         return false;
     }
     let tau = (b.t - a.t - dz / C_LIGHT).abs();
-    tau <= r * cherenkov_angle().tan() / C_LIGHT + t_extra
+    tau <= r * tan_cherenkov() / C_LIGHT + t_extra
+}
+
+/// Buffers of [`prune_to_clique`], kept between calls (it runs for every candidate).
+#[derive(Debug, Default)]
+pub struct CliqueScratch {
+    counts: Vec<usize>,
+    rel: Vec<bool>,
+    alive: Vec<bool>,
 }
 
 /// Greedy clique pruning: removes the member with the fewest relations (the latest on
 /// ties) until all remaining members are related. `related(i, j)` over `members` indices.
-pub fn prune_to_clique(members: &mut Vec<usize>, related: impl Fn(usize, usize) -> bool) {
+pub fn prune_to_clique(members: &mut Vec<usize>, related: impl Fn(usize, usize) -> bool, s: &mut CliqueScratch) {
     let k = members.len();
-    let mut counts = vec![0usize; k];
-    let mut rel = vec![false; k * k];
+    let CliqueScratch { counts, rel, alive } = s;
+    counts.clear();
+    counts.resize(k, 0);
+    rel.clear();
+    rel.resize(k * k, false);
+    alive.clear();
+    alive.resize(k, true);
     for a in 0..k {
         for b in a + 1..k {
             if related(members[a], members[b]) {
@@ -192,7 +212,6 @@ pub fn prune_to_clique(members: &mut Vec<usize>, related: impl Fn(usize, usize) 
             }
         }
     }
-    let mut alive: Vec<bool> = vec![true; k];
     let mut size = k;
     loop {
         // The live member with the fewest relations; the latest (highest index) on ties.
@@ -237,7 +256,14 @@ pub fn direction_grid(step_deg: f64) -> Vec<[f64; 3]> {
     out
 }
 
-fn distinct_modules(hits: &[TriggerHit], members: &[usize]) -> usize {
+pub(crate) fn distinct_modules(hits: &[TriggerHit], members: &[usize]) -> usize {
+    // Clusters are mostly a handful of hits: comparing with the ones before beats sorting
+    // a fresh list; large ones are sorted.
+    if members.len() <= 32 {
+        return (0..members.len())
+            .filter(|&a| !members[..a].iter().any(|&b| hits[b].module == hits[members[a]].module))
+            .count();
+    }
     let mut m: Vec<usize> = members.iter().map(|&i| hits[i].module).collect();
     m.sort_unstable();
     m.dedup();
@@ -251,9 +277,12 @@ pub struct Cluster {
     pub mask: u32,
 }
 
-/// The causality clusters of time-sorted trigger hits (see the module documentation).
-pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec<Cluster> {
+/// The causality clusters of time-sorted trigger hits (see the module documentation);
+/// `scan` confirms them when `cfg.direction_scan` is on.
+pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, scan: &DirectionScan) -> Vec<Cluster> {
     let mut out = Vec::new();
+    let mut scratch = ScanScratch::default();
+    let mut clique = CliqueScratch::default();
     let window = f64::from(cfg.window_ns);
     let mut end = 0;
     let mut members = Vec::new();
@@ -274,10 +303,11 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec
         // With the direction scan, pairs must also pass the road bound every direction's
         // test implies (|dt| <= d/c + R tan(theta_c)/c + t_extra): far tighter than the
         // light cone over hundreds of metres, so far fewer candidates reach the scan.
-        let road_t = cfg.road_width_m * cherenkov_angle().tan() / C_LIGHT + cfg.t_extra_ns;
+        let road_t = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
         let related = |a: &TriggerHit, b: &TriggerHit| {
-            causal(a, b, cfg.t_extra_ns)
-                && (!cfg.direction_scan || (a.t - b.t).abs() <= distance(a.pos, b.pos) / C_LIGHT + road_t)
+            // `causal` and the road bound, the distance computed once for both.
+            let (dt, d) = ((a.t - b.t).abs(), distance(a.pos, b.pos));
+            dt <= d * N_WATER / C_LIGHT + cfg.t_extra_ns && (!cfg.direction_scan || dt <= d / C_LIGHT + road_t)
         };
         members.clear();
         members.push(i);
@@ -285,39 +315,13 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, grid: &[[f64; 3]]) -> Vec
         if members.len() < cfg.min_hits {
             continue;
         }
-        prune_to_clique(&mut members, |a, b| related(&hits[a], &hits[b]));
+        prune_to_clique(&mut members, |a, b| related(&hits[a], &hits[b]), &mut clique);
         if members.len() < cfg.min_hits || distinct_modules(hits, &members) < cfg.min_modules {
             continue;
         }
         let mut mask = TRIGGER_3D;
         if cfg.direction_scan {
-            let tan_c = cherenkov_angle().tan();
-            let tau_width = cfg.road_width_m * tan_c / C_LIGHT + cfg.t_extra_ns;
-            let mut tau: Vec<f64> = Vec::with_capacity(members.len());
-            let confirmed = grid.iter().any(|&dir| {
-                // Cheap necessary condition first: along `dir`, hits of one track have
-                // tau = t - z/c within R tan(theta_c)/c + t_extra of each other, so some
-                // window of that width must hold min_hits of them.
-                tau.clear();
-                tau.extend(members.iter().map(|&m| {
-                    let h = &hits[m];
-                    h.t - (h.pos[0] * dir[0] + h.pos[1] * dir[1] + h.pos[2] * dir[2]) / C_LIGHT
-                }));
-                tau.sort_by(f64::total_cmp);
-                let mut lo = 0;
-                let dense = (0..tau.len()).any(|hi| {
-                    while tau[hi] - tau[lo] > tau_width {
-                        lo += 1;
-                    }
-                    hi + 1 - lo >= cfg.min_hits
-                });
-                if !dense {
-                    return false;
-                }
-                let mut m = members.clone();
-                prune_to_clique(&mut m, |a, b| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns));
-                m.len() >= cfg.min_hits && distinct_modules(hits, &m) >= cfg.min_modules
-            });
+            let confirmed = scan.confirms(hits, &members, cfg, &mut scratch);
             if !confirmed {
                 continue;
             }
@@ -384,7 +388,7 @@ pub fn build_events(hits: &[TriggerHit], clusters: &[Cluster], snapshot_ns: f64)
 pub struct MuonFilter {
     cfg: MuonConfig,
     geometry: Option<Geometry>,
-    grid: Vec<[f64; 3]>,
+    scan: DirectionScan,
     /// Per fragment: hits, L1 flags (reused buffers).
     hits: Vec<Vec<Hit>>,
     flags: Vec<Vec<bool>>,
@@ -409,8 +413,12 @@ pub struct MuonStats {
 
 impl MuonFilter {
     pub fn new(cfg: MuonConfig, geometry: Geometry) -> Self {
-        let grid = if cfg.direction_scan { direction_grid(cfg.scan_step_deg) } else { Vec::new() };
-        Self { cfg, geometry: Some(geometry), grid, ..Default::default() }
+        let scan = if cfg.direction_scan {
+            DirectionScan::new(&direction_grid(cfg.scan_step_deg), cfg.scan_step_deg)
+        } else {
+            DirectionScan::default()
+        };
+        Self { cfg, geometry: Some(geometry), scan, ..Default::default() }
     }
 
     /// Makes sure the geometry covers source `max_source` (the `antares` geometry grows
@@ -488,7 +496,7 @@ impl MuonFilter {
         trig.sort_by(|a, b| a.t.total_cmp(&b.t));
         self.stats.slices += 1;
         self.stats.trigger_hits += trig.len() as u64;
-        let cl = clusters(&trig, cfg, &self.grid);
+        let cl = clusters(&trig, cfg, &self.scan);
         self.stats.clusters += cl.len() as u64;
         let windows = build_events(&trig, &cl, f64::from(cfg.snapshot_ns));
         self.stats.events += windows.len() as u64;
@@ -653,7 +661,7 @@ mod tests {
             let modules: Vec<[f64; 3]> = pos.into_iter().map(|(x, y, z)| [x, y, z]).collect();
             let hits = trigger_hits(&raw, &modules);
             let cfg = MuonConfig { min_hits, min_modules, window_ns: window, ..Default::default() };
-            let got = clusters(&hits, &cfg, &[]);
+            let got = clusters(&hits, &cfg, &DirectionScan::default());
             let want = brute_clusters(&hits, &cfg);
             prop_assert_eq!(got.iter().map(|c| c.members.clone()).collect::<Vec<_>>(), want);
             for c in &got {

@@ -1,0 +1,657 @@
+//! The direction scan's confirmation of a causality cluster (step 3 of [`crate::muon`]),
+//! made cheap without changing its answer.
+//!
+//! A cluster is confirmed if, for some direction of the grid, its members (a) are *dense*
+//! along it: some window of `tau = t - z/c` (z along the direction) of width `tau_width`
+//! holds `min_hits` of them, and (b) prune to a clique of `min_hits` on `min_modules`
+//! modules under the road test. (a) is a necessary condition of (b), cheap beside it; on
+//! KM3NeT-sized slices nearly every candidate fails (a) in every direction, so (a) is
+//! what costs. Two things make it cheap:
+//! - **Blocks of directions at once.** For [`LANES`] directions, each member's `tau` is
+//!   computed into a row, and members are counted pair by pair (a window ending at member
+//!   `i` holds every `j` with `tau_j <= tau_i` and `tau_i - tau_j <= width`): no sort, no
+//!   branch, and the compiler vectorises across the directions. Counting is exactly the
+//!   sorted sliding window's answer (see [`dense_sorted`], kept as the reference).
+//! - **A hierarchy of coarser grids.** The directions are grouped into cells around the
+//!   directions of grids three, nine, ... times coarser. Between a cell's centre `u` and
+//!   any direction `d` of it (`|d - u| <= chord`), two members' difference of `tau`
+//!   changes by at most `|p_i - p_j| chord / c`, so if the members are not dense at `u`
+//!   with the window widened by `diameter * chord / c`, they are dense nowhere in the
+//!   cell, and the cell is skipped whole. Cells that pass are opened, down to the grid's
+//!   own directions, which are tested exactly as before.
+//!
+//! [`DirectionScan::confirms`] returns what the scan over the flat grid returned; the tests
+//! hold it against that reference on random clusters.
+
+use shoal_detector::physics::C_LIGHT;
+
+use crate::muon::{
+    CliqueScratch, MuonConfig, TriggerHit, causal_along, distinct_modules, prune_to_clique, tan_cherenkov,
+};
+
+/// Directions evaluated together.
+pub const LANES: usize = 8;
+
+/// Widened windows get this much more (ns), so that rounding in the exact test at a cell's
+/// directions can never pass what the cell's bound rejected (rounding is ~1e-8 ns here).
+const BOUND_SLACK_NS: f64 = 1e-3;
+
+/// Above this many members the pair count (members squared per direction) gives way to
+/// the sorted window (members log members).
+const PAIR_COUNT_MAX_MEMBERS: usize = 48;
+
+/// One level of the hierarchy: directions (structure of arrays), each with the largest
+/// distance from it to a grid direction of its cell, and (above the grid) its cell's
+/// range in the level below.
+#[derive(Clone, Debug, Default)]
+struct Level {
+    x: Vec<f64>,
+    y: Vec<f64>,
+    z: Vec<f64>,
+    chord: Vec<f64>,
+    children: Vec<(u32, u32)>,
+}
+
+/// The grid of directions arranged for the scan (built once per filter).
+#[derive(Clone, Debug, Default)]
+pub struct DirectionScan {
+    /// `levels[0]` is the grid itself (chord 0); the last the coarsest.
+    levels: Vec<Level>,
+}
+
+/// The members of one candidate as the scan reads them.
+#[derive(Debug, Default)]
+struct Members {
+    t: Vec<f64>,
+    x: Vec<f64>,
+    y: Vec<f64>,
+    z: Vec<f64>,
+}
+
+/// Reused buffers of [`DirectionScan::confirms`].
+#[derive(Debug, Default)]
+pub struct ScanScratch {
+    members: Members,
+    /// Distance of every pair of members (`a < b`, in the order [`dense_counted`] visits them).
+    distance: Vec<f64>,
+    rows: Rows,
+    sorted: Vec<f64>,
+    tau_order: TauOrder,
+    /// The directions of one level still open, and of the level below.
+    open: Vec<u32>,
+    below: Vec<u32>,
+    clique: Vec<usize>,
+    pruning: CliqueScratch,
+}
+
+fn chord(a: [f64; 3], b: [f64; 3]) -> f64 {
+    ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
+}
+
+fn nearest(centres: &[[f64; 3]], d: [f64; 3]) -> usize {
+    let dot = |c: &[f64; 3]| c[0] * d[0] + c[1] * d[1] + c[2] * d[2];
+    (0..centres.len()).max_by(|&a, &b| dot(&centres[a]).total_cmp(&dot(&centres[b]))).unwrap_or(0)
+}
+
+impl DirectionScan {
+    /// The scan over `grid` (any set of unit vectors), with cells around the directions of
+    /// [`crate::muon::direction_grid`] at three, nine, ... times `step_deg` up to 90 degrees.
+    pub fn new(grid: &[[f64; 3]], step_deg: f64) -> Self {
+        let mut coarse: Vec<Vec<[f64; 3]>> = Vec::new();
+        let mut step = step_deg.clamp(0.5, 90.0) * 3.0;
+        while step <= 90.0 {
+            coarse.push(crate::muon::direction_grid(step));
+            step *= 3.0;
+        }
+        // Each grid direction's path: its nearest centre at every level, coarsest first;
+        // sorted by path, the directions of one cell (one path prefix) are contiguous.
+        let mut paths: Vec<(Vec<usize>, [f64; 3])> =
+            grid.iter().map(|&d| (coarse.iter().rev().map(|c| nearest(c, d)).collect(), d)).collect();
+        paths.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut levels = Vec::with_capacity(coarse.len() + 1);
+        let mut fine = Level::default();
+        for (_, d) in &paths {
+            fine.x.push(d[0]);
+            fine.y.push(d[1]);
+            fine.z.push(d[2]);
+            fine.chord.push(0.0);
+        }
+        levels.push(fine);
+        // Level l's cells: runs of equal path prefixes of length (coarse.len() - l + 1);
+        // their children: the runs one level down inside them.
+        let depth = coarse.len();
+        let mut below: Vec<(usize, usize)> = (0..paths.len()).map(|i| (i, i + 1)).collect();
+        for l in 1..=depth {
+            let prefix = depth - l + 1;
+            let centres = &coarse[l - 1];
+            let mut level = Level::default();
+            let mut runs = Vec::new();
+            let mut k = 0;
+            while k < below.len() {
+                let key = &paths[below[k].0].0[..prefix];
+                let mut end = k + 1;
+                while end < below.len() && &paths[below[end].0].0[..prefix] == key {
+                    end += 1;
+                }
+                let centre = centres[key[prefix - 1]];
+                let (first, last) = (below[k].0, below[end - 1].1);
+                let reach = paths[first..last].iter().map(|(_, d)| chord(*d, centre)).fold(0.0, f64::max);
+                level.x.push(centre[0]);
+                level.y.push(centre[1]);
+                level.z.push(centre[2]);
+                level.chord.push(reach);
+                level.children.push((k as u32, end as u32));
+                runs.push((first, last));
+                k = end;
+            }
+            levels.push(level);
+            below = runs;
+        }
+        Self { levels }
+    }
+
+    /// Number of directions of the grid.
+    pub fn len(&self) -> usize {
+        self.levels.first().map_or(0, |l| l.x.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `members` (indices into `hits`) are confirmed by some direction of the grid.
+    pub fn confirms(&self, hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, s: &mut ScanScratch) -> bool {
+        let Some(top) = self.levels.last() else { return false };
+        let width = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
+        let m = &mut s.members;
+        m.t.clear();
+        m.x.clear();
+        m.y.clear();
+        m.z.clear();
+        for &i in members {
+            let h = &hits[i];
+            m.t.push(h.t);
+            m.x.push(h.pos[0]);
+            m.y.push(h.pos[1]);
+            m.z.push(h.pos[2]);
+        }
+        s.distance.clear();
+        for a in 0..members.len() {
+            for b in a + 1..members.len() {
+                s.distance.push(chord(hits[members[a]].pos, hits[members[b]].pos));
+            }
+        }
+        let diameter = s.distance.iter().copied().fold(0.0, f64::max);
+        // Level by level, coarsest first: the open directions in full blocks, and the cells
+        // of those that pass opened in the level below.
+        let ScanScratch { members: m, distance, rows, sorted, tau_order, open, below, clique, pruning } = s;
+        open.clear();
+        open.extend(0..top.x.len() as u32);
+        for l in (0..self.levels.len()).rev() {
+            let level = &self.levels[l];
+            below.clear();
+            for block in open.chunks(LANES) {
+                let mut b = Block::empty();
+                for (lane, &k) in block.iter().enumerate() {
+                    let k = k as usize;
+                    b.dir[0][lane] = level.x[k];
+                    b.dir[1][lane] = level.y[k];
+                    b.dir[2][lane] = level.z[k];
+                    // At the grid's own directions (chord 0) the window is exactly `width`.
+                    let c = level.chord[k];
+                    b.width[lane] = if c == 0.0 { width } else { width + BOUND_SLACK_NS };
+                    b.spread[lane] = c / C_LIGHT;
+                }
+                let dense = if members.len() <= PAIR_COUNT_MAX_MEMBERS {
+                    dense_counted(m, distance, &b, cfg.min_hits, rows)
+                } else {
+                    let mut out = [false; LANES];
+                    for (lane, o) in out.iter_mut().enumerate().take(block.len()) {
+                        let dir = [b.dir[0][lane], b.dir[1][lane], b.dir[2][lane]];
+                        *o = dense_sorted(m, dir, b.width[lane] + diameter * b.spread[lane], cfg.min_hits, sorted);
+                    }
+                    out
+                };
+                for (&k, _) in block.iter().zip(dense).filter(|(_, dense)| *dense) {
+                    let k = k as usize;
+                    if l > 0 {
+                        let (a, b) = level.children[k];
+                        below.extend(a..b);
+                        continue;
+                    }
+                    let dir = [level.x[k], level.y[k], level.z[k]];
+                    clique_candidates(m, members, dir, width + BOUND_SLACK_NS, cfg.min_hits, tau_order, clique);
+                    let related =
+                        |a: usize, b: usize| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns);
+                    prune_to_clique(clique, related, pruning);
+                    if clique.len() >= cfg.min_hits && distinct_modules(hits, clique) >= cfg.min_modules {
+                        return true;
+                    }
+                }
+            }
+            std::mem::swap(open, below);
+        }
+        false
+    }
+}
+
+/// Buffers of [`clique_candidates`]: members by tau, and which are kept.
+#[derive(Debug, Default)]
+struct TauOrder {
+    order: Vec<(f64, u32)>,
+    keep: Vec<bool>,
+}
+
+/// The members (indices into `hits`, as `members`) that can be in a clique of `min_hits`
+/// under the road test along `dir`, in `out`, in their order.
+///
+/// Two members related by the road test have taus within the scan's window of each other
+/// (`width`, with slack for rounding), so a member with fewer than `min_hits - 1` others
+/// that close has fewer relations than a member of such a clique: it is outside the graph's
+/// (`min_hits - 1`)-core. The greedy pruning never removes a core member while a member of
+/// lower degree is left, so it reaches the core (if there is one) whatever it removed
+/// first, and from there goes on the same way: started without those members it ends in
+/// the same clique, at a cost of members squared road tests fewer. (A bright event has
+/// hundreds of members, dense in thousands of the 1-degree grid's directions.)
+fn clique_candidates(
+    m: &Members,
+    members: &[usize],
+    dir: [f64; 3],
+    width: f64,
+    min_hits: usize,
+    buf: &mut TauOrder,
+    out: &mut Vec<usize>,
+) {
+    let TauOrder { order, keep } = buf;
+    out.clear();
+    order.clear();
+    order.extend((0..members.len()).map(|i| (tau(m, i, dir), i as u32)));
+    order.sort_by(|a, b| a.0.total_cmp(&b.0));
+    // Others within `width` on either side, two pointers over the sorted taus.
+    let (mut lo, mut hi) = (0, 0);
+    keep.clear();
+    keep.resize(members.len(), false);
+    for p in 0..order.len() {
+        while order[p].0 - order[lo].0 > width {
+            lo += 1;
+        }
+        while hi + 1 < order.len() && order[hi + 1].0 - order[p].0 <= width {
+            hi += 1;
+        }
+        keep[order[p].1 as usize] = hi - lo >= min_hits.saturating_sub(1);
+    }
+    out.extend(members.iter().zip(keep.iter()).filter(|(_, k)| **k).map(|(&i, _)| i));
+}
+
+/// `tau` of a member along `dir`: its time less the light's travel along `dir`.
+fn tau(m: &Members, i: usize, dir: [f64; 3]) -> f64 {
+    m.t[i] - (m.x[i] * dir[0] + m.y[i] * dir[1] + m.z[i] * dir[2]) / C_LIGHT
+}
+
+/// Whether some window of `tau` of width `width` holds `min_hits` members: sorted, with a
+/// sliding window (the scan's original test, and the reference of [`dense_counted`]).
+fn dense_sorted(m: &Members, dir: [f64; 3], width: f64, min_hits: usize, sorted: &mut Vec<f64>) -> bool {
+    sorted.clear();
+    sorted.extend((0..m.t.len()).map(|i| tau(m, i, dir)));
+    sorted.sort_by(f64::total_cmp);
+    let mut lo = 0;
+    (0..sorted.len()).any(|hi| {
+        while sorted[hi] - sorted[lo] > width {
+            lo += 1;
+        }
+        hi + 1 - lo >= min_hits
+    })
+}
+
+/// [`LANES`] directions and the window each is tested with.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    /// `dir[axis][lane]`.
+    dir: [[f64; LANES]; 3],
+    /// The window; NaN in lanes without a direction (they count nothing).
+    width: [f64; LANES],
+    /// A cell's chord / c (0 at the grid's own directions): a pair's window is widened by
+    /// its distance times this.
+    spread: [f64; LANES],
+}
+
+impl Block {
+    fn empty() -> Self {
+        Self { dir: [[0.0; LANES]; 3], width: [f64::NAN; LANES], spread: [0.0; LANES] }
+    }
+}
+
+/// Rows of [`dense_counted`]: one per member, a lane per direction.
+#[derive(Debug, Default)]
+struct Rows {
+    tau: Vec<[f64; LANES]>,
+    count: Vec<[f64; LANES]>,
+}
+
+/// [`dense_sorted`] for a block of directions at once: member `i` counts the members `j`
+/// with `tau_j <= tau_i` and `tau_i - tau_j <= width + distance_ij * spread` (itself
+/// included); dense where some count reaches `min_hits`. `distance` holds the pairs'
+/// distances, `i < j`, in that order.
+///
+/// With `spread` 0 the same answer as [`dense_sorted`]: the sliding window ending at the
+/// last of the members equal to `tau_i` holds exactly those. At a cell's centre each
+/// pair's window is widened by the most the cell's directions can move that pair apart, so
+/// members dense somewhere in the cell are counted dense at its centre.
+fn dense_counted(m: &Members, distance: &[f64], block: &Block, min_hits: usize, rows: &mut Rows) -> [bool; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[allow(unsafe_code)]
+        // SAFETY: this CPU has AVX2, checked just above.
+        return unsafe { dense_counted_avx2(m, distance, block, min_hits, rows) };
+    }
+    dense_counted_portable(m, distance, block, min_hits, rows)
+}
+
+/// [`dense_counted_portable`] compiled for AVX2: four lanes per instruction instead of
+/// SSE2's two. The same operations in the same order (no fused multiply-add): the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dense_counted_avx2(m: &Members, distance: &[f64], block: &Block, min_hits: usize, rows: &mut Rows) -> [bool; LANES] {
+    dense_counted_portable(m, distance, block, min_hits, rows)
+}
+
+/// One pair of members in every lane: each counts the other if within its window below.
+/// Branch-free over fixed-size arrays passed apart (not through the block), which is what
+/// lets the compiler keep it in vector instructions.
+#[inline(always)]
+fn count_pair(
+    ti: &[f64; LANES],
+    tj: &[f64; LANES],
+    width: &[f64; LANES],
+    spread: &[f64; LANES],
+    dij: f64,
+    ci: &mut [f64; LANES],
+    cj: &mut [f64; LANES],
+) {
+    for lane in 0..LANES {
+        // tau_j - tau_i is exactly -(tau_i - tau_j): one subtraction serves both.
+        let diff = ti[lane] - tj[lane];
+        let limit = width[lane] + dij * spread[lane];
+        // Counted in f64, the compares' own width, so the lanes stay vectors.
+        ci[lane] += if (diff >= 0.0) & (diff <= limit) { 1.0 } else { 0.0 };
+        cj[lane] += if (diff <= 0.0) & (diff >= -limit) { 1.0 } else { 0.0 };
+    }
+}
+
+#[inline(always)]
+fn dense_counted_portable(
+    m: &Members,
+    distance: &[f64],
+    block: &Block,
+    min_hits: usize,
+    rows: &mut Rows,
+) -> [bool; LANES] {
+    let Rows { tau, count } = rows;
+    let k = m.t.len();
+    tau.clear();
+    count.clear();
+    let dir = &block.dir;
+    for i in 0..k {
+        let mut row = [0.0; LANES];
+        for (lane, r) in row.iter_mut().enumerate() {
+            // As `tau()`, operation for operation.
+            *r = m.t[i] - (m.x[i] * dir[0][lane] + m.y[i] * dir[1][lane] + m.z[i] * dir[2][lane]) / C_LIGHT;
+        }
+        tau.push(row);
+        count.push([1.0; LANES]);
+    }
+    let mut pair = 0;
+    for i in 0..k {
+        let (head, tail) = count.split_at_mut(i + 1);
+        let ci = &mut head[i];
+        let ti = &tau[i];
+        for (cj, tj) in tail.iter_mut().zip(&tau[i + 1..]) {
+            count_pair(ti, tj, &block.width, &block.spread, distance[pair], ci, cj);
+            pair += 1;
+        }
+    }
+    let mut out = [false; LANES];
+    for c in count.iter() {
+        for lane in 0..LANES {
+            out[lane] |= c[lane] >= min_hits as f64;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::muon::direction_grid;
+    use proptest::prelude::*;
+
+    /// The scan as it was: every direction of the flat grid in turn, sorted window, then
+    /// the clique.
+    fn flat_scan(hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, grid: &[[f64; 3]]) -> bool {
+        let width = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
+        let mut m = Members::default();
+        for &i in members {
+            m.t.push(hits[i].t);
+            m.x.push(hits[i].pos[0]);
+            m.y.push(hits[i].pos[1]);
+            m.z.push(hits[i].pos[2]);
+        }
+        let mut sorted = Vec::new();
+        grid.iter().any(|&dir| {
+            if !dense_sorted(&m, dir, width, cfg.min_hits, &mut sorted) {
+                return false;
+            }
+            let mut c = members.to_vec();
+            let related = |a: usize, b: usize| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns);
+            prune_to_clique(&mut c, related, &mut CliqueScratch::default());
+            c.len() >= cfg.min_hits && distinct_modules(hits, &c) >= cfg.min_modules
+        })
+    }
+
+    fn members(raw: &[(f64, f64, f64, f64)]) -> Members {
+        let mut m = Members::default();
+        for &(t, x, y, z) in raw {
+            m.t.push(t);
+            m.x.push(x);
+            m.y.push(y);
+            m.z.push(z);
+        }
+        m
+    }
+
+    /// A track along `dir` through the origin: hits on modules spread around it, at the
+    /// times the Cherenkov light reaches them (plus `jitter`), and background hits.
+    fn track(dir: [f64; 3], on_track: usize, background: &[(f64, [f64; 3])], jitter: &[f64]) -> Vec<TriggerHit> {
+        let tan_c = tan_cherenkov();
+        let perp = if dir[2].abs() < 0.9 { [0.0, 0.0, 1.0] } else { [1.0, 0.0, 0.0] };
+        // a unit vector across the track
+        let dot = perp[0] * dir[0] + perp[1] * dir[1] + perp[2] * dir[2];
+        let mut q = [perp[0] - dot * dir[0], perp[1] - dot * dir[1], perp[2] - dot * dir[2]];
+        let n = (q[0] * q[0] + q[1] * q[1] + q[2] * q[2]).sqrt();
+        q = [q[0] / n, q[1] / n, q[2] / n];
+        let mut hits: Vec<TriggerHit> = (0..on_track)
+            .map(|k| {
+                let z = -200.0 + 400.0 * k as f64 / on_track.max(1) as f64;
+                let r = 5.0 + 30.0 * ((k * 7) % 5) as f64 / 5.0;
+                let pos = [z * dir[0] + r * q[0], z * dir[1] + r * q[1], z * dir[2] + r * q[2]];
+                let t = 1_000.0 + z / C_LIGHT + r * tan_c / C_LIGHT + jitter.get(k).copied().unwrap_or(0.0);
+                TriggerHit { t, pos, module: k, hit: k, hit_end: k + 1 }
+            })
+            .collect();
+        for (k, &(t, pos)) in background.iter().enumerate() {
+            hits.push(TriggerHit { t, pos, module: on_track + k, hit: 0, hit_end: 1 });
+        }
+        hits.sort_by(|a, b| a.t.total_cmp(&b.t));
+        hits
+    }
+
+    #[test]
+    fn every_grid_direction_is_in_exactly_one_cell_within_its_chord() {
+        for step in [10.0, 5.0, 1.0] {
+            let grid = direction_grid(step);
+            let scan = DirectionScan::new(&grid, step);
+            assert_eq!(scan.len(), grid.len());
+            assert!(scan.levels.len() >= 2, "{step}: at least one coarse level");
+            // Every direction of the grid appears once at level 0.
+            let mut seen: Vec<[u64; 3]> = (0..scan.len())
+                .map(|k| [scan.levels[0].x[k], scan.levels[0].y[k], scan.levels[0].z[k]].map(f64::to_bits))
+                .collect();
+            seen.sort_unstable();
+            let mut want: Vec<[u64; 3]> = grid.iter().map(|d| d.map(f64::to_bits)).collect();
+            want.sort_unstable();
+            assert_eq!(seen, want, "{step}");
+            // Each cell's children tile the level below, and every grid direction under a
+            // cell is within its chord of the cell's centre.
+            for l in 1..scan.levels.len() {
+                let level = &scan.levels[l];
+                let mut next = 0;
+                for (c, &(a, b)) in level.children.iter().enumerate() {
+                    assert_eq!(a, next, "{step} level {l}");
+                    assert!(b > a);
+                    next = b;
+                    let centre = [level.x[c], level.y[c], level.z[c]];
+                    let mut stack = vec![(l - 1, a, b)];
+                    while let Some((ll, a, b)) = stack.pop() {
+                        for k in a..b {
+                            if ll == 0 {
+                                let d = [
+                                    scan.levels[0].x[k as usize],
+                                    scan.levels[0].y[k as usize],
+                                    scan.levels[0].z[k as usize],
+                                ];
+                                assert!(chord(d, centre) <= level.chord[c], "{step} level {l}");
+                            } else {
+                                let (ca, cb) = scan.levels[ll].children[k as usize];
+                                stack.push((ll - 1, ca, cb));
+                            }
+                        }
+                    }
+                }
+                assert_eq!(next as usize, scan.levels[l - 1].x.len(), "{step} level {l}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_track_is_confirmed_and_its_hits_spread_in_time_are_not() {
+        let cfg = MuonConfig { direction_scan: true, ..Default::default() };
+        let dir = {
+            let (th, ph) = (0.7f64, 2.1f64);
+            [th.sin() * ph.cos(), th.sin() * ph.sin(), th.cos()]
+        };
+        let grid = direction_grid(cfg.scan_step_deg);
+        let scan = DirectionScan::new(&grid, cfg.scan_step_deg);
+        let mut s = ScanScratch::default();
+        let hits = track(dir, 8, &[], &[]);
+        let all: Vec<usize> = (0..hits.len()).collect();
+        assert!(flat_scan(&hits, &all, &cfg, &grid));
+        assert!(scan.confirms(&hits, &all, &cfg, &mut s));
+        // The same hits 300 ns apart from each other in turn: dense nowhere.
+        let jitter: Vec<f64> = (0..8).map(|k| 300.0 * (k % 4) as f64).collect();
+        let hits = track(dir, 8, &[], &jitter);
+        assert!(!flat_scan(&hits, &all, &cfg, &grid));
+        assert!(!scan.confirms(&hits, &all, &cfg, &mut s));
+    }
+
+    proptest! {
+        #[test]
+        fn the_pair_count_is_the_sorted_window(
+            raw in proptest::collection::vec((0.0f64..2000.0, -300.0f64..300.0, -300.0f64..300.0, -300.0f64..300.0), 1..20),
+            dirs in proptest::collection::vec((0.0f64..std::f64::consts::PI, 0.0f64..std::f64::consts::TAU), LANES),
+            widths in proptest::collection::vec(prop_oneof![Just(0.0), 0.0f64..800.0], LANES),
+            min_hits in 1usize..8, ties in any::<bool>(),
+        ) {
+            let mut raw = raw;
+            if ties {
+                // Equal times on one spot: equal taus in every direction.
+                let first = raw[0];
+                for r in raw.iter_mut().step_by(2) {
+                    *r = first;
+                }
+            }
+            let m = members(&raw);
+            let mut b = Block::empty();
+            for (lane, &(th, ph)) in dirs.iter().enumerate() {
+                b.dir[0][lane] = th.sin() * ph.cos();
+                b.dir[1][lane] = th.sin() * ph.sin();
+                b.dir[2][lane] = th.cos();
+            }
+            b.width = widths.clone().try_into().unwrap();
+            // With no spread the distances do not matter.
+            let distance = vec![123.0; m.t.len() * m.t.len()];
+            let got = dense_counted(&m, &distance, &b, min_hits, &mut Rows::default());
+            for (lane, &got) in got.iter().enumerate() {
+                let dir = [b.dir[0][lane], b.dir[1][lane], b.dir[2][lane]];
+                let want = dense_sorted(&m, dir, b.width[lane], min_hits, &mut Vec::new());
+                prop_assert_eq!(got, want, "lane {}", lane);
+            }
+        }
+
+        #[test]
+        fn members_dense_somewhere_in_a_cell_are_counted_dense_at_its_centre(
+            raw in proptest::collection::vec((0.0f64..1500.0, -300.0f64..300.0, -300.0f64..300.0, -300.0f64..300.0), 1..16),
+            centre in (0.0f64..std::f64::consts::PI, 0.0f64..std::f64::consts::TAU),
+            offset in (-0.4f64..0.4, -0.4f64..0.4),
+            width in 0.0f64..400.0, min_hits in 1usize..7,
+        ) {
+            let m = members(&raw);
+            let unit = |th: f64, ph: f64| [th.sin() * ph.cos(), th.sin() * ph.sin(), th.cos()];
+            let u = unit(centre.0, centre.1);
+            let d = unit(centre.0 + offset.0, centre.1 + offset.1);
+            let mut sorted = Vec::new();
+            prop_assume!(dense_sorted(&m, d, width, min_hits, &mut sorted));
+            let mut distance = Vec::new();
+            for a in 0..raw.len() {
+                for c in a + 1..raw.len() {
+                    distance.push(chord([m.x[a], m.y[a], m.z[a]], [m.x[c], m.y[c], m.z[c]]));
+                }
+            }
+            let mut b = Block::empty();
+            b.dir = [[u[0]; LANES], [u[1]; LANES], [u[2]; LANES]];
+            b.width = [width + BOUND_SLACK_NS; LANES];
+            b.spread = [chord(u, d) / C_LIGHT; LANES];
+            prop_assert!(dense_counted(&m, &distance, &b, min_hits, &mut Rows::default())[0]);
+        }
+
+        #[test]
+        fn the_hierarchical_scan_confirms_what_the_flat_scan_confirms(
+            theta in 0.0f64..std::f64::consts::PI, phi in 0.0f64..std::f64::consts::TAU,
+            on_track in 0usize..9,
+            jitter in proptest::collection::vec(-60.0f64..60.0, 9),
+            background in proptest::collection::vec((0.0f64..3000.0, -250.0f64..250.0, -250.0f64..250.0, -250.0f64..250.0), 0..8),
+            min_hits in 3usize..7, road in prop_oneof![Just(43.0), 10.0f64..80.0], step in prop_oneof![Just(10.0), Just(5.0), 3.0f64..30.0],
+        ) {
+            let dir = [theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()];
+            let bg: Vec<(f64, [f64; 3])> = background.iter().map(|&(t, x, y, z)| (t, [x, y, z])).collect();
+            let hits = track(dir, on_track, &bg, &jitter);
+            let cfg = MuonConfig { direction_scan: true, min_hits, min_modules: min_hits, road_width_m: road, scan_step_deg: step, ..Default::default() };
+            let grid = direction_grid(step);
+            let scan = DirectionScan::new(&grid, step);
+            let all: Vec<usize> = (0..hits.len()).collect();
+            prop_assert_eq!(scan.confirms(&hits, &all, &cfg, &mut ScanScratch::default()), flat_scan(&hits, &all, &cfg, &grid));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Bright candidates: tens of members, dense in many directions, where the clique's
+        /// candidates leave members out and counts give way to sorting.
+        #[test]
+        fn bright_candidates_are_confirmed_as_by_the_flat_scan(
+            theta in 0.0f64..std::f64::consts::PI, phi in 0.0f64..std::f64::consts::TAU,
+            on_track in 10usize..40,
+            jitter in proptest::collection::vec(prop_oneof![-30.0f64..30.0, -400.0f64..400.0], 40),
+            background in proptest::collection::vec((0.0f64..3000.0, -250.0f64..250.0, -250.0f64..250.0, -250.0f64..250.0), 0..30),
+            min_hits in 4usize..30, step in 6.0f64..15.0,
+        ) {
+            let dir = [theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()];
+            let bg: Vec<(f64, [f64; 3])> = background.iter().map(|&(t, x, y, z)| (t, [x, y, z])).collect();
+            let hits = track(dir, on_track, &bg, &jitter);
+            let cfg = MuonConfig { direction_scan: true, min_hits, min_modules: min_hits, scan_step_deg: step, ..Default::default() };
+            let grid = direction_grid(step);
+            let scan = DirectionScan::new(&grid, step);
+            let all: Vec<usize> = (0..hits.len()).collect();
+            prop_assert_eq!(scan.confirms(&hits, &all, &cfg, &mut ScanScratch::default()), flat_scan(&hits, &all, &cfg, &grid));
+        }
+    }
+}
