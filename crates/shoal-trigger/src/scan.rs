@@ -419,8 +419,8 @@ fn dense_counted_portable(
     for i in 0..k {
         let mut row = [0.0; LANES];
         for (lane, r) in row.iter_mut().enumerate() {
-            // `tau()` with a product for the quotient (a division per lane was a quarter
-            // of the work); the window's slack covers the difference.
+            // `tau()` with a product for the quotient: the window's slack covers the
+            // difference, and the exact test follows where a grid direction passes.
             let along = m.x[i] * dir[0][lane] + m.y[i] * dir[1][lane] + m.z[i] * dir[2][lane];
             *r = m.t[i] - along * (1.0 / C_LIGHT);
         }
