@@ -8,7 +8,8 @@
 //! - `muon` ([`MuonFilter`], the default): L1 (ANTARES or KM3NeT definition), the
 //!   causality cluster trigger with optional direction scan, and event building with
 //!   snapshot windows, merged overlapping triggers, trigger bits and overlay counts (see
-//!   [`muon`]).
+//!   [`muon`]; its direction scan, over cells of directions before directions, in
+//!   [`scan`]).
 //! - `l1` ([`L1Multiplicity`]): local coincidences (two hits on different channels of one
 //!   source within `coincidence_ns`) and a multiplicity trigger (L1 hits on at least
 //!   `min_sources` distinct sources within `cluster_ns`); an event keeps every hit within

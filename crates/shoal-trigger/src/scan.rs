@@ -11,9 +11,9 @@
 //!   computed into a row, and members are counted pair by pair (a window ending at member
 //!   `i` holds every `j` with `tau_j <= tau_i` and `tau_i - tau_j <= width`): no sort, no
 //!   branch, no division, and the compiler vectorises across the directions. Counting is
-//!   the sorted sliding window's answer ([`dense_sorted`]) but for rounding, which a slack
+//!   the sorted sliding window's answer (`dense_sorted`) but for rounding, which a slack
 //!   on the window covers: a block only ever passes too much, and a grid direction that
-//!   passes is tested again exactly, with [`dense_sorted`], before its clique.
+//!   passes is tested again exactly, with `dense_sorted`, before its clique.
 //! - **A hierarchy of coarser grids.** The directions are grouped into cells around the
 //!   directions of grids three, nine, ... times coarser. Between a cell's centre `u` and
 //!   any direction `d` of it (`|d - u| <= chord`), two members' difference of `tau`
