@@ -52,6 +52,8 @@ struct Level {
     y: Vec<f64>,
     z: Vec<f64>,
     chord: Vec<f64>,
+    /// `chord / c`: how much a pair's window widens per metre between them.
+    spread: Vec<f64>,
     children: Vec<(u32, u32)>,
 }
 
@@ -118,6 +120,7 @@ impl DirectionScan {
             fine.y.push(d[1]);
             fine.z.push(d[2]);
             fine.chord.push(0.0);
+            fine.spread.push(0.0);
         }
         levels.push(fine);
         // Level l's cells: runs of equal path prefixes of length (coarse.len() - l + 1);
@@ -143,6 +146,7 @@ impl DirectionScan {
                 level.y.push(centre[1]);
                 level.z.push(centre[2]);
                 level.chord.push(reach);
+                level.spread.push(reach / C_LIGHT);
                 level.children.push((k as u32, end as u32));
                 runs.push((first, last));
                 k = end;
@@ -201,7 +205,7 @@ impl DirectionScan {
                     b.dir[1][lane] = level.y[k];
                     b.dir[2][lane] = level.z[k];
                     b.width[lane] = width + BOUND_SLACK_NS;
-                    b.spread[lane] = level.chord[k] / C_LIGHT;
+                    b.spread[lane] = level.spread[k];
                 }
                 let dense = if members.len() <= PAIR_COUNT_MAX_MEMBERS {
                     dense_counted(m, distance, &b, cfg.min_hits, rows)
