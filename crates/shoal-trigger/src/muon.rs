@@ -155,7 +155,8 @@ pub struct TriggerHit {
     pub hit_end: usize,
 }
 
-fn distance(a: [f64; 3], b: [f64; 3]) -> f64 {
+/// Euclidean distance (between positions, or between unit vectors: their chord).
+pub(crate) fn distance(a: [f64; 3], b: [f64; 3]) -> f64 {
     ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
 }
 

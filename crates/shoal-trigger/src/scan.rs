@@ -28,7 +28,7 @@
 use shoal_detector::physics::C_LIGHT;
 
 use crate::muon::{
-    CliqueScratch, MuonConfig, TriggerHit, causal_along, distinct_modules, prune_to_clique, tan_cherenkov,
+    CliqueScratch, MuonConfig, TriggerHit, causal_along, distance, distinct_modules, prune_to_clique, tan_cherenkov,
 };
 
 /// Directions evaluated together.
@@ -89,10 +89,6 @@ pub struct ScanScratch {
     pruning: CliqueScratch,
 }
 
-fn chord(a: [f64; 3], b: [f64; 3]) -> f64 {
-    ((a[0] - b[0]).powi(2) + (a[1] - b[1]).powi(2) + (a[2] - b[2]).powi(2)).sqrt()
-}
-
 fn nearest(centres: &[[f64; 3]], d: [f64; 3]) -> usize {
     let dot = |c: &[f64; 3]| c[0] * d[0] + c[1] * d[1] + c[2] * d[2];
     (0..centres.len()).max_by(|&a, &b| dot(&centres[a]).total_cmp(&dot(&centres[b]))).unwrap_or(0)
@@ -141,7 +137,7 @@ impl DirectionScan {
                 }
                 let centre = centres[key[prefix - 1]];
                 let (first, last) = (below[k].0, below[end - 1].1);
-                let reach = paths[first..last].iter().map(|(_, d)| chord(*d, centre)).fold(0.0, f64::max);
+                let reach = paths[first..last].iter().map(|(_, d)| distance(*d, centre)).fold(0.0, f64::max);
                 level.x.push(centre[0]);
                 level.y.push(centre[1]);
                 level.z.push(centre[2]);
@@ -185,7 +181,7 @@ impl DirectionScan {
         s.distance.clear();
         for a in 0..members.len() {
             for b in a + 1..members.len() {
-                s.distance.push(chord(hits[members[a]].pos, hits[members[b]].pos));
+                s.distance.push(distance(hits[members[a]].pos, hits[members[b]].pos));
             }
         }
         let diameter = s.distance.iter().copied().fold(0.0, f64::max);
@@ -532,7 +528,7 @@ mod tests {
                                     scan.levels[0].y[k as usize],
                                     scan.levels[0].z[k as usize],
                                 ];
-                                assert!(chord(d, centre) <= level.chord[c], "{step} level {l}");
+                                assert!(distance(d, centre) <= level.chord[c], "{step} level {l}");
                             } else {
                                 let (ca, cb) = scan.levels[ll].children[k as usize];
                                 stack.push((ll - 1, ca, cb));
@@ -625,13 +621,13 @@ mod tests {
             let mut distance = Vec::new();
             for a in 0..raw.len() {
                 for c in a + 1..raw.len() {
-                    distance.push(chord([m.x[a], m.y[a], m.z[a]], [m.x[c], m.y[c], m.z[c]]));
+                    distance.push(super::distance([m.x[a], m.y[a], m.z[a]], [m.x[c], m.y[c], m.z[c]]));
                 }
             }
             let mut b = Block::empty();
             b.dir = [[u[0]; LANES], [u[1]; LANES], [u[2]; LANES]];
             b.width = [width + BOUND_SLACK_NS; LANES];
-            b.spread = [chord(u, d) / C_LIGHT; LANES];
+            b.spread = [super::distance(u, d) / C_LIGHT; LANES];
             prop_assert!(dense_counted(&m, &distance, &b, min_hits, &mut Rows::default())[0]);
         }
 
