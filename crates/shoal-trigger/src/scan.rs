@@ -81,7 +81,7 @@ pub struct ScanScratch {
     distance: Vec<f64>,
     rows: Rows,
     sorted: Vec<f64>,
-    tau_order: TauOrder,
+    core: CoreBuffers,
     /// The directions of one level still open, and of the level below.
     open: Vec<u32>,
     below: Vec<u32>,
@@ -187,7 +187,7 @@ impl DirectionScan {
         let diameter = s.distance.iter().copied().fold(0.0, f64::max);
         // Level by level, coarsest first: the open directions in full blocks, and the cells
         // of those that pass opened in the level below.
-        let ScanScratch { members: m, distance, rows, sorted, tau_order, open, below, clique, pruning } = s;
+        let ScanScratch { members: m, distance, rows, sorted, core, open, below, clique, pruning } = s;
         open.clear();
         open.extend(0..top.x.len() as u32);
         for l in (0..self.levels.len()).rev() {
@@ -225,7 +225,8 @@ impl DirectionScan {
                     if !dense_sorted(m, dir, width, cfg.min_hits, sorted) {
                         continue;
                     }
-                    clique_candidates(m, members, dir, width + BOUND_SLACK_NS, cfg.min_hits, tau_order, clique);
+                    let bounds = (width + BOUND_SLACK_NS, cfg.road_width_m);
+                    clique_candidates(m, members, dir, bounds, cfg.min_hits, core, clique);
                     let related =
                         |a: usize, b: usize| causal_along(&hits[a], &hits[b], dir, cfg.road_width_m, cfg.t_extra_ns);
                     prune_to_clique(clique, related, pruning);
@@ -240,52 +241,108 @@ impl DirectionScan {
     }
 }
 
-/// Buffers of [`clique_candidates`]: members by tau, and which are kept.
+/// Buffers of [`clique_candidates`].
 #[derive(Debug, Default)]
-struct TauOrder {
+struct CoreBuffers {
+    /// Members by tau: (tau, member).
     order: Vec<(f64, u32)>,
-    keep: Vec<bool>,
+    /// Pairs that may be related, and each member's count of them.
+    pairs: Vec<(u32, u32)>,
+    degree: Vec<u32>,
+    /// The pairs by member (`first[i]..first[i + 1]` of `neighbours`).
+    first: Vec<u32>,
+    fill: Vec<u32>,
+    neighbours: Vec<u32>,
+    alive: Vec<bool>,
+    low: Vec<u32>,
 }
 
 /// The members (indices into `hits`, as `members`) that can be in a clique of `min_hits`
 /// under the road test along `dir`, in `out`, in their order.
 ///
-/// Two members related by the road test have taus within the scan's window of each other
-/// (`width`, with slack for rounding), so a member with fewer than `min_hits - 1` others
-/// that close has fewer relations than a member of such a clique: it is outside the graph's
-/// (`min_hits - 1`)-core. The greedy pruning never removes a core member while a member of
-/// lower degree is left, so it reaches the core (if there is one) whatever it removed
-/// first, and from there goes on the same way: started without those members it ends in
-/// the same clique, at a cost of members squared road tests fewer. (A bright event has
-/// hundreds of members, dense in thousands of the 1-degree grid's directions.)
+/// Two members related by the road test are at most `road_width_m` apart across `dir` and
+/// have taus within the scan's window of each other (`width`; both bounds with slack for
+/// rounding). Under that looser relation, members are peeled while one has fewer than
+/// `min_hits - 1` partners: what is left holds the graph's (`min_hits - 1`)-core under the
+/// road test. The greedy pruning never removes a core member while a member of lower degree
+/// is left, so it reaches the core (if there is one) whatever it removed first, and from
+/// there goes on the same way: started from what is left it ends in the same clique. A
+/// bright event has hundreds of members, dense along thousands of the 1-degree grid's
+/// directions: this costs a pass over the pairs close in tau, the pruning members squared
+/// road tests and as many steps again.
 fn clique_candidates(
     m: &Members,
     members: &[usize],
     dir: [f64; 3],
-    width: f64,
+    (width, road): (f64, f64),
     min_hits: usize,
-    buf: &mut TauOrder,
+    buf: &mut CoreBuffers,
     out: &mut Vec<usize>,
 ) {
-    let TauOrder { order, keep } = buf;
-    out.clear();
+    let CoreBuffers { order, pairs, degree, first, fill, neighbours, alive, low } = buf;
+    let k = members.len();
+    let need = min_hits.saturating_sub(1) as u32;
     order.clear();
-    order.extend((0..members.len()).map(|i| (tau(m, i, dir), i as u32)));
+    order.extend((0..k).map(|i| (tau(m, i, dir), i as u32)));
     order.sort_by(|a, b| a.0.total_cmp(&b.0));
-    // Others within `width` on either side, two pointers over the sorted taus.
-    let (mut lo, mut hi) = (0, 0);
-    keep.clear();
-    keep.resize(members.len(), false);
-    for p in 0..order.len() {
-        while order[p].0 - order[lo].0 > width {
-            lo += 1;
+    let road2 = road * road * (1.0 + 1e-9) + 1e-9;
+    pairs.clear();
+    degree.clear();
+    degree.resize(k, 0);
+    for p in 0..k {
+        let (tp, a) = (order[p].0, order[p].1 as usize);
+        for &(tq, b) in &order[p + 1..] {
+            if tq - tp > width {
+                break;
+            }
+            let b = b as usize;
+            let d = [m.x[b] - m.x[a], m.y[b] - m.y[a], m.z[b] - m.z[a]];
+            let dz = d[0] * dir[0] + d[1] * dir[1] + d[2] * dir[2];
+            if d[0] * d[0] + d[1] * d[1] + d[2] * d[2] - dz * dz <= road2 {
+                pairs.push((a as u32, b as u32));
+                degree[a] += 1;
+                degree[b] += 1;
+            }
         }
-        while hi + 1 < order.len() && order[hi + 1].0 - order[p].0 <= width {
-            hi += 1;
-        }
-        keep[order[p].1 as usize] = hi - lo >= min_hits.saturating_sub(1);
     }
-    out.extend(members.iter().zip(keep.iter()).filter(|(_, k)| **k).map(|(&i, _)| i));
+    // Each member's partners, then the peeling.
+    first.clear();
+    first.push(0);
+    for &d in degree.iter() {
+        first.push(first.last().copied().unwrap_or(0) + d);
+    }
+    neighbours.clear();
+    neighbours.resize(pairs.len() * 2, 0);
+    fill.clear();
+    fill.extend_from_slice(&first[..k]);
+    for &(a, b) in pairs.iter() {
+        neighbours[fill[a as usize] as usize] = b;
+        fill[a as usize] += 1;
+        neighbours[fill[b as usize] as usize] = a;
+        fill[b as usize] += 1;
+    }
+    alive.clear();
+    alive.resize(k, true);
+    low.clear();
+    low.extend((0..k as u32).filter(|&i| degree[i as usize] < need));
+    while let Some(i) = low.pop() {
+        let i = i as usize;
+        if !alive[i] {
+            continue;
+        }
+        alive[i] = false;
+        for &j in &neighbours[first[i] as usize..first[i + 1] as usize] {
+            let j = j as usize;
+            if alive[j] {
+                degree[j] -= 1;
+                if degree[j] + 1 == need {
+                    low.push(j as u32);
+                }
+            }
+        }
+    }
+    out.clear();
+    out.extend(members.iter().zip(alive.iter()).filter(|(_, a)| **a).map(|(&i, _)| i));
 }
 
 /// `tau` of a member along `dir`: its time less the light's travel along `dir`.
