@@ -90,6 +90,14 @@ pub struct MuonConfig {
     pub rate_veto_hz: f64,
 }
 
+impl MuonConfig {
+    /// The road test's widest time window, ns: `road_width_m tan(theta_c) / c + t_extra`
+    /// (a pair's bound beyond the light's travel, and the direction scan's window in tau).
+    pub fn road_time_ns(&self) -> f64 {
+        self.road_width_m * tan_cherenkov() / C_LIGHT + self.t_extra_ns
+    }
+}
+
 impl Default for MuonConfig {
     fn default() -> Self {
         Self {
@@ -290,6 +298,15 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, scan: &DirectionScan) -> 
     // Members of a firing cluster are not seeds again (one cluster, one trigger; and a
     // bright event with hundreds of L1 hits costs one clustering, not hundreds).
     let mut taken = vec![false; hits.len()];
+    // With the direction scan, pairs must also pass the road bound every direction's test
+    // implies (|dt| <= d/c + R tan(theta_c)/c + t_extra): far tighter than the light cone
+    // over hundreds of metres, so far fewer candidates reach the scan.
+    let road_t = cfg.road_time_ns();
+    let related = |a: &TriggerHit, b: &TriggerHit| {
+        // `causal` and the road bound, the distance computed once for both.
+        let (dt, d) = ((a.t - b.t).abs(), distance(a.pos, b.pos));
+        dt <= d * N_WATER / C_LIGHT + cfg.t_extra_ns && (!cfg.direction_scan || dt <= d / C_LIGHT + road_t)
+    };
     for i in 0..hits.len() {
         end = end.max(i + 1);
         if taken[i] {
@@ -301,15 +318,6 @@ pub fn clusters(hits: &[TriggerHit], cfg: &MuonConfig, scan: &DirectionScan) -> 
         if end - i < cfg.min_hits {
             continue;
         }
-        // With the direction scan, pairs must also pass the road bound every direction's
-        // test implies (|dt| <= d/c + R tan(theta_c)/c + t_extra): far tighter than the
-        // light cone over hundreds of metres, so far fewer candidates reach the scan.
-        let road_t = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
-        let related = |a: &TriggerHit, b: &TriggerHit| {
-            // `causal` and the road bound, the distance computed once for both.
-            let (dt, d) = ((a.t - b.t).abs(), distance(a.pos, b.pos));
-            dt <= d * N_WATER / C_LIGHT + cfg.t_extra_ns && (!cfg.direction_scan || dt <= d / C_LIGHT + road_t)
-        };
         members.clear();
         members.push(i);
         members.extend((i + 1..end).filter(|&j| related(&hits[i], &hits[j])));

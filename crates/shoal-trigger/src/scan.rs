@@ -27,9 +27,7 @@
 
 use shoal_detector::physics::C_LIGHT;
 
-use crate::muon::{
-    CliqueScratch, MuonConfig, TriggerHit, causal_along, distance, distinct_modules, prune_to_clique, tan_cherenkov,
-};
+use crate::muon::{CliqueScratch, MuonConfig, TriggerHit, causal_along, distance, distinct_modules, prune_to_clique};
 
 /// Directions evaluated together.
 pub const LANES: usize = 8;
@@ -44,14 +42,13 @@ const BOUND_SLACK_NS: f64 = 1e-3;
 const PAIR_COUNT_MAX_MEMBERS: usize = 48;
 
 /// One level of the hierarchy: directions (structure of arrays), each with the largest
-/// distance from it to a grid direction of its cell, and (above the grid) its cell's
-/// range in the level below.
+/// distance from it to a grid direction of its cell (its chord, kept divided by c), and
+/// (above the grid) its cell's range in the level below.
 #[derive(Clone, Debug, Default)]
 struct Level {
     x: Vec<f64>,
     y: Vec<f64>,
     z: Vec<f64>,
-    chord: Vec<f64>,
     /// `chord / c`: how much a pair's window widens per metre between them.
     spread: Vec<f64>,
     children: Vec<(u32, u32)>,
@@ -115,7 +112,6 @@ impl DirectionScan {
             fine.x.push(d[0]);
             fine.y.push(d[1]);
             fine.z.push(d[2]);
-            fine.chord.push(0.0);
             fine.spread.push(0.0);
         }
         levels.push(fine);
@@ -141,7 +137,6 @@ impl DirectionScan {
                 level.x.push(centre[0]);
                 level.y.push(centre[1]);
                 level.z.push(centre[2]);
-                level.chord.push(reach);
                 level.spread.push(reach / C_LIGHT);
                 level.children.push((k as u32, end as u32));
                 runs.push((first, last));
@@ -165,7 +160,7 @@ impl DirectionScan {
     /// Whether `members` (indices into `hits`) are confirmed by some direction of the grid.
     pub fn confirms(&self, hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, s: &mut ScanScratch) -> bool {
         let Some(top) = self.levels.last() else { return false };
-        let width = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
+        let width = cfg.road_time_ns();
         let m = &mut s.members;
         m.t.clear();
         m.x.clear();
@@ -488,13 +483,13 @@ fn dense_counted_portable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::muon::direction_grid;
+    use crate::muon::{direction_grid, tan_cherenkov};
     use proptest::prelude::*;
 
     /// The scan as it was: every direction of the flat grid in turn, sorted window, then
     /// the clique.
     fn flat_scan(hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, grid: &[[f64; 3]]) -> bool {
-        let width = cfg.road_width_m * tan_cherenkov() / C_LIGHT + cfg.t_extra_ns;
+        let width = cfg.road_time_ns();
         let mut m = Members::default();
         for &i in members {
             m.t.push(hits[i].t);
@@ -585,7 +580,7 @@ mod tests {
                                     scan.levels[0].y[k as usize],
                                     scan.levels[0].z[k as usize],
                                 ];
-                                assert!(distance(d, centre) <= level.chord[c], "{step} level {l}");
+                                assert!(distance(d, centre) / C_LIGHT <= level.spread[c], "{step} level {l}");
                             } else {
                                 let (ca, cb) = scan.levels[ll].children[k as usize];
                                 stack.push((ll - 1, ca, cb));
