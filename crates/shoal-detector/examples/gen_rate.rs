@@ -4,6 +4,10 @@ use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
 use shoal_detector::{GeneratedFragment, NoiseGenerator};
 
+// The allocator of the `shoal` binary, which runs the generators.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn measure(name: &str, generate: impl Fn(u32, u64) -> GeneratedFragment) {
     let t = std::time::Instant::now();
     let (mut hits, mut bytes) = (0u64, 0u64);

@@ -322,32 +322,75 @@ impl PhysicsGenerator {
 
     /// The data of module `module` (= source id) in `slice`, with ground truth.
     pub fn generate_with_truth(&self, module: usize, slice: u64) -> TruthFragment {
+        let mut origins = Vec::new();
+        let (mut keys, mut rng, burst) = self.hit_keys(module, slice, Some(&mut origins));
+        let span = self.slice_ns.max(1);
+        // Sort (key time, index) pairs to carry the origins along; the index lives in the
+        // low 16 bits, so more hits than that sort by a comparison sort (stable both).
+        let order: Vec<usize> = if keys.len() <= 0xffff {
+            let mut tagged: Vec<u64> = keys.iter().enumerate().map(|(i, k)| (k >> 16) << 16 | i as u64).collect();
+            radix_sort_by_time(&mut tagged, &mut Vec::new(), span);
+            tagged.iter().map(|k| (k & 0xffff) as usize).collect()
+        } else {
+            let mut idx: Vec<usize> = (0..keys.len()).collect();
+            idx.sort_by_key(|&i| keys[i] >> 16);
+            idx
+        };
+        let sorted: Vec<u64> = order.iter().map(|&i| keys[i]).collect();
+        let origins = order.iter().map(|&i| origins[i]).collect();
+        keys = sorted;
+        let fragment = self.finish(&keys, &mut rng, module, burst);
+        let hits = keys.iter().map(|&k| unpack(k)).collect();
+        TruthFragment { fragment, hits, origins }
+    }
+
+    /// The data of module `module` in `slice` (what a source sends): the same bytes as
+    /// [`Self::generate_with_truth`]'s, without the truth.
+    pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
+        let (mut keys, mut rng, burst) = self.hit_keys(module, slice, None);
+        // A stable sort by time puts the keys in the order of the truth's (time, index) sort.
+        radix_sort_by_time(&mut keys, &mut Vec::new(), self.slice_ns.max(1));
+        self.finish(&keys, &mut rng, module, burst)
+    }
+
+    /// The hits of (module, slice) in the order drawn, as keys packing (time << 16 |
+    /// channel << 8 | amplitude), each hit's origin pushed to `origins` when given; the
+    /// module's RNG stream, to draw the waveforms from next; whether the module is in a
+    /// burst.
+    fn hit_keys(&self, module: usize, slice: u64, mut origins: Option<&mut Vec<Origin>>) -> (Vec<u64>, Pcg64Mcg, bool) {
         let m: &Module = &self.geometry.modules[module % self.geometry.modules.len()];
         let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ mix(module as u64 ^ mix(slice))));
         let span = self.slice_ns.max(1);
         let burst = self.in_burst(module, slice);
         let secs = f64::from(span) * 1e-9;
-        // Keys pack (time << 16 | channel << 8 | amp); the origin goes to a side table
-        // indexed by the low bits of a second key list, kept in step by sorting pairs.
-        let mut hits: Vec<(u64, Origin)> = Vec::new();
-        let push = |t: f64, channel: usize, amp: u8, o: Origin, hits: &mut Vec<(u64, Origin)>| {
-            if t >= 0.0 && t < f64::from(span) {
-                hits.push(((t as u64) << 16 | (channel as u64) << 8 | u64::from(amp), o));
-            }
-        };
         let rate = self.cfg.singles_hz * if burst { self.cfg.burst_rate_factor } else { 1.0 };
+        // Room for the expected hits and afterpulses (a few percent), so the list rarely grows.
+        let expected = rate * secs * m.pmts.len() as f64 * (1.0 + self.cfg.afterpulse_probability);
+        let mut keys: Vec<u64> = Vec::with_capacity(expected as usize + 64 + 4 * expected.sqrt() as usize);
         if rate > 0.0 {
             let p = Poisson::new(rate * secs).expect("positive mean");
             for c in 0..m.pmts.len() {
                 let n = p.sample(&mut rng) as usize;
                 for _ in 0..n {
                     let r = rng.next_u64();
+                    // Below `span` by construction: pushed without the range check.
                     let t = ((r >> 32) * u64::from(span)) >> 32;
                     let amp = self.amplitude(&mut rng, 1);
-                    push(t as f64, c, amp, Origin::Singles, &mut hits);
+                    keys.push((t << 16) | ((c as u64) << 8) | u64::from(amp));
+                }
+                if let Some(origins) = origins.as_deref_mut() {
+                    origins.resize(keys.len(), Origin::Singles);
                 }
             }
         }
+        let mut push = |t: f64, channel: usize, amp: u8, o: Origin, keys: &mut Vec<u64>| {
+            if t >= 0.0 && t < f64::from(span) {
+                keys.push(((t as u64) << 16) | ((channel as u64) << 8) | u64::from(amp));
+                if let Some(origins) = origins.as_deref_mut() {
+                    origins.push(o);
+                }
+            }
+        };
         if self.cfg.coincidence_hz > 0.0 && m.pmts.len() >= 2 {
             let n = Poisson::new(self.cfg.coincidence_hz * secs).expect("positive mean").sample(&mut rng) as usize;
             let jitter = Normal::new(0.0, self.cfg.coincidence_sigma_ns.max(1e-9)).expect("valid");
@@ -358,7 +401,7 @@ impl PhysicsGenerator {
                 for j in 0..k {
                     let c = (first + j * (1 + m.pmts.len() / k.max(1))) % m.pmts.len();
                     let amp = self.amplitude(&mut rng, 1);
-                    push(t + jitter.sample(&mut rng).abs(), c, amp, Origin::Coincidence, &mut hits);
+                    push(t + jitter.sample(&mut rng).abs(), c, amp, Origin::Coincidence, &mut keys);
                 }
             }
         }
@@ -384,59 +427,48 @@ impl PhysicsGenerator {
                     }
                     let t = t + base + jitter.sample(&mut mrng) + scatter.sample(&mut mrng) - p.t0_ns;
                     let amp = self.amplitude(&mut mrng, n);
-                    push(t, c, amp, Origin::Muon(MuonId { slice: s, index: mu.id }), &mut hits);
+                    push(t, c, amp, Origin::Muon(MuonId { slice: s, index: mu.id }), &mut keys);
                 }
             }
         }
         if self.cfg.afterpulse_probability > 0.0 {
-            let n = hits.len();
+            let n = keys.len();
             for i in 0..n {
                 if rng.random::<f64>() < self.cfg.afterpulse_probability {
-                    let (k, _) = hits[i];
+                    let k = keys[i];
                     let t = (k >> 16) as f64 + rng.random_range(8.0..25.0);
                     let amp = self.amplitude(&mut rng, 1);
-                    push(t, ((k >> 8) & 0xff) as usize, amp, Origin::Afterpulse, &mut hits);
+                    push(t, ((k >> 8) & 0xff) as usize, amp, Origin::Afterpulse, &mut keys);
                 }
             }
         }
-        // Sort by time (stable, linear): sort indices packed with the key's time.
-        let keys: Vec<u64> = hits.iter().enumerate().map(|(i, (k, _))| (k >> 16) << 16 | (i as u64 & 0xffff)).collect();
-        let sorted_idx: Vec<usize> = if hits.len() <= 0xffff {
-            radix_sort_by_time(keys, span).iter().map(|k| (k & 0xffff) as usize).collect()
-        } else {
-            let mut idx: Vec<usize> = (0..hits.len()).collect();
-            idx.sort_by_key(|&i| hits[i].0 >> 16);
-            idx
-        };
-        let mut out_hits = Vec::with_capacity(hits.len());
-        let mut origins = Vec::with_capacity(hits.len());
-        let mut payload = BytesMut::zeroed(hits.len() * HIT_LEN);
-        for (rec, &i) in payload.chunks_exact_mut(HIT_LEN).zip(&sorted_idx) {
-            let (k, o) = hits[i];
-            let h = Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: k as u8 };
-            h.write_record(rec);
-            out_hits.push(h);
-            origins.push(o);
-        }
-        let waveforms =
-            crate::append_waveforms(&mut payload, &mut rng, m.pmts.len(), self.cfg.waveform_hz * secs, span);
-        TruthFragment {
-            fragment: GeneratedFragment {
-                hit_count: out_hits.len() as u32,
-                waveform_count: waveforms,
-                payload: payload.freeze(),
-                burst,
-                opaque: false,
-            },
-            hits: out_hits,
-            origins,
-        }
+        (keys, rng, burst)
     }
 
-    /// The data of module `module` in `slice` (what a source sends).
-    pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
-        self.generate_with_truth(module, slice).fragment
+    /// The fragment of time-sorted hit `keys`, followed by the module's waveforms drawn
+    /// from `rng`.
+    fn finish(&self, keys: &[u64], rng: &mut Pcg64Mcg, module: usize, burst: bool) -> GeneratedFragment {
+        let channels = self.geometry.modules[module % self.geometry.modules.len()].pmts.len();
+        let span = self.slice_ns.max(1);
+        let waveforms_per_channel = self.cfg.waveform_hz * f64::from(span) * 1e-9;
+        let mut payload = BytesMut::with_capacity(
+            keys.len() * HIT_LEN + crate::expected_waveform_bytes(channels, waveforms_per_channel),
+        );
+        crate::put_hit_keys(&mut payload, keys);
+        let waveforms = crate::append_waveforms(&mut payload, rng, channels, waveforms_per_channel, span);
+        GeneratedFragment {
+            hit_count: keys.len() as u32,
+            waveform_count: waveforms,
+            payload: payload.freeze(),
+            burst,
+            opaque: false,
+        }
     }
+}
+
+/// The hit of a packed key.
+fn unpack(k: u64) -> Hit {
+    Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: k as u8 }
 }
 
 #[cfg(test)]
@@ -478,7 +510,7 @@ mod tests {
                         Origin::Singles => 0,
                         Origin::Coincidence => 1,
                         Origin::Afterpulse => 2,
-                        Origin::Muon(id) => id.slice << 8 | u64::from(id.index) + 3,
+                        Origin::Muon(id) => (id.slice << 8) | (u64::from(id.index) + 3),
                     };
                     truth = crc32c::crc32c_append(truth, &(u64::from(h.time_ns) << 8 ^ o).to_le_bytes());
                 }
