@@ -48,6 +48,7 @@ pub mod km3out;
 pub mod link;
 pub mod listen;
 pub mod live;
+pub mod memory;
 pub use shoal_dispatcher::lograte;
 pub mod node;
 pub mod paths;

@@ -44,7 +44,8 @@ mod testbed;
 mod trigger;
 
 // The data path allocates and frees many fragment-sized buffers from several threads;
-// glibc's allocator spent about a third of the CPU in page clearing and malloc there.
+// glibc's allocator spent about a third of the CPU in page clearing and malloc there
+// (and with huge pages mimalloc did too: `shoal_net::memory`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -338,6 +339,9 @@ fn ctrl_c_token() -> CancellationToken {
 
 fn main() -> ExitCode {
     init_tracing();
+    if let Err(e) = shoal_net::memory::disable_huge_pages() {
+        tracing::debug!("transparent huge pages stay on: {e}");
+    }
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     match rt.block_on(run(cli)) {
