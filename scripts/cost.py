@@ -51,7 +51,8 @@ SYSCALLS = [
     "close",
 ]
 EVENTS = (
-    ["raw_syscalls:sys_enter", "sched:sched_wakeup", "context-switches", "cpu-migrations", "task-clock"]
+    ["raw_syscalls:sys_enter", "sched:sched_wakeup", "context-switches", "cpu-migrations", "page-faults",
+     "task-clock"]
     + [f"syscalls:sys_enter_{s}" for s in SYSCALLS]
 )
 

@@ -1,5 +1,6 @@
 //! Generator throughput on one core: one second of ANTARES-size data (300 sources x 100
-//! slices of 10 ms), for the singles-only and the physics generator.
+//! slices of 10 ms), for the singles-only and the physics generator, beside copying as many
+//! bytes into fresh fragments.
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
 use shoal_detector::{GeneratedFragment, NoiseGenerator};
@@ -27,10 +28,26 @@ fn measure(name: &str, generate: impl Fn(u32, u64) -> GeneratedFragment) {
     );
 }
 
+/// The physical limit beside them: writing the same number of bytes as fresh fragments
+/// copied from one 30-kB buffer, a slice's 300 held at a time (allocation and memory
+/// bandwidth, no computing).
+fn measure_copy(total: u64) {
+    let src = vec![7u8; 30_000];
+    let t = std::time::Instant::now();
+    let mut bytes = 0u64;
+    while bytes < total {
+        let slice: Vec<bytes::Bytes> = (0..300).map(|_| bytes::Bytes::copy_from_slice(&src)).collect();
+        bytes += std::hint::black_box(slice).iter().map(|f| f.len() as u64).sum::<u64>();
+    }
+    let dt = t.elapsed().as_secs_f64();
+    println!("copy: {:.0} MB in {dt:.2} s: {:.0} MB/s", bytes as f64 / 1e6, bytes as f64 / dt / 1e6);
+}
+
 fn main() {
     let slice = std::time::Duration::from_millis(10);
     let noise = NoiseGenerator::new(Default::default(), slice).unwrap();
     measure("noise", |s, sl| noise.generate(s, sl));
     let physics = PhysicsGenerator::new(PhysicsConfig::default(), Geometry::antares(10, 30), slice).unwrap();
     measure("physics", |s, sl| physics.generate(s as usize, sl));
+    measure_copy(881_000_000);
 }
