@@ -401,6 +401,9 @@ pub struct MuonFilter {
     /// Per fragment: hits, L1 flags (reused buffers).
     hits: Vec<Vec<Hit>>,
     flags: Vec<Vec<bool>>,
+    /// The slice's merged local coincidences (a reused buffer: an ARCA slice's, grown
+    /// afresh every slice, had the kernel clear new pages for it, 10 % of the trigger's time).
+    trig: Vec<TriggerHit>,
     /// Counters for the evaluation.
     pub stats: MuonStats,
 }
@@ -458,7 +461,8 @@ impl MuonFilter {
         let n = slice.fragments.len();
         self.hits.resize_with(n, Vec::new);
         self.flags.resize_with(n, Vec::new);
-        let mut trig: Vec<TriggerHit> = Vec::new();
+        let mut trig = std::mem::take(&mut self.trig);
+        trig.clear();
         for (fi, f) in slice.fragments.iter().enumerate() {
             let hits = &mut self.hits[fi];
             f.sorted_hits_into(hits);
@@ -502,7 +506,9 @@ impl MuonFilter {
                 i = j;
             }
         }
-        trig.sort_by(|a, b| a.t.total_cmp(&b.t));
+        // By time, ties in the order pushed (module, then hit): the stable order, without the
+        // stable sort's scratch buffer.
+        trig.sort_unstable_by(|a, b| a.t.total_cmp(&b.t).then(a.module.cmp(&b.module)).then(a.hit.cmp(&b.hit)));
         self.stats.slices += 1;
         self.stats.trigger_hits += trig.len() as u64;
         let cl = clusters(&trig, cfg, &self.scan);
@@ -547,6 +553,7 @@ impl MuonFilter {
             hits_out.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
             events.push(Event { id: id as u32, trigger_mask: w.mask, overlays: w.clusters - 1, hits: hits_out });
         }
+        self.trig = trig;
         events
     }
 }
