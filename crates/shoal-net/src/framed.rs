@@ -85,7 +85,7 @@ impl<R: ReadSource> FrameReader<R> {
                 Ok(None) => {}
                 Err(e) => return Err(self.reject(e.kind(), &e.to_string())),
             }
-            self.dec.buffer_mut().reserve(64 * 1024);
+            self.dec.prepare_read();
             let first_by = self.first_by;
             let n = tokio::select! {
                 r = self.stream.read_into(self.dec.buffer_mut()) => r,
