@@ -31,7 +31,9 @@
 //! `"udp:ADDR"`). The C ABI (`shoal-ffi`) and the Python module (`shoal-py`) wrap the SDK.
 //!
 //! Every process divides one memory budget among its queues at start, or refuses to start
-//! with what would fit ([`budget::plan`]).
+//! with what would fit ([`budget::plan`]); the `shoal` binary turns transparent huge pages
+//! off for itself ([`memory::disable_huge_pages`]: the kernel cleared a 2-MiB page for
+//! every fresh allocator page).
 //!
 //! [`config::Config`] is the one TOML schema for every role; [`clock::WallClock`] maps the
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
