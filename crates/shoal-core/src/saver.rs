@@ -256,20 +256,16 @@ impl<T: Clone> BurstSaver<T> {
     }
 
     /// A processed slice (complete or not), in processing order. Its fragments' data are
-    /// kept (`T` is cloned: shared buffers in the runtime, no copy) besides going to the filter.
+    /// kept (`T` is cloned: shared buffers in the runtime, no copy) besides going to the
+    /// filter. The history counts their payload bytes; what a shared buffer keeps alive
+    /// beyond them is the runtime's to bound (its frame decoder hands out frames owning
+    /// buffers of about their size).
     pub fn handle_slice(&mut self, now: Instant, outcome: &SliceOutcome<T>) {
-        self.handle_slice_kept_as(now, outcome, T::clone);
-    }
-
-    /// [`BurstSaver::handle_slice`] keeping `keep(data)` instead of a clone: the runtime
-    /// copies payloads out of its receive buffers so that what the history holds is what
-    /// it counts (a payload sharing a larger buffer would keep all of it alive).
-    pub fn handle_slice_kept_as(&mut self, now: Instant, outcome: &SliceOutcome<T>, keep: impl Fn(&T) -> T) {
         let fragments: Vec<HeldFragment<T>> = outcome
             .fragments
             .iter()
             .filter(|f| !f.cut_off)
-            .map(|f| HeldFragment { source: f.source, bytes: f.bytes, data: keep(&f.data) })
+            .map(|f| HeldFragment { source: f.source, bytes: f.bytes, data: f.data.clone() })
             .collect();
         let slice = HeldSlice {
             slice: outcome.slice,
