@@ -521,7 +521,10 @@ mod tests {
 
     /// The generator's output is part of its interface: the same (seed, module, slice)
     /// gives the same bytes in every version (a change of them is versioned and said in
-    /// docs/physics.md). The digests were taken before the generator was made faster (issue 32, goal 5).
+    /// docs/physics.md). The digests were taken before the generator was made faster
+    /// (issue 32, goal 5). The muons' light and the amplitudes go through the platform's
+    /// `exp`, `ln` and `acos`: a C library that rounds them differently would change bytes
+    /// too, and fail here first.
     #[test]
     fn the_bytes_of_a_seed_do_not_change() {
         let muons = PhysicsConfig { muon_rate_hz: 500.0, burst_fraction: 0.3, ..Default::default() };
