@@ -330,14 +330,15 @@ impl StreamDecoder {
     pub fn prepare_read(&mut self) {
         let pending_total = self.pending.map(|h| HEADER_LEN + h.payload_len as usize);
         match pending_total {
-            Some(total) if total >= OWN_BUFFER_MIN && total > self.buf.capacity() => {
-                // Exactly the frame: `reserve` would make at least the buffer's first
-                // capacity, and the next frame's start would share the allocation.
-                let mut own = BytesMut::with_capacity(total);
-                own.extend_from_slice(&self.buf);
-                self.buf = own;
+            Some(total) if total >= OWN_BUFFER_MIN => {
+                if total > self.buf.capacity() {
+                    // Exactly the frame: `reserve` would make at least the buffer's first
+                    // capacity, and the next frame's start would share the allocation.
+                    let mut own = BytesMut::with_capacity(total);
+                    own.extend_from_slice(&self.buf);
+                    self.buf = own;
+                }
             }
-            Some(total) if total >= OWN_BUFFER_MIN => {}
             None if self.buf.is_empty() && self.last_frame_len >= OWN_BUFFER_MIN => {
                 let expect = self.last_frame_len + self.last_frame_len / 8;
                 let room = self.buf.capacity();

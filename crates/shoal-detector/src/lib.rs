@@ -25,7 +25,7 @@ use rand::{Rng, RngExt, SeedableRng};
 use rand_distr::{Distribution, Poisson};
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
-use shoal_core::hit::{HIT_LEN, WAVEFORM_LEN, WAVEFORM_SAMPLES};
+use shoal_core::hit::{HIT_LEN, Hit, WAVEFORM_LEN, WAVEFORM_SAMPLES};
 use shoal_core::node::Workload;
 use shoal_core::{Duration, SourceId};
 
@@ -122,8 +122,8 @@ fn poisson(mean: f64) -> Option<Poisson<f64>> {
 /// `span` <= 2^32), in passes of 8 bits whose counts are taken in one read: linear in the
 /// number of hits, where a comparison sort of the ~2100 hits of an ANTARES fragment costs
 /// several times more (and 12-bit passes spent more on their 4096 counters than on the
-/// hits). `tmp` is scratch space.
-pub(crate) fn radix_sort_by_time(keys: &mut Vec<u64>, tmp: &mut Vec<u64>, span: u32) {
+/// hits).
+pub(crate) fn radix_sort_by_time(keys: &mut Vec<u64>, span: u32) {
     const BITS: u32 = 8;
     const BUCKETS: usize = 1 << BITS;
     let time_bits = 32 - span.saturating_sub(1).leading_zeros();
@@ -135,8 +135,7 @@ pub(crate) fn radix_sort_by_time(keys: &mut Vec<u64>, tmp: &mut Vec<u64>, span: 
             c[((t >> (BITS as usize * p)) as usize) & (BUCKETS - 1)] += 1;
         }
     }
-    tmp.clear();
-    tmp.resize(keys.len(), 0);
+    let mut tmp = vec![0u64; keys.len()];
     for (p, c) in counts.iter_mut().enumerate().take(passes) {
         let mut sum = 0;
         for n in c.iter_mut() {
@@ -148,12 +147,22 @@ pub(crate) fn radix_sort_by_time(keys: &mut Vec<u64>, tmp: &mut Vec<u64>, span: 
             tmp[c[b]] = k;
             c[b] += 1;
         }
-        std::mem::swap(keys, tmp);
+        std::mem::swap(keys, &mut tmp);
     }
 }
 
-/// Appends the 6-byte records of time-sorted hit keys (`time << 16 | channel << 8 |
-/// amplitude`).
+/// A hit as the generators' sort key: time above channel above amplitude, so that the
+/// low 16 bits can carry something else while sorting by time (`key >> 16`).
+pub(crate) fn hit_key(time_ns: u64, channel: u64, amplitude: u8) -> u64 {
+    (time_ns << 16) | (channel << 8) | u64::from(amplitude)
+}
+
+/// The hit of a key of [`hit_key`].
+pub(crate) fn unpack_hit_key(k: u64) -> Hit {
+    Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: k as u8 }
+}
+
+/// Appends the 6-byte records of time-sorted hit keys ([`hit_key`]).
 pub(crate) fn put_hit_keys(payload: &mut BytesMut, keys: &[u64]) {
     let start = payload.len();
     payload.resize(start + keys.len() * HIT_LEN, 0);
@@ -228,14 +237,14 @@ impl NoiseGenerator {
                     let r = rng.next_u64();
                     let t = ((r >> 32) * u64::from(span)) >> 32;
                     let amp = 15 + (((r & 0xffff) * 25) >> 16);
-                    keys.push(t << 16 | u64::from(channel) << 8 | amp);
+                    keys.push(hit_key(t, u64::from(channel), amp as u8));
                 }
             }
             if let Some(p) = &self.waveforms_per_om {
                 wave_counts[channel as usize] = p.sample(&mut rng) as u32;
             }
         }
-        radix_sort_by_time(&mut keys, &mut Vec::new(), span);
+        radix_sort_by_time(&mut keys, span);
         let waveforms: u32 = wave_counts.iter().sum();
         let mut payload = BytesMut::with_capacity(keys.len() * HIT_LEN + waveforms as usize * WAVEFORM_LEN);
         put_hit_keys(&mut payload, &keys);
@@ -373,7 +382,7 @@ mod tests {
             .map(|&(t, tag)| t << 16 | tag)
             .collect();
         let mut sorted = keys;
-        radix_sort_by_time(&mut sorted, &mut Vec::new(), 10_000_000);
+        radix_sort_by_time(&mut sorted, 10_000_000);
         let got: Vec<(u64, u64)> = sorted.iter().map(|k| (k >> 16, k & 0xffff)).collect();
         assert_eq!(got, [(0, 4), (3, 2), (3, 1), (5, 1), (5, 0), (9_999_999, 3)]);
     }

@@ -17,7 +17,7 @@ use shoal_core::hit::{HIT_LEN, Hit};
 
 use crate::geometry::{Geometry, Module};
 use crate::workload::BurstSchedule;
-use crate::{ConfigError, GeneratedFragment, mix, radix_sort_by_time};
+use crate::{ConfigError, GeneratedFragment, hit_key, mix, radix_sort_by_time, unpack_hit_key};
 
 /// Speed of light in vacuum, m/ns.
 pub const C_LIGHT: f64 = 0.299_792_458;
@@ -323,24 +323,23 @@ impl PhysicsGenerator {
     /// The data of module `module` (= source id) in `slice`, with ground truth.
     pub fn generate_with_truth(&self, module: usize, slice: u64) -> TruthFragment {
         let mut origins = Vec::new();
-        let (mut keys, mut rng, burst) = self.hit_keys(module, slice, Some(&mut origins));
+        let (keys, mut rng, burst) = self.hit_keys(module, slice, Some(&mut origins));
         let span = self.slice_ns.max(1);
         // Sort (key time, index) pairs to carry the origins along; the index lives in the
         // low 16 bits, so more hits than that sort by a comparison sort (stable both).
         let order: Vec<usize> = if keys.len() <= 0xffff {
             let mut tagged: Vec<u64> = keys.iter().enumerate().map(|(i, k)| (k >> 16) << 16 | i as u64).collect();
-            radix_sort_by_time(&mut tagged, &mut Vec::new(), span);
+            radix_sort_by_time(&mut tagged, span);
             tagged.iter().map(|k| (k & 0xffff) as usize).collect()
         } else {
             let mut idx: Vec<usize> = (0..keys.len()).collect();
             idx.sort_by_key(|&i| keys[i] >> 16);
             idx
         };
-        let sorted: Vec<u64> = order.iter().map(|&i| keys[i]).collect();
+        let keys: Vec<u64> = order.iter().map(|&i| keys[i]).collect();
         let origins = order.iter().map(|&i| origins[i]).collect();
-        keys = sorted;
         let fragment = self.finish(&keys, &mut rng, module, burst);
-        let hits = keys.iter().map(|&k| unpack(k)).collect();
+        let hits = keys.iter().map(|&k| unpack_hit_key(k)).collect();
         TruthFragment { fragment, hits, origins }
     }
 
@@ -349,12 +348,12 @@ impl PhysicsGenerator {
     pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
         let (mut keys, mut rng, burst) = self.hit_keys(module, slice, None);
         // A stable sort by time puts the keys in the order of the truth's (time, index) sort.
-        radix_sort_by_time(&mut keys, &mut Vec::new(), self.slice_ns.max(1));
+        radix_sort_by_time(&mut keys, self.slice_ns.max(1));
         self.finish(&keys, &mut rng, module, burst)
     }
 
-    /// The hits of (module, slice) in the order drawn, as keys packing (time << 16 |
-    /// channel << 8 | amplitude), each hit's origin pushed to `origins` when given; the
+    /// The hits of (module, slice) in the order drawn, as keys ([`crate::hit_key`]), each
+    /// hit's origin pushed to `origins` when given; the
     /// module's RNG stream, to draw the waveforms from next; whether the module is in a
     /// burst.
     fn hit_keys(&self, module: usize, slice: u64, mut origins: Option<&mut Vec<Origin>>) -> (Vec<u64>, Pcg64Mcg, bool) {
@@ -376,7 +375,7 @@ impl PhysicsGenerator {
                     // Below `span` by construction: pushed without the range check.
                     let t = ((r >> 32) * u64::from(span)) >> 32;
                     let amp = self.amplitude(&mut rng, 1);
-                    keys.push((t << 16) | ((c as u64) << 8) | u64::from(amp));
+                    keys.push(hit_key(t, c as u64, amp));
                 }
                 if let Some(origins) = origins.as_deref_mut() {
                     origins.resize(keys.len(), Origin::Singles);
@@ -385,7 +384,7 @@ impl PhysicsGenerator {
         }
         let mut push = |t: f64, channel: usize, amp: u8, o: Origin, keys: &mut Vec<u64>| {
             if t >= 0.0 && t < f64::from(span) {
-                keys.push(((t as u64) << 16) | ((channel as u64) << 8) | u64::from(amp));
+                keys.push(hit_key(t as u64, channel as u64, amp));
                 if let Some(origins) = origins.as_deref_mut() {
                     origins.push(o);
                 }
@@ -464,11 +463,6 @@ impl PhysicsGenerator {
             opaque: false,
         }
     }
-}
-
-/// The hit of a packed key.
-fn unpack(k: u64) -> Hit {
-    Hit { time_ns: (k >> 16) as u32, channel: (k >> 8) as u8, amplitude: k as u8 }
 }
 
 #[cfg(test)]
