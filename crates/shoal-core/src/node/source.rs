@@ -19,8 +19,16 @@ pub struct CutoffConfig {
     pub tail: u32,
 }
 
-/// Saturation: slices a node holds at most, produced and not yet taken by the transport.
+/// Saturation: slices a node holds per hosted source, produced and not yet taken by the
+/// transport, at least.
 pub const SATURATION_SLICES: usize = 4;
+/// Saturation: bytes a node holds per hosted source before it stops producing, once it
+/// holds [`SATURATION_SLICES`] slices. Slices of small fragments are no measure of what a
+/// shaper may release at once: four 9,000-byte fragments are a quarter of a token bucket's
+/// depth at 1 Gbit/s, so a bucket waited for four fragments at a time (three times as many
+/// wake-ups as it needs). A quarter of a megabyte per source, what a front-end board's
+/// output buffer holds, covers the default depth up to 2 Gbit/s.
+pub const SATURATION_BYTES: u64 = 256 * 1024;
 
 /// What a source node is told at start.
 #[derive(Clone, Debug, PartialEq)]
@@ -58,9 +66,9 @@ pub struct SourceNodeConfig {
     /// Keep a log of every piece handed to the transport (parity tests, studies).
     pub record_transmits: bool,
     /// Saturation (benchmarks): slices are produced as soon as the transport has taken
-    /// enough of the earlier ones ([`SATURATION_SLICES`] held at most), not when the slice
-    /// clock says, so the
-    /// data path, not the generator, sets the rate. Slice numbers then run ahead of the
+    /// enough of the earlier ones ([`SATURATION_SLICES`] and [`SATURATION_BYTES`] per
+    /// source), not when the slice clock says, so the data path, not the generator, sets
+    /// the rate. Slice numbers then run ahead of the
     /// clock; policies that send by the clock (delayed transmission's slots) still wait
     /// for it, rate shapers (token bucket) and direct sending do not.
     pub saturate: bool,
@@ -540,7 +548,7 @@ impl SourceNode {
             && self.cfg.data_driven
             && self.phase == Phase::Producing
             && !self.paused
-            && self.queued() < SATURATION_SLICES * self.hosted.len()
+            && self.has_room_saturating()
             && self.next_slice >= self.input_ready_below;
         waiting.then(|| self.next_slice + 1)
     }
@@ -749,17 +757,25 @@ impl SourceNode {
     }
 
     /// Whether the next slice is to be produced at `now`: when it has ended on the slice
-    /// clock or, saturating, when the node holds fewer than [`SATURATION_SLICES`] slices'
-    /// fragments (a few slices ahead of the transport: enough that a shaper always has
-    /// the next fragment when its tokens come, few enough to bound memory and drift).
+    /// clock or, saturating, when the node has room ([`Self::has_room_saturating`]: a few
+    /// slices ahead of the transport, enough that a shaper always has the next fragments
+    /// when its tokens come, few enough to bound memory and drift).
     fn next_slice_due(&self, now: Instant) -> bool {
         if self.cfg.saturate {
             !self.paused
-                && self.queued() < SATURATION_SLICES * self.hosted.len()
+                && self.has_room_saturating()
                 && (!self.cfg.data_driven || self.next_slice < self.input_ready_below)
         } else {
             now >= self.due_at(self.next_slice)
         }
+    }
+
+    /// Saturating, whether the node holds few enough fragments to produce another slice:
+    /// fewer than [`SATURATION_SLICES`] slices' worth or fewer than [`SATURATION_BYTES`]
+    /// per hosted source.
+    fn has_room_saturating(&self) -> bool {
+        let hosted = self.hosted.len();
+        self.queued() < SATURATION_SLICES * hosted || self.held_bytes < SATURATION_BYTES * hosted as u64
     }
 
     /// When the node produces `slice`: its end on the slice clock plus the produce delay.
@@ -1182,6 +1198,8 @@ mod tests {
 
     #[test]
     fn saturation_keeps_a_few_slices_ahead_of_the_transport_whatever_the_clock() {
+        // Fragments this large pass the byte hold in fewer slices: the slices count.
+        let big = Fixed(SATURATION_BYTES as usize);
         let mut c = cfg(vec![0, 1], 2, "direct");
         c.slices = Some(SATURATION_SLICES as u64 + 2);
         c.saturate = true;
@@ -1189,36 +1207,60 @@ mod tests {
         // Due at once, long before the first slice ends on the clock.
         assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
         let t = Instant::from_nanos(MS / 10);
-        node.handle_timeout(t, &Fixed(60));
+        node.handle_timeout(t, &big);
         let tx = drain(&mut node, t);
         assert_eq!(tx.len(), 2 * SATURATION_SLICES, "the window: two hosted sources");
         // Nothing more while the transport holds them, however late it is.
-        node.handle_timeout(Instant::from_nanos(1000 * MS), &Fixed(60));
+        node.handle_timeout(Instant::from_nanos(1000 * MS), &big);
         assert!(drain(&mut node, t).is_empty());
         assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
         // One fragment taken: the next slice is due and produced (the window is in
         // fragments; a slice may overfill it by the rest of itself) ...
         node.handle_sent(t, 0, 0);
         assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
-        node.handle_timeout(t, &Fixed(60));
+        node.handle_timeout(t, &big);
         let next = drain(&mut node, t);
         assert_eq!(next.len(), 2);
         assert!(next.iter().all(|x| x.slice == SATURATION_SLICES as u64));
         // ... and then nothing until more is taken.
-        node.handle_timeout(t, &Fixed(60));
+        node.handle_timeout(t, &big);
         assert!(drain(&mut node, t).is_empty());
         node.handle_sent(t, 1, 0);
         for x in tx.iter().chain(&next).filter(|x| x.slice > 0) {
             node.handle_sent(t, x.source, x.slice);
         }
-        node.handle_timeout(t, &Fixed(60));
+        node.handle_timeout(t, &big);
         for x in drain(&mut node, t) {
             node.handle_sent(t, x.source, x.slice);
         }
-        node.handle_timeout(t, &Fixed(60));
+        node.handle_timeout(t, &big);
         let r = node.report();
         assert_eq!((r.slices, r.late_slice_ends, r.slices_skipped), (SATURATION_SLICES as u64 + 2, 0, 0));
         assert!(!node.is_producing(), "every slice made, then the drain");
+    }
+
+    #[test]
+    fn saturation_holds_a_quarter_megabyte_of_small_fragments() {
+        // 9,000-byte fragments: four slices would be a quarter of a 1-Gbit/s token
+        // bucket's depth; the node holds slices until it holds SATURATION_BYTES.
+        let mut c = cfg(vec![0], 1, "tbf:1000Mbit");
+        c.saturate = true;
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let t = Instant::from_nanos(MS / 10);
+        let mut produced = 0;
+        while node.poll_timeout() == Some(Instant::ZERO) && produced < 1000 {
+            node.handle_timeout(t, &Fixed(9000));
+            produced += 1;
+        }
+        let frame = node.held_bytes() / node.queued() as u64;
+        assert_eq!(node.queued() as u64, SATURATION_BYTES.div_ceil(frame), "slices held until the byte hold is passed");
+        // The bucket (125,000 bytes deep, full) releases what it holds in one batch: 13.
+        assert_eq!(drain(&mut node, t).len(), 13);
+        // One fragment taken is room for one more slice, not more.
+        node.handle_sent(t, 0, 0);
+        assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
+        node.handle_timeout(t, &Fixed(9000));
+        assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
     }
 
     #[test]
