@@ -771,11 +771,13 @@ impl SourceNode {
     }
 
     /// Saturating, whether the node holds few enough fragments to produce another slice:
-    /// fewer than [`SATURATION_SLICES`] slices' worth or fewer than [`SATURATION_BYTES`]
-    /// per hosted source.
+    /// fewer than [`SATURATION_SLICES`] slices' worth, or fewer than [`SATURATION_BYTES`]
+    /// per hosted source and half its memory share (the bytes hold must never make the
+    /// node drop at its limit what the slices' hold would have sent).
     fn has_room_saturating(&self) -> bool {
         let hosted = self.hosted.len();
-        self.queued() < SATURATION_SLICES * hosted || self.held_bytes < SATURATION_BYTES * hosted as u64
+        let bytes_hold = (SATURATION_BYTES * hosted as u64).min(self.cfg.held_limit_bytes / 2);
+        self.queued() < SATURATION_SLICES * hosted || self.held_bytes < bytes_hold
     }
 
     /// When the node produces `slice`: its end on the slice clock plus the produce delay.
@@ -1261,6 +1263,19 @@ mod tests {
         assert_eq!(node.poll_timeout(), Some(Instant::ZERO));
         node.handle_timeout(t, &Fixed(9000));
         assert_ne!(node.poll_timeout(), Some(Instant::ZERO));
+
+        // Under a memory share, the bytes hold takes at most half of it: nothing dropped.
+        let mut c = cfg(vec![0], 1, "tbf:1000Mbit");
+        c.saturate = true;
+        c.held_limit_bytes = 100_000;
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let mut produced = 0;
+        while node.poll_timeout() == Some(Instant::ZERO) && produced < 1000 {
+            node.handle_timeout(t, &Fixed(9000));
+            produced += 1;
+        }
+        assert!((5..=6).contains(&node.queued()), "{} held", node.queued());
+        assert_eq!(node.report().tallies[&0].dropped_at_source, 0);
     }
 
     #[test]
