@@ -70,10 +70,58 @@ struct Members {
     z: Vec<f64>,
 }
 
+/// The members relative to the first one, in f32, as [`dense_counted`] reads them: a
+/// difference of tau is the same whatever the origin of time and space, and relative
+/// values keep f32's rounding to hundredths of a nanosecond for a cluster a kilometre and
+/// microseconds across, which [`Relative::rounding_slack`] puts on every window. Eight
+/// directions of f32 are one AVX2 register where f64 took two.
+#[derive(Debug, Default)]
+struct Relative {
+    t: Vec<f32>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+    z: Vec<f32>,
+    /// Largest `|t| + (|x| + |y| + |z|) / c` of a member (relative): what the rounding of
+    /// its tau scales with.
+    scale: f64,
+    /// Largest distance between two members.
+    diameter: f64,
+}
+
+impl Relative {
+    fn set(&mut self, m: &Members, distance: &[f64]) {
+        let Self { t, x, y, z, scale, diameter } = self;
+        t.clear();
+        x.clear();
+        y.clear();
+        z.clear();
+        *scale = 0.0;
+        let Some(&t0) = m.t.first() else { return };
+        let (x0, y0, z0) = (m.x[0], m.y[0], m.z[0]);
+        for i in 0..m.t.len() {
+            let r = [m.t[i] - t0, m.x[i] - x0, m.y[i] - y0, m.z[i] - z0];
+            t.push(r[0] as f32);
+            x.push(r[1] as f32);
+            y.push(r[2] as f32);
+            z.push(r[3] as f32);
+            *scale = scale.max(r[0].abs() + (r[1].abs() + r[2].abs() + r[3].abs()) / C_LIGHT);
+        }
+        *diameter = distance.iter().copied().fold(0.0, f64::max);
+    }
+
+    /// Most the f32 arithmetic of [`dense_counted`] can misplace a pair's difference of tau
+    /// against its window (`width` plus `spread` per metre between them), twice over: each
+    /// tau is a few roundings of at most `scale`, the window a few of its own size.
+    fn rounding_slack(&self, width: f64, spread: f64) -> f64 {
+        32.0 * f64::from(f32::EPSILON) * (2.0 * self.scale + width + self.diameter * spread)
+    }
+}
+
 /// Reused buffers of [`DirectionScan::confirms`].
 #[derive(Debug, Default)]
 pub struct ScanScratch {
     members: Members,
+    relative: Relative,
     /// Distance of every pair of members (`a < b`, in the order [`dense_counted`] visits them).
     distance: Vec<f64>,
     rows: Rows,
@@ -180,9 +228,10 @@ impl DirectionScan {
             }
         }
         let diameter = s.distance.iter().copied().fold(0.0, f64::max);
+        s.relative.set(&s.members, &s.distance);
         // Level by level, coarsest first: the open directions in full blocks, and the cells
         // of those that pass opened in the level below.
-        let ScanScratch { members: m, distance, rows, sorted, core, open, below, clique, pruning } = s;
+        let ScanScratch { members: m, relative, distance, rows, sorted, core, open, below, clique, pruning } = s;
         open.clear();
         open.extend(0..top.x.len() as u32);
         for l in (0..self.levels.len()).rev() {
@@ -199,7 +248,7 @@ impl DirectionScan {
                     b.spread[lane] = level.spread[k];
                 }
                 let dense = if members.len() <= PAIR_COUNT_MAX_MEMBERS {
-                    dense_counted(m, distance, &b, cfg.min_hits, rows)
+                    dense_counted(relative, distance, &b, cfg.min_hits, rows)
                 } else {
                     let mut out = [false; LANES];
                     for (lane, o) in out.iter_mut().enumerate().take(block.len()) {
@@ -381,8 +430,8 @@ impl Block {
 /// Rows of [`dense_counted`]: one per member, a lane per direction.
 #[derive(Debug, Default)]
 struct Rows {
-    tau: Vec<[f64; LANES]>,
-    count: Vec<[f64; LANES]>,
+    tau: Vec<[f32; LANES]>,
+    count: Vec<[f32; LANES]>,
 }
 
 /// [`dense_sorted`] for a block of directions at once: member `i` counts the members `j`
@@ -390,12 +439,13 @@ struct Rows {
 /// included); dense where some count reaches `min_hits`. `distance` holds the pairs'
 /// distances, `i < j`, in that order.
 ///
-/// With `spread` 0 the answer of [`dense_sorted`] but for rounding (taus here are
-/// computed with a product, not a quotient): the sliding window ending at the last of the
-/// members equal to `tau_i` holds exactly those. At a cell's centre each pair's window is
+/// With `spread` 0 the answer of [`dense_sorted`] but for rounding (taus here are f32,
+/// relative to the first member, computed with a product, not a quotient; each window gets
+/// [`Relative::rounding_slack`] more, so the count only ever passes too much): the sliding
+/// window ending at the member of the window's highest f32 tau holds every member of it. At a cell's centre each pair's window is
 /// widened by the most the cell's directions can move that pair apart, so members dense
 /// somewhere in the cell are counted dense at its centre.
-fn dense_counted(m: &Members, distance: &[f64], block: &Block, min_hits: usize, rows: &mut Rows) -> [bool; LANES] {
+fn dense_counted(m: &Relative, distance: &[f64], block: &Block, min_hits: usize, rows: &mut Rows) -> [bool; LANES] {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         #[allow(unsafe_code)]
@@ -405,12 +455,18 @@ fn dense_counted(m: &Members, distance: &[f64], block: &Block, min_hits: usize, 
     dense_counted_portable(m, distance, block, min_hits, rows)
 }
 
-/// [`dense_counted_portable`] compiled for AVX2: four lanes per instruction instead of
-/// SSE2's two. The same operations in the same order (no fused multiply-add): the same
-/// bits. (An AVX-512 build, eight lanes, measured no faster on this machine.)
+/// [`dense_counted_portable`] compiled for AVX2: eight lanes per instruction instead of
+/// SSE2's four. The same operations in the same order (no fused multiply-add): the same
+/// bits. (An AVX-512 build measured no faster on this machine.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn dense_counted_avx2(m: &Members, distance: &[f64], block: &Block, min_hits: usize, rows: &mut Rows) -> [bool; LANES] {
+fn dense_counted_avx2(
+    m: &Relative,
+    distance: &[f64],
+    block: &Block,
+    min_hits: usize,
+    rows: &mut Rows,
+) -> [bool; LANES] {
     dense_counted_portable(m, distance, block, min_hits, rows)
 }
 
@@ -419,19 +475,19 @@ fn dense_counted_avx2(m: &Members, distance: &[f64], block: &Block, min_hits: us
 /// lets the compiler keep it in vector instructions.
 #[inline(always)]
 fn count_pair(
-    ti: &[f64; LANES],
-    tj: &[f64; LANES],
-    width: &[f64; LANES],
-    spread: &[f64; LANES],
-    dij: f64,
-    ci: &mut [f64; LANES],
-    cj: &mut [f64; LANES],
+    ti: &[f32; LANES],
+    tj: &[f32; LANES],
+    width: &[f32; LANES],
+    spread: &[f32; LANES],
+    dij: f32,
+    ci: &mut [f32; LANES],
+    cj: &mut [f32; LANES],
 ) {
     for lane in 0..LANES {
         // tau_j - tau_i is exactly -(tau_i - tau_j): one subtraction serves both.
         let diff = ti[lane] - tj[lane];
         let limit = width[lane] + dij * spread[lane];
-        // Counted in f64, the compares' own width, so the lanes stay vectors.
+        // Counted in f32, the compares' own width, so the lanes stay vectors.
         ci[lane] += if (diff >= 0.0) & (diff <= limit) { 1.0 } else { 0.0 };
         cj[lane] += if (diff <= 0.0) & (diff >= -limit) { 1.0 } else { 0.0 };
     }
@@ -439,7 +495,7 @@ fn count_pair(
 
 #[inline(always)]
 fn dense_counted_portable(
-    m: &Members,
+    m: &Relative,
     distance: &[f64],
     block: &Block,
     min_hits: usize,
@@ -449,14 +505,22 @@ fn dense_counted_portable(
     let k = m.t.len();
     tau.clear();
     count.clear();
-    let dir = &block.dir;
+    let dir = block.dir.map(|axis| axis.map(|c| c as f32));
+    let mut width = [0.0f32; LANES];
+    let mut spread = [0.0f32; LANES];
+    for lane in 0..LANES {
+        let (w, s) = (block.width[lane], block.spread[lane]);
+        width[lane] = (w + m.rounding_slack(w, s)) as f32;
+        spread[lane] = s as f32;
+    }
+    let per_c = (1.0 / C_LIGHT) as f32;
     for i in 0..k {
         let mut row = [0.0; LANES];
         for (lane, r) in row.iter_mut().enumerate() {
             // `tau()` with a product for the quotient: the window's slack covers the
             // difference, and the exact test follows where a grid direction passes.
             let along = m.x[i] * dir[0][lane] + m.y[i] * dir[1][lane] + m.z[i] * dir[2][lane];
-            *r = m.t[i] - along * (1.0 / C_LIGHT);
+            *r = m.t[i] - along * per_c;
         }
         tau.push(row);
         count.push([1.0; LANES]);
@@ -464,17 +528,20 @@ fn dense_counted_portable(
     let mut pair = 0;
     for i in 0..k {
         let (head, tail) = count.split_at_mut(i + 1);
-        let ci = &mut head[i];
+        // Member i's count in registers through the row (through the slice, each pair
+        // waited on the last one's store).
+        let mut ci = head[i];
         let ti = &tau[i];
         for (cj, tj) in tail.iter_mut().zip(&tau[i + 1..]) {
-            count_pair(ti, tj, &block.width, &block.spread, distance[pair], ci, cj);
+            count_pair(ti, tj, &width, &spread, distance[pair] as f32, &mut ci, cj);
             pair += 1;
         }
+        head[i] = ci;
     }
     let mut out = [false; LANES];
     for c in count.iter() {
         for lane in 0..LANES {
-            out[lane] |= c[lane] >= min_hits as f64;
+            out[lane] |= c[lane] >= min_hits as f32;
         }
     }
     out
@@ -640,19 +707,23 @@ mod tests {
             let widths: [f64; LANES] = widths.clone().try_into().unwrap();
             // With no spread the distances do not matter.
             let distance = vec![123.0; m.t.len() * m.t.len()];
+            let mut rel = Relative::default();
+            rel.set(&m, &distance);
             // Dense by the exact test at a width: counted dense with the slack on it; and
             // counted dense at a width: dense by the exact test with the slack on it.
             b.width = widths.map(|w| w + BOUND_SLACK_NS);
-            let with_slack = dense_counted(&m, &distance, &b, min_hits, &mut Rows::default());
+            let with_slack = dense_counted(&rel, &distance, &b, min_hits, &mut Rows::default());
             b.width = widths;
-            let without = dense_counted(&m, &distance, &b, min_hits, &mut Rows::default());
+            let without = dense_counted(&rel, &distance, &b, min_hits, &mut Rows::default());
             for lane in 0..LANES {
                 let dir = [b.dir[0][lane], b.dir[1][lane], b.dir[2][lane]];
                 if dense_sorted(&m, dir, widths[lane], min_hits, &mut Vec::new()) {
                     prop_assert!(with_slack[lane], "lane {}", lane);
                 }
+                // The count passes too much by at most its rounding slack.
                 if without[lane] {
-                    prop_assert!(dense_sorted(&m, dir, widths[lane] + BOUND_SLACK_NS, min_hits, &mut Vec::new()), "lane {}", lane);
+                    let most = widths[lane] + BOUND_SLACK_NS + rel.rounding_slack(widths[lane], 0.0);
+                    prop_assert!(dense_sorted(&m, dir, most, min_hits, &mut Vec::new()), "lane {}", lane);
                 }
             }
         }
@@ -680,7 +751,9 @@ mod tests {
             b.dir = [[u[0]; LANES], [u[1]; LANES], [u[2]; LANES]];
             b.width = [width + BOUND_SLACK_NS; LANES];
             b.spread = [super::distance(u, d) / C_LIGHT; LANES];
-            prop_assert!(dense_counted(&m, &distance, &b, min_hits, &mut Rows::default())[0]);
+            let mut rel = Relative::default();
+            rel.set(&m, &distance);
+            prop_assert!(dense_counted(&rel, &distance, &b, min_hits, &mut Rows::default())[0]);
         }
 
         #[test]
