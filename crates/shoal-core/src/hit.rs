@@ -40,8 +40,10 @@ impl Hit {
         rec[5] = self.amplitude;
     }
 
-    /// Decodes one record; `rec` must be exactly [`HIT_LEN`] bytes.
-    fn from_record(rec: &[u8]) -> Hit {
+    /// Decodes one record. Inlined, on an array: the filters decode every hit of a slice
+    /// through this (a call with six bounds checks per hit was 5 % of the KM3NeT trigger).
+    #[inline]
+    fn from_record(rec: &[u8; HIT_LEN]) -> Hit {
         Hit { channel: rec[0], time_ns: u32::from_le_bytes([rec[1], rec[2], rec[3], rec[4]]), amplitude: rec[5] }
     }
 }
@@ -84,7 +86,7 @@ impl<'a> HitPayload<'a> {
     }
 
     pub fn hits(&self) -> impl ExactSizeIterator<Item = Hit> + 'a {
-        self.hits.chunks_exact(HIT_LEN).map(Hit::from_record)
+        self.hits.as_chunks::<HIT_LEN>().0.iter().map(Hit::from_record)
     }
 }
 
