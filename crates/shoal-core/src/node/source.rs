@@ -19,8 +19,8 @@ pub struct CutoffConfig {
     pub tail: u32,
 }
 
-/// Saturation: slices a node holds per hosted source, produced and not yet taken by the
-/// transport, at least.
+/// Saturation: slices a node holds at least per hosted source, produced and not yet taken
+/// by the transport.
 pub const SATURATION_SLICES: usize = 4;
 /// Saturation: bytes a node holds per hosted source before it stops producing, once it
 /// holds [`SATURATION_SLICES`] slices. Slices of small fragments are no measure of what a
@@ -68,9 +68,9 @@ pub struct SourceNodeConfig {
     /// Saturation (benchmarks): slices are produced as soon as the transport has taken
     /// enough of the earlier ones ([`SATURATION_SLICES`] and [`SATURATION_BYTES`] per
     /// source), not when the slice clock says, so the data path, not the generator, sets
-    /// the rate. Slice numbers then run ahead of the
-    /// clock; policies that send by the clock (delayed transmission's slots) still wait
-    /// for it, rate shapers (token bucket) and direct sending do not.
+    /// the rate. Slice numbers then run ahead of the clock; policies that send by the
+    /// clock (delayed transmission's slots) still wait for it, rate shapers (token
+    /// bucket) and direct sending do not.
     pub saturate: bool,
     /// A slice is produced this long after its end on the host clock (the source SDK's
     /// input latency: data of a slice reach the host a little after the slice ends on the
