@@ -11,7 +11,7 @@
 //!   apart across the direction. The blocks count only such pairs: still a necessary
 //!   condition of (b) (the clique's member of highest tau counts every other member), and
 //!   one that rejects most directions of a cluster whose members are hundreds of metres
-//!   apart in every direction but a few (the ARCA-sized bench: 25.7 -> 15.0 ms a slice).
+//!   apart in every direction but a few (the ARCA-sized bench: 25.7 -> 15.4 ms a slice).
 //! - **Blocks of directions at once.** For [`LANES`] directions, each member's `tau` is
 //!   computed into a row, and members are counted pair by pair (a window ending at member
 //!   `i` holds every `j` with `tau_j <= tau_i` and `tau_i - tau_j <= width`): no sort, no
