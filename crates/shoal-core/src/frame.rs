@@ -334,9 +334,7 @@ impl StreamDecoder {
                 if total > self.buf.capacity() {
                     // Exactly the frame: `reserve` would make at least the buffer's first
                     // capacity, and the next frame's start would share the allocation.
-                    let mut own = BytesMut::with_capacity(total);
-                    own.extend_from_slice(&self.buf);
-                    self.buf = own;
+                    self.move_to_fresh_buffer(total);
                 }
             }
             None if self.buf.is_empty() && self.last_frame_len >= OWN_BUFFER_MIN => {
@@ -351,18 +349,21 @@ impl StreamDecoder {
             }
             _ => {
                 if !self.buf.try_reclaim(READ_RESERVE) {
-                    // A fresh buffer with only the bytes held: growing in place would
-                    // have the allocator copy the old buffer whole, reading its pages
-                    // never written, which maps them to the shared zero page; once the
-                    // allocator hands them out again, the socket's write into each costs
-                    // a copy and an interrupt to every core running the process (at
-                    // 10,000 connections, 16 % of the builder's CPU).
-                    let mut fresh = BytesMut::with_capacity(self.buf.len() + READ_RESERVE);
-                    fresh.extend_from_slice(&self.buf);
-                    self.buf = fresh;
+                    self.move_to_fresh_buffer(self.buf.len() + READ_RESERVE);
                 }
             }
         }
+    }
+
+    /// Moves the bytes held into a new buffer of `capacity`. Never grown in place (as
+    /// `reserve` does): the allocator's `realloc` copies the old buffer whole, reading its
+    /// pages never written, which maps them to the shared zero page; once the allocator
+    /// hands them out again, the socket's write into each costs a copy and an interrupt to
+    /// every core running the process (at 10,000 connections, 16 % of the builder's CPU).
+    fn move_to_fresh_buffer(&mut self, capacity: usize) {
+        let mut fresh = BytesMut::with_capacity(capacity);
+        fresh.extend_from_slice(&self.buf);
+        self.buf = fresh;
     }
 
     /// Appends received bytes.

@@ -248,8 +248,8 @@ impl DirectionScan {
                 s.distance.push(distance(hits[members[a]].pos, hits[members[b]].pos));
             }
         }
-        let diameter = s.distance.iter().copied().fold(0.0, f64::max);
         s.relative.set(&s.members, &s.distance);
+        let diameter = s.relative.diameter;
         // Level by level, coarsest first: the open directions in full blocks, and the cells
         // of those that pass opened in the level below.
         let ScanScratch { members: m, relative, distance, rows, sorted, core, open, below, clique, pruning } = s;
