@@ -301,6 +301,16 @@ impl<T> SliceAssembler<T> {
         self.active.values().next().map(|s| s.first_arrival + self.cfg.wall_timeout)
     }
 
+    /// Whether a fragment of `slice` would open a slice past the window: newer than every
+    /// active slice while `max_active` are active, so that taking it in would process the
+    /// oldest one incomplete (the slice-count timeout). A builder whose sources run free
+    /// (no slice clock) holds such a fragment back and stops reading its connection, so
+    /// that TCP's flow control paces the source instead.
+    pub fn opens_past_window(&self, slice: SliceNumber) -> bool {
+        self.active.len() >= self.cfg.max_active
+            && self.active.last_key_value().is_some_and(|(&newest, _)| slice > newest)
+    }
+
     /// Active slices.
     pub fn active(&self) -> usize {
         self.active.len()
@@ -417,6 +427,24 @@ mod tests {
     }
 
     #[test]
+    fn a_fragment_past_the_window_is_the_one_that_would_force_out() {
+        let mut cfg = AssemblerConfig::new(2);
+        cfg.max_active = 2;
+        let mut a = SliceAssembler::new(cfg);
+        assert!(!a.opens_past_window(7), "an empty table has room");
+        a.handle_fragment(t(0), 0, 1, 1, false, ());
+        assert!(!a.opens_past_window(9), "one active of two: room");
+        a.handle_fragment(t(0), 0, 2, 1, false, ());
+        assert!(a.opens_past_window(3), "two active of two: a third would push slice 1 out");
+        assert!(!a.opens_past_window(2) && !a.opens_past_window(1), "active slices take more fragments");
+        a.handle_fragment(t(0), 0, 3, 1, false, ());
+        assert_eq!(drain(&mut a)[0].reason, EmitReason::SliceCountTimeout, "what holding back avoids");
+        a.handle_fragment(t(0), 1, 2, 1, false, ());
+        assert_eq!(drain(&mut a)[0].reason, EmitReason::Complete);
+        assert!(!a.opens_past_window(4), "slice 2 done: room again");
+    }
+
+    #[test]
     fn wall_clock_timeout() {
         let mut cfg = AssemblerConfig::new(2);
         cfg.wall_timeout = Duration::from_millis(50);
@@ -460,6 +488,53 @@ mod tests {
     }
 
     proptest! {
+        /// Free-running sources, each sending its slices in order on a connection of its own
+        /// and racing each other: holding back every fragment past the window (and the
+        /// rest of its connection behind it), and taking held fragments in again in slice
+        /// order as soon as they no longer are, never stalls (no clock runs here: a stall
+        /// would leave fragments held) and builds every slice complete.
+        #[test]
+        fn holding_back_past_the_window_builds_every_slice(n_sources in 1u32..6, n_slices in 1u64..30,
+                                                           max_active in 1usize..6,
+                                                           order in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let cfg = AssemblerConfig { n_sources, max_active, wall_timeout: Duration::from_secs(1), memory_budget: u64::MAX };
+            let mut a = SliceAssembler::new(cfg);
+            let mut next = vec![0u64; n_sources as usize];
+            let mut held: Vec<VecDeque<SliceNumber>> = vec![VecDeque::new(); n_sources as usize];
+            let mut outcomes = Vec::new();
+            let mut picks = order.into_iter().map(usize::from).chain(0..);
+            while next.iter().any(|&n| n < n_slices) || held.iter().any(|h| !h.is_empty()) {
+                // A reader reads only while its connection holds nothing back.
+                let readable: Vec<usize> = (0..n_sources as usize).filter(|&s| held[s].is_empty() && next[s] < n_slices).collect();
+                if let Some(&src) = readable.get(picks.next().unwrap() % readable.len().max(1)) {
+                    let slice = next[src];
+                    next[src] += 1;
+                    if a.opens_past_window(slice) {
+                        held[src].push_back(slice);
+                    } else {
+                        prop_assert_eq!(a.handle_fragment(t(0), src as SourceId, slice, 1, false, ()), Admission::Accepted);
+                    }
+                } else {
+                    prop_assert!(held.iter().any(|h| !h.is_empty()), "nothing to read and nothing held");
+                }
+                // Held fragments go in, oldest slice first, as soon as they fit.
+                while let Some(src) = (0..n_sources as usize).filter(|&s| !held[s].is_empty()).min_by_key(|&s| held[s][0]) {
+                    let slice = held[src][0];
+                    if a.opens_past_window(slice) {
+                        let stalled = readable.is_empty() && (0..n_sources as usize).all(|s| !held[s].is_empty() || next[s] == n_slices);
+                        prop_assert!(!stalled, "stalled: every reader held, slice {} past the window", slice);
+                        break;
+                    }
+                    held[src].pop_front();
+                    prop_assert_eq!(a.handle_fragment(t(0), src as SourceId, slice, 1, false, ()), Admission::Accepted);
+                }
+                prop_assert!(a.active() <= max_active);
+                outcomes.extend(std::iter::from_fn(|| a.poll_outcome()));
+            }
+            prop_assert_eq!(outcomes.len() as u64, n_slices);
+            prop_assert!(outcomes.iter().all(|o| o.reason == EmitReason::Complete), "{:?}", outcomes.iter().map(|o| o.reason).collect::<Vec<_>>());
+        }
+
         /// Under random arrival order, delays and losses: every slice is emitted at most
         /// once, in increasing order; every accepted fragment is in exactly one outcome; and
         /// the run ledger balances.

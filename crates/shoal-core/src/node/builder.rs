@@ -340,6 +340,12 @@ impl<T> BuilderNode<T> {
         self.asm.memory_in_use()
     }
 
+    /// A fragment of `slice` would push the oldest active slice out incomplete
+    /// ([`crate::assembly::SliceAssembler::opens_past_window`]).
+    pub fn opens_past_window(&self, slice: SliceNumber) -> bool {
+        self.asm.opens_past_window(slice)
+    }
+
     /// The report so far; fragments still held count as pending.
     pub fn report(&self) -> BuilderNodeReport {
         let mut r = self.report.clone();
