@@ -45,6 +45,7 @@ use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, ReceivePath, Transport};
 use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
+use crate::hold::{ConnectionGate, Held, ReadGate};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 use crate::spool::{SpoolConfig, SpoolReport, SpoolWork};
@@ -82,6 +83,13 @@ pub struct BuilderReport {
     #[serde(skip)]
     pub net_delay_steady_us: Histogram<u64>,
     pub connections: u64,
+    /// Free-running sources (`source.saturate`): times a connection was held back because
+    /// its next fragment would have opened a slice past the window, and the most fragments
+    /// held at once ([`crate::hold`]).
+    #[serde(default)]
+    pub read_holds: u64,
+    #[serde(default)]
+    pub held_fragments_most: usize,
     /// Hits in the accepted fragments (the filter's input).
     pub hits: u64,
     pub events: u64,
@@ -170,6 +178,8 @@ enum Incoming {
     Frame {
         frame: Frame,
         arrival: Instant,
+        /// Free-running sources: the connection's gate, if it may be held ([`crate::hold`]).
+        gate: Option<Arc<ReadGate>>,
     },
     Rejected {
         reason: &'static str,
@@ -279,6 +289,7 @@ async fn read_connection(
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
+    hold: bool,
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
 ) {
@@ -288,7 +299,7 @@ async fn read_connection(
     tokio::spawn(write_queued(write, requests_rx));
     let reader =
         FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
-    serve_frames(reader, requests, clock, tx).await;
+    serve_frames(reader, requests, clock, ConnectionGate::new(hold), tx).await;
 }
 
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
@@ -296,6 +307,7 @@ fn uring_connection(
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
+    hold: bool,
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
     place: tokio::sync::OwnedSemaphorePermit,
@@ -306,18 +318,20 @@ fn uring_connection(
             tokio_uring::spawn(stream.clone().write_queued(requests_rx));
             let reader = FrameReader::new(stream, peer, max_payload, cancel)
                 .first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
-            serve_frames(reader, requests, clock, tx).await;
+            serve_frames(reader, requests, clock, ConnectionGate::new(hold), tx).await;
             drop(place);
         })
     })
 }
 
 /// Validates one connection's frames and passes them on; source hellos register the
-/// connection for pull requests (`requests`).
+/// connection for pull requests (`requests`). Waits at `gate` while the builder holds the
+/// connection's fragments back (free-running sources too far ahead: [`crate::hold`]).
 async fn serve_frames<R: crate::framed::ReadSource>(
     mut reader: FrameReader<R>,
     requests: mpsc::UnboundedSender<Bytes>,
     clock: WallClock,
+    mut gate: ConnectionGate,
     tx: mpsc::Sender<Incoming>,
 ) {
     let end = loop {
@@ -351,9 +365,11 @@ async fn serve_frames<R: crate::framed::ReadSource>(
         } else if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
             break reader.reject("bad_payload", &e.to_string());
         }
-        if tx.send(Incoming::Frame { frame, arrival: clock.now() }).await.is_err() {
+        let frame_gate = gate.for_frame(h.source);
+        if tx.send(Incoming::Frame { frame, arrival: clock.now(), gate: frame_gate }).await.is_err() {
             break ReadEnd::Clean;
         }
+        gate.pass(tx.closed()).await;
     };
     if let ReadEnd::Rejected(reason) = end {
         let _ = tx.send(Incoming::Rejected { reason }).await;
@@ -378,6 +394,8 @@ pub async fn run_builder(
     let stage = filter_stage(&cfg.builder.filter)?;
     let n_sources = cfg.run.sources;
     let max_payload = cfg.max_payload();
+    // Free-running sources are held back by their connections, not pushed out incomplete.
+    let hold = cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp);
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
     // Ends the datagram task with this function, also when it is aborted.
@@ -444,14 +462,14 @@ pub async fn run_builder(
                         let _ = stream.set_nodelay(true);
                         let (tx, c) = (in_tx.clone(), accept_cancel.clone());
                         if let Some(uring) = &uring {
-                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, tx, c, place)) {
+                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, hold, tx, c, place)) {
                                 // Closed: the source reconnects, and its link counts it.
                                 warn!(%peer, "the io_uring receive thread is gone: connection closed");
                             }
                             continue;
                         }
                         tokio::spawn(async move {
-                            read_connection(stream, peer, max_payload, clock, tx, c).await;
+                            read_connection(stream, peer, max_payload, clock, hold, tx, c).await;
                             drop(place);
                         });
                     }
@@ -580,6 +598,7 @@ pub async fn run_builder(
         slice_clock,
     };
     let mut routes = Routes::default();
+    let mut held = Held::default();
     let mut heartbeat = tokio::time::interval(StdDuration::from_millis(500));
     info!(builder = id, n_sources, pull = pull.is_some(), "builder started");
 
@@ -592,10 +611,10 @@ pub async fn run_builder(
         tokio::select! {
             m = in_rx.recv() => match m {
                 Some(m) => {
-                    on_incoming(&mut node, &mut measured, &mut routes, &mut saving, m, &live, clock);
+                    on_incoming(&mut node, &mut measured, &mut routes, &mut saving, &mut held, m, &live, clock);
                     // Take what else is ready without another trip through select.
                     while let Ok(m) = in_rx.try_recv() {
-                        on_incoming(&mut node, &mut measured, &mut routes, &mut saving, m, &live, clock);
+                        on_incoming(&mut node, &mut measured, &mut routes, &mut saving, &mut held, m, &live, clock);
                     }
                 }
                 None => break,
@@ -641,6 +660,11 @@ pub async fn run_builder(
                 break;
             }
         }
+        if !held.is_empty() {
+            held.release(&mut node, false, |node, frame, at| {
+                on_frame(node, &mut measured, &mut saving, frame, at, false, &live)
+            });
+        }
         forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
@@ -660,6 +684,10 @@ pub async fn run_builder(
         None => None,
     };
     let connections = accept_task.await.unwrap_or(0);
+    // A cancelled run: what was held back goes in before the drain (nothing is lost here).
+    held.release(&mut node, true, |node, frame, at| {
+        on_frame(node, &mut measured, &mut saving, frame, at, false, &live)
+    });
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
     forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
@@ -733,6 +761,8 @@ pub async fn run_builder(
         network_delay_steady: DelayStats::from_histogram(&measured.steady),
         net_delay_steady_us: measured.steady,
         connections,
+        read_holds: held.holds,
+        held_fragments_most: held.most_frames,
         hits: measured.hits,
         events,
         filter_busy_s: busy,
@@ -829,17 +859,23 @@ impl Routes {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn on_incoming(
     node: &mut BuilderNode<FragmentData>,
     measured: &mut Measured,
     routes: &mut Routes,
     saving: &mut Option<Saving>,
+    held: &mut Held,
     m: Incoming,
     live: &Live,
     clock: WallClock,
 ) {
     let (frame, arrival) = match m {
-        Incoming::Frame { frame, arrival } => (frame, arrival),
+        Incoming::Frame { frame, arrival, gate: None } => (frame, arrival),
+        Incoming::Frame { frame, arrival, gate: Some(gate) } => match held.offer(node, &gate, frame, arrival) {
+            Some(taken) => taken,
+            None => return,
+        },
         Incoming::Rejected { reason } => {
             node.handle_rejected(reason);
             Live::add(&live.rejected_connections, 1);

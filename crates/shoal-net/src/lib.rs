@@ -45,6 +45,7 @@ pub mod config;
 pub mod demo;
 pub mod dfm;
 pub mod framed;
+mod hold;
 pub mod ingest;
 pub mod km3out;
 pub mod link;

@@ -1,0 +1,276 @@
+//! Back-pressure on free-running sources: the builder stops reading a source that runs
+//! too far ahead, and TCP's flow control holds the source.
+//!
+//! Sources that saturate (`source.saturate`: no slice clock, each produces its next
+//! fragment as soon as its transport has taken the last) drift apart. Without this, a
+//! builder takes in whatever arrives: a fragment that opens a slice past its window
+//! (`builder.max_active` active slices) pushes the oldest one out incomplete, so
+//! throughput tests opened the window wide and paid for the drift in memory (a builder of
+//! 10,000 connections held its whole run, 1.5 GB of fresh pages, at once).
+//!
+//! Here a fragment that would open a slice past the window
+//! ([`BuilderNode::opens_past_window`]) is held, with everything its connection sends
+//! after it, and the connection's reader waits at its [`ReadGate`] before reading more.
+//! Held fragments go in, oldest slice first, as soon as they no longer open a slice past
+//! the window. Only a connection that has carried one source is held: its source sends
+//! its slices in order, so nothing behind the held fragment can be what an older slice
+//! waits for (a connection shared by several sources is read as before). A slice that
+//! waits for a source that sends nothing is processed at the wall-clock timeout, as
+//! before, and the held fragments then go in. The assembler's proptest
+//! `holding_back_past_the_window_builds_every_slice` checks the rule: no stall, every slice
+//! complete.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use shoal_core::frame::{Flags, Frame};
+use shoal_core::node::BuilderNode;
+use shoal_core::slice::SliceNumber;
+use shoal_core::{Instant, SourceId};
+use tokio::sync::Notify;
+
+/// One connection's gate: shut while the builder holds fragments of it.
+#[derive(Debug)]
+pub(crate) struct ReadGate {
+    id: u64,
+    shut: AtomicBool,
+    opened: Notify,
+}
+
+static NEXT_GATE: AtomicU64 = AtomicU64::new(0);
+
+impl ReadGate {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            id: NEXT_GATE.fetch_add(1, Ordering::Relaxed),
+            shut: AtomicBool::new(false),
+            opened: Notify::new(),
+        })
+    }
+
+    /// Returns once the gate is open, or when `closed` completes (the builder is gone).
+    pub(crate) async fn pass(&self, closed: impl std::future::Future<Output = ()>) {
+        tokio::pin!(closed);
+        loop {
+            // Created before the check: `notify_waiters` reaches a `Notified` from its creation.
+            let opened = self.opened.notified();
+            if !self.shut.load(Ordering::Acquire) {
+                return;
+            }
+            tokio::select! {
+                _ = opened => {}
+                _ = &mut closed => return,
+            }
+        }
+    }
+
+    fn shut(&self) {
+        self.shut.store(true, Ordering::Release);
+    }
+
+    fn open(&self) {
+        self.shut.store(false, Ordering::Release);
+        self.opened.notify_waiters();
+    }
+}
+
+/// The reader's side: which gate its frames carry, if its connection may be held.
+#[derive(Debug)]
+pub(crate) struct ConnectionGate {
+    gate: Option<Arc<ReadGate>>,
+    source: Option<SourceId>,
+}
+
+impl ConnectionGate {
+    /// `hold`: the run's sources are free-running (`source.saturate`).
+    pub(crate) fn new(hold: bool) -> Self {
+        Self { gate: hold.then(ReadGate::new), source: None }
+    }
+
+    /// The gate to send with a frame of `source`: none once the connection has carried a
+    /// second source (it is never held from then on).
+    pub(crate) fn for_frame(&mut self, source: SourceId) -> Option<Arc<ReadGate>> {
+        match self.source {
+            None => self.source = Some(source),
+            Some(s) if s != source => self.gate = None,
+            Some(_) => {}
+        }
+        self.gate.clone()
+    }
+
+    /// Waits while the builder holds this connection's fragments.
+    pub(crate) async fn pass(&self, closed: impl std::future::Future<Output = ()>) {
+        if let Some(g) = &self.gate {
+            g.pass(closed).await;
+        }
+    }
+}
+
+/// One held connection: its gate and its fragments in arrival order.
+type HeldConnection = (Arc<ReadGate>, VecDeque<(Frame, Instant)>);
+
+/// The builder's side: the fragments held, per connection.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    queues: HashMap<u64, HeldConnection>,
+    /// Each held connection's first fragment: (its slice, the gate). An end of stream is
+    /// keyed slice 0: it goes in as soon as it is first.
+    heads: BTreeSet<(SliceNumber, u64)>,
+    frames: usize,
+    /// Times a connection was held.
+    pub(crate) holds: u64,
+    /// Most fragments held at once.
+    pub(crate) most_frames: usize,
+}
+
+fn key(frame: &Frame) -> SliceNumber {
+    if frame.header.flags.contains(Flags::END_OF_STREAM) { 0 } else { frame.header.slice }
+}
+
+impl Held {
+    /// A frame from a connection with `gate`: held (true) if its connection is held already
+    /// or it would open a slice past the window; otherwise the caller takes it in.
+    pub(crate) fn offer<T>(
+        &mut self,
+        node: &BuilderNode<T>,
+        gate: &Arc<ReadGate>,
+        frame: Frame,
+        arrival: Instant,
+    ) -> Option<(Frame, Instant)> {
+        if let Some((_, q)) = self.queues.get_mut(&gate.id) {
+            q.push_back((frame, arrival));
+        } else if key(&frame) != 0 && node.opens_past_window(frame.header.slice) {
+            gate.shut();
+            self.heads.insert((key(&frame), gate.id));
+            self.queues.insert(gate.id, (gate.clone(), VecDeque::from([(frame, arrival)])));
+            self.holds += 1;
+        } else {
+            return Some((frame, arrival));
+        }
+        self.frames += 1;
+        self.most_frames = self.most_frames.max(self.frames);
+        None
+    }
+
+    /// Takes held fragments in (`admit`), oldest slice first, while they fit in the window
+    /// (all of them with `all`: the run is ending); opens the gate of every connection
+    /// emptied.
+    pub(crate) fn release<T>(
+        &mut self,
+        node: &mut BuilderNode<T>,
+        all: bool,
+        mut admit: impl FnMut(&mut BuilderNode<T>, Frame, Instant),
+    ) {
+        while let Some(&(slice, id)) = self.heads.first() {
+            if !all && slice != 0 && node.opens_past_window(slice) {
+                return;
+            }
+            self.heads.pop_first();
+            let (gate, q) = self.queues.get_mut(&id).expect("a head has a queue");
+            let (frame, arrival) = q.pop_front().expect("a held queue is not empty");
+            self.frames -= 1;
+            match q.front() {
+                Some((next, _)) => {
+                    self.heads.insert((key(next), id));
+                }
+                None => {
+                    gate.open();
+                    self.queues.remove(&id);
+                }
+            }
+            admit(node, frame, arrival);
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.frames == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_core::assembly::AssemblerConfig;
+    use shoal_core::frame::FrameHeader;
+    use shoal_core::node::BuilderNodeConfig;
+    use shoal_core::slice::SliceClock;
+
+    fn frame(source: SourceId, slice: SliceNumber, eos: bool) -> Frame {
+        let header = FrameHeader {
+            flags: if eos { Flags::END_OF_STREAM } else { Flags::EMPTY },
+            source,
+            hit_count: 0,
+            slice,
+            slice_start: Instant::ZERO,
+            send_time: Instant::ZERO,
+            payload_len: 0,
+        };
+        Frame { header, payload: bytes::Bytes::new() }
+    }
+
+    fn admit(node: &mut BuilderNode<()>, f: Frame, at: Instant) {
+        node.handle_frame(at, &f.header, ());
+    }
+
+    #[tokio::test]
+    async fn a_source_ahead_is_held_with_its_end_of_stream_and_let_go_in_order() {
+        let mut node = BuilderNode::<()>::new(BuilderNodeConfig {
+            id: 0,
+            assembler: AssemblerConfig { max_active: 1, ..AssemblerConfig::new(2) },
+            slice_clock: SliceClock::new(shoal_core::Duration::from_millis(10)),
+        });
+        let mut held = Held::default();
+        let fast = ReadGate::new();
+        let now = Instant::ZERO;
+        // Source 0 delivers slice 0; its slice 1 would push slice 0 out incomplete.
+        assert!(held.offer(&node, &fast, frame(0, 0, false), now).is_some());
+        admit(&mut node, frame(0, 0, false), now);
+        assert!(held.offer(&node, &fast, frame(0, 1, false), now).is_none());
+        assert!(held.offer(&node, &fast, frame(0, 2, true), now).is_none(), "behind a held fragment");
+        assert!(fast.shut.load(Ordering::Acquire));
+        held.release(&mut node, false, admit);
+        assert_eq!(held.frames, 2, "slice 0 still waits for source 1");
+        // Source 1 completes slice 0: slice 1 fits, then the end of stream follows it.
+        admit(&mut node, frame(1, 0, false), now);
+        held.release(&mut node, false, admit);
+        assert!(held.is_empty() && !fast.shut.load(Ordering::Acquire));
+        assert_eq!(node.sources_ended(), 1);
+        assert_eq!((held.holds, held.most_frames), (1, 2));
+        let passed = tokio::time::timeout(std::time::Duration::from_secs(60), fast.pass(std::future::pending()));
+        assert!(passed.await.is_ok(), "an open gate lets its reader through");
+        let mut slices = Vec::new();
+        while let Some(o) = node.poll_slice() {
+            slices.push((o.slice, o.is_complete()));
+        }
+        assert_eq!(slices, [(0, true)]);
+    }
+
+    #[test]
+    fn a_connection_of_two_sources_is_never_held() {
+        let mut c = ConnectionGate::new(true);
+        assert!(c.for_frame(3).is_some());
+        assert!(c.for_frame(3).is_some());
+        assert!(c.for_frame(4).is_none());
+        assert!(c.for_frame(3).is_none(), "once shared, always read");
+        assert!(ConnectionGate::new(false).for_frame(1).is_none(), "clocked sources: never held");
+    }
+
+    #[tokio::test]
+    async fn a_shut_gate_waits_until_opened_or_the_builder_is_gone() {
+        let gate = ReadGate::new();
+        gate.shut();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let waiting = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.pass(async { rx.await.unwrap_or(()) }).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        gate.open();
+        waiting.await.expect("opened");
+        gate.shut();
+        drop(tx);
+        gate.pass(std::future::ready(())).await;
+    }
+}
