@@ -22,11 +22,15 @@ With --syscalls (perf), the builder runs under `perf stat` counting its system c
 the CPU per GB goes as connections grow.
 
 With --receive epoll,io_uring every point is run once per receive path
-(`builder.receive`), interleaved, so the two are compared under the same machine load.
+(`builder.receive`), interleaved, so the two are compared under the same machine load;
+--window likewise for the builder's window (`builder.max_active`, default 5: a source
+that runs further ahead is held back by its connection; with 1000000, as the series before
+2026-11-26 ran, nothing is held and the builder keeps whatever the drift brings). Every
+slice must be built complete: the processes share a first slice (`run.start_slice`).
 
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
-         [--receive epoll[,io_uring]] [--name conn-scaling]
+         [--receive epoll[,io_uring]] [--window 5[,1000000]] [--name conn-scaling]
 Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path);
 `scripts/conn_scaling.py --table OUT_DIR` writes the table again from the CSV.
 """
@@ -56,14 +60,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config(n, fragment, slices, out, receive="epoll"):
+def config(n, fragment, slices, out, receive="epoll", window=5):
     b, w = free_port(), free_port()
+    # Every process numbers its slices from the same first one: left to themselves, processes
+    # that start either side of a whole second begin a second (1,000 slices) apart, and then
+    # no slice ever gets every source's fragment.
+    start_slice = (int(time.time()) + 2) * 1000
     return f"""[run]
 run_number = 1
 sources = {n}
 builders = 1
 slice_ms = 1
 seconds = {slices / 1000}
+start_slice = {start_slice}
 policy = "direct"
 builder_addrs = ["127.0.0.1:{b}"]
 writer_addr = "127.0.0.1:{w}"
@@ -76,7 +85,7 @@ connection_per_source = true
 
 [builder]
 receive = "{receive}"
-max_active = 1000000
+max_active = {window}
 wall_timeout_ms = 600000
 memory_budget_mb = 2048
 
@@ -105,12 +114,12 @@ def wait_rusage(p, timeout):
     raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
 
 
-def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll"):
+def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5):
     slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
     with tempfile.TemporaryDirectory(prefix="connscale") as d:
         path = os.path.join(d, "cfg.toml")
         with open(path, "w") as f:
-            f.write(config(n, fragment, slices, os.path.join(d, "out"), receive))
+            f.write(config(n, fragment, slices, os.path.join(d, "out"), receive, window))
         counts = os.path.join(d, "perf.csv")
         node = lambda role, ids=None, prefix=(): subprocess.Popen(
             [*prefix, shoal, "node", "--role", role, "--config", path] + (["--ids", ids] if ids else []),
@@ -148,15 +157,16 @@ def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll"):
                     p.kill()
                     p.wait()
     delivered = report["tally"]["delivered"]
-    if delivered != produced or report["connections"] != n:
+    if delivered != produced or report["connections"] != n or report["slices_incomplete"]:
         raise RuntimeError(f"{n} connections: produced {produced}, delivered {delivered}, "
-                           f"connections {report['connections']}")
+                           f"connections {report['connections']}, incomplete slices {report['slices_incomplete']}")
     gb = report["bytes"] / 1e9
     span_s = (report["last_arrival_ns"] - report["first_arrival_ns"]) / 1e9
     per_fragment = {f"{k}_per_fragment": v / delivered for k, v in events.items()}
     return {
         **per_fragment,
-        "receive": receive, "connections": n, "fragment_bytes": fragment, "slices": slices, "gb": gb,
+        "receive": receive, "window": window, "read_holds": report.get("read_holds", 0),
+        "held_fragments_most": report.get("held_fragments_most", 0), "connections": n, "fragment_bytes": fragment, "slices": slices, "gb": gb,
         "builder_cpu_s": builder_cpu, "builder_cpu_s_per_gb": builder_cpu / gb,
         "builder_cpu_us_per_fragment": 1e6 * builder_cpu / delivered,
         "mbytes_per_s": report["bytes"] / 1e6 / span_s if span_s > 0 else float("nan"),
@@ -167,8 +177,11 @@ def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll"):
 
 def write_table(runs, out_dir, name="conn-scaling"):
     """OUT_DIR/NAME.md: medians per receive path and connection count, from the runs' rows."""
+    several_windows = len({x.get("window") for x in runs}) > 1
     for x in runs:
         x.setdefault("receive", "epoll")
+        if several_windows and "window" not in x["receive"]:
+            x["receive"] = f"{x['receive']}, window {x.get('window') or 1000000}"
     paths = sorted({x["receive"] for x in runs})
     counts = sorted({x["connections"] for x in runs})
     keys = ["builder_cpu_s_per_gb", "builder_cpu_us_per_fragment", "mbytes_per_s", "builder_peak_rss_mb",
@@ -252,15 +265,17 @@ def main():
     mb = float(arg("--mb-per-point", "1000"))
     repeats = int(arg("--repeats", "3"))
     paths = arg("--receive", "epoll").split(",")
+    windows = [int(w) for w in arg("--window", "5").split(",")]
     os.makedirs(out_dir, exist_ok=True)
     runs = []
     for r in range(repeats):
         for n in counts:
             for path in paths:
-                row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv, path)
-                row["repeat"] = r
-                runs.append(row)
-                print(json.dumps(row), flush=True)
+                for window in windows:
+                    row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv, path, window)
+                    row["repeat"] = r
+                    runs.append(row)
+                    print(json.dumps(row), flush=True)
     with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(runs[0].keys()))
         w.writeheader()
