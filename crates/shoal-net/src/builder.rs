@@ -85,7 +85,7 @@ pub struct BuilderReport {
     pub connections: u64,
     /// Free-running sources (`source.saturate`): times a connection was held back because
     /// its next fragment would have opened a slice past the window, and the most fragments
-    /// held at once ([`crate::hold`]).
+    /// held at once (shoal-net's `hold` module).
     #[serde(default)]
     pub read_holds: u64,
     #[serde(default)]

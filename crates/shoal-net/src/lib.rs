@@ -7,7 +7,8 @@
 //! - [`source::run_source_node`]: the workload and a `SourceNode` on one TCP
 //!   [`link::Link`] per builder with reconnect and backoff;
 //! - [`builder::run_builder`]: stream decoding into a `BuilderNode`, the filter thread,
-//!   events to the writer;
+//!   events to the writer; free-running sources that run past its window are held back
+//!   by their connections (`hold`);
 //! - [`writer::run_writer`]: events into Parquet plus a JSON summary;
 //! - [`dfm::run_dfm`] (pull policies): the data-flow manager that assigns slices to
 //!   builders.
