@@ -307,8 +307,16 @@ impl<T> SliceAssembler<T> {
     /// (no slice clock) holds such a fragment back and stops reading its connection, so
     /// that TCP's flow control paces the source instead.
     pub fn opens_past_window(&self, slice: SliceNumber) -> bool {
-        self.active.len() >= self.cfg.max_active
-            && self.active.last_key_value().is_some_and(|(&newest, _)| slice > newest)
+        self.window_edge().is_some_and(|newest| slice > newest)
+    }
+
+    /// The newest active slice while the window is full (`max_active` active), else
+    /// `None`: a fragment of a later slice [`SliceAssembler::opens_past_window`].
+    pub fn window_edge(&self) -> Option<SliceNumber> {
+        if self.active.len() < self.cfg.max_active {
+            return None;
+        }
+        self.active.last_key_value().map(|(&newest, _)| newest)
     }
 
     /// Active slices.

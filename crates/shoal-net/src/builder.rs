@@ -45,7 +45,7 @@ use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, ReceivePath, Transport};
 use crate::demo::DelayStats;
 use crate::framed::{FrameReader, ReadEnd};
-use crate::hold::{ConnectionGate, Held, ReadGate};
+use crate::hold::{ConnectionGate, Held, ReadGate, WindowEdge};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
 use crate::spool::{SpoolConfig, SpoolReport, SpoolWork};
@@ -289,7 +289,7 @@ async fn read_connection(
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
-    hold: bool,
+    edge: Option<Arc<WindowEdge>>,
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
 ) {
@@ -299,7 +299,7 @@ async fn read_connection(
     tokio::spawn(write_queued(write, requests_rx));
     let reader =
         FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
-    serve_frames(reader, requests, clock, ConnectionGate::new(hold), tx).await;
+    serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
 }
 
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
@@ -307,7 +307,7 @@ fn uring_connection(
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
-    hold: bool,
+    edge: Option<Arc<WindowEdge>>,
     tx: mpsc::Sender<Incoming>,
     cancel: CancellationToken,
     place: tokio::sync::OwnedSemaphorePermit,
@@ -318,7 +318,7 @@ fn uring_connection(
             tokio_uring::spawn(stream.clone().write_queued(requests_rx));
             let reader = FrameReader::new(stream, peer, max_payload, cancel)
                 .first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
-            serve_frames(reader, requests, clock, ConnectionGate::new(hold), tx).await;
+            serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
             drop(place);
         })
     })
@@ -366,6 +366,9 @@ async fn serve_frames<R: crate::framed::ReadSource>(
             break reader.reject("bad_payload", &e.to_string());
         }
         let frame_gate = gate.for_frame(h.source);
+        if !h.flags.contains(Flags::END_OF_STREAM) {
+            gate.wait_for_room(h.slice, tx.closed()).await;
+        }
         if tx.send(Incoming::Frame { frame, arrival: clock.now(), gate: frame_gate }).await.is_err() {
             break ReadEnd::Clean;
         }
@@ -395,7 +398,7 @@ pub async fn run_builder(
     let n_sources = cfg.run.sources;
     let max_payload = cfg.max_payload();
     // Free-running sources are held back by their connections, not pushed out incomplete.
-    let hold = cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp);
+    let edge = (cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp)).then(WindowEdge::new);
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
     // Ends the datagram task with this function, also when it is aborted.
@@ -444,6 +447,7 @@ pub async fn run_builder(
                 .map_err(|e| ConfigError::Invalid(format!("builder.receive = \"io_uring\": {e}")))?,
         ),
     };
+    let accept_edge = edge.clone();
     let accept_task = tokio::spawn(async move {
         let mut accepted = 0u64;
         loop {
@@ -460,16 +464,16 @@ pub async fn run_builder(
                         };
                         accepted += 1;
                         let _ = stream.set_nodelay(true);
-                        let (tx, c) = (in_tx.clone(), accept_cancel.clone());
+                        let (tx, c, edge) = (in_tx.clone(), accept_cancel.clone(), accept_edge.clone());
                         if let Some(uring) = &uring {
-                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, hold, tx, c, place)) {
+                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
                                 // Closed: the source reconnects, and its link counts it.
                                 warn!(%peer, "the io_uring receive thread is gone: connection closed");
                             }
                             continue;
                         }
                         tokio::spawn(async move {
-                            read_connection(stream, peer, max_payload, clock, hold, tx, c).await;
+                            read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
                             drop(place);
                         });
                     }
@@ -664,6 +668,9 @@ pub async fn run_builder(
             held.release(&mut node, false, |node, frame, at| {
                 on_frame(node, &mut measured, &mut saving, frame, at, false, &live)
             });
+        }
+        if let Some(edge) = &edge {
+            edge.publish(node.window_edge());
         }
         forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
         routes.send_pull(&mut node, id);

@@ -75,17 +75,70 @@ impl ReadGate {
     }
 }
 
+/// The builder's window as its readers see it: the newest active slice while the window
+/// is full (`u64::MAX` while it has room), published after every turn of the builder's
+/// loop. A reader waits here before it sends a fragment that would be held: without it, a
+/// reader sent what its read buffer held (up to 16 fragments of 4 kB) before the builder
+/// had shut its gate, and the builder held those.
+#[derive(Debug)]
+pub(crate) struct WindowEdge {
+    newest: AtomicU64,
+    moved: Notify,
+}
+
+impl WindowEdge {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self { newest: AtomicU64::new(u64::MAX), moved: Notify::new() })
+    }
+
+    /// The builder's window now ([`BuilderNode::window_edge`]); wakes the waiting readers
+    /// if it moved.
+    pub(crate) fn publish(&self, edge: Option<SliceNumber>) {
+        let newest = edge.unwrap_or(u64::MAX);
+        if self.newest.swap(newest, Ordering::AcqRel) != newest {
+            self.moved.notify_waiters();
+        }
+    }
+
+    /// Returns once a fragment of `slice` no longer opens a slice past the window as last
+    /// published, or when `closed` completes. The published window can be a turn old: the
+    /// builder holds what still does not fit.
+    async fn wait_for_room(&self, slice: SliceNumber, closed: impl std::future::Future<Output = ()>) {
+        tokio::pin!(closed);
+        loop {
+            let moved = self.moved.notified();
+            if slice <= self.newest.load(Ordering::Acquire) {
+                return;
+            }
+            tokio::select! {
+                _ = moved => {}
+                _ = &mut closed => return,
+            }
+        }
+    }
+}
+
 /// The reader's side: which gate its frames carry, if its connection may be held.
 #[derive(Debug)]
 pub(crate) struct ConnectionGate {
     gate: Option<Arc<ReadGate>>,
+    edge: Option<Arc<WindowEdge>>,
     source: Option<SourceId>,
 }
 
 impl ConnectionGate {
-    /// `hold`: the run's sources are free-running (`source.saturate`).
-    pub(crate) fn new(hold: bool) -> Self {
-        Self { gate: hold.then(ReadGate::new), source: None }
+    /// `edge`: the builder's window, when the run's sources are free-running
+    /// (`source.saturate`); `None`: never held.
+    pub(crate) fn new(edge: Option<Arc<WindowEdge>>) -> Self {
+        Self { gate: edge.as_ref().map(|_| ReadGate::new()), edge, source: None }
+    }
+
+    /// Before sending a data fragment of `slice`: waits while it would open a slice past
+    /// the builder's window (a connection that may be held only).
+    pub(crate) async fn wait_for_room(&self, slice: SliceNumber, closed: impl std::future::Future<Output = ()>) {
+        if let (Some(_), Some(edge)) = (&self.gate, &self.edge) {
+            edge.wait_for_room(slice, closed).await;
+        }
     }
 
     /// The gate to send with a frame of `source`: none once the connection has carried a
@@ -248,12 +301,32 @@ mod tests {
 
     #[test]
     fn a_connection_of_two_sources_is_never_held() {
-        let mut c = ConnectionGate::new(true);
+        let mut c = ConnectionGate::new(Some(WindowEdge::new()));
         assert!(c.for_frame(3).is_some());
         assert!(c.for_frame(3).is_some());
         assert!(c.for_frame(4).is_none());
         assert!(c.for_frame(3).is_none(), "once shared, always read");
-        assert!(ConnectionGate::new(false).for_frame(1).is_none(), "clocked sources: never held");
+        assert!(ConnectionGate::new(None).for_frame(1).is_none(), "clocked sources: never held");
+    }
+
+    #[tokio::test]
+    async fn a_reader_waits_for_room_in_the_window_as_published() {
+        let edge = WindowEdge::new();
+        let mut c = ConnectionGate::new(Some(edge.clone()));
+        assert!(c.for_frame(0).is_some());
+        c.wait_for_room(10, std::future::pending()).await;
+        edge.publish(Some(7));
+        let waiting = tokio::spawn(async move { c.wait_for_room(10, std::future::pending()).await });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "slice 10 is past a full window ending at 7");
+        edge.publish(Some(9));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "and past one ending at 9");
+        edge.publish(Some(10));
+        waiting.await.expect("slice 10 is in a window ending at 10");
+        edge.publish(Some(3));
+        let shared = ConnectionGate::new(Some(edge.clone()));
+        shared.wait_for_room(10, std::future::ready(())).await;
     }
 
     #[tokio::test]

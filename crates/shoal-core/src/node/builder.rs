@@ -346,6 +346,12 @@ impl<T> BuilderNode<T> {
         self.asm.opens_past_window(slice)
     }
 
+    /// The newest active slice while the window is full
+    /// ([`crate::assembly::SliceAssembler::window_edge`]).
+    pub fn window_edge(&self) -> Option<SliceNumber> {
+        self.asm.window_edge()
+    }
+
     /// The report so far; fragments still held count as pending.
     pub fn report(&self) -> BuilderNodeReport {
         let mut r = self.report.clone();
