@@ -309,8 +309,11 @@ pub struct StreamDecoder {
 /// split off (see [`StreamDecoder::next_frame`]).
 const PIN_RATIO: usize = 4;
 
-/// Room made for a read when the next frame's size is not known (or small).
-pub const READ_RESERVE: usize = 64 * 1024;
+/// Room made for a read when the next frame's size is not known (or small). 16 kB, not 64:
+/// every connection keeps one, and at 10,000 connections 64-kB buffers were 655 MB of the
+/// builder's 1.2 GB, the kernel clearing their pages a fifth of its CPU; with 16 kB its CPU
+/// per GB fell by a fifth there and not at all at 10 connections (docs/benchmarks.md).
+pub const READ_RESERVE: usize = 16 * 1024;
 
 /// Frames at least this long get read buffers of their own size ([`StreamDecoder::prepare_read`]).
 const OWN_BUFFER_MIN: usize = 16 * 1024;
@@ -321,7 +324,8 @@ impl StreamDecoder {
     }
 
     /// Makes room in the receive buffer for the next read. Small frames share a reused
-    /// 64-kB buffer (and are copied out of it, [`StreamDecoder::next_frame`]). Large ones,
+    /// [`READ_RESERVE`] buffer (and are copied out of it when much smaller,
+    /// [`StreamDecoder::next_frame`]). Large ones,
     /// one per connection and slice on a detector, are read into a buffer of about their
     /// own size: the connection's last frame plus an eighth, or exactly the rest of a
     /// frame begun. Such a frame fills its buffer and is split off it without a copy and
