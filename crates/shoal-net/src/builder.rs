@@ -365,11 +365,14 @@ async fn serve_frames<R: crate::framed::ReadSource>(
         } else if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
             break reader.reject("bad_payload", &e.to_string());
         }
+        // Arrived now, whether or not it then waits for room in the window (its delay
+        // includes the wait, as a fragment held by the builder's loop counts its hold).
+        let arrival = clock.now();
         let frame_gate = gate.for_frame(h.source);
         if !h.flags.contains(Flags::END_OF_STREAM) {
             gate.wait_for_room(h.slice, tx.closed()).await;
         }
-        if tx.send(Incoming::Frame { frame, arrival: clock.now(), gate: frame_gate }).await.is_err() {
+        if tx.send(Incoming::Frame { frame, arrival, gate: frame_gate }).await.is_err() {
             break ReadEnd::Clean;
         }
         gate.pass(tx.closed()).await;
