@@ -168,7 +168,7 @@ type HeldConnection = (Arc<ReadGate>, VecDeque<(Frame, Instant)>);
 pub(crate) struct Held {
     queues: HashMap<u64, HeldConnection>,
     /// Each held connection's first fragment: (its slice, the gate). An end of stream is
-    /// keyed slice 0: it goes in as soon as it is first.
+    /// keyed slice 0, which is never past the window: it goes in as soon as it is first.
     heads: BTreeSet<(SliceNumber, u64)>,
     frames: usize,
     /// Times a connection was held.
@@ -182,8 +182,9 @@ fn key(frame: &Frame) -> SliceNumber {
 }
 
 impl Held {
-    /// A frame from a connection with `gate`: held (true) if its connection is held already
-    /// or it would open a slice past the window; otherwise the caller takes it in.
+    /// A frame from a connection with `gate`: held if its connection is held already or it
+    /// would open a slice past the window (`None`); otherwise given back for the caller to
+    /// take in.
     pub(crate) fn offer<T>(
         &mut self,
         node: &BuilderNode<T>,
@@ -193,7 +194,7 @@ impl Held {
     ) -> Option<(Frame, Instant)> {
         if let Some((_, q)) = self.queues.get_mut(&gate.id) {
             q.push_back((frame, arrival));
-        } else if key(&frame) != 0 && node.opens_past_window(frame.header.slice) {
+        } else if node.opens_past_window(key(&frame)) {
             gate.shut();
             self.heads.insert((key(&frame), gate.id));
             self.queues.insert(gate.id, (gate.clone(), VecDeque::from([(frame, arrival)])));
@@ -216,7 +217,7 @@ impl Held {
         mut admit: impl FnMut(&mut BuilderNode<T>, Frame, Instant),
     ) {
         while let Some(&(slice, id)) = self.heads.first() {
-            if !all && slice != 0 && node.opens_past_window(slice) {
+            if !all && node.opens_past_window(slice) {
                 return;
             }
             self.heads.pop_first();
