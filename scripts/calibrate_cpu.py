@@ -8,6 +8,10 @@ take in over the same run (`packet_arrivals`: every host and switch a packet pas
 Prints each run's cost per packet and the median of the unstarved runs, the value to give
 `shoal validate --cpu-cores N --cpu-packet-us X`.
 
+Records of runs with the processes' run queue (`--cpu-wake-us W`) give, too, the time the
+simulated processes waited for a core against the testbed's (`cpu_wait.total_s`, from
+/proc/PID/schedstat): the W at which the median ratio is 1 is the one that matches.
+
     python3 scripts/calibrate_cpu.py docs/bench/validation --cores 2
 """
 import argparse
@@ -22,6 +26,7 @@ def main():
     ap.add_argument("--cores", type=int, default=2, help="the testbed machine's cores")
     a = ap.parse_args()
     costs = []
+    waits = []
     for f in sorted(a.dir.glob("*.json")):
         try:
             r = json.loads(f.read_text())
@@ -38,11 +43,19 @@ def main():
               + ("  (starved, left out)" if starved else ""))
         if not starved:
             costs.append(cost_us)
+            # Records of a run with the run queue (--cpu-wake-us): the processes' wait.
+            bed_wait = bed.get("cpu_wait", {}).get("total_s", 0.0)
+            if sim.get("process_wakeups", 0) > 0 and bed_wait > 0:
+                waits.append(sim["process_wait_s"] / bed_wait)
     if not costs:
         raise SystemExit("no record with packet_arrivals (records of a simulator before the CPU model?)")
     q = statistics.quantiles(costs, n=4) if len(costs) > 1 else [costs[0]] * 3
     print(f"\n{len(costs)} unstarved runs: median {statistics.median(costs):.2f} us per packet "
           f"(quartiles {q[0]:.2f} / {q[2]:.2f})")
+    if waits:
+        q = statistics.quantiles(waits, n=4) if len(waits) > 1 else [waits[0]] * 3
+        print(f"processes' wait for a core, simulated / testbed: median {statistics.median(waits):.2f} "
+              f"(quartiles {q[0]:.2f} / {q[2]:.2f}); 1 is the --cpu-wake-us that matches the testbed's")
 
 
 if __name__ == "__main__":

@@ -118,33 +118,86 @@ pub enum NetEvent<B> {
 }
 
 /// The cores every software node shares: each packet a node (host or switch) takes in
-/// costs one core `per_packet`, served in arrival order by the first core free.
+/// costs one core `per_packet`, and each wake-up of a process (a source woken by its timer,
+/// a builder woken by data to read) costs one core `per_wake`: both served in the order they
+/// ask by the first core free. A process that asks when every core is busy waits in the run
+/// queue, which is where a software host's tail of delays comes from.
 #[derive(Clone, Debug)]
 pub struct SharedCpu {
     free_at: Vec<Instant>,
     per_packet: Duration,
+    per_wake: Duration,
+    busy: Duration,
+    wakes: u64,
+    waited: Duration,
 }
 
 impl SharedCpu {
     pub fn new(cores: usize, per_packet: Duration) -> Self {
-        Self { free_at: vec![Instant::ZERO; cores.max(1)], per_packet }
+        Self {
+            free_at: vec![Instant::ZERO; cores.max(1)],
+            per_packet,
+            per_wake: Duration::ZERO,
+            busy: Duration::ZERO,
+            wakes: 0,
+            waited: Duration::ZERO,
+        }
     }
 
-    /// Core time spent on `packets` taken in ([`Network::arrivals`]).
-    pub fn busy(&self, packets: u64) -> Duration {
-        Duration::from_nanos((self.per_packet.as_nanos() as u64).saturating_mul(packets))
+    /// Processes share the cores too, each wake-up costing `per_wake` (zero: processes take
+    /// no time and never wait, the model per packet alone).
+    pub fn with_wake_cost(mut self, per_wake: Duration) -> Self {
+        self.per_wake = per_wake;
+        self
     }
 
-    /// The cores' busy fraction over `span` for `packets` taken in.
-    pub fn busy_fraction(&self, packets: u64, span: Duration) -> f64 {
-        self.busy(packets).as_secs_f64() / (self.free_at.len() as f64 * span.as_secs_f64()).max(f64::MIN_POSITIVE)
+    /// Whether processes wait for a core ([`SharedCpu::run`]).
+    pub fn has_run_queue(&self) -> bool {
+        !self.per_wake.is_zero()
+    }
+
+    /// Core time spent so far, packets and wake-ups.
+    pub fn busy(&self) -> Duration {
+        self.busy
+    }
+
+    /// Process wake-ups served so far.
+    pub fn wakes(&self) -> u64 {
+        self.wakes
+    }
+
+    /// The time processes spent runnable, waiting for a core, summed (the testbed measures
+    /// the same: `cpu_wait.total_s`).
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// The cores' busy fraction over `span`.
+    pub fn busy_fraction(&self, span: Duration) -> f64 {
+        self.busy.as_secs_f64() / (self.free_at.len() as f64 * span.as_secs_f64()).max(f64::MIN_POSITIVE)
+    }
+
+    /// Reserves the first free core from `now` for `cost`: when the work starts.
+    fn reserve(&mut self, now: Instant, cost: Duration) -> Instant {
+        let core = self.free_at.iter_mut().min().expect("at least one core");
+        let start = (*core).max(now);
+        *core = start + cost;
+        self.busy += cost;
+        start
     }
 
     /// A packet arrives at `now`: when a core has taken it in.
     fn take(&mut self, now: Instant) -> Instant {
-        let core = self.free_at.iter_mut().min().expect("at least one core");
-        *core = (*core).max(now) + self.per_packet;
-        *core
+        self.reserve(now, self.per_packet) + self.per_packet
+    }
+
+    /// A process becomes runnable at `now`: when it gets a core (and runs; it holds the
+    /// core `per_wake` from then).
+    pub fn run(&mut self, now: Instant) -> Instant {
+        self.wakes += 1;
+        let start = self.reserve(now, self.per_wake);
+        self.waited += start - now;
+        start
     }
 }
 
@@ -517,8 +570,28 @@ mod tests {
         assert_eq!(got.iter().map(|g| g.2).collect::<Vec<_>>(), [0, 1, 2, 3]);
         assert_eq!(net.arrivals, 8);
         let cpu = net.cpu.as_ref().unwrap();
-        assert_eq!(cpu.busy(net.arrivals), Duration::from_micros(80));
-        assert!((cpu.busy_fraction(net.arrivals, Duration::from_micros(40)) - 1.0).abs() < 1e-9);
+        assert_eq!(cpu.busy(), Duration::from_micros(80));
+        assert!((cpu.busy_fraction(Duration::from_micros(40)) - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn processes_wait_for_a_core_in_turn() {
+        // Two cores; a wake-up costs 50 us, a packet 10 us. Three processes woken at once:
+        // two run at once, the third when a core is free (50 us, having waited 50). A
+        // packet arriving at 10 us waits for the first core free, the one freed at 50 us.
+        let mut cpu = SharedCpu::new(2, Duration::from_micros(10)).with_wake_cost(Duration::from_micros(50));
+        assert!(cpu.has_run_queue());
+        let t = |us| Instant::ZERO + Duration::from_micros(us);
+        let starts: Vec<_> = (0..3).map(|_| cpu.run(t(0))).collect();
+        assert_eq!(starts, [t(0), t(0), t(50)]);
+        assert_eq!(cpu.take(t(10)), t(60), "taken in when its core is done with it");
+        // A process woken when a core is idle runs at once.
+        assert_eq!(cpu.run(t(500)), t(500));
+        assert_eq!(cpu.wakes(), 4);
+        assert_eq!(cpu.waited(), Duration::from_micros(50));
+        assert_eq!(cpu.busy(), Duration::from_micros(4 * 50 + 10));
+        // Without a wake-up cost there is no run queue.
+        assert!(!SharedCpu::new(2, Duration::from_micros(10)).has_run_queue());
     }
 
     #[test]

@@ -134,6 +134,11 @@ pub struct Topology {
     /// ... the cost of one packet taken in, all the machine's work per packet included
     /// (calibrated from the testbed's CPU use: docs/validation.md).
     pub cpu_packet_us: f64,
+    /// ... and the processes' run queue: every wake-up of a source's or a builder's process
+    /// costs a core this long, and a process woken while every core is busy waits for one
+    /// (a source sends late, a builder reads late). 0: processes never wait (the model per
+    /// packet alone).
+    pub cpu_wake_us: f64,
 }
 
 impl Default for Topology {
@@ -157,6 +162,7 @@ impl Default for Topology {
             shaper_bucket_us: 0.0,
             cpu_cores: 0,
             cpu_packet_us: 0.0,
+            cpu_wake_us: 0.0,
         }
     }
 }
@@ -353,10 +359,14 @@ impl Scenario {
             ("traffic.wake_jitter_us", self.traffic.wake_jitter_us),
             ("topology.shaper_bucket_us", self.topology.shaper_bucket_us),
             ("topology.cpu_packet_us", self.topology.cpu_packet_us),
+            ("topology.cpu_wake_us", self.topology.cpu_wake_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be zero or positive"));
             }
+        }
+        if self.topology.cpu_wake_us > 0.0 && self.topology.cpu_cores == 0 {
+            return Err("topology.cpu_wake_us needs topology.cpu_cores (the cores the processes share)".into());
         }
         if self.topology.host_port_loss_ppm > 1_000_000 {
             return Err("topology.host_port_loss_ppm must be at most 1000000".into());

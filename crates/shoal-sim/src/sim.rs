@@ -100,6 +100,10 @@ enum Ev {
     SliceTick(SliceNumber),
     /// A source node's own earlier timer (token bucket, stall limit, drain deadline).
     SourceWake(u32),
+    /// With the run queue (`topology.cpu_wake_us`): a woken source's process gets a core.
+    SourceRun(u32),
+    /// ... a builder's process, woken by data to read, gets a core and reads all there is.
+    BuilderRun(u32),
     Rto(u32),
     DelAck(u32),
     BuilderWake(u32),
@@ -171,12 +175,26 @@ struct SourceApp {
     /// With wake latency: the timer last drawn for (due, when the host wakes for it), so
     /// that arming the same timer again does not draw again.
     late: Option<(Instant, Instant)>,
+    /// With the run queue: woken and waiting for a core (its [`Ev::SourceRun`] is due).
+    queued: bool,
 }
 
 struct BuilderApp {
     host: NodeId,
     node: BuilderNode<()>,
     wake: Option<Instant>,
+    /// With the run queue: what the kernel holds for the builder's process until it runs
+    /// (frames received in full, datagrams), and whether it is waiting for a core.
+    inbox: Vec<Readable>,
+    queued: bool,
+}
+
+/// What a builder's process reads when it runs.
+enum Readable {
+    /// A TCP frame received in full (the kernel has acknowledged its segments already).
+    Frame { source: u32, slice: SliceNumber, kind: TransmitKind },
+    /// A datagram: the whole packet, read and handled by the process.
+    Packet(NodeId, Packet<Body>),
 }
 
 struct DfmApp {
@@ -243,6 +261,13 @@ pub struct SimSummary {
     /// With the CPU model (`topology.cpu_cores`): the cores' busy fraction over the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_busy_fraction: Option<f64>,
+    /// With the run queue (`topology.cpu_wake_us`): process wake-ups served, sources' and
+    /// builders'.
+    #[serde(default)]
+    pub process_wakeups: u64,
+    /// ... and the time they waited for a core, summed (seconds).
+    #[serde(default)]
+    pub process_wait_s: f64,
     pub udp_ip_fragments_sent: u64,
     pub udp_fragments_sent: u64,
     pub udp_fragments_lost: u64,
@@ -454,7 +479,9 @@ impl World {
         }
         net.build_routes();
         if t.cpu_cores > 0 {
-            net.cpu = Some(crate::net::SharedCpu::new(t.cpu_cores as usize, us(t.cpu_packet_us)));
+            net.cpu = Some(
+                crate::net::SharedCpu::new(t.cpu_cores as usize, us(t.cpu_packet_us)).with_wake_cost(us(t.cpu_wake_us)),
+            );
         }
 
         let tcp_cfg = TcpConfig {
@@ -506,6 +533,7 @@ impl World {
                     node: SourceNode::new(c, Instant::ZERO),
                     wake: None,
                     late: None,
+                    queued: false,
                 }
             })
             .collect();
@@ -525,7 +553,7 @@ impl World {
                     Some(p) => node.with_pull(p),
                     None => node,
                 };
-                BuilderApp { host, node, wake: None }
+                BuilderApp { host, node, wake: None, inbox: Vec::new(), queued: false }
             })
             .collect();
         let dfm = pull.zip(dfm_host).map(|(p, host)| {
@@ -614,7 +642,7 @@ impl World {
             }
             Ev::SliceTick(slice) => {
                 let mut open = false;
-                let late = !self.wake_latency.is_zero();
+                let late = !self.wake_latency.is_zero() || self.run_queue();
                 for s in 0..self.sources.len() as u32 {
                     let node = &mut self.sources[s as usize].node;
                     if let Some(due) = node.poll_timeout().filter(|&t| t <= now) {
@@ -635,10 +663,21 @@ impl World {
                     self.q.schedule(self.slice_clock.end_of(slice + 1), Ev::SliceTick(slice + 1));
                 }
             }
-            Ev::SourceWake(s) => {
+            Ev::SourceWake(s) if self.run_queue() => {
+                // The timer fired: the process waits for a core (once, however many fire).
+                let src = &mut self.sources[s as usize];
+                src.wake = None;
+                if !src.queued {
+                    src.queued = true;
+                    let start = self.net.cpu.as_mut().expect("run queue").run(now);
+                    self.q.schedule(start, Ev::SourceRun(s));
+                }
+            }
+            Ev::SourceWake(s) | Ev::SourceRun(s) => {
                 let mut local = self.local(s, now);
                 let src = &mut self.sources[s as usize];
                 src.wake = None;
+                src.queued = false;
                 // The host woke for the timer it was armed for: its clock has reached it
                 // (rounding in the conversion must not leave it a nanosecond short).
                 if let Some((due, at)) = src.late
@@ -666,6 +705,13 @@ impl World {
                     self.send_ack(now, c);
                 }
                 self.arm_conn(c);
+            }
+            Ev::BuilderRun(b) => {
+                let bl = &mut self.builders[b as usize];
+                bl.queued = false;
+                for item in std::mem::take(&mut bl.inbox) {
+                    self.read(now, b, item);
+                }
             }
             Ev::BuilderWake(b) => {
                 let bl = &mut self.builders[b as usize];
@@ -765,7 +811,7 @@ impl World {
         // Every timer of a software host fires late, the slice tick's (above) and these;
         // a host with a clock of its own fires them when its clock says.
         let due = match due {
-            Some(t) if !self.wake_latency.is_zero() || !ticks => Some(self.late_wake(s, t)),
+            Some(t) if !self.wake_latency.is_zero() || !ticks || self.run_queue() => Some(self.late_wake(s, t)),
             other => other,
         };
         let src = &mut self.sources[s as usize];
@@ -1037,7 +1083,47 @@ impl World {
         }
     }
 
+    /// Whether processes wait for a core (`topology.cpu_wake_us` with the CPU model).
+    fn run_queue(&self) -> bool {
+        self.net.cpu.as_ref().is_some_and(|c| c.has_run_queue())
+    }
+
+    /// Hands `item` to builder `b`'s process: at once, or with the run queue when the
+    /// process next gets a core (everything that arrived by then is read in that turn).
+    fn hand_to_builder(&mut self, now: Instant, b: u32, item: Readable) {
+        if !self.run_queue() {
+            return self.read(now, b, item);
+        }
+        let bl = &mut self.builders[b as usize];
+        bl.inbox.push(item);
+        if !bl.queued {
+            bl.queued = true;
+            let start = self.net.cpu.as_mut().expect("run queue").run(now);
+            self.q.schedule(start, Ev::BuilderRun(b));
+        }
+    }
+
+    /// Builder `b`'s process reads `item`.
+    fn read(&mut self, now: Instant, b: u32, item: Readable) {
+        match item {
+            Readable::Frame { source, slice, kind } => self.frame_arrived(now, source, b, slice, kind),
+            Readable::Packet(host, pkt) => self.receive_now(now, host, pkt),
+        }
+    }
+
+    /// A packet reaches `host`: the kernel's part (TCP) at once, a datagram for a builder
+    /// through its process.
     fn receive(&mut self, now: Instant, host: NodeId, pkt: Packet<Body>) {
+        if self.run_queue()
+            && matches!(pkt.body, Body::Udp { .. } | Body::Dgram(_))
+            && let Some(&b) = self.builder_of_host.get(&host)
+        {
+            return self.hand_to_builder(now, b, Readable::Packet(host, pkt));
+        }
+        self.receive_now(now, host, pkt)
+    }
+
+    fn receive_now(&mut self, now: Instant, host: NodeId, pkt: Packet<Body>) {
         match pkt.body {
             Body::Data { conn: c, seq, len } => {
                 let conn = &mut self.conns[c as usize];
@@ -1055,7 +1141,7 @@ impl World {
                 }
                 let (source, builder) = (conn.source, conn.builder);
                 for (slice, kind) in done {
-                    self.frame_arrived(now, source, builder, slice, kind);
+                    self.hand_to_builder(now, builder, Readable::Frame { source, slice, kind });
                 }
                 self.arm_conn(c);
             }
@@ -1265,7 +1351,9 @@ impl World {
             tcp_timeouts: tos,
             tcp_loss_probes: probes,
             packet_arrivals: self.net.arrivals,
-            cpu_busy_fraction: self.net.cpu.as_ref().map(|c| c.busy_fraction(self.net.arrivals, end - Instant::ZERO)),
+            cpu_busy_fraction: self.net.cpu.as_ref().map(|c| c.busy_fraction(end - Instant::ZERO)),
+            process_wakeups: self.net.cpu.as_ref().map_or(0, |c| c.wakes()),
+            process_wait_s: self.net.cpu.as_ref().map_or(0.0, |c| c.waited().as_secs_f64()),
             udp_ip_fragments_sent: self.udp_ip_sent,
             udp_fragments_sent: self.udp_frags_sent,
             udp_fragments_lost: udp_lost,

@@ -286,3 +286,52 @@ fn hosts_that_wake_apart_do_not_overflow_what_lockstep_boards_do() {
     assert_eq!(again.summary.queue_drops, spread.summary.queue_drops);
     assert_eq!(again.summary.shaping_delay_avg_us, spread.summary.shaping_delay_avg_us);
 }
+
+#[test]
+fn woken_processes_queue_for_the_cores() {
+    // One core, each process wake-up costing 1 ms, and no cost per packet: at each slice's
+    // end the five sources wake together and run one after the other, so the k-th sends k
+    // ms late (2 ms on average). Their 6-kB fragments (five frames at 50 Mbit/s, 1 ms) are
+    // read by the builders' processes between the sources' turns, and everything of a
+    // slice is done well within its 10 ms, so every slice starts with the core idle.
+    let run_queue = |wake_us: f64| {
+        let sc = scenario(&format!(
+            r#"
+            [topology]
+            sources = 5
+            builders = 5
+            board_delay_us = 0.0
+            shore_delay_us = 0.0
+            builder_delay_us = 0.0
+            cpu_cores = 1
+            cpu_wake_us = {wake_us}
+            [traffic]
+            policy = "direct"
+            fragment_bytes = 6000
+            load_s = 1.0
+            relax_s = 0.5
+            "#
+        ));
+        run(&sc).unwrap()
+    };
+    let queued = run_queue(1000.0);
+    balanced(&queued);
+    let s = &queued.summary;
+    assert_eq!(s.slices_incomplete, 0);
+    assert!((s.shaping_delay_avg_us - 2000.0).abs() < 1.0, "send lag {} us", s.shaping_delay_avg_us);
+    assert!((s.shaping_delay_max_us - 4000.0).abs() < 1.0, "send lag max {} us", s.shaping_delay_max_us);
+    // Every source wakes once a slice, and the slice's builder at least once more; a
+    // builder woken while the core is busy reads every frame that came in meanwhile at once.
+    let fragments = s.fragments_produced;
+    assert!(s.process_wakeups >= fragments + s.slices, "wake-ups {}", s.process_wakeups);
+    assert!(s.process_wakeups < 2 * fragments, "wake-ups {}: builders read frames together", s.process_wakeups);
+    // The sources waited 0 + 1 + 2 + 3 + 4 ms a slice, and the builders a little too.
+    let slices = s.slices as f64;
+    assert!(s.process_wait_s >= slices * 10e-3, "waited {} s", s.process_wait_s);
+    assert!(s.cpu_busy_fraction.is_some_and(|f| f > 0.5), "busy {:?}", s.cpu_busy_fraction);
+
+    // Without the run queue the same sources send on time.
+    let free = run_queue(0.0);
+    assert_eq!(free.summary.shaping_delay_avg_us, 0.0);
+    assert_eq!(free.summary.process_wakeups, 0);
+}

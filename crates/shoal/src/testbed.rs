@@ -133,6 +133,10 @@ pub struct ValidateArgs {
     /// ... the cost of one packet taken in (scripts/calibrate_cpu.py).
     #[arg(long, default_value_t = 0.0)]
     pub cpu_packet_us: f64,
+    /// ... and the processes' run queue: each wake-up of a source's or builder's process
+    /// costs a core this long (topology.cpu_wake_us; scripts/calibrate_cpu.py). 0: off.
+    #[arg(long, default_value_t = 0.0)]
+    pub cpu_wake_us: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -417,6 +421,7 @@ fn hosts_model(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> Sc
     hosts.topology.shaper_bucket_us = args.shaper_bucket_us;
     hosts.topology.cpu_cores = args.cpu_cores;
     hosts.topology.cpu_packet_us = args.cpu_packet_us;
+    hosts.topology.cpu_wake_us = args.cpu_wake_us;
     hosts.tcp.rack_tlp = args.tcp_model != TcpModel::Newreno;
     hosts.tcp.sack = args.tcp_model == TcpModel::Linux;
     hosts.tcp.kernel_hz = if args.tcp_model == TcpModel::Linux { args.kernel_hz } else { 0 };

@@ -43,9 +43,28 @@ fn a_recorded_testbed_run_is_compared_with_the_network_it_had() {
     // Every fragment of 6 sources over 2 s of 10 ms slices crossed the simulated network.
     assert_eq!(v["simulator"]["slices_complete"].as_u64(), Some(200), "{}", v["simulator"]);
 
+    assert_eq!(v["simulator"]["process_wakeups"].as_u64(), Some(0), "no run queue unless asked");
+
     let out = validate(&["--json", "--testbed-record", record.to_str().unwrap(), "--tcp-model", "newreno"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["tcp_model"], "newreno");
+
+    // The hosts' CPU with the processes' run queue: the processes wake, and wait.
+    let cpu = ["--cpu-cores", "2", "--cpu-packet-us", "6.75", "--cpu-wake-us", "30"];
+    let out = validate(&[&["--json", "--testbed-record", record.to_str().unwrap()][..], &cpu].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let sim = &v["simulator"];
+    assert!(sim["process_wakeups"].as_u64().unwrap() > 1200, "6 sources x 200 slices, and the builders: {sim}");
+    assert!(sim["process_wait_s"].as_f64().unwrap() > 0.0, "{sim}");
+    // A wake-up cost without the cores to share is a malformed model, refused.
+    let out = validate(&["--testbed-record", record.to_str().unwrap(), "--cpu-wake-us", "30"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cpu_wake_us needs"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
