@@ -37,6 +37,10 @@ use shoal_core::{Duration, Instant};
 pub use sack::SackBlocks;
 use sack::Scoreboard;
 
+/// Linux's floor under the tail-loss probe's and RACK's reordering timeouts
+/// (`TCP_TIMEOUT_MIN_US`).
+const TIMEOUT_FLOOR: Duration = Duration::from_millis(2);
+
 /// TCP parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TcpConfig {
@@ -56,8 +60,10 @@ pub struct TcpConfig {
     /// Linux's loss recovery in full).
     pub sack: bool,
     /// The kernel's timer tick (a jiffy: 4 ms at `CONFIG_HZ=250`), where Linux counts the
-    /// tail-loss probe's timeout in ticks: twice the smoothed RTT rounded up to a tick,
-    /// plus two ticks. None: exact, plus 2 ms (a 1000 Hz kernel, the model before).
+    /// tail-loss probe's and RACK's reordering timeouts: each with its 2-ms floor added,
+    /// then rounded up to whole ticks (Linux since 6.6, "tcp: fix excessive TLP and RACK
+    /// timeouts from HZ rounding"). None: exact, the probe plus 2 ms and the reordering
+    /// timer with no floor (the model before).
     pub tick: Option<Duration>,
 }
 
@@ -261,16 +267,32 @@ impl TcpSender {
             return;
         }
         let Some(srtt) = self.srtt else { return };
-        let (two_srtt, two_ticks) = match self.cfg.tick {
-            Some(tick) if tick > Duration::ZERO => {
-                let ticks = (srtt * 2).as_nanos().div_ceil(tick.as_nanos());
-                (Duration::from_nanos((ticks * tick.as_nanos()) as u64), tick * 2)
-            }
-            _ => (srtt * 2, Duration::from_millis(2)),
-        };
-        let extra = if self.flight() <= self.mss() { self.cfg.min_rto } else { two_ticks };
-        let at = now + two_srtt + extra;
+        let extra = if self.flight() <= self.mss() { self.cfg.min_rto } else { TIMEOUT_FLOOR };
+        let at = now + self.in_ticks(srtt * 2 + extra);
         self.probe_at = Some(self.timer.map_or(at, |rto| at.min(rto)));
+    }
+
+    /// How long a kernel timer set for `wait` takes: whole ticks, rounded up (Linux's
+    /// `usecs_to_jiffies`); exact without a tick.
+    fn in_ticks(&self, wait: Duration) -> Duration {
+        match self.cfg.tick {
+            Some(tick) if tick > Duration::ZERO => {
+                Duration::from_nanos((wait.as_nanos().div_ceil(tick.as_nanos()) * tick.as_nanos()) as u64)
+            }
+            _ => wait,
+        }
+    }
+
+    /// RACK's reordering timer for a segment whose time is up at `due` (Linux's
+    /// `tcp_rack_mark_lost`: the time left plus the 2-ms floor, in ticks); exact without
+    /// a tick (the model before).
+    fn reordering_timer(&self, now: Instant, due: Instant) -> Instant {
+        match self.cfg.tick {
+            Some(tick) if tick > Duration::ZERO => {
+                now + self.in_ticks(due.saturating_duration_since(now) + TIMEOUT_FLOOR)
+            }
+            _ => due,
+        }
     }
 
     /// The tail-loss probe: the next new segment if there is one (whatever the window),
@@ -363,7 +385,7 @@ impl TcpSender {
     /// the window of a recovery for an ACK that delivered `delivered` bytes.
     fn detect_losses(&mut self, now: Instant, delivered: u64, una_advanced: bool) {
         let lost_before = self.board.lost();
-        self.rack_at = self.board.detect_loss(now, self.reo_wnd());
+        self.rack_at = self.board.detect_loss(now, self.reo_wnd()).map(|due| self.reordering_timer(now, due));
         let newly_lost = self.board.lost() > lost_before;
         if self.board.lost() > 0 && !self.in_recovery && !self.in_loss {
             self.enter_sack_recovery();
@@ -1070,13 +1092,42 @@ mod tests {
 
     #[test]
     fn the_tail_loss_probe_waits_in_kernel_ticks() {
-        // 1 ms SRTT; four segments out at 10 ms. Exact: 2 SRTT + 2 ms. At 250 Hz Linux
-        // rounds 2 SRTT up to a 4 ms tick and adds two ticks: 12 ms.
+        // 1 ms SRTT; four segments out at 10 ms. Exact: 2 SRTT + 2 ms. Linux adds the 2-ms
+        // floor, then rounds up to whole ticks: at 250 Hz one 4-ms tick (14 ms, where the
+        // kernels before 6.6 rounded 2 SRTT up to a tick and added two: 22), at 100 Hz
+        // one 10-ms tick.
         let (s, _) = after_one_rtt(with_sack(), 4);
         assert_eq!(s.probe_at, Some(t(14)));
-        let ticks = TcpConfig { tick: Some(Duration::from_millis(4)), ..with_sack() };
-        let (s, _) = after_one_rtt(ticks, 4);
-        assert_eq!(s.probe_at, Some(t(22)));
+        for (tick, at) in [(4, 14), (10, 20)] {
+            let ticks = TcpConfig { tick: Some(Duration::from_millis(tick)), ..with_sack() };
+            let (s, _) = after_one_rtt(ticks, 4);
+            assert_eq!(s.probe_at, Some(t(at)), "{tick}-ms ticks");
+        }
+    }
+
+    #[test]
+    fn the_reordering_timer_waits_in_kernel_ticks() {
+        // Four segments out at 10 ms (1 ms round trip); only the last is SACKed, at 11 ms:
+        // the three before it are lost once a quarter of the minimum RTT has passed since
+        // their round trip, at 11.25 ms. Linux arms its timer for the time left plus the
+        // 2-ms floor, rounded up to ticks: one 4-ms tick at 250 Hz (15 ms).
+        let sack_last = |cfg: TcpConfig| {
+            let (mut s, mut out) = after_one_rtt(cfg, 4);
+            let mut b = SackBlocks::default();
+            assert!(b.push(2 * 1460, 5 * 1460, 6 * 1460));
+            s.handle_ack(t(11), 2 * 1460, &b, &mut out);
+            assert!(out.iter().all(|seg| !seg.retransmission), "not lost yet: {out:?}");
+            s
+        };
+        let exact = sack_last(with_sack());
+        assert_eq!(exact.rack_at, Some(t(11) + Duration::from_micros(250)));
+        let mut linux = sack_last(TcpConfig { tick: Some(Duration::from_millis(4)), ..with_sack() });
+        assert_eq!(linux.rack_at, Some(t(15)));
+        // When it fires, the three are lost and go again (the first at once).
+        let mut out = Vec::new();
+        linux.handle_timeout(t(15), &mut out);
+        assert_eq!(out.first(), Some(&Segment { seq: 2 * 1460, len: 1460, retransmission: true }), "{out:?}");
+        assert_eq!(linux.stats.timeouts, 0);
     }
 
     #[test]
