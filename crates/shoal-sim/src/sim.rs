@@ -642,7 +642,7 @@ impl World {
             }
             Ev::SliceTick(slice) => {
                 let mut open = false;
-                let late = !self.wake_latency.is_zero() || self.run_queue();
+                let late = self.timers_fire_late();
                 for s in 0..self.sources.len() as u32 {
                     let node = &mut self.sources[s as usize].node;
                     if let Some(due) = node.poll_timeout().filter(|&t| t <= now) {
@@ -811,7 +811,7 @@ impl World {
         // Every timer of a software host fires late, the slice tick's (above) and these;
         // a host with a clock of its own fires them when its clock says.
         let due = match due {
-            Some(t) if !self.wake_latency.is_zero() || !ticks || self.run_queue() => Some(self.late_wake(s, t)),
+            Some(t) if self.timers_fire_late() || !ticks => Some(self.late_wake(s, t)),
             other => other,
         };
         let src = &mut self.sources[s as usize];
@@ -1081,6 +1081,12 @@ impl World {
         if let Some(t) = rearm(&mut conn.delack_event, conn.rx.delack_timer()) {
             self.q.schedule(t, Ev::DelAck(c));
         }
+    }
+
+    /// Whether a source's timers fire late, through its wake-up latency or the run queue
+    /// (hardware boards: on time).
+    fn timers_fire_late(&self) -> bool {
+        !self.wake_latency.is_zero() || self.run_queue()
     }
 
     /// Whether processes wait for a core (`topology.cpu_wake_us` with the CPU model).

@@ -272,14 +272,17 @@ impl TcpSender {
         self.probe_at = Some(self.timer.map_or(at, |rto| at.min(rto)));
     }
 
+    /// The kernel's tick, if timers count in ticks.
+    fn kernel_tick(&self) -> Option<Duration> {
+        self.cfg.tick.filter(|t| !t.is_zero())
+    }
+
     /// How long a kernel timer set for `wait` takes: whole ticks, rounded up (Linux's
     /// `usecs_to_jiffies`); exact without a tick.
     fn in_ticks(&self, wait: Duration) -> Duration {
-        match self.cfg.tick {
-            Some(tick) if tick > Duration::ZERO => {
-                Duration::from_nanos((wait.as_nanos().div_ceil(tick.as_nanos()) * tick.as_nanos()) as u64)
-            }
-            _ => wait,
+        match self.kernel_tick() {
+            Some(tick) => Duration::from_nanos((wait.as_nanos().div_ceil(tick.as_nanos()) * tick.as_nanos()) as u64),
+            None => wait,
         }
     }
 
@@ -287,11 +290,9 @@ impl TcpSender {
     /// `tcp_rack_mark_lost`: the time left plus the 2-ms floor, in ticks); exact without
     /// a tick (the model before).
     fn reordering_timer(&self, now: Instant, due: Instant) -> Instant {
-        match self.cfg.tick {
-            Some(tick) if tick > Duration::ZERO => {
-                now + self.in_ticks(due.saturating_duration_since(now) + TIMEOUT_FLOOR)
-            }
-            _ => due,
+        match self.kernel_tick() {
+            Some(_) => now + self.in_ticks(due.saturating_duration_since(now) + TIMEOUT_FLOOR),
+            None => due,
         }
     }
 
