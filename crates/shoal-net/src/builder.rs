@@ -402,6 +402,17 @@ pub async fn run_builder(
     let max_payload = cfg.max_payload();
     // Free-running sources are held back by their connections, not pushed out incomplete.
     let edge = (cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp)).then(WindowEdge::new);
+    if edge.is_some() {
+        // Held connections keep their data in the kernel's TCP memory, which all of them
+        // share: many of them get smaller buffers (`crate::listen::KernelShare`).
+        match crate::listen::KernelShare::of_this_host().map(|k| k.apply(&listener, u64::from(n_sources))) {
+            Some(Ok(Some(size))) => {
+                info!(builder = id, n_sources, receive_buffer = size, "data connections share the kernel's TCP memory")
+            }
+            Some(Err(e)) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
+            _ => {}
+        }
+    }
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
     // Ends the datagram task with this function, also when it is aborted.

@@ -5,6 +5,12 @@
 //! handshake's last ACK while the client already counts the connection as open, writes its
 //! data into its own socket buffer and closes, and the data never reaches the builder.
 //! Data ports ask for the kernel's most (`net.core.somaxconn`, 4,096 by default).
+//!
+//! A builder that holds free-running sources back ([`crate::hold`]) leaves their data in
+//! the kernel, and the kernel's TCP memory is one pool for every socket of the host
+//! (`net.ipv4.tcp_mem`). Thousands of held connections, each with the default receive
+//! buffer, fill it: the kernel then drops what arrives on the connection the builder waits
+//! for, and the builder waits for ever ([`KernelShare`]).
 
 use std::net::SocketAddr;
 
@@ -23,6 +29,61 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)?;
     TcpListener::from_std(socket.into())
+}
+
+/// The receive buffer each of a builder's held data connections may take, so that all of
+/// them together stay within a quarter of the kernel's TCP memory before pressure.
+///
+/// Measured (docs/benchmarks.md "Connection scaling"): 10,000 saturating sources sending
+/// 4 GB to one builder on this 24-GiB machine (pressure at 1.5 GB) filled the pool within
+/// 15 s; the kernel dropped every segment of the connection the oldest slice waited for,
+/// the builder waited with 1.7 GB in socket queues, and the sources, having exited, lost
+/// their unsent data when the kernel gave up on them. With 32 kB a connection the same
+/// run completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelShare {
+    /// `net.ipv4.tcp_mem`'s pressure threshold, in bytes.
+    pub pressure_bytes: u64,
+    /// `net.ipv4.tcp_rmem`'s default, the buffer a connection starts with.
+    pub default_receive: u64,
+}
+
+/// Smallest receive buffer set: a few 4-kB fragments with their headers.
+pub const MIN_HELD_RECEIVE_BUFFER: usize = 16 << 10;
+
+impl KernelShare {
+    /// This host's figures, from `/proc/sys/net/ipv4` (`None` where they cannot be read).
+    pub fn of_this_host() -> Option<Self> {
+        let read = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).ok();
+        let field = |text: &str, i: usize| text.split_whitespace().nth(i)?.parse::<u64>().ok();
+        let pressure_pages = field(&read("tcp_mem")?, 1)?;
+        let default_receive = field(&read("tcp_rmem")?, 1)?;
+        Some(Self { pressure_bytes: pressure_pages * page_size(), default_receive })
+    }
+
+    /// The receive buffer to ask for (`SO_RCVBUF`) when `connections` may be held at once;
+    /// `None` where the default fits (then the kernel's autotuning stays on).
+    pub fn receive_buffer(&self, connections: u64) -> Option<usize> {
+        // SO_RCVBUF's value is doubled by the kernel for its bookkeeping: a connection can
+        // take twice what is asked.
+        let each = self.pressure_bytes / 4 / connections.max(1) / 2;
+        (each < self.default_receive).then(|| (each as usize).max(MIN_HELD_RECEIVE_BUFFER))
+    }
+
+    /// Sets the listener's receive buffer (accepted connections inherit it) for `connections`
+    /// held at once; returns what was set.
+    pub fn apply(&self, listener: &TcpListener, connections: u64) -> std::io::Result<Option<usize>> {
+        let Some(size) = self.receive_buffer(connections) else { return Ok(None) };
+        socket2::SockRef::from(listener).set_recv_buffer_size(size)?;
+        Ok(Some(size))
+    }
+}
+
+#[allow(unsafe_code)]
+fn page_size() -> u64 {
+    // SAFETY: sysconf takes an integer and reads no memory of the process.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as u64 } else { 4096 }
 }
 
 /// How long a new data connection has to deliver its first whole frame before it is closed
@@ -56,5 +117,43 @@ impl ConnectionLimit {
 
     pub fn limit(&self) -> usize {
         self.limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This machine's figures: 24 GiB, pressure at 383,868 pages, 128-kB default buffers.
+    const HOST: KernelShare = KernelShare { pressure_bytes: 383_868 * 4096, default_receive: 131_072 };
+
+    #[test]
+    fn only_many_held_connections_get_a_smaller_receive_buffer() {
+        assert_eq!(HOST.receive_buffer(10), None, "the default fits: autotuning stays on");
+        assert_eq!(HOST.receive_buffer(1_000), None);
+        // 10,000 connections: a quarter of 1.57 GB shared, halved for the kernel's doubling.
+        assert_eq!(HOST.receive_buffer(10_000), Some(19_654));
+        assert_eq!(HOST.receive_buffer(10_000_000), Some(MIN_HELD_RECEIVE_BUFFER));
+        assert_eq!(HOST.receive_buffer(0), None, "no connection expected is one");
+    }
+
+    #[test]
+    fn this_host_s_figures_are_read() {
+        let share = KernelShare::of_this_host().expect("Linux exposes tcp_mem and tcp_rmem");
+        assert!(share.pressure_bytes > 0 && share.default_receive > 0);
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_inherit_the_listener_s_buffer() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let set = HOST.apply(&listener, 10_000).unwrap().expect("smaller than the default");
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (accepted, _) = accepted.unwrap();
+        drop(client);
+        let got = socket2::SockRef::from(&accepted).recv_buffer_size().unwrap();
+        assert_eq!(got, 2 * set, "the kernel doubles what is asked");
+        let untouched = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        assert_eq!(HOST.apply(&untouched, 10).unwrap(), None);
     }
 }
