@@ -199,8 +199,26 @@ enum Incoming {
 }
 
 /// Writes queued control frames to one connection until the queue closes or a write fails.
-pub(crate) async fn write_queued(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>) {
-    while let Some(b) = rx.recv().await {
+pub(crate) async fn write_queued(w: OwnedWriteHalf, rx: mpsc::UnboundedReceiver<Bytes>) {
+    write_queued_until(w, rx, CancellationToken::new()).await
+}
+
+/// [`write_queued`] that also closes once `ended` is cancelled (after what is queued by
+/// then): a source connection whose reader has seen the source's end. The source waits for
+/// this close before its process may end (`crate::link`'s `PeerEnd`); in pull the request
+/// queue's other ends live on in the routes until the run is over.
+pub(crate) async fn write_queued_until(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    ended: CancellationToken,
+) {
+    loop {
+        let b = tokio::select! {
+            biased;
+            b = rx.recv() => b,
+            _ = ended.cancelled() => rx.try_recv().ok(),
+        };
+        let Some(b) = b else { break };
         if w.write_all(&b).await.is_err() {
             return;
         }
@@ -296,10 +314,12 @@ async fn read_connection(
     let (read, write) = stream.into_split();
     // Pull requests for the sources that greet us go back on this connection.
     let (requests, requests_rx) = mpsc::unbounded_channel();
-    tokio::spawn(write_queued(write, requests_rx));
+    let ended = CancellationToken::new();
+    tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
     let reader =
         FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
     serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
+    ended.cancel();
 }
 
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
@@ -315,10 +335,12 @@ fn uring_connection(
     Box::new(move |stream| {
         Box::pin(async move {
             let (requests, requests_rx) = mpsc::unbounded_channel();
-            tokio_uring::spawn(stream.clone().write_queued(requests_rx));
+            let ended = CancellationToken::new();
+            tokio_uring::spawn(stream.clone().write_queued(requests_rx, ended.clone()));
             let reader = FrameReader::new(stream, peer, max_payload, cancel)
                 .first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
             serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
+            ended.cancel();
             drop(place);
         })
     })

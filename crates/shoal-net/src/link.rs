@@ -86,6 +86,45 @@ pub struct LinkOptions {
     /// Where requests read from the connection go, with the link's id; `None`: the link
     /// does not read.
     pub requests: Option<mpsc::UnboundedSender<(u32, PullRequestFrame)>>,
+    /// At the end, wait until the peer has closed its side too ([`PeerEnd`]) before the
+    /// task ends: a source's data links.
+    pub wait_for_peer_close: bool,
+}
+
+/// What tells a link that its peer has closed the connection: the read half, or the task
+/// reading the peer's requests (which ends at the peer's close).
+///
+/// A source that ends its process with data still in its socket leaves the kernel to
+/// deliver it. The kernel gives up on such an orphaned connection after a few probes of a
+/// closed window (`net.ipv4.tcp_orphan_retries`, about a minute), sends nothing to say so,
+/// and the data never arrives: a builder holding the connection back (`crate::hold`) or
+/// slower than the sources for a minute would lose it unseen. So a source's link waits
+/// until its builder has read its end of stream and closed, bounded by the source's drain
+/// time.
+#[derive(Debug)]
+enum PeerEnd {
+    Read(tokio::net::tcp::OwnedReadHalf),
+    Reader(tokio::task::JoinHandle<()>),
+}
+
+impl PeerEnd {
+    /// Returns once the peer has closed (or the connection failed).
+    async fn closed(self) {
+        match self {
+            PeerEnd::Read(mut r) => {
+                let mut discard = [0u8; 512];
+                // Nothing is expected here; whatever comes is read and dropped until the end.
+                while let Ok(n) = tokio::io::AsyncReadExt::read(&mut r, &mut discard).await {
+                    if n == 0 {
+                        return;
+                    }
+                }
+            }
+            PeerEnd::Reader(task) => {
+                let _ = task.await;
+            }
+        }
+    }
 }
 
 /// A request read from a link: the peer asks for the fragment of (`source`, `slice`).
@@ -163,22 +202,24 @@ async fn back_off(delay: &mut Duration, max: Duration, closing: &CancellationTok
     *delay = (*delay * 2).min(max);
 }
 
-/// Connects, greets and starts the request reader; returns the write half.
-async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<OwnedWriteHalf> {
+/// Connects, greets and starts the request reader; returns the write half and what
+/// tells of the peer's close.
+async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<(OwnedWriteHalf, PeerEnd)> {
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let (read, mut write) = s.into_split();
     for &source in &options.hello {
         write.write_all(&PullMessage::SourceHello { source }.encode()).await?;
     }
-    if let Some(requests) = options.requests.clone() {
-        tokio::spawn(read_requests(
+    let peer = match options.requests.clone() {
+        Some(requests) => PeerEnd::Reader(tokio::spawn(read_requests(
             FrameReader::new(read, addr, DEFAULT_MAX_PAYLOAD, CancellationToken::new()),
             id,
             requests,
-        ));
-    }
-    Ok(write)
+        ))),
+        None => PeerEnd::Read(read),
+    };
+    Ok((write, peer))
 }
 
 /// Reads a pull peer's requests until the connection ends; anything else closes it.
@@ -216,6 +257,7 @@ async fn read_requests(
 struct Connection {
     registered: Option<crate::paths::Registered>,
     write: OwnedWriteHalf,
+    peer: PeerEnd,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -232,8 +274,11 @@ async fn run(
 ) {
     let mut stream: Option<Connection> = None;
     let paths = options.paths.clone();
-    let connection =
-        |write: OwnedWriteHalf| Connection { registered: paths.as_ref().map(|p| p.register(write.as_ref())), write };
+    let connection = |(write, peer): (OwnedWriteHalf, PeerEnd)| Connection {
+        registered: paths.as_ref().map(|p| p.register(write.as_ref())),
+        write,
+        peer,
+    };
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
@@ -329,6 +374,9 @@ async fn run(
         // The counters are read one last time while the socket is open.
         c.registered = None;
         let _ = c.write.shutdown().await;
+        if options.wait_for_peer_close {
+            c.peer.closed().await;
+        }
         info!(link = id, %addr, "closed");
     }
 }
@@ -351,4 +399,53 @@ fn fail(
         *skipping = Some((chunk.source, chunk.slice));
     }
     let _ = reports.send(LinkReport::Failed { link: id, source: chunk.source, slice: chunk.slice });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// A link to a peer that reads everything and stays open; returns the link's task once
+    /// the peer has read the link's end (its shutdown), with the peer still open.
+    async fn link_read_to_its_end(wait_for_peer_close: bool) -> (tokio::task::JoinHandle<()>, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (reports, mut sent) = mpsc::unbounded_channel();
+        let backoff = Backoff { min: Duration::from_millis(1), max: Duration::from_millis(10) };
+        let options = LinkOptions { wait_for_peer_close, ..LinkOptions::default() };
+        let link = Link::spawn_with(
+            0,
+            listener.local_addr().unwrap(),
+            WallClock::new(),
+            backoff,
+            reports,
+            CancellationToken::new(),
+            options,
+        );
+        link.send(Chunk::frame(7, 1, [0; HEADER_LEN], Bytes::from_static(b"payload")));
+        let task = link.close();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got.len(), HEADER_LEN + 7);
+        assert_eq!(sent.recv().await, Some(LinkReport::Sent { link: 0, source: 7, slice: 1 }));
+        (task, peer)
+    }
+
+    #[tokio::test]
+    async fn a_source_link_ends_only_once_its_peer_has_closed() {
+        let (task, peer) = link_read_to_its_end(true).await;
+        // The link has shut its side (the peer read to the end) and can only be waiting
+        // for the peer: nothing else can end it.
+        tokio::task::yield_now().await;
+        assert!(!task.is_finished(), "the peer is still open");
+        drop(peer);
+        tokio::time::timeout(Duration::from_secs(60), task).await.expect("ends at the peer's close").unwrap();
+    }
+
+    #[tokio::test]
+    async fn other_links_end_after_their_shutdown() {
+        let (task, _open_peer) = link_read_to_its_end(false).await;
+        tokio::time::timeout(Duration::from_secs(60), task).await.expect("ends without the peer").unwrap();
+    }
 }

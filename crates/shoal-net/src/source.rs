@@ -111,11 +111,16 @@ pub async fn run_source_with(
     let closing = CancellationToken::new();
     // Pull: each link greets its builder for every hosted source and reads its requests.
     let (request_tx, mut requests) = mpsc::unbounded_channel();
+    // Every data link waits for its builder's close before it ends (`crate::link`'s
+    // `PeerEnd`): nothing is left for the kernel to deliver after this process is gone.
     let options = match node_cfg.policy.pull() {
-        Some(_) => {
-            LinkOptions { hello: node_cfg.sources.clone(), requests: Some(request_tx), paths: Some(live.paths.clone()) }
-        }
-        None => LinkOptions { paths: Some(live.paths.clone()), ..LinkOptions::default() },
+        Some(_) => LinkOptions {
+            hello: node_cfg.sources.clone(),
+            requests: Some(request_tx),
+            paths: Some(live.paths.clone()),
+            wait_for_peer_close: true,
+        },
+        None => LinkOptions { paths: Some(live.paths.clone()), wait_for_peer_close: true, ..LinkOptions::default() },
     };
     let transport = cfg.transport()?;
     let spawn = |b: usize, options: LinkOptions| match transport {
@@ -238,7 +243,10 @@ pub async fn run_source_with(
         }
     };
     if tokio::time::timeout(StdDuration::from_millis(cfg.source.drain_timeout_ms.max(1000)), collect).await.is_err() {
-        warn!("links did not finish in time; their queued fragments count as unsent");
+        warn!(
+            "links did not finish in time (a builder neither took everything nor closed): their queued \
+             fragments count as unsent, and what the kernel still held for them may not arrive"
+        );
         for t in &tasks {
             t.abort();
         }

@@ -116,10 +116,21 @@ impl ReadSource for UringStream {
 }
 
 impl UringStream {
-    /// Writes queued control frames until the queue closes or a write fails, then shuts
-    /// the sending side (the io_uring twin of `builder::write_queued`).
-    pub async fn write_queued(self, mut rx: mpsc::UnboundedReceiver<Bytes>) {
-        while let Some(b) = rx.recv().await {
+    /// Writes queued control frames until the queue closes, `ended` is cancelled or a
+    /// write fails, then shuts the sending side (the io_uring twin of
+    /// `builder::write_queued_until`).
+    pub async fn write_queued(
+        self,
+        mut rx: mpsc::UnboundedReceiver<Bytes>,
+        ended: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            let b = tokio::select! {
+                biased;
+                b = rx.recv() => b,
+                _ = ended.cancelled() => rx.try_recv().ok(),
+            };
+            let Some(b) = b else { break };
             let (result, _) = self.0.write_all(b).await;
             if result.is_err() {
                 return;
