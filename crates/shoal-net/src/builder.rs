@@ -427,12 +427,15 @@ pub async fn run_builder(
     if edge.is_some() {
         // Held connections keep their data in the kernel's TCP memory, which all of them
         // share: many of them get smaller buffers (`crate::listen::KernelShare`).
-        match crate::listen::KernelShare::of_this_host().map(|k| k.apply(&listener, u64::from(n_sources))) {
-            Some(Ok(Some(size))) => {
-                info!(builder = id, n_sources, receive_buffer = size, "data connections share the kernel's TCP memory")
+        let size = match cfg.builder.held_receive_buffer {
+            0 => crate::listen::KernelShare::of_this_host().and_then(|k| k.receive_buffer(u64::from(n_sources))),
+            asked => Some(asked as usize),
+        };
+        if let Some(size) = size {
+            match crate::listen::set_receive_buffer(&listener, size) {
+                Ok(()) => info!(builder = id, n_sources, receive_buffer = size, "data connections' receive buffer"),
+                Err(e) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
             }
-            Some(Err(e)) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
-            _ => {}
         }
     }
 

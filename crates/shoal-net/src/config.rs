@@ -449,6 +449,11 @@ pub struct BuilderConfig {
     /// Fault injection: the filter takes at least this long per slice, ms (0: off). A
     /// filter too slow for the load, for the fault matrix (docs/reliability.md).
     pub fault_filter_ms_per_slice: u64,
+    /// Receive buffer of each data connection when free-running sources are held back,
+    /// bytes: 0 (the default) sizes it from the host's TCP memory and the number of sources
+    /// (`listen::KernelShare`: the kernel default up to about 6,000 sources); any other
+    /// value is asked for as it is (the kernel doubles it).
+    pub held_receive_buffer: u64,
     /// How TCP data connections are read: `epoll` (tokio, the default) or `io_uring`
     /// (one thread with a tokio-uring runtime; see docs/benchmarks.md).
     pub receive: ReceivePath,
@@ -511,6 +516,7 @@ impl Default for BuilderConfig {
             id: 0,
             listen: None,
             max_active: 5,
+            held_receive_buffer: 0,
             wall_timeout_ms: 2_000,
             memory_budget_mb: 512,
             max_payload_mb: 16,
