@@ -212,18 +212,22 @@ pub(crate) async fn write_queued_until(
     mut rx: mpsc::UnboundedReceiver<Bytes>,
     ended: CancellationToken,
 ) {
-    loop {
-        let b = tokio::select! {
-            biased;
-            b = rx.recv() => b,
-            _ = ended.cancelled() => rx.try_recv().ok(),
-        };
-        let Some(b) = b else { break };
+    while let Some(b) = next_queued(&mut rx, &ended).await {
         if w.write_all(&b).await.is_err() {
             return;
         }
     }
     let _ = w.shutdown().await;
+}
+
+/// The next control frame to write on a source connection: `None` once the queue has
+/// closed, or once `ended` is cancelled and nothing is left queued.
+pub(crate) async fn next_queued(rx: &mut mpsc::UnboundedReceiver<Bytes>, ended: &CancellationToken) -> Option<Bytes> {
+    tokio::select! {
+        biased;
+        b = rx.recv() => b,
+        _ = ended.cancelled() => rx.try_recv().ok(),
+    }
 }
 
 /// Builder `id`'s end of stream (to the writer, and in pull to the data-flow manager).

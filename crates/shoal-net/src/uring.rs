@@ -124,13 +124,7 @@ impl UringStream {
         mut rx: mpsc::UnboundedReceiver<Bytes>,
         ended: tokio_util::sync::CancellationToken,
     ) {
-        loop {
-            let b = tokio::select! {
-                biased;
-                b = rx.recv() => b,
-                _ = ended.cancelled() => rx.try_recv().ok(),
-            };
-            let Some(b) = b else { break };
+        while let Some(b) = crate::builder::next_queued(&mut rx, &ended).await {
             let (result, _) = self.0.write_all(b).await;
             if result.is_err() {
                 return;
