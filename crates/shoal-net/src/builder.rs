@@ -428,18 +428,14 @@ pub async fn run_builder(
     let max_payload = cfg.max_payload();
     // Free-running sources are held back by their connections, not pushed out incomplete.
     let edge = (cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp)).then(WindowEdge::new);
-    if edge.is_some() {
-        // Held connections keep their data in the kernel's TCP memory, which all of them
-        // share: many of them get smaller buffers (`crate::listen::KernelShare`).
-        let size = match cfg.builder.held_receive_buffer {
-            0 => crate::listen::KernelShare::of_this_host().and_then(|k| k.receive_buffer(u64::from(n_sources))),
-            asked => Some(asked as usize),
-        };
-        if let Some(size) = size {
-            match crate::listen::set_receive_buffer(&listener, size) {
-                Ok(()) => info!(builder = id, n_sources, receive_buffer = size, "data connections' receive buffer"),
-                Err(e) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
-            }
+    // Held connections keep their data in the kernel's TCP memory, which all of them
+    // share: many of them get smaller buffers (`crate::listen::KernelShare`).
+    if edge.is_some()
+        && let Some(size) = crate::listen::held_receive_buffer(cfg.builder.held_receive_buffer, n_sources.into())
+    {
+        match crate::listen::set_receive_buffer(&listener, size) {
+            Ok(()) => info!(builder = id, n_sources, receive_buffer = size, "data connections' receive buffer"),
+            Err(e) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
         }
     }
 

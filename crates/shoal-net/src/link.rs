@@ -96,7 +96,7 @@ pub struct LinkOptions {
 ///
 /// A source that ends its process with data still in its socket leaves the kernel to
 /// deliver it. The kernel gives up on such an orphaned connection after a few probes of a
-/// closed window (`net.ipv4.tcp_orphan_retries`, about a minute), sends nothing to say so,
+/// closed window (`net.ipv4.tcp_orphan_retries`, a minute or two), sends nothing to say so,
 /// and the data never arrives: a builder holding the connection back (`crate::hold`) or
 /// slower than the sources for a minute would lose it unseen. So a source's link waits
 /// until its builder has read its end of stream and closed, bounded by the source's drain

@@ -40,8 +40,9 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// the builder waited with 1.7 GB in socket queues, and the sources, having exited, lost
 /// their unsent data when the kernel gave up on them. Asking for 64 kB a connection (1.3 GB
 /// in all, which the kernel doubles) the same run stalled too; 32 and 39 kB (0.42 and 0.5
-/// of the pool) completed. Smaller buffers cost the builder CPU (a fifth more at 10,000
-/// connections, docs/benchmarks.md), so the share is the larger of the two.
+/// of the pool) completed. Smaller buffers cost the builder CPU at 10,000 connections (13 %
+/// more per GB with half the pool, about a quarter with a quarter; docs/benchmarks.md), so
+/// the share is the larger of the two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelShare {
     /// `net.ipv4.tcp_mem`'s pressure threshold, in bytes.
@@ -70,6 +71,16 @@ impl KernelShare {
         // take twice what is asked.
         let each = self.pressure_bytes / 2 / connections.max(1) / 2;
         (2 * each < self.default_receive).then(|| (each as usize).max(MIN_HELD_RECEIVE_BUFFER))
+    }
+}
+
+/// The receive buffer for `connections` held data connections (`builder.held_receive_buffer`):
+/// `asked` bytes, or with 0 this host's share ([`KernelShare::receive_buffer`]); `None`:
+/// the kernel's default and autotuning.
+pub fn held_receive_buffer(asked: u64, connections: u64) -> Option<usize> {
+    match asked {
+        0 => KernelShare::of_this_host()?.receive_buffer(connections),
+        asked => Some(asked as usize),
     }
 }
 

@@ -113,15 +113,12 @@ pub async fn run_source_with(
     let (request_tx, mut requests) = mpsc::unbounded_channel();
     // Every data link waits for its builder's close before it ends (`crate::link`'s
     // `PeerEnd`): nothing is left for the kernel to deliver after this process is gone.
-    let options = match node_cfg.policy.pull() {
-        Some(_) => LinkOptions {
-            hello: node_cfg.sources.clone(),
-            requests: Some(request_tx),
-            paths: Some(live.paths.clone()),
-            wait_for_peer_close: true,
-        },
-        None => LinkOptions { paths: Some(live.paths.clone()), wait_for_peer_close: true, ..LinkOptions::default() },
-    };
+    let mut options =
+        LinkOptions { paths: Some(live.paths.clone()), wait_for_peer_close: true, ..LinkOptions::default() };
+    if node_cfg.policy.pull().is_some() {
+        options.hello = node_cfg.sources.clone();
+        options.requests = Some(request_tx);
+    }
     let transport = cfg.transport()?;
     let spawn = |b: usize, options: LinkOptions| match transport {
         Transport::Tcp => DataLink::Tcp(Link::spawn_with(
