@@ -22,6 +22,8 @@
 //!   slices, saved on an external [`alert::Alert`], and the late-data side stream.
 //! - [`rawrec`]: raw-data records (saved fragments, alert descriptions) as `RAW` frames.
 //! - [`ledger`]: fragment accounting; every fragment ends in exactly one bucket.
+//! - [`loghist`]: a small log-linear histogram of durations ([`loghist::LogHistogram`]),
+//!   the shape of a measured lag carried to the simulator's model of it.
 //! - [`ingest`]: fragments submitted by user code (the source SDK, input sockets): slice
 //!   assignment from the data's own time, refusals, back-pressure, late data, end of run,
 //!   and the input sockets' framing ([`ingest::wire`]).
@@ -63,6 +65,7 @@ pub mod hit;
 pub mod ingest;
 pub mod km3net;
 pub mod ledger;
+pub mod loghist;
 pub mod node;
 pub mod probe;
 pub mod pullmsg;

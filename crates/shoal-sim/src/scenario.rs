@@ -233,6 +233,11 @@ pub struct Traffic {
     /// ... plus an exponential delay with this mean per wake-up. Both 0 (the default):
     /// hardware boards, in lockstep.
     pub wake_jitter_us: f64,
+    /// ... or, when given, a delay drawn from this measured distribution (µs, a source
+    /// node's `slice_end_lag_us`: `shoal validate` passes the testbed's) instead of the
+    /// exponential; `wake_jitter_us` is then only reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wake_lag_us: Option<shoal_core::loghist::LogHistogram>,
 }
 
 impl Default for Traffic {
@@ -259,6 +264,7 @@ impl Default for Traffic {
             stall_limit_slices: 2,
             wake_phase_us: 0.0,
             wake_jitter_us: 0.0,
+            wake_lag_us: None,
         }
     }
 }

@@ -241,6 +241,11 @@ pub struct SimSummary {
     pub network_delay_steady_avg_us: f64,
     pub network_delay_steady_p99_us: f64,
     pub network_delay_steady_max_us: f64,
+    /// The p99 of each builder's steady delays, the largest of them: the statistic the
+    /// testbed reports (each builder process keeps its own histogram, and a run's p99 is
+    /// its worst builder's), so `shoal validate` compares like with like.
+    #[serde(default)]
+    pub network_delay_steady_p99_worst_builder_us: f64,
     pub shaping_delay_avg_us: f64,
     pub shaping_delay_p99_us: f64,
     pub shaping_delay_max_us: f64,
@@ -602,6 +607,7 @@ impl World {
                 n_sources,
                 sc.traffic.wake_phase_us,
                 sc.traffic.wake_jitter_us,
+                sc.traffic.wake_lag_us.clone(),
                 sc.seed,
             ),
             nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
@@ -1267,6 +1273,7 @@ impl World {
 
         let mut net_delays: Vec<u64> = Vec::new();
         let mut steady: Vec<u64> = Vec::new();
+        let mut steady_by_builder: Vec<Vec<u64>> = vec![Vec::new(); self.builders.len()];
         let mut shaping: Vec<u64> = Vec::new();
         let steady_from = shoal_core::node::steady_from(0, self.slice_clock);
         for r in &self.records {
@@ -1277,6 +1284,9 @@ impl World {
                     net_delays.push(r.arrived_ns - r.sent_ns);
                     if r.slice >= steady_from {
                         steady.push(r.arrived_ns - r.sent_ns);
+                        if let Some(v) = steady_by_builder.get_mut(r.builder as usize) {
+                            v.push(r.arrived_ns - r.sent_ns);
+                        }
                     }
                 }
             }
@@ -1292,6 +1302,7 @@ impl World {
         };
         let (na, np, nm) = stats(&mut net_delays);
         let (steady_avg, steady_p99, steady_max) = stats(&mut steady);
+        let steady_p99_worst_builder = steady_by_builder.iter_mut().map(|v| stats(v).1).fold(0.0, f64::max);
         let (sa, sp, sm) = stats(&mut shaping);
         // Per slice (a record for every source and slice): its last arrival, or None once
         // a fragment of it never arrived.
@@ -1344,6 +1355,7 @@ impl World {
             network_delay_steady_avg_us: steady_avg,
             network_delay_steady_p99_us: steady_p99,
             network_delay_steady_max_us: steady_max,
+            network_delay_steady_p99_worst_builder_us: steady_p99_worst_builder,
             network_delay_p99_us: np,
             network_delay_max_us: nm,
             shaping_delay_avg_us: sa,

@@ -85,8 +85,14 @@ impl Verdict {
         }
     }
 
+    /// With the testbed's p99: the worst builder's.
     pub fn of_simulation(s: &SimSummary) -> Verdict {
-        Verdict::judge(s.slices_complete, s.slices_incomplete, s.network_delay_steady_p99_us, s.tcp_timeouts)
+        Verdict::judge(
+            s.slices_complete,
+            s.slices_incomplete,
+            s.network_delay_steady_p99_worst_builder_us,
+            s.tcp_timeouts,
+        )
     }
 }
 
@@ -113,10 +119,19 @@ pub struct TestbedSummary {
     pub network_delay_steady_avg_us: f64,
     pub network_delay_steady_p99_us: f64,
     pub network_delay_steady_max_us: f64,
+    /// The steady p99 over every builder's fragments together (from their histograms;
+    /// `None` in records made before builders reported them). The simulator's
+    /// `network_delay_steady_p99_us` is this statistic.
+    #[serde(default)]
+    pub network_delay_steady_p99_pooled_us: Option<f64>,
     /// How late the source processes woke after a slice end, on average (their nodes'
     /// `slice_end_lag`): the host's wake-up latency, whatever the policy. `shoal validate`
     /// gives it to the simulator's wake-up model.
     pub source_wake_lag_avg_us: f64,
+    /// Their distribution, every source pooled (µs; `None` in records made before source
+    /// nodes kept it): `shoal validate` draws the simulator's wake-ups from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_wake_lag_us: Option<shoal_core::loghist::LogHistogram>,
     /// Slice end to the fragment's send stamp. With `direct` this is only the hosts'
     /// wake-up latency (timers, scheduling), which the simulator models as
     /// `traffic.wake_phase_us` and `traffic.wake_jitter_us`; p50 and p99 are the largest
@@ -493,6 +508,30 @@ impl DelayPool {
     }
 }
 
+/// Builders' delay histograms added together, from their reports' `[µs, count]` pairs.
+#[derive(Default)]
+struct PooledHistogram {
+    hist: Option<hdrhistogram::Histogram<u64>>,
+}
+
+impl PooledHistogram {
+    fn add(&mut self, counts: &serde_json::Value) {
+        let Some(pairs) = counts.as_array() else { return };
+        let h = self.hist.get_or_insert_with(shoal_net::builder::new_histogram);
+        for pair in pairs {
+            if let (Some(v), Some(n)) = (pair[0].as_u64(), pair[1].as_u64()) {
+                // Within the builders' own bounds, so it cannot fail; skip what could.
+                let _ = h.record_n(v, n);
+            }
+        }
+    }
+
+    /// `None` when no builder reported a histogram (an older binary) or none had data.
+    fn quantile(&self, q: f64) -> Option<f64> {
+        self.hist.as_ref().filter(|h| !h.is_empty()).map(|h| h.value_at_quantile(q) as f64)
+    }
+}
+
 /// What `shoal run` prints when the processes were told to start taking data.
 const RUNNING_MARK: &str = "running for ";
 
@@ -560,9 +599,11 @@ fn run_on(
     // Pooled over the builders: all delays, the steady state, the send lag.
     let (mut net, mut steady, mut lag) = (DelayPool::default(), DelayPool::default(), DelayPool::default());
     let mut udp = UdpLosses::default();
+    let mut steady_pooled = PooledHistogram::default();
     for r in reports.iter().filter(|r| r["role"] == "builder") {
         net.add(&r["network_delay"]);
         steady.add(&r["detail"]["network_delay_steady"]);
+        steady_pooled.add(&r["detail"]["network_delay_steady_counts"]);
         lag.add(&r["detail"]["shaping_delay"]);
         let streams = &r["detail"]["udp"]["streams"];
         udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
@@ -570,9 +611,15 @@ fn run_on(
         udp.lost += streams["lost_datagrams"].as_u64().unwrap_or(0);
     }
     let (mut lag_count, mut lag_sum_ns) = (0u64, 0u64);
+    let mut lag_us: Option<shoal_core::loghist::LogHistogram> = None;
     for r in reports.iter().filter(|r| r["role"] == "source") {
         lag_count += r["detail"]["slice_end_lag_count"].as_u64().unwrap_or(0);
         lag_sum_ns += r["detail"]["slice_end_lag_sum_ns"].as_u64().unwrap_or(0);
+        if let Ok(h) =
+            serde_json::from_value::<shoal_core::loghist::LogHistogram>(r["detail"]["slice_end_lag_us"].clone())
+        {
+            lag_us.get_or_insert_with(Default::default).merge(&h);
+        }
     }
     let mut cpu_wait = CpuWait::default();
     for r in &reports {
@@ -624,6 +671,8 @@ fn run_on(
         network_delay_steady_avg_us: steady.mean_us(),
         network_delay_steady_p99_us: steady.p99_us,
         network_delay_steady_max_us: steady.max_us,
+        network_delay_steady_p99_pooled_us: steady_pooled.quantile(0.99),
+        source_wake_lag_us: lag_us.filter(|h| !h.is_empty()),
         source_wake_lag_avg_us: if lag_count > 0 { lag_sum_ns as f64 / lag_count as f64 / 1e3 } else { 0.0 },
         shaping_delay_avg_us: lag.mean_us(),
         shaping_delay_p50_us: lag.p50_us,
@@ -657,4 +706,32 @@ fn run_on(
         verdict: Verdict::judge(slices_complete, slices_incomplete, steady.p99_us, tcp.timeouts),
         dir: opts.dir.clone(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_net::builder::{new_histogram, recorded_counts};
+
+    #[test]
+    fn builders_delays_pool_into_one_p99_not_the_worst_of_theirs() {
+        // A builder with few fragments and a tail, beside one with many and none.
+        let (mut few, mut many) = (new_histogram(), new_histogram());
+        few.record_n(1_000, 98).unwrap();
+        few.record_n(50_000, 2).unwrap();
+        many.record_n(1_000, 10_000).unwrap();
+        let mut pooled = PooledHistogram::default();
+        assert_eq!(pooled.quantile(0.99), None, "nothing reported");
+        for h in [&few, &many] {
+            pooled.add(&serde_json::to_value(recorded_counts(h)).unwrap());
+        }
+        let mut both = few.clone();
+        both.add(&many).unwrap();
+        assert_eq!(pooled.quantile(0.99), Some(both.value_at_quantile(0.99) as f64));
+        assert_eq!(pooled.quantile(0.99), Some(1_000.0));
+        assert!(few.value_at_quantile(0.99) >= 50_000, "the worst builder's p99 is another statistic");
+        // An older builder's report has no counts: it adds nothing.
+        pooled.add(&serde_json::Value::Null);
+        assert_eq!(pooled.quantile(0.99), Some(1_000.0));
+    }
 }

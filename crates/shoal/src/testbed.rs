@@ -101,6 +101,12 @@ pub struct ValidateArgs {
     /// measured, less half the phase).
     #[arg(long)]
     pub wake_jitter_us: Option<f64>,
+    /// The jitter's shape: `exponential` of the record's mean lag, or `measured`, drawn
+    /// from the distribution of the record's source wake-up lags where the record has one
+    /// (and no phase or jitter is asked). Exponential by default: measured against the
+    /// same testbed runs it agreed less (docs/validation.md, "Counted a third time").
+    #[arg(long, value_enum, default_value_t = WakeLagModel::Exponential)]
+    pub wake_lag: WakeLagModel,
     /// Random packet loss on every switch port toward a host, in percent: an nft rule on
     /// the testbed, `topology.host_port_loss_ppm` in the simulator.
     #[arg(long, default_value_t = 0.0)]
@@ -414,6 +420,13 @@ fn agree(sim: f64, bed: f64, tolerance: f64, floor: f64) -> bool {
     (sim - bed).abs() <= (tolerance * bed.abs()).max(floor)
 }
 
+/// How `shoal validate` draws the simulated sources' wake-up jitter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WakeLagModel {
+    Measured,
+    Exponential,
+}
+
 /// The simulator's model of the testbed's software hosts: `same` (the network the testbed
 /// had) with sources waking as late as the record's did, the TCP and the host models asked.
 fn hosts_model(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> Scenario {
@@ -428,6 +441,9 @@ fn hosts_model(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> Sc
     hosts.traffic.wake_phase_us = args.wake_phase_us;
     hosts.traffic.wake_jitter_us =
         args.wake_jitter_us.unwrap_or((bed.source_wake_lag_avg_us - args.wake_phase_us / 2.0).max(0.0));
+    if args.wake_lag == WakeLagModel::Measured && args.wake_jitter_us.is_none() && args.wake_phase_us == 0.0 {
+        hosts.traffic.wake_lag_us = bed.source_wake_lag_us.clone();
+    }
     hosts
 }
 
@@ -499,6 +515,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             "tcp_model": clap::ValueEnum::to_possible_value(&args.tcp_model).map(|v| v.get_name().to_owned()),
             "wake_phase_us": hosts.traffic.wake_phase_us,
             "wake_jitter_us": hosts.traffic.wake_jitter_us,
+            "wake_lag": if hosts.traffic.wake_lag_us.is_some() { "measured" } else { "exponential" },
             "simulator": sim,
             "simulator_verdict": sim_verdict,
             "simulator_lockstep": lockstep,
@@ -519,9 +536,13 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         bed.congestion.name()
     );
     println!(
-        "simulator with host wake-up latency: phase {:.0} us + jitter {:.0} us (lockstep: sources send at the \
-         same instant)",
-        hosts.traffic.wake_phase_us, hosts.traffic.wake_jitter_us
+        "simulator with host wake-up latency: phase {:.0} us + jitter {} (lockstep: sources send at the same \
+         instant)",
+        hosts.traffic.wake_phase_us,
+        match hosts.traffic.wake_lag_us {
+            Some(_) => format!("drawn from the testbed's wake-up lags (mean {:.0} us)", hosts.traffic.wake_jitter_us),
+            None => format!("{:.0} us, exponential", hosts.traffic.wake_jitter_us),
+        }
     );
     println!("| metric | simulator, lockstep | simulator, wake-up | testbed | agree |");
     println!("| --- | ---: | ---: | ---: | --- |");
@@ -582,7 +603,15 @@ fn comparison(sim: &SimSummary, bed: &TestbedSummary) -> Vec<(&'static str, f64,
             0.5,
         ),
         ("net delay avg (ms)", sim.network_delay_steady_avg_us / 1e3, bed.network_delay_steady_avg_us / 1e3, 0.10, 0.1),
-        ("net delay p99 (ms)", sim.network_delay_steady_p99_us / 1e3, bed.network_delay_steady_p99_us / 1e3, 0.25, 0.5),
+        // The same statistic on both sides: over all fragments where the testbed's builders
+        // reported their histograms, else each side's worst builder's p99.
+        {
+            let (sim_p99, bed_p99) = match bed.network_delay_steady_p99_pooled_us {
+                Some(pooled) => (sim.network_delay_steady_p99_us, pooled),
+                None => (sim.network_delay_steady_p99_worst_builder_us, bed.network_delay_steady_p99_us),
+            };
+            ("net delay p99 (ms)", sim_p99 / 1e3, bed_p99 / 1e3, 0.25, 0.5)
+        },
         ("send lag avg (ms)", sim.shaping_delay_avg_us / 1e3, bed.shaping_delay_avg_us / 1e3, 0.25, 0.2),
         // Linux's retransmissions that a DSACK later showed unneeded (tail-loss probes fired
         // while a receiver waited for a CPU) have no twin in a model without TLP or CPUs.

@@ -192,6 +192,10 @@ pub struct SourceNodeReport {
     pub slice_end_lag_count: u64,
     #[cfg_attr(feature = "serde", serde(default))]
     pub slice_end_lag_sum_ns: u64,
+    /// The same lags' distribution (µs): its tail and shape, not only its mean, decide how
+    /// far apart software sources start sending (shoal-sim `wake` draws from it).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slice_end_lag_us: crate::loghist::LogHistogram,
     /// Slices not produced because the node reached their end more than
     /// [`SourceNodeConfig::max_lag`] late (per node, not per source).
     #[cfg_attr(feature = "serde", serde(default))]
@@ -426,9 +430,10 @@ impl SourceNode {
                     continue;
                 }
                 if !self.cfg.saturate {
+                    let lag_ns = now.saturating_duration_since(self.due_at(slice)).as_nanos() as u64;
                     self.report.slice_end_lag_count += 1;
-                    self.report.slice_end_lag_sum_ns +=
-                        now.saturating_duration_since(self.due_at(slice)).as_nanos() as u64;
+                    self.report.slice_end_lag_sum_ns += lag_ns;
+                    self.report.slice_end_lag_us.record(lag_ns / 1_000);
                 }
                 if !self.cfg.saturate && now >= self.due_at(slice + 1) {
                     self.report.late_slice_ends += 1;
@@ -1193,6 +1198,10 @@ mod tests {
         assert_eq!((r.slices, r.late_slice_ends), (2, 1));
         // Slices 0 and 1 ended at 10 and 20 ms, both produced at 25 ms.
         assert_eq!((r.slice_end_lag_count, r.slice_end_lag_sum_ns), (2, 20 * MS));
+        // 15 and 5 ms, their distribution kept too: one in each bucket.
+        assert_eq!(r.slice_end_lag_us.count(), 2);
+        assert!((r.slice_end_lag_us.inverse_cdf(0.25).unwrap() - 5_000.0).abs() < 5_000.0 / 8.0);
+        assert!((r.slice_end_lag_us.inverse_cdf(0.75).unwrap() - 15_000.0).abs() < 15_000.0 / 8.0);
         // Slice 0 ended at 10 ms and was taken at 25 ms: 15 ms late, 10 ms into the run.
         assert_eq!((r.worst_late_ns, r.worst_late_into_run_ns), (15 * MS, 10 * MS));
         assert!(r.tallies.values().all(|t| t.produced == 2 && t.unaccounted() == 0 && t.unsent == 0));
