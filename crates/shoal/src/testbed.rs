@@ -139,6 +139,12 @@ pub struct ValidateArgs {
     /// ... the cost of one packet taken in (scripts/calibrate_cpu.py).
     #[arg(long, default_value_t = 0.0)]
     pub cpu_packet_us: f64,
+    /// ... or that cost from the record itself: the testbed machine's busy core-seconds
+    /// during the run ((100 - idle) % of `--cpu-cores`, default this machine's) over the
+    /// packets the simulated nodes take in (counted by a first simulation without the CPU
+    /// model). The load the run had, where `--cpu-packet-us` is one figure for every run.
+    #[arg(long, conflicts_with = "cpu_packet_us")]
+    pub cpu_per_run: bool,
     /// ... and the processes' run queue: each wake-up of a source's or builder's process
     /// costs a core this long (topology.cpu_wake_us; scripts/calibrate_cpu.py). 0: off.
     #[arg(long, default_value_t = 0.0)]
@@ -420,6 +426,21 @@ fn agree(sim: f64, bed: f64, tolerance: f64, floor: f64) -> bool {
     (sim - bed).abs() <= (tolerance * bed.abs()).max(floor)
 }
 
+/// The CPU time a testbed run's machine spent per packet the simulator's nodes take in
+/// (`--cpu-per-run`): what the calibration script does for a set of runs, for one.
+fn per_run_packet_cost_us(bed: &TestbedSummary, cores: u32, packets: u64) -> anyhow::Result<f64> {
+    if !bed.cpu_idle_pct.is_finite() || packets == 0 || bed.seconds <= 0.0 {
+        anyhow::bail!(
+            "--cpu-per-run needs the record's CPU idle time and a run that moved packets (idle {}, {} packets, {} s)",
+            bed.cpu_idle_pct,
+            packets,
+            bed.seconds
+        );
+    }
+    let busy_core_s = (100.0 - bed.cpu_idle_pct).max(0.0) / 100.0 * f64::from(cores) * bed.seconds;
+    Ok(busy_core_s / packets as f64 * 1e6)
+}
+
 /// How `shoal validate` draws the simulated sources' wake-up jitter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum WakeLagModel {
@@ -491,7 +512,20 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     // it sets traffic.wake_*, NewReno unless it sets tcp.rack_tlp). After: the testbed's
     // software hosts, waking as late as its sources measured, with Linux's loss recovery.
     let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
-    let hosts = hosts_model(&same, &args, &bed);
+    let mut hosts = hosts_model(&same, &args, &bed);
+    if args.cpu_per_run {
+        let cores = match args.cpu_cores {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            n => n,
+        };
+        let mut uncharged = hosts.clone();
+        uncharged.topology.cpu_cores = 0;
+        uncharged.topology.cpu_packet_us = 0.0;
+        uncharged.topology.cpu_wake_us = 0.0;
+        let packets = shoal_sim::sim::run(&uncharged).map_err(anyhow::Error::msg)?.summary.packet_arrivals;
+        hosts.topology.cpu_cores = cores;
+        hosts.topology.cpu_packet_us = per_run_packet_cost_us(&bed, cores, packets)?;
+    }
     let sim = shoal_sim::sim::run(&hosts).map_err(anyhow::Error::msg)?.summary;
     let sim_verdict = Verdict::of_simulation(&sim);
     let lockstep_verdict = Verdict::of_simulation(&lockstep);
@@ -516,6 +550,8 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             "wake_phase_us": hosts.traffic.wake_phase_us,
             "wake_jitter_us": hosts.traffic.wake_jitter_us,
             "wake_lag": if hosts.traffic.wake_lag_us.is_some() { "measured" } else { "exponential" },
+            "cpu_cores": hosts.topology.cpu_cores,
+            "cpu_packet_us": hosts.topology.cpu_packet_us,
             "simulator": sim,
             "simulator_verdict": sim_verdict,
             "simulator_lockstep": lockstep,

@@ -185,3 +185,50 @@ fn the_sources_wake_up_lags_can_be_drawn_as_the_testbed_measured_them() {
     let bed_lag = measured["testbed"]["source_wake_lag_avg_us"].as_f64().unwrap();
     assert!((lag(&measured) - bed_lag).abs() < 0.1 * bed_lag, "{} against {bed_lag}", lag(&measured));
 }
+
+#[test]
+fn the_cpu_cost_per_packet_can_come_from_the_run_itself() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let record = root.join("docs/bench/validation-2026-11-27/15x5-delayed8-reno.json");
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .arg("validate")
+            .arg(root.join("scenarios/testbed/15x5-delayed8.toml"))
+            .args(["--json", "--testbed-record"])
+            .arg(&record)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    assert_eq!(plain["cpu_cores"], 0, "off by default");
+    let per_run = run(&["--cpu-per-run", "--cpu-cores", "2"]);
+    // The testbed machine's busy core-seconds over the packets the model without CPU
+    // takes in (the plain run is that model).
+    let bed = &per_run["testbed"];
+    let busy = (100.0 - bed["cpu_idle_pct"].as_f64().unwrap()) / 100.0 * 2.0 * bed["seconds"].as_f64().unwrap();
+    let packets = plain["simulator"]["packet_arrivals"].as_f64().unwrap();
+    let expected = busy / packets * 1e6;
+    let cost = per_run["cpu_packet_us"].as_f64().unwrap();
+    assert!((cost - expected).abs() < 1e-9 * expected, "{cost} us a packet against {expected}");
+    assert!(cost > 0.5 && cost < 50.0, "{cost}");
+    assert_eq!(per_run["cpu_cores"], 2);
+    assert!(per_run["simulator"]["cpu_busy_fraction"].as_f64().unwrap() > 0.0);
+    // A fixed cost and one from the run are two answers to one question: refused.
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("validate")
+        .arg(root.join("scenarios/testbed/15x5-delayed8.toml"))
+        .args(["--testbed-record"])
+        .arg(&record)
+        .args(["--cpu-per-run", "--cpu-packet-us", "5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
