@@ -92,18 +92,25 @@ fn a_record_of_another_scenario_or_no_record_at_all_is_refused() {
 /// trip (SACK, RACK), the model before one hole per round trip. The simulator's TCP for
 /// the testbed's hosts (`linux`) comes within the tolerances docs/validation.md reports for
 /// this record; the model before (`rack`) does not.
-/// `shoal validate --json` of 15x5-direct-buf20 against the record in `dir`, TCP `model`.
-fn heavy_incast(dir: &str, model: &str) -> serde_json::Value {
+/// `shoal validate --json` of `scenario` (under scenarios/testbed) against the committed
+/// record `record` (from the repository's root), with `extra` arguments.
+fn validate_record(scenario: &str, record: &str, extra: &[&str]) -> serde_json::Value {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
         .arg("validate")
-        .arg(root.join("scenarios/testbed/15x5-direct-buf20.toml"))
-        .args(["--json", "--tcp-model", model, "--testbed-record"])
-        .arg(root.join(dir).join("15x5-direct-buf20-reno.json"))
+        .arg(root.join("scenarios/testbed").join(scenario))
+        .args(["--json", "--testbed-record"])
+        .arg(root.join(record))
+        .args(extra)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// 15x5-direct-buf20 against the record in `dir`, TCP `model`.
+fn heavy_incast(dir: &str, model: &str) -> serde_json::Value {
+    validate_record("15x5-direct-buf20.toml", &format!("{dir}/15x5-direct-buf20-reno.json"), &["--tcp-model", model])
 }
 
 fn field(v: &serde_json::Value, side: &str, key: &str) -> f64 {
@@ -158,19 +165,8 @@ fn a_heavy_incast_on_a_quiet_testbed_agrees_in_timeouts_and_tail() {
 #[test]
 fn the_sources_wake_up_lags_can_be_drawn_as_the_testbed_measured_them() {
     // Records since 2026-11-27 carry the distribution of the sources' wake-up lags.
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let record = root.join("docs/bench/validation-2026-11-27/15x5-direct-reno.json");
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .arg("validate")
-            .arg(root.join("scenarios/testbed/15x5-direct.toml"))
-            .args(["--json", "--testbed-record"])
-            .arg(&record)
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
+    let run = |extra: &[&str]| {
+        validate_record("15x5-direct.toml", "docs/bench/validation-2026-11-27/15x5-direct-reno.json", extra)
     };
     let exponential = run(&[]);
     let measured = run(&["--wake-lag", "measured"]);
@@ -188,20 +184,8 @@ fn the_sources_wake_up_lags_can_be_drawn_as_the_testbed_measured_them() {
 
 #[test]
 fn the_cpu_cost_per_packet_can_come_from_the_run_itself() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let record = root.join("docs/bench/validation-2026-11-27/15x5-delayed8-reno.json");
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .arg("validate")
-            .arg(root.join("scenarios/testbed/15x5-delayed8.toml"))
-            .args(["--json", "--testbed-record"])
-            .arg(&record)
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let record = "docs/bench/validation-2026-11-27/15x5-delayed8-reno.json";
+    let run = |extra: &[&str]| validate_record("15x5-delayed8.toml", record, extra);
     let plain = run(&[]);
     assert_eq!(plain["cpu_cores"], 0, "off by default");
     let per_run = run(&["--cpu-per-run", "--cpu-cores", "2"]);
@@ -217,11 +201,12 @@ fn the_cpu_cost_per_packet_can_come_from_the_run_itself() {
     assert_eq!(per_run["cpu_cores"], 2);
     assert!(per_run["simulator"]["cpu_busy_fraction"].as_f64().unwrap() > 0.0);
     // A fixed cost and one from the run are two answers to one question: refused.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
         .arg("validate")
         .arg(root.join("scenarios/testbed/15x5-delayed8.toml"))
         .args(["--testbed-record"])
-        .arg(&record)
+        .arg(root.join(record))
         .args(["--cpu-per-run", "--cpu-packet-us", "5"])
         .output()
         .unwrap();
