@@ -62,10 +62,6 @@ pub fn recorded_counts(h: &Histogram<u64>) -> Vec<[u64; 2]> {
     h.iter_recorded().map(|v| [v.value_iterated_to(), v.count_at_value()]).collect()
 }
 
-fn serialize_recorded_counts<S: serde::Serializer>(h: &Histogram<u64>, s: S) -> Result<S::Ok, S::Error> {
-    serde::Serialize::serialize(&recorded_counts(h), s)
-}
-
 /// What a builder reports at the end: the node's report plus what only the process knows
 /// (delay histograms, connections, the filter's work).
 #[derive(Clone, Debug, serde::Serialize)]
@@ -90,10 +86,10 @@ pub struct BuilderReport {
     /// connections, cold processes and the first wake-ups are not the network's steady
     /// state; the simulator's `network_delay_steady_*` leave out the same slices).
     pub network_delay_steady: DelayStats,
-    /// The same histogram's recorded values as `[µs, count]` pairs, so that a run's
-    /// builders can be pooled exactly (the testbed's p99 over all fragments; a p99 of p99s
-    /// is not one).
-    #[serde(rename = "network_delay_steady_counts", serialize_with = "serialize_recorded_counts")]
+    /// The same as a histogram. A cluster node's report adds its recorded values
+    /// ([`recorded_counts`]) as `network_delay_steady_counts`, so that a run's builders can
+    /// be pooled exactly (the testbed's p99 over all fragments; a p99 of p99s is not one).
+    #[serde(skip)]
     pub net_delay_steady_us: Histogram<u64>,
     pub connections: u64,
     /// Free-running sources (`source.saturate`): times a connection was held back because

@@ -152,6 +152,20 @@ pub struct NodeReport {
     pub detail: serde_json::Value,
 }
 
+/// A builder's report as its node report's detail, with its steady delays' histogram as
+/// `[µs, count]` pairs (`network_delay_steady_counts`): a cluster's builders pooled by
+/// whoever reads the run record (the testbed). The embedded demo's summary leaves it out.
+fn builder_detail(r: &crate::builder::BuilderReport) -> serde_json::Value {
+    let mut detail = serde_json::to_value(r).unwrap_or_default();
+    if let Some(map) = detail.as_object_mut() {
+        map.insert(
+            "network_delay_steady_counts".into(),
+            serde_json::json!(crate::builder::recorded_counts(&r.net_delay_steady_us)),
+        );
+    }
+    detail
+}
+
 /// [`DelayStats`] in a form that can be read back.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DelayStatsRecord {
@@ -470,7 +484,7 @@ async fn start_data(
                         events: r.events,
                         bytes_received: r.node.bytes,
                         network_delay: Some(DelayStats::from_histogram(&r.net_delay_us).into()),
-                        detail: serde_json::to_value(&r).unwrap_or_default(),
+                        detail: builder_detail(&r),
                         ..base
                     },
                     Err(e) => NodeReport { error: Some(e.to_string()), ..base },

@@ -377,6 +377,12 @@ correct = true
     // late they woke after slice ends (never early).
     assert_eq!(s["cpu_wait"]["processes"].as_u64(), Some(9 + u64::from(policy.starts_with("pull"))), "{s}");
     assert!(s["source_wake_lag_avg_us"].as_f64().unwrap() > 0.0, "{s}");
+    // ... and their distribution, pooled; the builders' delay histograms pooled into one p99
+    // over every fragment, which is at most the worst builder's.
+    let lags = s["source_wake_lag_us"].as_array().expect("the sources' lag histogram");
+    assert!(lags.iter().filter_map(|c| c.as_u64()).sum::<u64>() > 0, "{s}");
+    let pooled = s["network_delay_steady_p99_pooled_us"].as_f64().expect("the builders' histograms pooled");
+    assert!(pooled > 0.0 && pooled <= s["network_delay_steady_p99_us"].as_f64().unwrap() * 1.01, "{s}");
     // Each process ran in its own namespace: the cluster file says so, and the builders
     // were reached at their testbed addresses.
     let cluster = std::fs::read_to_string(dir.join("out").join("cluster.toml")).unwrap();
