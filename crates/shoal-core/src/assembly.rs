@@ -103,9 +103,49 @@ impl<T> SliceOutcome<T> {
     }
 }
 
+/// Which sources a slice has heard from: one bit per source. A slice of a builder with
+/// 10,000 sources takes 10,000 fragments; a bit test per fragment (and a word scan for the
+/// missing ones) is what keeps that from costing a map lookup each.
+#[derive(Debug)]
+struct SourceSet {
+    words: Vec<u64>,
+}
+
+impl SourceSet {
+    fn new(n_sources: u32) -> Self {
+        Self { words: vec![0; (n_sources as usize).div_ceil(64)] }
+    }
+    fn contains(&self, source: SourceId) -> bool {
+        self.words.get(source as usize / 64).is_some_and(|w| w & (1 << (source % 64)) != 0)
+    }
+    /// Adds a source below `n_sources` (the assembler refuses the others before).
+    fn insert(&mut self, source: SourceId) {
+        self.words[source as usize / 64] |= 1 << (source % 64);
+    }
+    /// The sources below `n_sources` not in the set, in order.
+    fn missing(&self, n_sources: u32) -> Vec<SourceId> {
+        let mut out = Vec::new();
+        for (i, &w) in self.words.iter().enumerate() {
+            let mut absent = !w;
+            while absent != 0 {
+                let source = i as u32 * 64 + absent.trailing_zeros();
+                if source >= n_sources {
+                    break;
+                }
+                out.push(source);
+                absent &= absent - 1;
+            }
+        }
+        out
+    }
+}
+
 #[derive(Debug)]
 struct ActiveSlice<T> {
-    fragments: BTreeMap<SourceId, Fragment<T>>,
+    /// In arrival order; put in source order when the slice is processed.
+    fragments: Vec<Fragment<T>>,
+    /// Sources with a fragment here or dropped for overload.
+    heard: SourceSet,
     dropped: Vec<SourceId>,
     first_arrival: Instant,
     bytes: u64,
@@ -114,11 +154,18 @@ struct ActiveSlice<T> {
 }
 
 impl<T> ActiveSlice<T> {
-    fn new(first_arrival: Instant) -> Self {
-        Self { fragments: BTreeMap::new(), dropped: Vec::new(), first_arrival, bytes: 0, given_up: false }
+    fn new(first_arrival: Instant, n_sources: u32) -> Self {
+        Self {
+            fragments: Vec::new(),
+            heard: SourceSet::new(n_sources),
+            dropped: Vec::new(),
+            first_arrival,
+            bytes: 0,
+            given_up: false,
+        }
     }
     fn has(&self, source: SourceId) -> bool {
-        self.fragments.contains_key(&source) || self.dropped.contains(&source)
+        self.heard.contains(source)
     }
     fn count(&self) -> usize {
         self.fragments.len() + self.dropped.len()
@@ -135,6 +182,10 @@ pub struct SliceAssembler<T> {
     held_bytes: u64,
     downstream_bytes: u64,
     out: VecDeque<SliceOutcome<T>>,
+    /// Frames received per known source (indexed by source id): counted on every
+    /// fragment, so kept dense; the tally's map is built when it is asked for. Unknown
+    /// sources are counted in `tally.received` itself.
+    received: Vec<u64>,
     tally: BuilderTally,
 }
 
@@ -147,6 +198,7 @@ impl<T> SliceAssembler<T> {
             held_bytes: 0,
             downstream_bytes: 0,
             out: VecDeque::new(),
+            received: vec![0; cfg.n_sources as usize],
             tally: BuilderTally::default(),
         }
     }
@@ -198,7 +250,7 @@ impl<T> SliceAssembler<T> {
         recovered: bool,
         data: T,
     ) -> (Admission, Option<T>) {
-        *self.tally.received.entry(source).or_default() += 1;
+        self.count_received(source);
         let (admission, late) = match self.admit(now, source, slice, bytes, cut_off, recovered, data) {
             Ok(()) => (Admission::Accepted, None),
             Err((a, data)) => (a, data.filter(|_| a == Admission::Late)),
@@ -219,7 +271,7 @@ impl<T> SliceAssembler<T> {
     /// place in it is taken); it is counted late and its data given back for the late-data
     /// side stream.
     pub fn handle_late_fragment(&mut self, source: SourceId, data: T) -> (Admission, Option<T>) {
-        *self.tally.received.entry(source).or_default() += 1;
+        self.count_received(source);
         if source >= self.cfg.n_sources {
             self.tally.unknown_source += 1;
             return (Admission::UnknownSource, None);
@@ -247,16 +299,18 @@ impl<T> SliceAssembler<T> {
             return Err((Admission::Late, Some(data)));
         }
         let over_budget = self.held_bytes + self.downstream_bytes + bytes > self.cfg.memory_budget;
-        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now));
+        let n_sources = self.cfg.n_sources;
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now, n_sources));
         if entry.has(source) {
             return Err((Admission::Duplicate, None));
         }
+        entry.heard.insert(source);
         if over_budget {
             entry.dropped.push(source);
             return Err((Admission::DroppedOverload, None));
         }
         entry.bytes += bytes;
-        entry.fragments.insert(source, Fragment { source, bytes, cut_off, recovered, data });
+        entry.fragments.push(Fragment { source, bytes, cut_off, recovered, data });
         self.held_bytes += bytes;
         Ok(())
     }
@@ -278,7 +332,8 @@ impl<T> SliceAssembler<T> {
         if self.last_emitted.is_some_and(|l| slice <= l) {
             return;
         }
-        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now));
+        let n_sources = self.cfg.n_sources;
+        let entry = self.active.entry(slice).or_insert_with(|| ActiveSlice::new(now, n_sources));
         entry.given_up = true;
         self.emit_ready(now);
     }
@@ -329,9 +384,18 @@ impl<T> SliceAssembler<T> {
         self.held_bytes + self.downstream_bytes
     }
 
+    fn count_received(&mut self, source: SourceId) {
+        match self.received.get_mut(source as usize) {
+            Some(n) => *n += 1,
+            None => *self.tally.received.entry(source).or_default() += 1,
+        }
+    }
+
     /// This builder's accounting so far; fragments still held count as pending.
     pub fn tally(&self) -> BuilderTally {
         let mut t = self.tally.clone();
+        let known = self.received.iter().enumerate().filter(|(_, n)| **n > 0);
+        t.received.extend(known.map(|(source, &n)| (source as SourceId, n)));
         t.pending = self.active.values().map(|s| s.fragments.len() as u64).sum();
         t
     }
@@ -355,9 +419,13 @@ impl<T> SliceAssembler<T> {
     }
 
     fn emit(&mut self, slice: SliceNumber, reason: EmitReason) {
-        let s = self.active.remove(&slice).expect("emit an active slice");
-        let missing = (0..self.cfg.n_sources).filter(|src| !s.has(*src)).collect();
-        for f in s.fragments.values() {
+        let mut s = self.active.remove(&slice).expect("emit an active slice");
+        let missing = s.heard.missing(self.cfg.n_sources);
+        // Sources mostly arrive in order already (then the check is all it costs).
+        if !s.fragments.is_sorted_by_key(|f| f.source) {
+            s.fragments.sort_unstable_by_key(|f| f.source);
+        }
+        for f in &s.fragments {
             if f.cut_off {
                 self.tally.cut_off += 1;
             } else if f.recovered {
@@ -372,7 +440,7 @@ impl<T> SliceAssembler<T> {
         self.out.push_back(SliceOutcome {
             slice,
             reason,
-            fragments: s.fragments.into_values().collect(),
+            fragments: s.fragments,
             missing,
             dropped: s.dropped,
             first_arrival: s.first_arrival,
@@ -493,6 +561,31 @@ mod tests {
         assert!(out[0].is_complete());
         let tally = a.tally();
         assert_eq!((tally.delivered, tally.cut_off), (1, 1));
+    }
+
+    #[test]
+    fn many_sources_out_of_order_come_out_in_source_order_with_the_missing_named() {
+        // 130 sources: three words of the set, the last one partly used.
+        let mut cfg = AssemblerConfig::new(130);
+        cfg.max_active = 1;
+        let mut a = SliceAssembler::new(cfg);
+        let skipped = [0u32, 63, 64, 127, 128];
+        for src in (0..130u32).rev().filter(|s| !skipped.contains(s)) {
+            assert_eq!(a.handle_fragment(t(0), src, 1, 10, false, src), Admission::Accepted);
+        }
+        assert_eq!(a.handle_fragment(t(0), 129, 1, 10, false, 0), Admission::Duplicate);
+        assert_eq!(a.handle_fragment(t(0), 7, 2, 10, false, 7), Admission::Accepted);
+        let out = drain(&mut a);
+        assert_eq!(out[0].reason, EmitReason::SliceCountTimeout);
+        let order: Vec<u32> = out[0].fragments.iter().map(|f| f.data).collect();
+        let expected: Vec<u32> = (0..130u32).filter(|s| !skipped.contains(s)).collect();
+        assert_eq!(order, expected);
+        assert_eq!(out[0].missing, skipped);
+        let tally = a.tally();
+        assert_eq!(tally.received.len(), 125, "every source but the 5 skipped sent something");
+        assert_eq!((tally.received[&129], tally.received[&7], tally.duplicate), (2, 2, 1));
+        assert_eq!(a.handle_fragment(t(0), 200, 3, 10, false, 200), Admission::UnknownSource);
+        assert_eq!(a.tally().received[&200], 1, "unknown sources are counted received too");
     }
 
     proptest! {
