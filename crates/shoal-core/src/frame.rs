@@ -181,7 +181,7 @@ pub fn encode_into(header: &FrameHeader, payload: &[u8], buf: &mut BytesMut) {
 /// Panics if the payload is longer than `u32::MAX` bytes (a caller bug, not an input).
 pub fn encode_header(header: &FrameHeader, payload: &[u8]) -> [u8; HEADER_LEN] {
     let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
-    encode_header_with_crc(header, payload_len, crc32c::crc32c(payload))
+    encode_header_with_crc(header, payload_len, crate::checksum::crc32c(payload))
 }
 
 /// [`encode_header`] for a payload whose length and CRC32C the caller already knows (a
@@ -201,7 +201,7 @@ pub fn encode_header_with_crc(header: &FrameHeader, payload_len: u32, payload_cr
     b.put_u32_le(payload_len);
     b.put_u32_le(payload_crc);
     b.put_u32_le(0);
-    let hcrc = crc32c::crc32c(&h[..OFF_HEADER_CRC]);
+    let hcrc = crate::checksum::crc32c(&h[..OFF_HEADER_CRC]);
     h[OFF_HEADER_CRC..].copy_from_slice(&hcrc.to_le_bytes());
     h
 }
@@ -213,7 +213,7 @@ pub fn set_send_time(frame: &mut [u8], t: Instant) -> bool {
         return false;
     }
     frame[OFF_SEND_TIME..OFF_SEND_TIME + 8].copy_from_slice(&t.as_nanos().to_le_bytes());
-    let hcrc = crc32c::crc32c(&frame[..OFF_HEADER_CRC]);
+    let hcrc = crate::checksum::crc32c(&frame[..OFF_HEADER_CRC]);
     frame[OFF_HEADER_CRC..HEADER_LEN].copy_from_slice(&hcrc.to_le_bytes());
     true
 }
@@ -241,7 +241,7 @@ pub fn decode_header(buf: &[u8], max_payload: u32) -> Result<FrameHeader, FrameE
         return Err(FrameError::BadHeaderLength(header_len));
     }
     let expected = u32::from_le_bytes(buf[OFF_HEADER_CRC..HEADER_LEN].try_into().expect("4"));
-    let computed = crc32c::crc32c(&buf[..OFF_HEADER_CRC]);
+    let computed = crate::checksum::crc32c(&buf[..OFF_HEADER_CRC]);
     if expected != computed {
         return Err(FrameError::HeaderCrc { expected, computed });
     }
@@ -282,7 +282,7 @@ pub fn decode(buf: &[u8], max_payload: u32) -> Result<(Frame, usize), FrameError
 
 fn check_payload(header_bytes: &[u8], payload: &[u8]) -> Result<(), FrameError> {
     let expected = payload_crc_field(header_bytes);
-    let computed = crc32c::crc32c(payload);
+    let computed = crate::checksum::crc32c(payload);
     if expected != computed {
         return Err(FrameError::PayloadCrc { expected, computed });
     }

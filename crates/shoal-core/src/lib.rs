@@ -47,6 +47,7 @@
 //! - [`cluster`]: run control of a whole cluster ([`cluster::ClusterControl`]): command
 //!   order, start and end slices, reply deadlines, inactive processes, discovery.
 //! - [`controlhost`]: the ControlHost dispatcher protocol and routing.
+//! - [`checksum`]: CRC32C, the end-to-end check of frames, datagrams and raw records.
 //! - [`datagram`]: the UDP transport's datagrams and its selective retransmission
 //!   ([`datagram::DatagramSender`], [`datagram::DatagramReceiver`],
 //!   [`datagram::BuilderEndpoint`]).
@@ -54,6 +55,7 @@
 pub mod alert;
 pub mod assembly;
 pub mod budget;
+pub mod checksum;
 pub mod clocksync;
 pub mod cluster;
 pub mod controlhost;

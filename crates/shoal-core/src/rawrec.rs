@@ -111,7 +111,7 @@ impl RawHead {
         prefix[0..4].copy_from_slice(&self.builder.to_le_bytes());
         prefix[4..8].copy_from_slice(&self.record.to_le_bytes());
         prefix[8..12].copy_from_slice(&self.kind.code().to_le_bytes());
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&prefix), body);
+        let crc = crate::checksum::crc32c_append(crate::checksum::crc32c(&prefix), body);
         let header = FrameHeader {
             flags: Flags::RAW,
             source: self.source,

@@ -369,9 +369,10 @@ mod tests {
     #[test]
     fn the_bytes_of_a_seed_do_not_change() {
         let g = NoiseGenerator::new(NoiseConfig::default(), Duration::from_millis(10)).unwrap();
-        let digest = (0..40)
-            .flat_map(|slice| (0..30).map(move |source| (source, slice)))
-            .fold(0, |crc, (source, slice)| crc32c::crc32c_append(crc, &g.generate(source, slice).payload));
+        let digest =
+            (0..40).flat_map(|slice| (0..30).map(move |source| (source, slice))).fold(0, |crc, (source, slice)| {
+                shoal_core::checksum::crc32c_append(crc, &g.generate(source, slice).payload)
+            });
         assert_eq!(digest, 422_543_506);
     }
 

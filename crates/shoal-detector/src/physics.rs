@@ -498,7 +498,7 @@ mod tests {
             for module in 0..30 {
                 let f = g.generate_with_truth(module, slice);
                 assert_eq!(f.fragment, g.generate(module, slice));
-                bytes = crc32c::crc32c_append(bytes, &f.fragment.payload);
+                bytes = shoal_core::checksum::crc32c_append(bytes, &f.fragment.payload);
                 for (h, o) in f.hits.iter().zip(&f.origins) {
                     let o = match o {
                         Origin::Singles => 0,
@@ -506,7 +506,7 @@ mod tests {
                         Origin::Afterpulse => 2,
                         Origin::Muon(id) => (id.slice << 8) | (u64::from(id.index) + 3),
                     };
-                    truth = crc32c::crc32c_append(truth, &(u64::from(h.time_ns) << 8 ^ o).to_le_bytes());
+                    truth = shoal_core::checksum::crc32c_append(truth, &(u64::from(h.time_ns) << 8 ^ o).to_le_bytes());
                 }
             }
         }

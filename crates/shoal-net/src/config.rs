@@ -922,7 +922,7 @@ impl Config {
     /// differently (another version, other defaults) have different digests.
     pub fn digest(&self) -> String {
         let text = serde_json::to_vec(self).unwrap_or_default();
-        format!("{:08x}", crc32c::crc32c(&text))
+        format!("{:08x}", shoal_core::checksum::crc32c(&text))
     }
 
     pub fn hosted_sources(&self) -> Vec<SourceId> {

@@ -37,7 +37,7 @@ pub enum Kind {
 /// The CRC32C a datagram's header (bytes 0-47) and payload (after byte 52) should carry;
 /// for tests and fuzzing. `buf` must hold at least the header.
 pub fn crc_of(buf: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&buf[..OFF_CRC]), &buf[DATAGRAM_HEADER_LEN..])
+    crate::checksum::crc32c_append(crate::checksum::crc32c(&buf[..OFF_CRC]), &buf[DATAGRAM_HEADER_LEN..])
 }
 
 impl Kind {
@@ -155,8 +155,8 @@ impl Datagram {
         b.put_u16_le(u16::try_from(payload.len()).expect("datagram payload fits 64 KiB"));
         b.put_u16_le(0);
         debug_assert_eq!(b.len() - start, OFF_CRC);
-        let mut crc = crc32c::crc32c(&b[start..]);
-        crc = crc32c::crc32c_append(crc, payload);
+        let mut crc = crate::checksum::crc32c(&b[start..]);
+        crc = crate::checksum::crc32c_append(crc, payload);
         b.put_u32_le(crc);
         b.put_slice(payload);
     }

@@ -605,8 +605,11 @@ impl SourceNode {
             payload_len: 0,
         };
         let payload_len = u32::try_from(frag.payload.len()).expect("payload longer than u32::MAX");
-        let header =
-            Bytes::copy_from_slice(&frame::encode_header_with_crc(&header, payload_len, crc32c::crc32c(&frag.payload)));
+        let header = Bytes::copy_from_slice(&frame::encode_header_with_crc(
+            &header,
+            payload_len,
+            crate::checksum::crc32c(&frag.payload),
+        ));
         self.held_bytes += len;
         let f = PendingFrame { header, flags, payload: frag.payload, dest: None, dropped: false, handed: 0 };
         self.late_frames.push_back((i, slice, f));
@@ -964,7 +967,7 @@ impl SourceNode {
         let crc = match &self.crc_cache {
             Some((p, crc)) if p.as_ptr() == payload.as_ptr() && p.len() == payload.len() => *crc,
             _ => {
-                let crc = crc32c::crc32c(&payload);
+                let crc = crate::checksum::crc32c(&payload);
                 self.crc_cache = Some((payload.clone(), crc));
                 crc
             }
