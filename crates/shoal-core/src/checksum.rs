@@ -2,9 +2,10 @@
 //!
 //! One implementation for the whole project, so that a frame checked here was sealed the
 //! same way. It is crc-fast's (carry-less multiplication, VPCLMULQDQ where the CPU has it),
-//! which computes the same CRC as the `crc32c` crate three to four times faster on this
-//! project's machine: 1-MB fragments 73-86 GB/s against 20-22, 4-kB 41-48 against 15
-//! (docs/benchmarks.md "The frame check at four times the speed"). A builder checks every
+//! which computes the same CRC as the `crc32c` crate about four times faster on this
+//! project's machine: 1-MB payloads 79.5 GB/s against 20.3, 4-kB 47.8 against 12.6
+//! (`cargo bench -p shoal-core --bench checksum`; docs/benchmarks.md "The frame check at
+//! four times the speed"). A builder checks every
 //! payload byte it receives, so at full rate the check was a quarter of its receiving
 //! thread.
 

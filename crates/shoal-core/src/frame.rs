@@ -281,8 +281,12 @@ pub fn decode(buf: &[u8], max_payload: u32) -> Result<(Frame, usize), FrameError
 }
 
 fn check_payload(header_bytes: &[u8], payload: &[u8]) -> Result<(), FrameError> {
+    check_payload_crc(header_bytes, crate::checksum::crc32c(payload))
+}
+
+/// Compares a payload's CRC, however it was computed, with the one its header carries.
+fn check_payload_crc(header_bytes: &[u8], computed: u32) -> Result<(), FrameError> {
     let expected = payload_crc_field(header_bytes);
-    let computed = crate::checksum::crc32c(payload);
     if expected != computed {
         return Err(FrameError::PayloadCrc { expected, computed });
     }
@@ -459,11 +463,9 @@ impl StreamDecoder {
         };
         self.pending = None;
         self.last_frame_len = total;
-        let (computed, expected) = (self.payload_crc, payload_crc_field(&frame_bytes));
+        let computed = self.payload_crc;
         (self.payload_crc, self.payload_checked) = (0, 0);
-        if computed != expected {
-            return Err(FrameError::PayloadCrc { expected, computed });
-        }
+        check_payload_crc(&frame_bytes, computed)?;
         Ok(Some(Frame { header, payload: frame_bytes.slice(HEADER_LEN..) }))
     }
 
