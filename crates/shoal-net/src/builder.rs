@@ -36,7 +36,7 @@ use shoal_core::{Instant, SourceId};
 use shoal_trigger::{FragmentData, SliceData, encode_events};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpStream, UdpSocket};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -417,16 +417,24 @@ async fn serve_frames<R: crate::framed::ReadSource>(
     }
 }
 
+/// Binds a builder's data port at `addr`: the TCP listener and, for the datagram
+/// transport, its UDP socket on the same port ([`crate::listen::bind_data_port`]).
+pub fn bind_port(cfg: &Config, addr: std::net::SocketAddr) -> anyhow::Result<crate::listen::DataPort> {
+    let udp = matches!(cfg.transport()?, Transport::Udp).then(|| cfg.udp_socket_buffer());
+    Ok(crate::listen::bind_data_port(addr, udp)?)
+}
+
 /// Runs a builder on an already bound listener until every source has ended its stream
 /// (or `cancel`), then processes what is left and closes.
 pub async fn run_builder(
     cfg: Config,
     id: u32,
-    listener: TcpListener,
+    port: impl Into<crate::listen::DataPort>,
     clock: WallClock,
     live: Arc<Live>,
     cancel: CancellationToken,
 ) -> Result<BuilderReport, ConfigError> {
+    let crate::listen::DataPort { tcp: listener, udp: bound_udp } = port.into();
     let slice_clock = cfg.slice_clock()?;
     let writer_addr = cfg.writer_addr()?;
     let least_per_slice = StdDuration::from_millis(cfg.builder.fault_filter_ms_per_slice);
@@ -459,8 +467,12 @@ pub async fn run_builder(
     let udp_task = match cfg.transport()? {
         Transport::Udp => {
             let addr = listener.local_addr().map_err(|e| ConfigError::Invalid(format!("builder address: {e}")))?;
-            let sock = crate::udp::socket(addr, (cfg.udp.socket_buffer_mb << 20) as usize)
-                .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
+            // Bound with the listener where the caller could ([`bind_port`]); else here.
+            let sock = match bound_udp {
+                Some(s) => UdpSocket::from_std(s),
+                None => crate::udp::socket(addr, cfg.udp_socket_buffer()),
+            }
+            .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
             let run = cfg.run.run_number as u32;
             Some(tokio::spawn(crate::udp::receive(
                 sock,

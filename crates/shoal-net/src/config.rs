@@ -990,6 +990,11 @@ impl Config {
         }
     }
 
+    /// `udp.socket_buffer_mb` in bytes.
+    pub fn udp_socket_buffer(&self) -> usize {
+        (self.udp.socket_buffer_mb << 20) as usize
+    }
+
     pub fn max_payload(&self) -> u32 {
         self.builder.max_payload_mb.saturating_mul(1 << 20)
     }

@@ -192,7 +192,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let mut builder_listeners = Vec::new();
     cfg.run.builder_addrs.clear();
     for _ in 0..cfg.run.builders {
-        let l = crate::listen::bind(LOOPBACK_ANY)?;
+        let l = crate::builder::bind_port(&cfg, LOOPBACK_ANY)?;
         cfg.run.builder_addrs.push(l.local_addr()?.to_string());
         builder_listeners.push(l);
     }

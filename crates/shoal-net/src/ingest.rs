@@ -297,7 +297,7 @@ impl InputTask {
             }
             InputKind::Clb(addr) => {
                 // A DOM's timeslice comes in a burst of packets: a large receive buffer.
-                let socket = crate::udp::std_socket(*addr, (cfg.udp.socket_buffer_mb << 20) as usize)
+                let socket = crate::udp::std_socket(*addr, cfg.udp_socket_buffer())
                     .map_err(|e| ConfigError::Invalid(format!("source.input: binding udp {addr}: {e}")))?;
                 let udp_addr = socket.local_addr().ok();
                 let clb = ClbInput::new(cfg, &ingest)?;

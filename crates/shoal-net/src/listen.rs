@@ -31,6 +31,77 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
+/// A builder's data port: its TCP listener and, for the datagram transport, the UDP
+/// socket on the same address and port.
+///
+/// Both are bound together ([`bind_data_port`]): a UDP socket bound later to the TCP
+/// listener's port number can find it taken, since any socket of the host may have got
+/// that number as its own ephemeral UDP port in between (seen once in a test run).
+#[derive(Debug)]
+pub struct DataPort {
+    pub tcp: TcpListener,
+    /// Non-blocking; `None` for TCP, or where the caller bound only the listener (then
+    /// the builder binds UDP itself, on the listener's port).
+    pub udp: Option<std::net::UdpSocket>,
+}
+
+impl DataPort {
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
+}
+
+impl From<TcpListener> for DataPort {
+    fn from(tcp: TcpListener) -> Self {
+        Self { tcp, udp: None }
+    }
+}
+
+/// Attempts at a free pair of ports (TCP and UDP with one number) when the port is left to
+/// the kernel: each fails only if another socket took that UDP number, so a few are plenty.
+pub const PAIR_ATTEMPTS: usize = 64;
+
+/// Binds a data port at `addr` ([`bind`]), with a UDP socket with `udp_buffer` bytes of
+/// buffers on the same port where `udp_buffer` is given. With port 0 a UDP number already
+/// taken makes it try another port ([`PAIR_ATTEMPTS`]); with a fixed port it is an error.
+pub fn bind_data_port(addr: SocketAddr, udp_buffer: Option<usize>) -> std::io::Result<DataPort> {
+    bind_pair(addr, udp_buffer.is_some(), |at| {
+        let s = crate::udp::std_socket(at, udp_buffer.unwrap_or_default())?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    })
+    .map(|(tcp, udp)| DataPort { tcp, udp })
+}
+
+/// [`bind_data_port`]'s loop, with the UDP bind passed in (tests make it fail).
+fn bind_pair<U>(
+    addr: SocketAddr,
+    with_udp: bool,
+    mut bind_udp: impl FnMut(SocketAddr) -> std::io::Result<U>,
+) -> std::io::Result<(TcpListener, Option<U>)> {
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let tcp = bind(addr)?;
+        if !with_udp {
+            return Ok((tcp, None));
+        }
+        let at = tcp.local_addr()?;
+        match bind_udp(at) {
+            Ok(udp) => return Ok((tcp, Some(udp))),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && addr.port() == 0 && attempts < PAIR_ATTEMPTS => {
+                tracing::debug!(port = at.port(), "UDP port taken; another pair");
+            }
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("binding UDP {at} (after {attempts} attempts): {e}"),
+                ));
+            }
+        }
+    }
+}
+
 /// The receive buffer each of a builder's held data connections may take, so that all of
 /// them together stay within half the kernel's TCP memory before pressure.
 ///
@@ -151,6 +222,46 @@ mod tests {
     fn this_host_s_figures_are_read() {
         let share = KernelShare::of_this_host().expect("Linux exposes tcp_mem and tcp_rmem");
         assert!(share.pressure_bytes > 0 && share.default_receive > 0);
+    }
+
+    #[tokio::test]
+    async fn a_data_port_binds_udp_on_the_listener_s_port() {
+        let port = bind_data_port("127.0.0.1:0".parse().unwrap(), Some(1 << 20)).unwrap();
+        let udp = port.udp.as_ref().expect("asked for");
+        assert_eq!(udp.local_addr().unwrap(), port.local_addr().unwrap());
+        let tcp_only = bind_data_port("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        assert!(tcp_only.udp.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_taken_udp_number_makes_an_ephemeral_port_try_again() {
+        let mut tried = Vec::new();
+        let (tcp, udp) = bind_pair("127.0.0.1:0".parse().unwrap(), true, |at| {
+            tried.push(at);
+            if tried.len() < 3 { Err(std::io::ErrorKind::AddrInUse.into()) } else { Ok(at) }
+        })
+        .unwrap();
+        assert_eq!(tried.len(), 3);
+        assert_eq!(udp, Some(tcp.local_addr().unwrap()), "the pair shares the last listener's port");
+        // Never free: it gives up after PAIR_ATTEMPTS with the reason.
+        let mut n = 0;
+        let e = bind_pair("127.0.0.1:0".parse().unwrap(), true, |_| -> std::io::Result<()> {
+            n += 1;
+            Err(std::io::ErrorKind::AddrInUse.into())
+        })
+        .unwrap_err();
+        assert_eq!(n, PAIR_ATTEMPTS);
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(e.to_string().contains("binding UDP"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_fixed_port_whose_udp_number_is_taken_is_an_error_at_once() {
+        let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let at = taken.local_addr().unwrap();
+        // The TCP number may be taken too (then bind fails first); either way an error.
+        let e = bind_data_port(at, Some(1 << 20)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
     }
 
     #[tokio::test]

@@ -472,7 +472,8 @@ async fn start_data(
         }
         Role::Builder => {
             let addr = cfg.builder_listen()?;
-            let listener = crate::listen::bind(addr).with_context(|| format!("binding builder port {addr}"))?;
+            let listener =
+                crate::builder::bind_port(&cfg, addr).with_context(|| format!("binding builder port {addr}"))?;
             let id = cfg.builder.id;
             let c = cancel.clone();
             tokio::spawn(async move {

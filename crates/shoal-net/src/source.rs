@@ -136,7 +136,7 @@ pub async fn run_source_with(
             clock,
             cfg.udp_config(),
             cfg.run.run_number as u32,
-            (cfg.udp.socket_buffer_mb << 20) as usize,
+            cfg.udp_socket_buffer(),
             report_tx.clone(),
             options,
         )),

@@ -649,7 +649,8 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         Role::Builder => {
             let addr = cfg.builder_listen()?;
-            let listener = shoal_net::listen::bind(addr).with_context(|| format!("binding builder port {addr}"))?;
+            let listener =
+                shoal_net::builder::bind_port(&cfg, addr).with_context(|| format!("binding builder port {addr}"))?;
             let id = cfg.builder.id;
             let r = shoal_net::builder::run_builder(cfg.clone(), id, listener, clock, live, cancel).await?;
             (format!("run{run:06}.builder{id}.json"), serde_json::to_string_pretty(&r)?)

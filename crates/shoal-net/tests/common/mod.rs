@@ -32,13 +32,15 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
 }
 
 /// Binds a writer and the builders on ephemeral ports and fills their addresses in.
-pub async fn bind_all(cfg: &mut Config) -> (TcpListener, Vec<TcpListener>) {
+/// The writer's listener and each builder's data port (with its UDP socket for the
+/// datagram transport), on ports the kernel picks.
+pub async fn bind_all(cfg: &mut Config) -> (TcpListener, Vec<shoal_net::listen::DataPort>) {
     let w = TcpListener::bind("127.0.0.1:0").await.unwrap();
     cfg.run.writer_addr = w.local_addr().unwrap().to_string();
     let mut bs = Vec::new();
     cfg.run.builder_addrs.clear();
     for _ in 0..cfg.run.builders {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let l = shoal_net::builder::bind_port(cfg, "127.0.0.1:0".parse().unwrap()).unwrap();
         cfg.run.builder_addrs.push(l.local_addr().unwrap().to_string());
         bs.push(l);
     }
