@@ -8,8 +8,10 @@
 //! [`Live::alerts`].
 //!
 //! Receiving never waits for filtering: completed slices go to the filter thread through a
-//! queue bounded in *bytes* by the assembler's memory budget (the filter releases bytes as
-//! it finishes slices; above the budget new fragments are dropped and counted). A
+//! queue ([`crate::filter_queue`], a batch per round of the assembler's loop) bounded in
+//! *bytes* by the assembler's memory budget (the filter releases bytes as it finishes a
+//! batch; above the budget new fragments are dropped and counted) and in slices
+//! (`builder.filter_queue_slices`; beyond, a slice goes unfiltered, counted). A
 //! connection that sends garbage is closed with a logged reason and a counted rejection;
 //! the other connections carry on.
 //!
@@ -44,6 +46,7 @@ use tracing::{info, warn};
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, ReceivePath, Transport};
 use crate::demo::DelayStats;
+use crate::filter_queue::{FilterQueue, FilterQueueRx};
 use crate::framed::{FrameReader, ReadEnd};
 use crate::hold::{ConnectionGate, Held, ReadGate, WindowEdge};
 use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
@@ -596,7 +599,8 @@ pub async fn run_builder(
     });
     // Bounded in bytes by the assembler's memory budget and in slices here: a filter
     // slower than the load must not build a backlog of small slices without end.
-    let (out_tx, out_rx) = std::sync::mpsc::sync_channel::<SliceOutcome<FragmentData>>(FILTER_QUEUE_SLICES);
+    let (mut out_tx, out_rx) =
+        crate::filter_queue::filter_queue::<SliceOutcome<FragmentData>>(cfg.builder.filter_queue_slices as usize);
     let abandon = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let filter_abandon = abandon.clone();
     let mut not_filtered = Unfiltered::default();
@@ -732,7 +736,7 @@ pub async fn run_builder(
         if let Some(edge) = &edge {
             edge.publish(node.window_edge());
         }
-        forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
+        forward(&mut node, &mut saving, &mut sampler, &mut out_tx, &live, clock, &mut not_filtered);
         routes.send_pull(&mut node, id);
         if node.all_ended() {
             // Pull: the manager hears the clean end after the last credits, on the same
@@ -757,7 +761,7 @@ pub async fn run_builder(
     });
     // The node drained itself at the last end of stream; this is for a cancelled run.
     node.handle_drain(clock.now());
-    forward(&mut node, &mut saving, &mut sampler, &out_tx, &live, clock, &mut not_filtered);
+    forward(&mut node, &mut saving, &mut sampler, &mut out_tx, &live, clock, &mut not_filtered);
     drop(out_tx);
     // Open alerts close with what they have; the spool ships the rest before the writer
     // hears this builder's end of stream.
@@ -1084,7 +1088,7 @@ fn forward(
     node: &mut BuilderNode<FragmentData>,
     saving: &mut Option<Saving>,
     sampler: &mut RawSampler,
-    out: &std::sync::mpsc::SyncSender<SliceOutcome<FragmentData>>,
+    out: &mut FilterQueue<SliceOutcome<FragmentData>>,
     live: &Live,
     clock: WallClock,
     not_filtered: &mut Unfiltered,
@@ -1115,16 +1119,17 @@ fn forward(
         } else {
             Live::add(&live.slices_incomplete, 1);
         }
-        let bytes = o.bytes;
-        match out.try_send(o) {
-            Ok(()) => {}
-            Err(std::sync::mpsc::TrySendError::Full(o)) => {
-                not_filtered.add(o.slice);
-                Live::add(&live.slices_not_filtered, 1);
-                node.handle_released(bytes);
-            }
-            // The filter thread is gone (it only ends after we drop the sender).
-            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => node.handle_released(bytes),
+        if let Err(o) = out.offer(o) {
+            not_filtered.add(o.slice);
+            Live::add(&live.slices_not_filtered, 1);
+            node.handle_released(o.bytes);
+        }
+    }
+    // One hand-off for every slice of this round.
+    if let Err(batch) = out.flush() {
+        // The filter thread is gone (it only ends after we drop the sender).
+        for o in batch {
+            node.handle_released(o.bytes);
         }
     }
 }
@@ -1186,9 +1191,6 @@ fn own_shoal_exe() -> Result<std::path::PathBuf, ConfigError> {
     )))
 }
 
-/// Most slices waiting for the filter.
-const FILTER_QUEUE_SLICES: usize = 64;
-
 /// What the filter thread is told.
 struct FilterJob {
     id: u32,
@@ -1210,12 +1212,15 @@ struct FilterJob {
 
 /// Where a filtered slice goes: its EVENTS frame to the writer (and the tap), its
 /// fragments to the writer when stored whole or when its filter failed, its slot in the
-/// shared-memory ring, its bytes back to the assembler's budget.
+/// shared-memory ring, its bytes back to the assembler's budget (once for a batch of
+/// slices: [`Emitter::give_back`]).
 struct Emitter {
     id: u32,
     link: Arc<Link>,
     live: Arc<Live>,
     released: mpsc::UnboundedSender<u64>,
+    /// Bytes of slices done with since the last [`Emitter::give_back`].
+    releasing: u64,
     tap_events: bool,
     store_slices: bool,
     publisher: Option<shoal_shm::SlicePublisher>,
@@ -1280,7 +1285,15 @@ impl Emitter {
                 });
             }
         }
-        let _ = self.released.send(bytes);
+        self.releasing += bytes;
+    }
+
+    /// Gives the bytes of the slices done with back to the assembler's budget (one
+    /// message, so one wake of the assembler, for a whole batch).
+    fn give_back(&mut self) {
+        if self.releasing > 0 {
+            let _ = self.released.send(std::mem::take(&mut self.releasing));
+        }
     }
 }
 
@@ -1320,7 +1333,7 @@ fn worker_outcome(
 
 fn filter_loop(
     job: FilterJob,
-    rx: std::sync::mpsc::Receiver<SliceOutcome<FragmentData>>,
+    rx: FilterQueueRx<SliceOutcome<FragmentData>>,
     released: mpsc::UnboundedSender<u64>,
     link: Arc<Link>,
     live: Arc<Live>,
@@ -1336,61 +1349,69 @@ fn filter_loop(
         mut km3,
         publisher,
     } = job;
-    let mut em = Emitter { id, link, live, released, tap_events, store_slices, publisher, events: 0 };
+    let mut em = Emitter { id, link, live, released, releasing: 0, tap_events, store_slices, publisher, events: 0 };
     let mut busy = StdDuration::ZERO;
     let mut abandoned = Vec::new();
     let mut tally = WorkerTally::default();
-    for o in rx {
-        let (slice, bytes) = (o.slice, o.bytes);
-        if abandon.load(std::sync::atomic::Ordering::Relaxed) {
-            abandoned.push(slice);
-            Live::add(&em.live.slices_not_filtered, 1);
-            let _ = em.released.send(bytes);
-            continue;
-        }
-        let slice_start = slice_clock.start_of(slice);
-        let data = SliceData {
-            slice,
-            slice_start_ns: slice_start.as_nanos(),
-            slice_ns: slice_clock.length().as_nanos() as u64,
-            fragments: o.into_filter_input(),
-        };
-        let t = std::time::Instant::now();
-        let filter = match &mut stage {
-            FilterStage::InProcess(f) => f,
-            FilterStage::Workers(pool) => {
-                let frags: Vec<(u32, u16, u32, &[u8])> =
-                    data.fragments.iter().map(|f| (f.source, f.flags, f.hit_count, &f.payload[..])).collect();
-                let (start_ns, slice_ns) = (data.slice_start_ns, data.slice_ns);
-                let done = pool.submit(slice, start_ns, slice_ns, &frags, (data.clone(), bytes));
-                for d in done {
-                    worker_outcome(&mut em, &slice_clock, &mut tally, d);
-                }
-                busy += t.elapsed();
-                Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
+    while let Some(batch) = rx.next_batch() {
+        for o in batch {
+            rx.started();
+            let (slice, bytes) = (o.slice, o.bytes);
+            if abandon.load(std::sync::atomic::Ordering::Relaxed) {
+                abandoned.push(slice);
+                Live::add(&em.live.slices_not_filtered, 1);
+                em.releasing += bytes;
                 continue;
             }
-        };
-        // KM3NeT: the filter sees the superframes' hits; stored slices keep the frames.
-        let (selected, km3_slice) = match km3.as_mut() {
-            Some(k) => {
-                let (hits, frames) = k.decode(&data.fragments);
-                let view =
-                    SliceData { slice, slice_start_ns: data.slice_start_ns, slice_ns: data.slice_ns, fragments: hits };
-                (filter.process(&view), Some(frames))
+            let slice_start = slice_clock.start_of(slice);
+            let data = SliceData {
+                slice,
+                slice_start_ns: slice_start.as_nanos(),
+                slice_ns: slice_clock.length().as_nanos() as u64,
+                fragments: o.into_filter_input(),
+            };
+            let t = std::time::Instant::now();
+            let filter = match &mut stage {
+                FilterStage::InProcess(f) => f,
+                FilterStage::Workers(pool) => {
+                    let frags: Vec<(u32, u16, u32, &[u8])> =
+                        data.fragments.iter().map(|f| (f.source, f.flags, f.hit_count, &f.payload[..])).collect();
+                    let (start_ns, slice_ns) = (data.slice_start_ns, data.slice_ns);
+                    let done = pool.submit(slice, start_ns, slice_ns, &frags, (data.clone(), bytes));
+                    for d in done {
+                        worker_outcome(&mut em, &slice_clock, &mut tally, d);
+                    }
+                    busy += t.elapsed();
+                    Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
+                    continue;
+                }
+            };
+            // KM3NeT: the filter sees the superframes' hits; stored slices keep the frames.
+            let (selected, km3_slice) = match km3.as_mut() {
+                Some(k) => {
+                    let (hits, frames) = k.decode(&data.fragments);
+                    let view = SliceData {
+                        slice,
+                        slice_start_ns: data.slice_start_ns,
+                        slice_ns: data.slice_ns,
+                        fragments: hits,
+                    };
+                    (filter.process(&view), Some(frames))
+                }
+                None => (filter.process(&data), None),
+            };
+            if let (Some(k), Some(frames)) = (km3.as_mut(), km3_slice) {
+                k.publish(slice, frames, &selected, &em.live);
             }
-            None => (filter.process(&data), None),
-        };
-        if let (Some(k), Some(frames)) = (km3.as_mut(), km3_slice) {
-            k.publish(slice, frames, &selected, &em.live);
+            if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
+                // Fault injection: a filter slower than the load.
+                std::thread::sleep(rest);
+            }
+            busy += t.elapsed();
+            Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
+            em.emit(&data, slice_start, &selected, false, bytes);
         }
-        if let Some(rest) = least_per_slice.checked_sub(t.elapsed()) {
-            // Fault injection: a filter slower than the load.
-            std::thread::sleep(rest);
-        }
-        busy += t.elapsed();
-        Live::add(&em.live.filter_busy_ns, t.elapsed().as_nanos() as u64);
-        em.emit(&data, slice_start, &selected, false, bytes);
+        em.give_back();
     }
     let (failed_slices, malformed_events, workers) = match stage {
         FilterStage::InProcess(mut filter) => {
@@ -1404,6 +1425,7 @@ fn filter_loop(
                 worker_outcome(&mut em, &slice_clock, &mut tally, d);
             }
             busy += t.elapsed();
+            em.give_back();
             (tally.failed, report.malformed_events, Some(report))
         }
     };

@@ -449,6 +449,9 @@ pub struct BuilderConfig {
     /// Fault injection: the filter takes at least this long per slice, ms (0: off). A
     /// filter too slow for the load, for the fault matrix (docs/reliability.md).
     pub fault_filter_ms_per_slice: u64,
+    /// Most slices waiting for the filter; beyond, a processed slice goes unfiltered
+    /// (counted, its bytes released). The builder's memory budget bounds their bytes.
+    pub filter_queue_slices: u32,
     /// Receive buffer of each data connection when free-running sources are held back,
     /// bytes: 0 (the default) sizes it from the host's TCP memory and the number of sources
     /// (`listen::KernelShare`: the kernel default up to about 6,000 sources); any other
@@ -523,6 +526,7 @@ impl Default for BuilderConfig {
             drain_timeout_ms: 15_000,
             filter: FilterConfig::default(),
             fault_filter_ms_per_slice: 0,
+            filter_queue_slices: 4096,
             receive: ReceivePath::Epoll,
             store_slices: false,
             consumers: ConsumersConfig::default(),
@@ -664,6 +668,9 @@ impl Config {
             if consumers.socket.is_empty() || consumers.socket.len() > 100 {
                 return invalid("builder.consumers.socket must be 1..100 bytes (an abstract socket name)");
             }
+        }
+        if self.builder.filter_queue_slices == 0 {
+            return invalid("builder.filter_queue_slices must be at least 1");
         }
         if self.builder.max_active == 0 {
             return invalid("builder.max_active must be at least 1");

@@ -45,6 +45,7 @@ pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod dfm;
+pub mod filter_queue;
 pub mod framed;
 mod hold;
 pub mod ingest;
