@@ -5,18 +5,23 @@
 //! owner's other links) and tracks the queued bytes to enforce its own limit. The link
 //! task writes chunks in order and reports, per frame, whether its last byte was handed
 //! to the kernel ([`LinkReport::Sent`]) or the connection failed ([`LinkReport::Failed`]).
-//! The send time in a frame's header is stamped just before its first byte is written.
+//! The send time in a frame's header is stamped just before the write that carries its
+//! first byte. Chunks queued together go out in one vectored write (at most
+//! `GATHER_CHUNKS`, adding none past `GATHER_BYTES`): small fragments cost a system
+//! call for many of them, not one each.
 //!
 //! For pull runs ([`LinkOptions`]) a link also greets the peer after every connect (one
 //! hello per hosted source, so the builder knows where to send requests) and reads the
 //! peer's requests from the same connection.
 
+use std::collections::VecDeque;
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use shoal_core::frame::{DEFAULT_MAX_PAYLOAD, HEADER_LEN, set_send_time};
 use shoal_core::pullmsg::PullMessage;
 use shoal_core::{SourceId, slice::SliceNumber};
@@ -282,11 +287,13 @@ async fn run(
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
-    let mut held: Option<Chunk> = None;
+    // Chunks taken from the queue and not yet written: one waiting for a connection, or
+    // those behind a failed write, for the next connection.
+    let mut pending: VecDeque<Chunk> = VecDeque::new();
     loop {
         // A pull source sends nothing until asked, so its link connects (and greets) at
         // once instead of at the first chunk.
-        if stream.is_none() && held.is_none() && !options.hello.is_empty() && !closing.is_cancelled() {
+        if stream.is_none() && pending.is_empty() && !options.hello.is_empty() && !closing.is_cancelled() {
             match connect(addr, id, &options).await {
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
@@ -300,18 +307,14 @@ async fn run(
                 }
             }
         }
-        let chunk = match held.take() {
+        let chunk = match pending.pop_front() {
             Some(c) => c,
             None => match rx.recv().await {
                 Some(c) => c,
                 None => break,
             },
         };
-        if skipping == Some((chunk.source, chunk.slice)) {
-            queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-            if chunk.last {
-                skipping = None;
-            }
+        if skipped(&chunk, &mut skipping, &queued) {
             continue;
         }
         let s = match &mut stream {
@@ -326,47 +329,63 @@ async fn run(
                     if closing.is_cancelled() {
                         warn!(link = id, %addr, error = %e, "peer unreachable at end of run; failing queued frames");
                         fail(id, chunk, &queued, &reports, &mut skipping);
+                        for c in pending.drain(..) {
+                            fail(id, c, &queued, &reports, &mut skipping);
+                        }
                         while let Some(c) = rx.recv().await {
                             fail(id, c, &queued, &reports, &mut skipping);
                         }
                         return;
                     }
                     debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
-                    held = Some(chunk);
+                    pending.push_front(chunk);
                     back_off(&mut delay, backoff.max, &closing).await;
                     continue;
                 }
             },
         };
-        let len = chunk.len() as u64;
-        let mut header = [0u8; HEADER_LEN];
-        let head: &[u8] = if chunk.first && chunk.head.len() == HEADER_LEN {
-            header.copy_from_slice(&chunk.head);
-            set_send_time(&mut header, clock.now());
-            &header
-        } else {
-            &chunk.head
-        };
-        let result = s.write.write_all_buf(&mut head.chain(&chunk.body[..])).await;
-        match result {
-            Ok(()) => {
-                queued.fetch_sub(len, Ordering::Relaxed);
-                if chunk.last {
-                    let _ = reports.send(LinkReport::Sent { link: id, source: chunk.source, slice: chunk.slice });
-                }
+        // What else is queued goes in the same write, up to a bound.
+        let mut batch = vec![chunk];
+        let mut batch_bytes = batch[0].len();
+        while batch.len() < GATHER_CHUNKS && batch_bytes < GATHER_BYTES {
+            let next = match pending.pop_front() {
+                Some(c) => c,
+                None => match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(_) => break,
+                },
+            };
+            if !skipped(&next, &mut skipping, &queued) {
+                batch_bytes += next.len();
+                batch.push(next);
             }
-            Err(e) => {
-                // Every link of a process fails at once when a builder goes away: said
-                // once, then at most every 10 s with the count held back.
-                static WRITE_FAILED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(10));
-                if let Some(held_back) = WRITE_FAILED.check() {
-                    warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
-                }
-                if let Some(p) = &paths {
-                    p.count_link_failure();
-                }
-                stream = None;
-                fail(id, chunk, &queued, &reports, &mut skipping);
+        }
+        let (written, result) = write_chunks(&mut s.write, &batch, clock.now()).await;
+        let mut batch = batch.into_iter();
+        for chunk in batch.by_ref().take(written) {
+            queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+            if chunk.last {
+                let _ = reports.send(LinkReport::Sent { link: id, source: chunk.source, slice: chunk.slice });
+            }
+        }
+        if let Err(e) = result {
+            // Every link of a process fails at once when a builder goes away: said
+            // once, then at most every 10 s with the count held back.
+            static WRITE_FAILED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(10));
+            if let Some(held_back) = WRITE_FAILED.check() {
+                warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
+            }
+            if let Some(p) = &paths {
+                p.count_link_failure();
+            }
+            stream = None;
+            // The chunk the write stopped in fails (with the rest of its frame); those
+            // behind it go on the next connection.
+            if let Some(broken) = batch.next() {
+                fail(id, broken, &queued, &reports, &mut skipping);
+            }
+            for c in batch.rev() {
+                pending.push_front(c);
             }
         }
     }
@@ -379,6 +398,78 @@ async fn run(
         }
         info!(link = id, %addr, "closed");
     }
+}
+
+/// Most chunks, and bytes from which no more chunks are added, in one write.
+const GATHER_CHUNKS: usize = 64;
+const GATHER_BYTES: usize = 256 << 10;
+
+/// Drops `chunk` when it belongs to a frame whose earlier part failed (`skipping`).
+fn skipped(chunk: &Chunk, skipping: &mut Option<(SourceId, SliceNumber)>, queued: &AtomicU64) -> bool {
+    if *skipping != Some((chunk.source, chunk.slice)) {
+        return false;
+    }
+    queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+    if chunk.last {
+        *skipping = None;
+    }
+    true
+}
+
+/// Writes `chunks` in order with vectored writes, each frame's header stamped with `now`
+/// as its send time; returns how many chunks were written whole, and the error that
+/// stopped it if any.
+async fn write_chunks<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    chunks: &[Chunk],
+    now: shoal_core::Instant,
+) -> (usize, std::io::Result<()>) {
+    // Stamped copies of the whole headers; the other heads and the bodies as they are.
+    let stamped: Vec<Option<[u8; HEADER_LEN]>> = chunks
+        .iter()
+        .map(|c| {
+            (c.first && c.head.len() == HEADER_LEN).then(|| {
+                let mut header = [0u8; HEADER_LEN];
+                header.copy_from_slice(&c.head);
+                set_send_time(&mut header, now);
+                header
+            })
+        })
+        .collect();
+    let mut slices = Vec::with_capacity(2 * chunks.len());
+    let mut ends = Vec::with_capacity(chunks.len());
+    let mut total = 0;
+    for (c, h) in chunks.iter().zip(&stamped) {
+        let head: &[u8] = h.as_ref().map_or(&c.head[..], |h| &h[..]);
+        for part in [head, &c.body[..]] {
+            if !part.is_empty() {
+                slices.push(IoSlice::new(part));
+            }
+        }
+        total += c.len();
+        ends.push(total);
+    }
+    let mut rest = &mut slices[..];
+    let mut written = 0;
+    let mut result = Ok(());
+    while written < total {
+        match w.write_vectored(rest).await {
+            Ok(0) => {
+                result = Err(std::io::ErrorKind::WriteZero.into());
+                break;
+            }
+            Ok(n) => {
+                written += n;
+                IoSlice::advance_slices(&mut rest, n);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    (ends.iter().take_while(|&&end| end <= written).count(), result)
 }
 
 fn fail(
@@ -430,6 +521,123 @@ mod tests {
         assert_eq!(got.len(), HEADER_LEN + 7);
         assert_eq!(sent.recv().await, Some(LinkReport::Sent { link: 0, source: 7, slice: 1 }));
         (task, peer)
+    }
+
+    /// Takes at most `per_call` bytes a write, and fails once it holds `fail_after`.
+    struct Stingy {
+        got: Vec<u8>,
+        per_call: usize,
+        fail_after: usize,
+        calls: usize,
+    }
+
+    impl tokio::io::AsyncWrite for Stingy {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            let me = self.get_mut();
+            me.calls += 1;
+            if me.got.len() >= me.fail_after {
+                return std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
+            }
+            let n = buf.len().min(me.per_call).min(me.fail_after - me.got.len());
+            me.got.extend_from_slice(&buf[..n]);
+            std::task::Poll::Ready(Ok(n))
+        }
+
+        fn poll_write_vectored(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            // As a socket does: across the buffers, up to what it takes.
+            let all: Vec<u8> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
+            self.poll_write(cx, &all)
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Three whole frames and a frame in two chunks (a header-only chunk, then a body-only one).
+    fn chunks() -> Vec<Chunk> {
+        let header = |slice: u64, payload: &[u8]| {
+            shoal_core::frame::encode_header(
+                &shoal_core::frame::FrameHeader {
+                    flags: shoal_core::frame::Flags::EMPTY,
+                    source: 3,
+                    hit_count: 0,
+                    slice,
+                    slice_start: shoal_core::Instant::ZERO,
+                    send_time: shoal_core::Instant::ZERO,
+                    payload_len: payload.len() as u32,
+                },
+                payload,
+            )
+        };
+        let mut out: Vec<Chunk> = (0..3)
+            .map(|s| {
+                let payload = vec![s as u8; 100];
+                Chunk::frame(3, s, header(s, &payload), Bytes::from(payload))
+            })
+            .collect();
+        let split = vec![9u8; 50];
+        out.push(Chunk { last: false, ..Chunk::frame(3, 9, header(9, &split), Bytes::new()) });
+        out.push(Chunk { source: 3, slice: 9, first: false, last: true, head: Bytes::new(), body: Bytes::from(split) });
+        out
+    }
+
+    #[tokio::test]
+    async fn queued_chunks_go_out_in_order_through_short_writes_with_their_send_time() {
+        let chunks = chunks();
+        let total: usize = chunks.iter().map(Chunk::len).sum();
+        let mut w = Stingy { got: Vec::new(), per_call: 37, fail_after: usize::MAX, calls: 0 };
+        let now = shoal_core::Instant::from_nanos(123_456_789);
+        let (written, result) = write_chunks(&mut w, &chunks, now).await;
+        assert!(result.is_ok());
+        assert_eq!(written, chunks.len());
+        assert_eq!(w.got.len(), total);
+        assert_eq!(w.calls, total.div_ceil(37), "every call took what it could");
+        // The bytes decode as the four frames, each stamped.
+        let mut dec = shoal_core::frame::StreamDecoder::new(shoal_core::frame::DEFAULT_MAX_PAYLOAD);
+        dec.extend(&w.got);
+        let mut slices = Vec::new();
+        while let Some(f) = dec.next_frame().unwrap() {
+            assert_eq!(f.header.send_time, now);
+            slices.push((f.header.slice, f.payload.len()));
+        }
+        assert_eq!(slices, vec![(0, 100), (1, 100), (2, 100), (9, 50)]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_says_which_chunks_went_out_whole() {
+        let chunks = chunks();
+        let first_two = chunks[0].len() + chunks[1].len();
+        // Fails ten bytes into the third chunk.
+        let mut w = Stingy { got: Vec::new(), per_call: 1000, fail_after: first_two + 10, calls: 0 };
+        let (written, result) = write_chunks(&mut w, &chunks, shoal_core::Instant::ZERO).await;
+        assert_eq!(written, 2);
+        assert_eq!(result.unwrap_err().kind(), std::io::ErrorKind::BrokenPipe);
+        // Exactly at a chunk's end: that chunk is whole.
+        let mut w = Stingy { got: Vec::new(), per_call: 1000, fail_after: first_two, calls: 0 };
+        assert_eq!(write_chunks(&mut w, &chunks, shoal_core::Instant::ZERO).await.0, 2);
     }
 
     #[tokio::test]
