@@ -29,7 +29,8 @@ pub struct Live {
     pub slices_not_filtered: AtomicU64,
     /// Of the discarded fragments: those the builder's memory budget had no room for.
     pub fragments_refused_by_budget: AtomicU64,
-    /// Time the filter spent on slices, ns (a filter busy all the time is behind).
+    /// Time the filter thread spent on slices (filtering, handing on the events), ns; a
+    /// filter busy all the time is behind.
     pub filter_busy_ns: AtomicU64,
     /// Fragments the burst rate cutoff replaced by an empty marker (sources).
     pub fragments_cut_off: AtomicU64,
