@@ -656,4 +656,85 @@ mod tests {
         let (task, _open_peer) = link_read_to_its_end(false).await;
         tokio::time::timeout(Duration::from_secs(60), task).await.expect("ends without the peer").unwrap();
     }
+
+    /// Twice what both socket buffers of a loopback connection can hold, queued at once
+    /// (so the link is still writing when its first peer resets the connection): every
+    /// frame is reported once, sent or failed; what follows the failed write goes out
+    /// whole on the next connection, in order; nothing reported failed arrives.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_reset_mid_batch_reports_every_frame_once_and_the_rest_go_on_the_next() {
+        let most = |name: &str| -> u64 {
+            let text = std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap();
+            text.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        let frames: u64 = (2 * (most("tcp_rmem") + most("tcp_wmem")) / 4000).max(4000);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (reports, mut fates) = mpsc::unbounded_channel();
+        let backoff = Backoff { min: Duration::from_millis(1), max: Duration::from_millis(10) };
+        let link = Link::spawn_with(
+            0,
+            listener.local_addr().unwrap(),
+            WallClock::new(),
+            backoff,
+            reports,
+            CancellationToken::new(),
+            LinkOptions::default(),
+        );
+        let payload = Bytes::from(vec![7u8; 4000]);
+        for slice in 0..frames {
+            let header = shoal_core::frame::encode_header(
+                &shoal_core::frame::FrameHeader {
+                    flags: shoal_core::frame::Flags::EMPTY,
+                    source: 1,
+                    hit_count: 0,
+                    slice,
+                    slice_start: shoal_core::Instant::ZERO,
+                    send_time: shoal_core::Instant::ZERO,
+                    payload_len: payload.len() as u32,
+                },
+                &payload,
+            );
+            link.send(Chunk::frame(1, slice, header, payload.clone()));
+        }
+        let task = link.close();
+        let received = tokio::time::timeout(Duration::from_secs(120), async {
+            let (mut first, _) = listener.accept().await.unwrap();
+            let mut some = vec![0u8; 10_000];
+            first.read_exact(&mut some).await.unwrap();
+            // A zero linger: the close resets the connection at once (and never blocks).
+            socket2::SockRef::from(&first).set_linger(Some(Duration::ZERO)).unwrap();
+            drop(first);
+            let (mut second, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            second.read_to_end(&mut got).await.unwrap();
+            got
+        })
+        .await
+        .expect("the link reconnects and ends");
+        tokio::time::timeout(Duration::from_secs(60), task).await.expect("the link ends").unwrap();
+        let mut sent = std::collections::BTreeSet::new();
+        let mut failed = std::collections::BTreeSet::new();
+        while let Ok(fate) = fates.try_recv() {
+            let fresh = match fate {
+                LinkReport::Sent { slice, .. } => sent.insert(slice),
+                LinkReport::Failed { slice, .. } => failed.insert(slice),
+            };
+            assert!(fresh && sent.intersection(&failed).next().is_none(), "{fate:?} reported twice");
+        }
+        assert_eq!(sent.len() + failed.len(), frames as usize, "every frame reported");
+        assert!(!failed.is_empty(), "the write in progress at the reset failed");
+        let mut dec = shoal_core::frame::StreamDecoder::new(shoal_core::frame::DEFAULT_MAX_PAYLOAD);
+        dec.extend(&received);
+        let mut on_second = Vec::new();
+        while let Some(f) = dec.next_frame().expect("whole frames from the first byte") {
+            on_second.push(f.header.slice);
+        }
+        assert_eq!(dec.buffered(), 0, "nothing cut off");
+        assert!(!on_second.is_empty(), "the frames behind the failed write went on");
+        assert!(on_second.windows(2).all(|w| w[0] < w[1]), "in order");
+        assert!(on_second.iter().all(|s| sent.contains(s)), "only frames reported sent arrive");
+        // Everything after the first frame of the second connection arrived there.
+        let first_on_second = on_second[0];
+        assert_eq!(on_second.len() as u64, frames - first_on_second);
+    }
 }
