@@ -500,19 +500,8 @@ mod tests {
     /// A link to a peer that reads everything and stays open; returns the link's task once
     /// the peer has read the link's end (its shutdown), with the peer still open.
     async fn link_read_to_its_end(wait_for_peer_close: bool) -> (tokio::task::JoinHandle<()>, TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (reports, mut sent) = mpsc::unbounded_channel();
-        let backoff = Backoff { min: Duration::from_millis(1), max: Duration::from_millis(10) };
-        let options = LinkOptions { wait_for_peer_close, ..LinkOptions::default() };
-        let link = Link::spawn_with(
-            0,
-            listener.local_addr().unwrap(),
-            WallClock::new(),
-            backoff,
-            reports,
-            CancellationToken::new(),
-            options,
-        );
+        let (listener, link, mut sent) =
+            link_to_a_listener(LinkOptions { wait_for_peer_close, ..LinkOptions::default() }).await;
         link.send(Chunk::frame(7, 1, [0; HEADER_LEN], Bytes::from_static(b"payload")));
         let task = link.close();
         let (mut peer, _) = listener.accept().await.unwrap();
@@ -576,31 +565,41 @@ mod tests {
         }
     }
 
+    /// A link (reporting to the receiver returned) to a listener of its own.
+    async fn link_to_a_listener(
+        options: LinkOptions,
+    ) -> (tokio::net::TcpListener, Link, mpsc::UnboundedReceiver<LinkReport>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (reports, fates) = mpsc::unbounded_channel();
+        let backoff = Backoff { min: Duration::from_millis(1), max: Duration::from_millis(10) };
+        let addr = listener.local_addr().unwrap();
+        let link = Link::spawn_with(0, addr, WallClock::new(), backoff, reports, CancellationToken::new(), options);
+        (listener, link, fates)
+    }
+
+    /// Source 3's frame of `slice`, whole in one chunk.
+    fn whole_frame(slice: u64, payload: Bytes) -> Chunk {
+        let header = shoal_core::frame::encode_header(
+            &shoal_core::frame::FrameHeader {
+                flags: shoal_core::frame::Flags::EMPTY,
+                source: 3,
+                hit_count: 0,
+                slice,
+                slice_start: shoal_core::Instant::ZERO,
+                send_time: shoal_core::Instant::ZERO,
+                payload_len: payload.len() as u32,
+            },
+            &payload,
+        );
+        Chunk::frame(3, slice, header, payload)
+    }
+
     /// Three whole frames and a frame in two chunks (a header-only chunk, then a body-only one).
     fn chunks() -> Vec<Chunk> {
-        let header = |slice: u64, payload: &[u8]| {
-            shoal_core::frame::encode_header(
-                &shoal_core::frame::FrameHeader {
-                    flags: shoal_core::frame::Flags::EMPTY,
-                    source: 3,
-                    hit_count: 0,
-                    slice,
-                    slice_start: shoal_core::Instant::ZERO,
-                    send_time: shoal_core::Instant::ZERO,
-                    payload_len: payload.len() as u32,
-                },
-                payload,
-            )
-        };
-        let mut out: Vec<Chunk> = (0..3)
-            .map(|s| {
-                let payload = vec![s as u8; 100];
-                Chunk::frame(3, s, header(s, &payload), Bytes::from(payload))
-            })
-            .collect();
-        let split = vec![9u8; 50];
-        out.push(Chunk { last: false, ..Chunk::frame(3, 9, header(9, &split), Bytes::new()) });
-        out.push(Chunk { source: 3, slice: 9, first: false, last: true, head: Bytes::new(), body: Bytes::from(split) });
+        let mut out: Vec<Chunk> = (0..3).map(|s| whole_frame(s, Bytes::from(vec![s as u8; 100]))).collect();
+        let split = whole_frame(9, Bytes::from(vec![9u8; 50]));
+        out.push(Chunk { last: false, body: Bytes::new(), head: split.head.clone(), ..split });
+        out.push(Chunk { source: 3, slice: 9, first: false, last: true, head: Bytes::new(), body: split.body });
         out
     }
 
@@ -668,33 +667,10 @@ mod tests {
             text.split_whitespace().nth(2).unwrap().parse().unwrap()
         };
         let frames: u64 = (2 * (most("tcp_rmem") + most("tcp_wmem")) / 4000).max(4000);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (reports, mut fates) = mpsc::unbounded_channel();
-        let backoff = Backoff { min: Duration::from_millis(1), max: Duration::from_millis(10) };
-        let link = Link::spawn_with(
-            0,
-            listener.local_addr().unwrap(),
-            WallClock::new(),
-            backoff,
-            reports,
-            CancellationToken::new(),
-            LinkOptions::default(),
-        );
+        let (listener, link, mut fates) = link_to_a_listener(LinkOptions::default()).await;
         let payload = Bytes::from(vec![7u8; 4000]);
         for slice in 0..frames {
-            let header = shoal_core::frame::encode_header(
-                &shoal_core::frame::FrameHeader {
-                    flags: shoal_core::frame::Flags::EMPTY,
-                    source: 1,
-                    hit_count: 0,
-                    slice,
-                    slice_start: shoal_core::Instant::ZERO,
-                    send_time: shoal_core::Instant::ZERO,
-                    payload_len: payload.len() as u32,
-                },
-                &payload,
-            );
-            link.send(Chunk::frame(1, slice, header, payload.clone()));
+            link.send(whole_frame(slice, payload.clone()));
         }
         let task = link.close();
         let received = tokio::time::timeout(Duration::from_secs(120), async {
