@@ -42,8 +42,15 @@ pub fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
+/// A port for a process a test starts, outside the kernel's ephemeral range (so no
+/// outgoing connection takes it), free now (TCP and UDP), and never handed out before in
+/// this test binary. The last matters: the tests of a binary run at once, each cluster
+/// takes five ports, and two tests drawing the same random port raced for it (a builder
+/// refused to start with "Address already in use", seen once on a clean clone).
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, Hasher};
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
     let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
     let mut r = range.split_whitespace().filter_map(|v| v.parse::<u32>().ok());
     let (lo, hi) = (r.next().unwrap_or(32768), r.next().unwrap_or(60999));
@@ -54,7 +61,12 @@ pub fn free_port() -> u16 {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64);
         let port = (first + (h.finish() % u64::from(last - first + 1)) as u32) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        if !handed_out.contains(&port)
+            && TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+        {
+            handed_out.insert(port);
             return port;
         }
     }
