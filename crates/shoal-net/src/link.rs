@@ -479,13 +479,10 @@ fn fail(
     reports: &mpsc::UnboundedSender<LinkReport>,
     skipping: &mut Option<(SourceId, SliceNumber)>,
 ) {
-    queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
-    if skipping == &Some((chunk.source, chunk.slice)) {
-        if chunk.last {
-            *skipping = None;
-        }
+    if skipped(&chunk, skipping, queued) {
         return;
     }
+    queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
     if !chunk.last {
         *skipping = Some((chunk.source, chunk.slice));
     }
