@@ -74,6 +74,19 @@ impl<R: ReadSource> FrameReader<R> {
         ReadEnd::Rejected(reason)
     }
 
+    /// The next frame if it has already been read whole, without reading: lets a caller
+    /// hand on in one message every frame one read brought.
+    pub fn next_buffered(&mut self) -> Result<Option<Frame>, ReadEnd> {
+        match self.dec.next_frame() {
+            Ok(Some(frame)) => {
+                self.first_by = None;
+                Ok(Some(frame))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(self.reject(e.kind(), &e.to_string())),
+        }
+    }
+
     /// The next frame, or how the connection ended.
     pub async fn next(&mut self) -> Result<Frame, ReadEnd> {
         loop {

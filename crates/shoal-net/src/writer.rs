@@ -302,41 +302,74 @@ enum Incoming {
     Rejected { reason: &'static str },
 }
 
-async fn read_connection(stream: TcpStream, peer: SocketAddr, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
+/// Most frames of one connection handed on in one message: those one read brought.
+const READ_BATCH: usize = 64;
+
+/// Reads one builder's connection; the frames each read brings go on in one message (a
+/// builder sends one EVENTS frame per slice, hundreds of thousands a second at small
+/// fragments, and a message per frame cost a wake-up each).
+async fn read_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tx: mpsc::Sender<Vec<Incoming>>,
+    cancel: CancellationToken,
+) {
     let mut reader =
         FrameReader::new(stream, peer, 256 << 20, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
     let end = loop {
-        let frame = match reader.next().await {
-            Ok(f) => f,
+        let mut next = match reader.next().await {
+            Ok(f) => Some(f),
             Err(end) => break end,
         };
-        let h = frame.header;
-        let msg = if h.flags.contains(Flags::END_OF_STREAM) {
-            Incoming::Ended { builder: h.source }
-        } else if h.flags.contains(Flags::RAW) {
-            match RawRecord::from_frame(&frame) {
-                Ok(r) => Incoming::Raw(r),
-                Err(e) => break reader.reject(e.kind(), &e.to_string()),
+        let mut batch = Vec::new();
+        let mut ended = None;
+        while let Some(frame) = next.take() {
+            match incoming(&frame) {
+                Ok(msg) => batch.push(msg),
+                Err((reason, detail)) => {
+                    ended = Some(reader.reject(reason, &detail));
+                    break;
+                }
             }
-        } else if !h.flags.contains(Flags::EVENTS) {
-            break reader.reject("not_events", "a data frame on the event port");
-        } else {
-            match decode_events(&frame.payload) {
-                Ok(events) => Incoming::Slice {
-                    builder: h.source,
-                    slice: h.slice,
-                    slice_start_ns: h.slice_start.as_nanos(),
-                    events,
-                },
-                Err(e) => break reader.reject("bad_events", &e.to_string()),
+            if batch.len() < READ_BATCH {
+                match reader.next_buffered() {
+                    Ok(f) => next = f,
+                    Err(end) => ended = Some(end),
+                }
             }
-        };
-        if tx.send(msg).await.is_err() {
+        }
+        // What came before a bad frame is kept.
+        if !batch.is_empty() && tx.send(batch).await.is_err() {
             break ReadEnd::Clean;
+        }
+        if let Some(end) = ended {
+            break end;
         }
     };
     if let ReadEnd::Rejected(reason) = end {
-        let _ = tx.send(Incoming::Rejected { reason }).await;
+        let _ = tx.send(vec![Incoming::Rejected { reason }]).await;
+    }
+}
+
+/// What a frame from a builder says, or why it is refused (a counter label and a detail).
+fn incoming(frame: &shoal_core::frame::Frame) -> Result<Incoming, (&'static str, String)> {
+    let h = &frame.header;
+    if h.flags.contains(Flags::END_OF_STREAM) {
+        Ok(Incoming::Ended { builder: h.source })
+    } else if h.flags.contains(Flags::RAW) {
+        RawRecord::from_frame(frame).map(Incoming::Raw).map_err(|e| (e.kind(), e.to_string()))
+    } else if !h.flags.contains(Flags::EVENTS) {
+        Err(("not_events", "a data frame on the event port".into()))
+    } else {
+        match decode_events(&frame.payload) {
+            Ok(events) => Ok(Incoming::Slice {
+                builder: h.source,
+                slice: h.slice,
+                slice_start_ns: h.slice_start.as_nanos(),
+                events,
+            }),
+            Err(e) => Err(("bad_events", e.to_string())),
+        }
     }
 }
 
@@ -347,10 +380,19 @@ const DISK_QUEUE: usize = 256;
 /// connections (they queue at the builders, counted there) instead of growing this.
 pub const DISK_QUEUE_KIB: usize = 256 << 10;
 
-/// What the disk thread writes, with its room in the queue (given back once written).
-enum DiskWork {
-    Events(u32, u64, u64, Vec<Event>, tokio::sync::OwnedSemaphorePermit),
-    Raw(RawRecord, tokio::sync::OwnedSemaphorePermit),
+/// Most slices and raw records the receiving side hands the disk thread at once.
+const DISK_BATCH: usize = 256;
+
+/// What the disk thread writes: what the receiving side took in one round, with its room
+/// in the queue (given back once all of it is written).
+struct DiskWork {
+    items: Vec<DiskItem>,
+    _room: tokio::sync::OwnedSemaphorePermit,
+}
+
+enum DiskItem {
+    Events(u32, u64, u64, Vec<Event>),
+    Raw(RawRecord),
 }
 
 /// What the disk thread closed at the end: the events files' totals and list, the raw and
@@ -379,19 +421,17 @@ impl DiskWriter {
     fn run(mut self, mut rx: mpsc::Receiver<DiskWork>) -> Result<DiskDone, DiskFailure> {
         while let Some(work) = rx.blocking_recv() {
             let began = std::time::Instant::now();
-            let stored = self.store(work);
+            let stored = work.items.into_iter().try_for_each(|item| self.store(item));
             Live::add(&self.live.storage_busy_ns, began.elapsed().as_nanos() as u64);
             stored.map_err(|e| self.failed(e))?;
         }
         self.close().map_err(|e| self.failed(e))
     }
 
-    fn store(&mut self, work: DiskWork) -> Result<(), shoal_store::StoreError> {
-        match work {
-            DiskWork::Events(builder, slice, start, events, _room) => {
-                self.files.write(builder, slice, start, &events)?
-            }
-            DiskWork::Raw(r, _room) => {
+    fn store(&mut self, item: DiskItem) -> Result<(), shoal_store::StoreError> {
+        match item {
+            DiskItem::Events(builder, slice, start, events) => self.files.write(builder, slice, start, &events)?,
+            DiskItem::Raw(r) => {
                 if r.head.kind == RawKind::AlertOpened {
                     let name =
                         shoal_core::alert::Alert::parse(&r.body).map(|a| a.name).unwrap_or_else(|_| "unnamed".into());
@@ -486,7 +526,7 @@ pub async fn run_writer_with(
     let path = files.first_path.clone();
     let mut lost_with_previous = if cfg.writer.keep_existing { find_previous(dir, run, &path) } else { None };
 
-    let (tx, mut rx) = mpsc::channel::<Incoming>(1024);
+    let (tx, mut rx) = mpsc::channel::<Vec<Incoming>>(1024);
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
     let limit = crate::listen::ConnectionLimit::new(n_builders);
@@ -498,7 +538,7 @@ pub async fn run_writer_with(
                         let Some(place) = limit.admit() else {
                             drop(stream);
                             warn!(%peer, limit = limit.limit(), "writer port at its connection limit: closed");
-                            let _ = tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
+                            let _ = tx.send(vec![Incoming::Rejected { reason: "connection_limit" }]).await;
                             continue;
                         };
                         let (tx, c) = (tx.clone(), accept_cancel.clone());
@@ -539,39 +579,57 @@ pub async fn run_writer_with(
     while ended.len() < n_builders {
         tokio::select! {
             m = rx.recv() => match m {
-                Some(Incoming::Slice { builder, slice, slice_start_ns, events }) => {
-                    report.slices += 1;
-                    // The first slice after a restart: the events lost with the
-                    // predecessor are those before it.
-                    if let Some(l) = lost_with_previous.as_mut() {
-                        l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
-                    }
-                    *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                    let permit = room(&queue_room, events_bytes(&events)).await;
-                    // After a disk failure (reported below, with every event received as
-                    // not stored) what comes is taken and dropped.
-                    if disk_failed
-                        || disk_tx.send(DiskWork::Events(builder, slice, slice_start_ns, events, permit)).await.is_err()
-                    {
-                        disk_failed = true;
-                    }
-                }
-                Some(Incoming::Raw(r)) => {
-                    if r.head.kind == RawKind::AlertClosed {
-                        match serde_json::from_slice::<AlertReport>(&r.body) {
-                            Ok(a) => report.alerts.push(a),
-                            Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
+                Some(mut messages) => {
+                    // What else has come goes to the disk thread with it.
+                    while messages.len() < DISK_BATCH {
+                        match rx.try_recv() {
+                            Ok(mut more) => messages.append(&mut more),
+                            Err(_) => break,
                         }
-                    } else if disk_failed || {
-                        let permit = room(&queue_room, r.body.len()).await;
-                        disk_tx.send(DiskWork::Raw(r, permit)).await.is_err()
-                    } {
-                        disk_failed = true;
-                        report.raw_not_stored += 1;
                     }
+                    let mut items = Vec::with_capacity(messages.len());
+                    let mut bytes = 0;
+                    for m in messages {
+                        match m {
+                            Incoming::Slice { builder, slice, slice_start_ns, events } => {
+                                report.slices += 1;
+                                // The first slice after a restart: the events lost with the
+                                // predecessor are those before it.
+                                if let Some(l) = lost_with_previous.as_mut() {
+                                    l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
+                                }
+                                *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
+                                bytes += events_bytes(&events);
+                                items.push(DiskItem::Events(builder, slice, slice_start_ns, events));
+                            }
+                            Incoming::Raw(r) if r.head.kind == RawKind::AlertClosed => {
+                                match serde_json::from_slice::<AlertReport>(&r.body) {
+                                    Ok(a) => report.alerts.push(a),
+                                    Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
+                                }
+                            }
+                            Incoming::Raw(r) => {
+                                bytes += r.body.len();
+                                items.push(DiskItem::Raw(r));
+                            }
+                            Incoming::Ended { builder } => { ended.insert(builder); }
+                            Incoming::Rejected { reason } => *report.rejected_connections.entry(reason.into()).or_default() += 1,
+                        }
+                    }
+                    // After a disk failure (reported below, with every event received as
+                    // not stored) what comes is taken, counted and dropped.
+                    if !items.is_empty() && !disk_failed {
+                        let work = DiskWork { items, _room: room(&queue_room, bytes).await };
+                        items = match disk_tx.send(work).await {
+                            Ok(()) => Vec::new(),
+                            Err(refused) => {
+                                disk_failed = true;
+                                refused.0.items
+                            }
+                        };
+                    }
+                    report.raw_not_stored += items.iter().filter(|i| matches!(i, DiskItem::Raw(_))).count() as u64;
                 }
-                Some(Incoming::Ended { builder }) => { ended.insert(builder); }
-                Some(Incoming::Rejected { reason }) => *report.rejected_connections.entry(reason.into()).or_default() += 1,
                 None => break,
             },
             _ = cancel.cancelled() => {

@@ -210,6 +210,29 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// A builder's slices in one write, several hundred, then a bad frame: the writer stores
+/// every slice before it (taken in batches, as they were read) and counts the connection
+/// rejected; the builder's end of stream on a new connection ends the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_stores_what_came_before_a_bad_frame_in_the_same_write() {
+    let out = temp_dir("writer-batch");
+    let cfg = small_config(1, 1, 1.0, &out);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg, listener, never()));
+    let events = |slice| frame::encode(&FrameHeader { flags: Flags::EVENTS, slice, ..header() }, &[]);
+    let mut bytes: Vec<u8> = (1..=700).flat_map(|s| events(s).to_vec()).collect();
+    bytes.extend_from_slice(&frame::encode(&header(), &[]));
+    rejected(addr, &bytes).await;
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
+    let w = writer.await.unwrap().unwrap();
+    assert!(w.error.is_none(), "{:?}", w.error);
+    assert_eq!((w.slices, w.builders_ended), (700, 1));
+    assert_eq!(w.rejected_connections, BTreeMap::from([("not_events".to_string(), 1)]));
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 /// A connection flood on a builder's data port stops at its limit (sources + 256): the
 /// connections beyond are closed at once and counted, the real source's connection keeps
 /// its data flowing, nothing is lost. The run lasts until the flood is counted (a run of
