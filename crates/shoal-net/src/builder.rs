@@ -209,6 +209,48 @@ enum Incoming {
     Assign {
         slice: SliceNumber,
     },
+    /// What one read of a connection brought, in order ([`ToBuilder`]), with its room.
+    Batch {
+        messages: Vec<Incoming>,
+        _room: tokio::sync::OwnedSemaphorePermit,
+    },
+}
+
+/// Most frames of one read a connection's reader hands on in one message.
+const READ_BATCH: usize = 64;
+/// Most batched frames on their way from the readers to the builder's loop, as the
+/// channel's bound holds single messages.
+const BATCHED_IN_FLIGHT: usize = 4096;
+
+/// A connection reader's way to the builder's loop. The frames one read brought go in one
+/// message: at small fragments a message per frame cost a channel operation and often a
+/// wake-up each, hundreds of thousands a second.
+#[derive(Clone)]
+struct ToBuilder {
+    tx: mpsc::Sender<Incoming>,
+    room: Arc<tokio::sync::Semaphore>,
+}
+
+impl ToBuilder {
+    fn new(tx: mpsc::Sender<Incoming>, room: &Arc<tokio::sync::Semaphore>) -> Self {
+        Self { tx, room: room.clone() }
+    }
+
+    /// Sends `messages` (emptied) as one; false once the builder's loop is gone.
+    async fn send(&self, messages: &mut Vec<Incoming>) -> bool {
+        let sent = match messages.len() {
+            0 => return true,
+            1 => self.tx.send(messages.pop().expect("one")).await,
+            n => {
+                let n = n.min(BATCHED_IN_FLIGHT) as u32;
+                let Ok(room) = self.room.clone().acquire_many_owned(n).await else {
+                    return false;
+                };
+                self.tx.send(Incoming::Batch { messages: std::mem::take(messages), _room: room }).await
+            }
+        };
+        sent.is_ok()
+    }
 }
 
 /// Writes queued control frames to one connection until the queue closes or a write fails.
@@ -325,7 +367,7 @@ async fn read_connection(
     max_payload: u32,
     clock: WallClock,
     edge: Option<Arc<WindowEdge>>,
-    tx: mpsc::Sender<Incoming>,
+    tx: ToBuilder,
     cancel: CancellationToken,
 ) {
     let (read, write) = stream.into_split();
@@ -345,7 +387,7 @@ fn uring_connection(
     max_payload: u32,
     clock: WallClock,
     edge: Option<Arc<WindowEdge>>,
-    tx: mpsc::Sender<Incoming>,
+    tx: ToBuilder,
     cancel: CancellationToken,
     place: tokio::sync::OwnedSemaphorePermit,
 ) -> crate::uring::ConnectionTask {
@@ -363,62 +405,99 @@ fn uring_connection(
     })
 }
 
-/// Validates one connection's frames and passes them on; source hellos register the
-/// connection for pull requests (`requests`). Waits at `gate` while the builder holds the
-/// connection's fragments back (free-running sources too far ahead: [`crate::hold`]).
+/// Validates one connection's frames and passes them on, those of one read in one message;
+/// source hellos register the connection for pull requests (`requests`). Waits at `gate`
+/// while the builder holds the connection's fragments back (free-running sources too far
+/// ahead: [`crate::hold`]).
 async fn serve_frames<R: crate::framed::ReadSource>(
     mut reader: FrameReader<R>,
     requests: mpsc::UnboundedSender<Bytes>,
     clock: WallClock,
     mut gate: ConnectionGate,
-    tx: mpsc::Sender<Incoming>,
+    to: ToBuilder,
 ) {
-    let end = loop {
-        let frame = match reader.next().await {
-            Ok(f) => f,
+    let mut batch = Vec::new();
+    let end = 'connection: loop {
+        let mut next = match reader.next().await {
+            Ok(f) => Some(f),
             Err(end) => break end,
         };
-        match PullMessage::from_frame(&frame) {
-            Ok(None) => {}
-            Ok(Some(PullMessage::SourceHello { source })) => {
-                if tx.send(Incoming::Hello { source, requests: requests.clone() }).await.is_err() {
-                    break ReadEnd::Clean;
-                }
-                continue;
-            }
-            Ok(Some(_)) => break reader.reject("unexpected_control", "only source hellos are expected on a data port"),
-            Err(e) => break reader.reject(e.kind(), &e.to_string()),
-        }
-        let h = &frame.header;
-        if h.flags.contains(Flags::EVENTS) {
-            break reader.reject("unexpected_events", "an EVENTS frame on a data port");
-        }
-        if h.flags.contains(Flags::RAW) {
-            break reader.reject("unexpected_raw", "a RAW frame on a data port");
-        }
-        if h.flags.contains(Flags::OPAQUE) {
-            // User data in no format shoal knows (the source SDK): stored, not parsed.
-            if h.hit_count != 0 {
-                break reader.reject("opaque_with_hits", "an OPAQUE frame claims hits");
-            }
-        } else if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
-            break reader.reject("bad_payload", &e.to_string());
-        }
-        // Arrived now, whether or not it then waits for room in the window (its delay
-        // includes the wait, as a fragment held by the builder's loop counts its hold).
+        // The frames of one read arrived together, whether or not one then waits for room
+        // in the window (its delay includes the wait, as a fragment held by the builder's
+        // loop counts its hold).
         let arrival = clock.now();
-        let frame_gate = gate.for_frame(h.source);
-        if !h.flags.contains(Flags::END_OF_STREAM) {
-            gate.wait_for_room(h.slice, tx.closed()).await;
+        let mut ended = None;
+        while let Some(frame) = next.take() {
+            match check_frame(&reader, &frame) {
+                Err(end) => {
+                    ended = Some(end);
+                    break;
+                }
+                Ok(Some(source)) => batch.push(Incoming::Hello { source, requests: requests.clone() }),
+                Ok(None) => {
+                    let h = &frame.header;
+                    let frame_gate = gate.for_frame(h.source);
+                    if !h.flags.contains(Flags::END_OF_STREAM) && !gate.has_room(h.slice) {
+                        // What came before goes in first: it may be what moves the window.
+                        if !to.send(&mut batch).await {
+                            break 'connection ReadEnd::Clean;
+                        }
+                        gate.wait_for_room(h.slice, to.tx.closed()).await;
+                    }
+                    batch.push(Incoming::Frame { frame, arrival, gate: frame_gate });
+                }
+            }
+            // No more once the builder holds this connection: it would only hold them too.
+            if batch.len() < READ_BATCH && !gate.is_shut() {
+                match reader.next_buffered() {
+                    Ok(f) => next = f,
+                    Err(end) => ended = Some(end),
+                }
+            }
         }
-        if tx.send(Incoming::Frame { frame, arrival, gate: frame_gate }).await.is_err() {
+        if !to.send(&mut batch).await {
             break ReadEnd::Clean;
         }
-        gate.pass(tx.closed()).await;
+        if let Some(end) = ended {
+            break end;
+        }
+        gate.pass(to.tx.closed()).await;
     };
     if let ReadEnd::Rejected(reason) = end {
-        let _ = tx.send(Incoming::Rejected { reason }).await;
+        let _ = to.tx.send(Incoming::Rejected { reason }).await;
     }
+}
+
+/// A frame on a data port checked: `Some(source)` for a source's hello (pull), `None` for
+/// a fragment to take in, or the end of the connection for anything else.
+fn check_frame<R: crate::framed::ReadSource>(
+    reader: &FrameReader<R>,
+    frame: &Frame,
+) -> Result<Option<SourceId>, ReadEnd> {
+    match PullMessage::from_frame(frame) {
+        Ok(None) => {}
+        Ok(Some(PullMessage::SourceHello { source })) => return Ok(Some(source)),
+        Ok(Some(_)) => {
+            return Err(reader.reject("unexpected_control", "only source hellos are expected on a data port"));
+        }
+        Err(e) => return Err(reader.reject(e.kind(), &e.to_string())),
+    }
+    let h = &frame.header;
+    if h.flags.contains(Flags::EVENTS) {
+        return Err(reader.reject("unexpected_events", "an EVENTS frame on a data port"));
+    }
+    if h.flags.contains(Flags::RAW) {
+        return Err(reader.reject("unexpected_raw", "a RAW frame on a data port"));
+    }
+    if h.flags.contains(Flags::OPAQUE) {
+        // User data in no format shoal knows (the source SDK): stored, not parsed.
+        if h.hit_count != 0 {
+            return Err(reader.reject("opaque_with_hits", "an OPAQUE frame claims hits"));
+        }
+    } else if let Err(e) = HitPayload::parse(&frame.payload, h.hit_count) {
+        return Err(reader.reject("bad_payload", &e.to_string()));
+    }
+    Ok(None)
 }
 
 /// Binds a builder's data port at `addr`: the TCP listener and, for the datagram
@@ -461,6 +540,7 @@ pub async fn run_builder(
     }
 
     let (in_tx, mut in_rx) = mpsc::channel::<Incoming>(4096);
+    let batched_room = Arc::new(tokio::sync::Semaphore::new(BATCHED_IN_FLIGHT));
     // Ends the datagram task with this function, also when it is aborted.
     let cancel_udp = CancellationToken::new();
     let _end_udp = cancel_udp.clone().drop_guard();
@@ -528,7 +608,7 @@ pub async fn run_builder(
                         };
                         accepted += 1;
                         let _ = stream.set_nodelay(true);
-                        let (tx, c, edge) = (in_tx.clone(), accept_cancel.clone(), accept_edge.clone());
+                        let (tx, c, edge) = (ToBuilder::new(in_tx.clone(), &batched_room), accept_cancel.clone(), accept_edge.clone());
                         if let Some(uring) = &uring {
                             if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
                                 // Closed: the source reconnects, and its link counts it.
@@ -969,6 +1049,12 @@ fn on_incoming(
         }
         Incoming::Assign { slice } => {
             node.handle_assignment(clock.now(), slice);
+            return;
+        }
+        Incoming::Batch { messages, _room } => {
+            for m in messages {
+                on_incoming(node, measured, routes, saving, held, m, live, clock);
+            }
             return;
         }
     };
@@ -1457,4 +1543,98 @@ struct FilterThreadReport {
     malformed_events: u64,
     consumers: Option<shoal_shm::PublisherReport>,
     workers: Option<shoal_shm::workers::WorkerReport>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    /// A data fragment of source 0 for `slice`, encoded.
+    fn fragment(slice: u64) -> Bytes {
+        let header = FrameHeader {
+            flags: Flags::EMPTY,
+            source: 0,
+            hit_count: 0,
+            slice,
+            slice_start: Instant::ZERO,
+            send_time: Instant::ZERO,
+            payload_len: 0,
+        };
+        frame::encode(&header, &[])
+    }
+
+    /// A reader of one accepted connection, its peer's end, and where its messages go.
+    async fn reader_and_peer(
+        edge: Option<Arc<WindowEdge>>,
+    ) -> (tokio::task::JoinHandle<()>, TcpStream, mpsc::Receiver<Incoming>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (stream, addr) = listener.accept().await.unwrap();
+        let reader = FrameReader::new(stream, addr, 1 << 20, CancellationToken::new());
+        let (tx, rx) = mpsc::channel(4096);
+        let to = ToBuilder::new(tx, &Arc::new(tokio::sync::Semaphore::new(BATCHED_IN_FLIGHT)));
+        let (requests, _) = mpsc::unbounded_channel();
+        let task = tokio::spawn(serve_frames(reader, requests, WallClock::new(), ConnectionGate::new(edge), to));
+        (task, peer, rx)
+    }
+
+    /// The next message's fragments' slices (a batch's in order), or the rejection's reason.
+    async fn next_message(rx: &mut mpsc::Receiver<Incoming>) -> Option<Result<Vec<u64>, &'static str>> {
+        // Guards against a hang only: a reader that kept what it read would never send.
+        let m = tokio::time::timeout(StdDuration::from_secs(60), rx.recv()).await.expect("the reader sent nothing");
+        let slice = |m: Incoming| match m {
+            Incoming::Frame { frame, .. } => frame.header.slice,
+            _ => panic!("a fragment expected"),
+        };
+        Some(match m? {
+            Incoming::Batch { messages, .. } => Ok(messages.into_iter().map(slice).collect()),
+            Incoming::Rejected { reason } => Err(reason),
+            m => Ok(vec![slice(m)]),
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_fragments_before_a_bad_frame_go_in_in_order_then_the_connection_is_rejected() {
+        let (task, mut peer, mut rx) = reader_and_peer(None).await;
+        let mut bytes: Vec<u8> = (1..=200).flat_map(|s| fragment(s).to_vec()).collect();
+        bytes.extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
+        peer.write_all(&bytes).await.unwrap();
+        let mut slices = Vec::new();
+        let reason = loop {
+            match next_message(&mut rx).await.expect("a rejection ends it") {
+                Ok(s) => slices.extend(s),
+                Err(reason) => break reason,
+            }
+        };
+        assert_eq!(slices, (1..=200).collect::<Vec<_>>());
+        assert_eq!(reason, "bad_magic");
+        task.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reader_hands_on_what_it_read_before_it_waits_for_room_in_the_window() {
+        // The window is full up to slice 5: the fragment of 6 waits, but those before it
+        // may be what moves the window, so they go in first.
+        let edge = WindowEdge::new();
+        edge.publish(Some(5));
+        let (task, mut peer, mut rx) = reader_and_peer(Some(edge.clone())).await;
+        let bytes: Vec<u8> = (1..=8).flat_map(|s| fragment(s).to_vec()).collect();
+        peer.write_all(&bytes).await.unwrap();
+        let mut slices = Vec::new();
+        while slices.len() < 5 {
+            slices.extend(next_message(&mut rx).await.expect("open").unwrap());
+        }
+        assert_eq!(slices, [1, 2, 3, 4, 5]);
+        assert!(rx.try_recv().is_err(), "the fragment of slice 6 went in past the window");
+        edge.publish(None);
+        while slices.len() < 8 {
+            slices.extend(next_message(&mut rx).await.expect("open").unwrap());
+        }
+        assert_eq!(slices, (1..=8).collect::<Vec<_>>());
+        drop(peer);
+        assert!(next_message(&mut rx).await.is_none(), "a clean end sends nothing more");
+        task.await.unwrap();
+    }
 }

@@ -141,6 +141,21 @@ impl ConnectionGate {
         }
     }
 
+    /// Whether a data fragment of `slice` may go in now without waiting at
+    /// [`Self::wait_for_room`].
+    pub(crate) fn has_room(&self, slice: SliceNumber) -> bool {
+        match (&self.gate, &self.edge) {
+            (Some(_), Some(edge)) => slice <= edge.newest.load(Ordering::Acquire),
+            _ => true,
+        }
+    }
+
+    /// Whether the builder holds this connection's fragments now (they would wait at
+    /// [`Self::pass`]).
+    pub(crate) fn is_shut(&self) -> bool {
+        self.gate.as_ref().is_some_and(|g| g.shut.load(Ordering::Acquire))
+    }
+
     /// The gate to send with a frame of `source`: none once the connection has carried a
     /// second source (it is never held from then on).
     pub(crate) fn for_frame(&mut self, source: SourceId) -> Option<Arc<ReadGate>> {
