@@ -169,16 +169,25 @@ async fn rejected(addr: std::net::SocketAddr, bytes: &[u8]) {
     assert!(closed.is_ok(), "the writer never closed a connection that sent {:?}", &bytes[..bytes.len().min(16)]);
 }
 
+/// A writer for one builder on a port of its own, with no builder: its output directory,
+/// its address and its task.
+async fn writer_alone(
+    name: &str,
+) -> (std::path::PathBuf, std::net::SocketAddr, tokio::task::JoinHandle<anyhow::Result<shoal_net::writer::WriterReport>>)
+{
+    let out = temp_dir(name);
+    let cfg = small_config(1, 1, 1.0, &out);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    (out, addr, tokio::spawn(run_writer(cfg, listener, never())))
+}
+
 /// Hostile clients on the writer's port: each is closed with a counted reason, a client
 /// that sends one byte and stalls (slowloris) holds nothing up, and the real builder's
 /// slices are stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
-    let out = temp_dir("writer-hostile");
-    let cfg = small_config(1, 1, 1.0, &out);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let writer = tokio::spawn(run_writer(cfg, listener, never()));
+    let (out, addr, writer) = writer_alone("writer-hostile").await;
 
     // A slowloris: the start of a header, then nothing, kept open to the end.
     let mut slow = TcpStream::connect(addr).await.unwrap();
@@ -215,11 +224,7 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
 /// rejected; the builder's end of stream on a new connection ends the run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_writer_stores_what_came_before_a_bad_frame_in_the_same_write() {
-    let out = temp_dir("writer-batch");
-    let cfg = small_config(1, 1, 1.0, &out);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let writer = tokio::spawn(run_writer(cfg, listener, never()));
+    let (out, addr, writer) = writer_alone("writer-batch").await;
     let events = |slice| frame::encode(&FrameHeader { flags: Flags::EVENTS, slice, ..header() }, &[]);
     let mut bytes: Vec<u8> = (1..=700).flat_map(|s| events(s).to_vec()).collect();
     bytes.extend_from_slice(&frame::encode(&header(), &[]));
