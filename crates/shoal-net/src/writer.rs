@@ -380,8 +380,10 @@ const DISK_QUEUE: usize = 256;
 /// connections (they queue at the builders, counted there) instead of growing this.
 pub const DISK_QUEUE_KIB: usize = 256 << 10;
 
-/// Most slices and raw records the receiving side hands the disk thread at once.
+/// Most slices and raw records the receiving side hands the disk thread at once, and
+/// bytes after which it adds no more.
 const DISK_BATCH: usize = 256;
+const DISK_BATCH_BYTES: usize = 16 << 20;
 
 /// What the disk thread writes: what the receiving side took in one round, with its room
 /// in the queue (given back once all of it is written).
@@ -580,40 +582,44 @@ pub async fn run_writer_with(
         tokio::select! {
             m = rx.recv() => match m {
                 Some(mut messages) => {
-                    // What else has come goes to the disk thread with it.
-                    while messages.len() < DISK_BATCH {
-                        match rx.try_recv() {
-                            Ok(mut more) => messages.append(&mut more),
-                            Err(_) => break,
-                        }
-                    }
-                    let mut items = Vec::with_capacity(messages.len());
+                    let mut items = Vec::new();
                     let mut bytes = 0;
-                    for m in messages {
-                        match m {
-                            Incoming::Slice { builder, slice, slice_start_ns, events } => {
-                                report.slices += 1;
-                                // The first slice after a restart: the events lost with the
-                                // predecessor are those before it.
-                                if let Some(l) = lost_with_previous.as_mut() {
-                                    l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
+                    loop {
+                        for m in messages {
+                            match m {
+                                Incoming::Slice { builder, slice, slice_start_ns, events } => {
+                                    report.slices += 1;
+                                    // The first slice after a restart: the events lost with the
+                                    // predecessor are those before it.
+                                    if let Some(l) = lost_with_previous.as_mut() {
+                                        l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
+                                    }
+                                    *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
+                                    bytes += events_bytes(&events);
+                                    items.push(DiskItem::Events(builder, slice, slice_start_ns, events));
                                 }
-                                *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                                bytes += events_bytes(&events);
-                                items.push(DiskItem::Events(builder, slice, slice_start_ns, events));
-                            }
-                            Incoming::Raw(r) if r.head.kind == RawKind::AlertClosed => {
-                                match serde_json::from_slice::<AlertReport>(&r.body) {
-                                    Ok(a) => report.alerts.push(a),
-                                    Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
+                                Incoming::Raw(r) if r.head.kind == RawKind::AlertClosed => {
+                                    match serde_json::from_slice::<AlertReport>(&r.body) {
+                                        Ok(a) => report.alerts.push(a),
+                                        Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
+                                    }
                                 }
+                                Incoming::Raw(r) => {
+                                    bytes += r.body.len();
+                                    items.push(DiskItem::Raw(r));
+                                }
+                                Incoming::Ended { builder } => { ended.insert(builder); }
+                                Incoming::Rejected { reason } => *report.rejected_connections.entry(reason.into()).or_default() += 1,
                             }
-                            Incoming::Raw(r) => {
-                                bytes += r.body.len();
-                                items.push(DiskItem::Raw(r));
-                            }
-                            Incoming::Ended { builder } => { ended.insert(builder); }
-                            Incoming::Rejected { reason } => *report.rejected_connections.entry(reason.into()).or_default() += 1,
+                        }
+                        // What else has come goes to the disk thread with it, up to a
+                        // bound: what is taken out of the channel waits here for its room.
+                        if items.len() >= DISK_BATCH || bytes >= DISK_BATCH_BYTES {
+                            break;
+                        }
+                        match rx.try_recv() {
+                            Ok(more) => messages = more,
+                            Err(_) => break,
                         }
                     }
                     // After a disk failure (reported below, with every event received as
