@@ -500,6 +500,58 @@ fn check_frame<R: crate::framed::ReadSource>(
     Ok(None)
 }
 
+/// Accepts the data port's connections until `cancel`, each read by a task of its own (or
+/// on the io_uring thread), at most `limit` at once; returns how many it accepted.
+#[allow(clippy::too_many_arguments)]
+async fn accept_connections(
+    listener: tokio::net::TcpListener,
+    limit: crate::listen::ConnectionLimit,
+    to: ToBuilder,
+    uring: Option<crate::uring::UringReceiver>,
+    max_payload: u32,
+    clock: WallClock,
+    edge: Option<Arc<WindowEdge>>,
+    cancel: CancellationToken,
+) -> u64 {
+    let mut accepted = 0u64;
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => {
+                    let Some(place) = limit.admit() else {
+                        drop(stream);
+                        if let Some(held_back) = LIMITED.check() {
+                            warn!(%peer, limit = limit.limit(), held_back, "data port at its connection limit: closed");
+                        }
+                        let _ = to.tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
+                        continue;
+                    };
+                    accepted += 1;
+                    let _ = stream.set_nodelay(true);
+                    let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
+                    if let Some(uring) = &uring {
+                        if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
+                            // Closed: the source reconnects, and its link counts it.
+                            warn!(%peer, "the io_uring receive thread is gone: connection closed");
+                        }
+                        continue;
+                    }
+                    tokio::spawn(async move {
+                        read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
+                        drop(place);
+                    });
+                }
+                Err(e) => {
+                    // Typically EMFILE: back off instead of spinning.
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(StdDuration::from_millis(50)).await;
+                }
+            },
+            _ = cancel.cancelled() => return accepted,
+        }
+    }
+}
+
 /// Binds a builder's data port at `addr`: the TCP listener and, for the datagram
 /// transport, its UDP socket on the same port ([`crate::listen::bind_data_port`]).
 pub fn bind_port(cfg: &Config, addr: std::net::SocketAddr) -> anyhow::Result<crate::listen::DataPort> {
@@ -582,7 +634,6 @@ pub async fn run_builder(
     // client) end with it, also when it is aborted: a killed process leaves no listener or
     // connection open behind it.
     let _end_tasks = readers.clone().drop_guard();
-    let accept_cancel = readers.clone();
     let limit = crate::listen::ConnectionLimit::new(n_sources as usize);
     let uring = match cfg.builder.receive {
         ReceivePath::Epoll => None,
@@ -591,46 +642,17 @@ pub async fn run_builder(
                 .map_err(|e| ConfigError::Invalid(format!("builder.receive = \"io_uring\": {e}")))?,
         ),
     };
-    let accept_edge = edge.clone();
-    let accept_task = tokio::spawn(async move {
-        let mut accepted = 0u64;
-        loop {
-            tokio::select! {
-                r = listener.accept() => match r {
-                    Ok((stream, peer)) => {
-                        let Some(place) = limit.admit() else {
-                            drop(stream);
-                            if let Some(held_back) = LIMITED.check() {
-                                warn!(%peer, limit = limit.limit(), held_back, "data port at its connection limit: closed");
-                            }
-                            let _ = in_tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
-                            continue;
-                        };
-                        accepted += 1;
-                        let _ = stream.set_nodelay(true);
-                        let (tx, c, edge) = (ToBuilder::new(in_tx.clone(), &batched_room), accept_cancel.clone(), accept_edge.clone());
-                        if let Some(uring) = &uring {
-                            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
-                                // Closed: the source reconnects, and its link counts it.
-                                warn!(%peer, "the io_uring receive thread is gone: connection closed");
-                            }
-                            continue;
-                        }
-                        tokio::spawn(async move {
-                            read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
-                            drop(place);
-                        });
-                    }
-                    Err(e) => {
-                        // Typically EMFILE: back off instead of spinning.
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(StdDuration::from_millis(50)).await;
-                    }
-                },
-                _ = accept_cancel.cancelled() => return accepted,
-            }
-        }
-    });
+    let to_builder = ToBuilder::new(in_tx, &batched_room);
+    let accept_task = tokio::spawn(accept_connections(
+        listener,
+        limit,
+        to_builder,
+        uring,
+        max_payload,
+        clock,
+        edge.clone(),
+        readers.clone(),
+    ));
 
     // Writer link and the filter thread.
     let (wreport_tx, mut wreports) = mpsc::unbounded_channel();
