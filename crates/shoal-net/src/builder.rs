@@ -357,9 +357,6 @@ async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, 
     }
 }
 
-/// "at its connection limit" warnings, at most one a second.
-static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(StdDuration::from_secs(1));
-
 /// Reads one source connection (epoll path): validated frames go to the assembler task.
 async fn read_connection(
     stream: TcpStream,
@@ -513,43 +510,28 @@ async fn accept_connections(
     edge: Option<Arc<WindowEdge>>,
     cancel: CancellationToken,
 ) -> u64 {
-    let mut accepted = 0u64;
-    loop {
-        tokio::select! {
-            r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    let Some(place) = limit.admit() else {
-                        drop(stream);
-                        if let Some(held_back) = LIMITED.check() {
-                            warn!(%peer, limit = limit.limit(), held_back, "data port at its connection limit: closed");
-                        }
-                        let _ = to.tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
-                        continue;
-                    };
-                    accepted += 1;
-                    let _ = stream.set_nodelay(true);
-                    let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
-                    if let Some(uring) = &uring {
-                        if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
-                            // Closed: the source reconnects, and its link counts it.
-                            warn!(%peer, "the io_uring receive thread is gone: connection closed");
-                        }
-                        continue;
-                    }
-                    tokio::spawn(async move {
-                        read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
-                        drop(place);
-                    });
-                }
-                Err(e) => {
-                    // Typically EMFILE: back off instead of spinning.
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(StdDuration::from_millis(50)).await;
-                }
-            },
-            _ = cancel.cancelled() => return accepted,
+    let serve = |stream: tokio::net::TcpStream, peer, place| {
+        let _ = stream.set_nodelay(true);
+        let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
+        if let Some(uring) = &uring {
+            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
+                // Closed: the source reconnects, and its link counts it.
+                warn!(%peer, "the io_uring receive thread is gone: connection closed");
+            }
+            return;
         }
-    }
+        tokio::spawn(async move {
+            read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
+            drop(place);
+        });
+    };
+    let rejected = || {
+        let tx = to.tx.clone();
+        async move {
+            let _ = tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
+        }
+    };
+    crate::listen::accept_loop(listener, "data", limit, cancel.clone(), serve, rejected).await
 }
 
 /// Binds a builder's data port at `addr`: the TCP listener and, for the datagram

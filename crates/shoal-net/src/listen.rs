@@ -201,6 +201,57 @@ impl ConnectionLimit {
     }
 }
 
+/// "at its connection limit" warnings of the whole process: at most one a second, with a
+/// count of those held back (a flood of connections must not flood the log).
+static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(std::time::Duration::from_secs(1));
+
+/// A place among a port's connections, given back when dropped ([`ConnectionLimit::admit`]).
+pub type ConnectionPlace = tokio::sync::OwnedSemaphorePermit;
+
+/// Accepts connections on the data port `port` names (`"data"`, `"writer"`) until `cancel`,
+/// and returns how many it admitted. Each admitted by `limit` goes to `serve` with its place,
+/// to be dropped when the connection ends; one beyond the limit is logged (rate-limited),
+/// reported through `rejected` so the owner counts it, and closed. A failing accept
+/// (typically EMFILE, out of descriptors) backs off 50 ms instead of spinning.
+pub async fn accept_loop<Rejected>(
+    listener: TcpListener,
+    port: &'static str,
+    limit: ConnectionLimit,
+    cancel: tokio_util::sync::CancellationToken,
+    mut serve: impl FnMut(tokio::net::TcpStream, SocketAddr, ConnectionPlace),
+    mut rejected: impl FnMut() -> Rejected,
+) -> u64
+where
+    Rejected: std::future::Future<Output = ()>,
+{
+    let mut admitted = 0u64;
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => match limit.admit() {
+                    Some(place) => {
+                        admitted += 1;
+                        serve(stream, peer, place);
+                    }
+                    None => {
+                        if let Some(held_back) = LIMITED.check() {
+                            tracing::warn!(%peer, port, limit = limit.limit(), held_back, "port at its connection limit: closed");
+                        }
+                        // Counted before it is closed: a peer that sees it closed knows.
+                        rejected().await;
+                        drop(stream);
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, port, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+            _ = cancel.cancelled() => return admitted,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration as StdDuration;
 
 use shoal_core::frame::Flags;
 use shoal_core::rawrec::{RawKind, RawRecord};
@@ -533,27 +532,20 @@ pub async fn run_writer_with(
     let accept_cancel = readers.clone();
     let limit = crate::listen::ConnectionLimit::new(n_builders);
     let accept = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                r = listener.accept() => match r {
-                    Ok((stream, peer)) => {
-                        let Some(place) = limit.admit() else {
-                            drop(stream);
-                            warn!(%peer, limit = limit.limit(), "writer port at its connection limit: closed");
-                            let _ = tx.send(vec![Incoming::Rejected { reason: "connection_limit" }]).await;
-                            continue;
-                        };
-                        let (tx, c) = (tx.clone(), accept_cancel.clone());
-                        tokio::spawn(async move {
-                            read_connection(stream, peer, tx, c).await;
-                            drop(place);
-                        });
-                    }
-                    Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(StdDuration::from_millis(50)).await; }
-                },
-                _ = accept_cancel.cancelled() => return,
+        let serve = |stream, peer, place| {
+            let (tx, c) = (tx.clone(), accept_cancel.clone());
+            tokio::spawn(async move {
+                read_connection(stream, peer, tx, c).await;
+                drop(place);
+            });
+        };
+        let rejected = || {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(vec![Incoming::Rejected { reason: "connection_limit" }]).await;
             }
-        }
+        };
+        crate::listen::accept_loop(listener, "writer", limit, accept_cancel.clone(), serve, rejected).await
     });
 
     // Parquet encoding on its own thread.

@@ -219,6 +219,38 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// A connection flood on the writer's port stops at its limit (builders + 256): the
+/// connections beyond are closed and counted, the builder connected before the flood has
+/// its slice stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_flood_on_the_writer_port_stops_at_its_limit() {
+    let (out, addr, writer) = writer_alone("writer-flood").await;
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    // Room for 1 + 256; one is the builder's: 256 flood connections fit, 3 do not.
+    let mut flood = Vec::new();
+    for _ in 0..259 {
+        flood.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // A refused connection is closed once it is counted: wait for the last three to close,
+    // so the builder's end of stream comes after the count.
+    for s in &mut flood[256..] {
+        use tokio::io::AsyncReadExt;
+        let mut sink = [0u8; 16];
+        // Guard against a hang only.
+        let closed = tokio::time::timeout(std::time::Duration::from_secs(60), s.read(&mut sink)).await;
+        assert!(matches!(closed, Ok(Ok(0))), "a connection beyond the limit was not closed: {closed:?}");
+    }
+    let events = FrameHeader { flags: Flags::EVENTS, source: 0, ..header() };
+    b.write_all(&frame::encode(&events, &[])).await.unwrap();
+    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
+    let w = writer.await.unwrap().unwrap();
+    drop(flood);
+    assert!(w.error.is_none(), "{:?}", w.error);
+    assert_eq!((w.slices, w.builders_ended), (1, 1));
+    assert_eq!(w.rejected_connections, BTreeMap::from([("connection_limit".to_string(), 3)]));
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 /// A builder's slices in one write, several hundred, then a bad frame: the writer stores
 /// every slice before it (taken in batches, as they were read) and counts the connection
 /// rejected; the builder's end of stream on a new connection ends the run.
