@@ -476,10 +476,85 @@ impl DiskWriter {
     }
 }
 
-/// Room in the disk queue for `bytes`, waiting while it is full.
-async fn room(queue: &Arc<tokio::sync::Semaphore>, bytes: usize) -> tokio::sync::OwnedSemaphorePermit {
-    let kib = bytes.div_ceil(1024).clamp(1, DISK_QUEUE_KIB) as u32;
-    queue.clone().acquire_many_owned(kib).await.expect("the queue's semaphore is never closed")
+/// What one round of the receiving side takes out of the channel for the disk thread.
+#[derive(Default)]
+struct Round {
+    items: Vec<DiskItem>,
+    /// The memory they take in the disk queue.
+    bytes: usize,
+}
+
+impl Round {
+    /// At [`DISK_BATCH`] items or [`DISK_BATCH_BYTES`]: the round takes no more.
+    fn is_full(&self) -> bool {
+        self.items.len() >= DISK_BATCH || self.bytes >= DISK_BATCH_BYTES
+    }
+}
+
+/// Counts one message from a builder's connection in `report` (or the builders that
+/// `ended`) and adds what it carries for the disk to `round`.
+fn take_message(
+    m: Incoming,
+    report: &mut WriterReport,
+    lost_with_previous: &mut Option<LostWithWriter>,
+    ended: &mut BTreeSet<u32>,
+    round: &mut Round,
+) {
+    match m {
+        Incoming::Slice { builder, slice, slice_start_ns, events } => {
+            report.slices += 1;
+            // The first slice after a restart: the events lost with the predecessor are
+            // those before it.
+            if let Some(l) = lost_with_previous.as_mut() {
+                l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
+            }
+            *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
+            round.bytes += events_bytes(&events);
+            round.items.push(DiskItem::Events(builder, slice, slice_start_ns, events));
+        }
+        Incoming::Raw(r) if r.head.kind == RawKind::AlertClosed => match serde_json::from_slice::<AlertReport>(&r.body)
+        {
+            Ok(a) => report.alerts.push(a),
+            Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
+        },
+        Incoming::Raw(r) => {
+            round.bytes += r.body.len();
+            round.items.push(DiskItem::Raw(r));
+        }
+        Incoming::Ended { builder } => {
+            ended.insert(builder);
+        }
+        Incoming::Rejected { reason } => *report.rejected_connections.entry(reason.into()).or_default() += 1,
+    }
+}
+
+/// The bounded queue to the disk thread: its channel, and room for [`DISK_QUEUE_KIB`].
+struct DiskQueue {
+    tx: mpsc::Sender<DiskWork>,
+    room: Arc<tokio::sync::Semaphore>,
+    /// The disk thread has failed (it reports why): what arrives after is counted and
+    /// dropped.
+    failed: bool,
+}
+
+impl DiskQueue {
+    /// Hands a round to the disk thread once the queue has room for its bytes (waiting
+    /// while it is full); returns how many raw records of it will not be stored.
+    async fn send(&mut self, round: Round) -> u64 {
+        let mut items = round.items;
+        if !items.is_empty() && !self.failed {
+            let kib = round.bytes.div_ceil(1024).clamp(1, DISK_QUEUE_KIB) as u32;
+            let room = self.room.clone().acquire_many_owned(kib).await.expect("the queue's semaphore is never closed");
+            items = match self.tx.send(DiskWork { items, _room: room }).await {
+                Ok(()) => Vec::new(),
+                Err(refused) => {
+                    self.failed = true;
+                    refused.0.items
+                }
+            };
+        }
+        items.iter().filter(|i| matches!(i, DiskItem::Raw(_))).count() as u64
+    }
 }
 
 /// Memory an event batch takes in the queue (its hits dominate).
@@ -567,46 +642,20 @@ pub async fn run_writer_with(
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
     let mut ended = BTreeSet::new();
-    // Once the disk thread has failed, what arrives is counted and dropped.
-    let mut disk_failed = false;
+    let mut disk_queue = DiskQueue { tx: disk_tx, room: queue_room, failed: false };
     info!(path = %path.display(), n_builders, "writer started");
     while ended.len() < n_builders {
         tokio::select! {
             m = rx.recv() => match m {
                 Some(mut messages) => {
-                    let mut items = Vec::new();
-                    let mut bytes = 0;
+                    let mut round = Round::default();
                     loop {
                         for m in messages {
-                            match m {
-                                Incoming::Slice { builder, slice, slice_start_ns, events } => {
-                                    report.slices += 1;
-                                    // The first slice after a restart: the events lost with the
-                                    // predecessor are those before it.
-                                    if let Some(l) = lost_with_previous.as_mut() {
-                                        l.before_slice = Some(l.before_slice.map_or(slice, |b| b.min(slice)));
-                                    }
-                                    *report.events_per_builder.entry(builder).or_default() += events.len() as u64;
-                                    bytes += events_bytes(&events);
-                                    items.push(DiskItem::Events(builder, slice, slice_start_ns, events));
-                                }
-                                Incoming::Raw(r) if r.head.kind == RawKind::AlertClosed => {
-                                    match serde_json::from_slice::<AlertReport>(&r.body) {
-                                        Ok(a) => report.alerts.push(a),
-                                        Err(e) => warn!(builder = r.head.builder, error = %e, "unreadable alert report"),
-                                    }
-                                }
-                                Incoming::Raw(r) => {
-                                    bytes += r.body.len();
-                                    items.push(DiskItem::Raw(r));
-                                }
-                                Incoming::Ended { builder } => { ended.insert(builder); }
-                                Incoming::Rejected { reason } => *report.rejected_connections.entry(reason.into()).or_default() += 1,
-                            }
+                            take_message(m, &mut report, &mut lost_with_previous, &mut ended, &mut round);
                         }
                         // What else has come goes to the disk thread with it, up to a
                         // bound: what is taken out of the channel waits here for its room.
-                        if items.len() >= DISK_BATCH || bytes >= DISK_BATCH_BYTES {
+                        if round.is_full() {
                             break;
                         }
                         match rx.try_recv() {
@@ -614,19 +663,7 @@ pub async fn run_writer_with(
                             Err(_) => break,
                         }
                     }
-                    // After a disk failure (reported below, with every event received as
-                    // not stored) what comes is taken, counted and dropped.
-                    if !items.is_empty() && !disk_failed {
-                        let work = DiskWork { items, _room: room(&queue_room, bytes).await };
-                        items = match disk_tx.send(work).await {
-                            Ok(()) => Vec::new(),
-                            Err(refused) => {
-                                disk_failed = true;
-                                refused.0.items
-                            }
-                        };
-                    }
-                    report.raw_not_stored += items.iter().filter(|i| matches!(i, DiskItem::Raw(_))).count() as u64;
+                    report.raw_not_stored += disk_queue.send(round).await;
                 }
                 None => break,
             },
@@ -638,7 +675,7 @@ pub async fn run_writer_with(
     }
     readers.cancel();
     let _ = accept.await;
-    drop(disk_tx);
+    drop(disk_queue);
     report.builders_ended = ended.len();
     match tokio::task::spawn_blocking(move || disk.join()).await? {
         Ok(Ok(((stats, closed), raw, slices))) => {
