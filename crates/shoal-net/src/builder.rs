@@ -221,6 +221,7 @@ const READ_BATCH: usize = 64;
 /// Most batched frames on their way from the readers to the builder's loop, as the
 /// channel's bound holds single messages.
 const BATCHED_IN_FLIGHT: usize = 4096;
+const _: () = assert!(READ_BATCH <= BATCHED_IN_FLIGHT, "a batch must fit in the room for batches");
 
 /// A connection reader's way to the builder's loop. The frames one read brought go in one
 /// message: at small fragments a message per frame cost a channel operation and often a
@@ -242,8 +243,10 @@ impl ToBuilder {
             0 => return true,
             1 => self.tx.send(messages.pop().expect("one")).await,
             n => {
-                let n = n.min(BATCHED_IN_FLIGHT) as u32;
-                let Ok(room) = self.room.clone().acquire_many_owned(n).await else {
+                // At most READ_BATCH (`serve_frames`), within the semaphore's permits: more
+                // than it has would wait for ever.
+                debug_assert!(n <= READ_BATCH, "a batch of {n} frames");
+                let Ok(room) = self.room.clone().acquire_many_owned(n as u32).await else {
                     return false;
                 };
                 self.tx.send(Incoming::Batch { messages: std::mem::take(messages), _room: room }).await

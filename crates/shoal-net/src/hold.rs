@@ -100,6 +100,11 @@ impl WindowEdge {
         }
     }
 
+    /// Whether a fragment of `slice` stays within the window as last published.
+    fn fits(&self, slice: SliceNumber) -> bool {
+        slice <= self.newest.load(Ordering::Acquire)
+    }
+
     /// Returns once a fragment of `slice` no longer opens a slice past the window as last
     /// published, or when `closed` completes. The published window can be a turn old: the
     /// builder holds what still does not fit.
@@ -107,7 +112,7 @@ impl WindowEdge {
         tokio::pin!(closed);
         loop {
             let moved = self.moved.notified();
-            if slice <= self.newest.load(Ordering::Acquire) {
+            if self.fits(slice) {
                 return;
             }
             tokio::select! {
@@ -145,7 +150,7 @@ impl ConnectionGate {
     /// [`Self::wait_for_room`].
     pub(crate) fn has_room(&self, slice: SliceNumber) -> bool {
         match (&self.gate, &self.edge) {
-            (Some(_), Some(edge)) => slice <= edge.newest.load(Ordering::Acquire),
+            (Some(_), Some(edge)) => edge.fits(slice),
             _ => true,
         }
     }
