@@ -437,8 +437,6 @@ async fn write_chunks<W: tokio::io::AsyncWrite + Unpin>(
         })
         .collect();
     let mut slices = Vec::with_capacity(2 * chunks.len());
-    let mut ends = Vec::with_capacity(chunks.len());
-    let mut total = 0;
     for (c, h) in chunks.iter().zip(&stamped) {
         let head: &[u8] = h.as_ref().map_or(&c.head[..], |h| &h[..]);
         for part in [head, &c.body[..]] {
@@ -446,9 +444,8 @@ async fn write_chunks<W: tokio::io::AsyncWrite + Unpin>(
                 slices.push(IoSlice::new(part));
             }
         }
-        total += c.len();
-        ends.push(total);
     }
+    let total: usize = chunks.iter().map(Chunk::len).sum();
     let mut rest = &mut slices[..];
     let mut written = 0;
     let mut result = Ok(());
@@ -469,7 +466,15 @@ async fn write_chunks<W: tokio::io::AsyncWrite + Unpin>(
             }
         }
     }
-    (ends.iter().take_while(|&&end| end <= written).count(), result)
+    let whole = chunks
+        .iter()
+        .scan(0, |end, c| {
+            *end += c.len();
+            Some(*end)
+        })
+        .take_while(|&end| end <= written)
+        .count();
+    (whole, result)
 }
 
 fn fail(
