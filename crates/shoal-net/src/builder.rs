@@ -164,6 +164,30 @@ struct Saving {
 }
 
 impl Saving {
+    /// The burst saver of builder `id` and its spool thread, which ships what it spools on
+    /// `writer_link` and reports each write's bytes on `spooled`.
+    fn start(
+        cfg: &Config,
+        id: u32,
+        slice_clock: SliceClock,
+        writer_link: &Arc<Link>,
+        spooled: mpsc::UnboundedSender<u64>,
+        live: &Arc<Live>,
+    ) -> (Self, std::thread::JoinHandle<SpoolReport>) {
+        let (spool_tx, spool_rx) = std::sync::mpsc::channel();
+        let spool_cfg = SpoolConfig {
+            builder: id,
+            run: cfg.run.run_number,
+            dir: cfg.spool_dir(),
+            max_bytes: cfg.saver.spool_max_mb << 20,
+            slice_clock,
+            ship_bytes_per_s: (cfg.saver.ship_mb_per_s * 1e6) as u64,
+        };
+        let thread = crate::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled);
+        let saver = BurstSaver::new(cfg.saver_config(), id, slice_clock);
+        (Self { saver, spool: spool_tx, live: live.clone() }, thread)
+    }
+
     /// Hands what the saver decided to the spool thread; alert reports also go to whoever
     /// listens (the dispatcher in a run-controlled process).
     fn drain(&mut self) {
@@ -588,25 +612,8 @@ pub async fn run_builder(
     let udp_task = match cfg.transport()? {
         Transport::Udp => {
             let addr = listener.local_addr().map_err(|e| ConfigError::Invalid(format!("builder address: {e}")))?;
-            // Bound with the listener where the caller could ([`bind_port`]); else here.
-            let sock = match bound_udp {
-                Some(s) => UdpSocket::from_std(s),
-                None => crate::udp::socket(addr, cfg.udp_socket_buffer()),
-            }
-            .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
-            let run = cfg.run.run_number as u32;
-            Some(tokio::spawn(crate::udp::receive(
-                sock,
-                cfg.udp_config(),
-                run,
-                id,
-                cfg.run.sources,
-                cfg.max_payload(),
-                clock,
-                udp_tx,
-                udp_requests_rx,
-                cancel_udp.clone(),
-            )))
+            let endpoint = DatagramEndpoint { received: udp_tx, requests: udp_requests_rx, cancel: cancel_udp.clone() };
+            Some(start_udp(&cfg, id, addr, bound_udp, clock, endpoint)?)
         }
         Transport::Tcp => {
             drop(udp_tx);
@@ -659,21 +666,12 @@ pub async fn run_builder(
     let (spooled_tx, mut spooled_rx) = mpsc::unbounded_channel::<u64>();
     // Only a builder with a saver listens: an alert nobody can take is refused upstream.
     let mut alerts_rx = cfg.saver.enabled.then(|| live.alerts.alerts.subscribe());
-    let (mut saving, spool_thread) = if cfg.saver.enabled {
-        let (spool_tx, spool_rx) = std::sync::mpsc::channel();
-        let spool_cfg = SpoolConfig {
-            builder: id,
-            run: cfg.run.run_number,
-            dir: cfg.spool_dir(),
-            max_bytes: cfg.saver.spool_max_mb << 20,
-            slice_clock,
-            ship_bytes_per_s: (cfg.saver.ship_mb_per_s * 1e6) as u64,
-        };
-        let thread = crate::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled_tx);
-        let saver = BurstSaver::new(cfg.saver_config(), id, slice_clock);
-        (Some(Saving { saver, spool: spool_tx, live: live.clone() }), Some(thread))
-    } else {
-        (None, None)
+    let (mut saving, spool_thread) = match cfg.saver.enabled {
+        true => {
+            let (saving, thread) = Saving::start(&cfg, id, slice_clock, &writer_link, spooled_tx, &live);
+            (Some(saving), Some(thread))
+        }
+        false => (None, None),
     };
     let mut alerts_missed = 0u64;
     let failed_task = tokio::spawn(async move {
@@ -697,24 +695,7 @@ pub async fn run_builder(
     let filter_link = writer_link.clone();
     let tap_events = cfg.tap.events;
     let km3 = crate::km3out::Km3Out::new(&cfg, id)?;
-    let publisher = if cfg.builder.consumers.enabled {
-        let c = &cfg.builder.consumers;
-        let pc = shoal_shm::PublisherConfig {
-            socket: shoal_shm::socket_name(&c.socket, id),
-            ring_bytes: c.ring_mb << 20,
-            max_consumers: c.max_consumers,
-            max_hold: StdDuration::from_millis(c.max_hold_ms),
-            any_user: c.any_user,
-            run: cfg.run.run_number,
-            builder: id,
-        };
-        Some(
-            shoal_shm::SlicePublisher::start(&pc)
-                .map_err(|e| ConfigError::Invalid(format!("builder.consumers: {e}")))?,
-        )
-    } else {
-        None
-    };
+    let publisher = slice_publisher(&cfg, id)?;
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
@@ -859,9 +840,6 @@ pub async fn run_builder(
         let _ = s.spool.send(SpoolWork::Finish);
         s.saver.stats()
     });
-    // The filter finishes its queue within half the drain time; what is left then is
-    // abandoned (counted), so that the builder answers STOP in time.
-    let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
     let filter_drain = StdDuration::from_millis(cfg.builder.drain_timeout_ms / 2);
     let FilterThreadReport {
         events,
@@ -873,14 +851,7 @@ pub async fn run_builder(
         malformed_events,
         consumers,
         workers,
-    } = match tokio::time::timeout(filter_drain, &mut joining).await {
-        Ok(r) => r,
-        Err(_) => {
-            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
-            joining.await
-        }
-    }
-    .expect("join filter thread");
+    } = join_filter(filter_thread, filter_drain, &abandon).await;
     for slice in abandoned {
         not_filtered.add(slice);
     }
@@ -899,17 +870,7 @@ pub async fn run_builder(
         ),
         None => None,
     };
-    let Ok(link) = Arc::try_unwrap(writer_link) else {
-        unreachable!("the filter and spool threads have ended and dropped their handles");
-    };
-    // End of stream to the writer, then close the link.
-    let eos = end_of_stream(id, clock.now());
-    link.send(Chunk::frame(id, u64::MAX, frame::encode_header(&eos, &[]), bytes::Bytes::new()));
-    wclosing.cancel();
-    let link_task = link.close();
-    if tokio::time::timeout(StdDuration::from_secs(10), link_task).await.is_err() {
-        warn!(builder = id, "writer link did not finish in time");
-    }
+    close_writer_link(writer_link, id, clock, &wclosing).await;
     let report = BuilderReport {
         node: node.report(),
         network_delay: DelayStats::from_histogram(&measured.net),
@@ -948,6 +909,94 @@ pub async fn run_builder(
         "builder finished"
     );
     Ok(report)
+}
+
+/// The datagram receive task's ends: what it received goes to `received`, the pull
+/// requests it sends come from `requests`; it stops at `cancel`.
+struct DatagramEndpoint {
+    received: mpsc::Sender<Received>,
+    requests: mpsc::UnboundedReceiver<(SourceId, SliceNumber)>,
+    cancel: CancellationToken,
+}
+
+/// Starts builder `id`'s datagram receive task at `addr`, the TCP listener's address and
+/// port, on `bound` where the caller bound it with the listener ([`bind_port`]), else on a
+/// socket bound here.
+fn start_udp(
+    cfg: &Config,
+    id: u32,
+    addr: SocketAddr,
+    bound: Option<std::net::UdpSocket>,
+    clock: WallClock,
+    endpoint: DatagramEndpoint,
+) -> Result<tokio::task::JoinHandle<UdpReceiveReport>, ConfigError> {
+    let sock = match bound {
+        Some(s) => UdpSocket::from_std(s),
+        None => crate::udp::socket(addr, cfg.udp_socket_buffer()),
+    }
+    .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
+    Ok(tokio::spawn(crate::udp::receive(
+        sock,
+        cfg.udp_config(),
+        cfg.run.run_number as u32,
+        id,
+        cfg.run.sources,
+        cfg.max_payload(),
+        clock,
+        endpoint.received,
+        endpoint.requests,
+        endpoint.cancel,
+    )))
+}
+
+/// The shared-memory slice publisher of builder `id`, where `builder.consumers` enables it.
+fn slice_publisher(cfg: &Config, id: u32) -> Result<Option<shoal_shm::SlicePublisher>, ConfigError> {
+    if !cfg.builder.consumers.enabled {
+        return Ok(None);
+    }
+    let c = &cfg.builder.consumers;
+    let pc = shoal_shm::PublisherConfig {
+        socket: shoal_shm::socket_name(&c.socket, id),
+        ring_bytes: c.ring_mb << 20,
+        max_consumers: c.max_consumers,
+        max_hold: StdDuration::from_millis(c.max_hold_ms),
+        any_user: c.any_user,
+        run: cfg.run.run_number,
+        builder: id,
+    };
+    shoal_shm::SlicePublisher::start(&pc).map(Some).map_err(|e| ConfigError::Invalid(format!("builder.consumers: {e}")))
+}
+
+/// Waits for the filter thread to finish its queue, for at most `drain`; what is left
+/// then is abandoned (the thread counts it), so that the builder answers STOP in time.
+async fn join_filter(
+    filter_thread: std::thread::JoinHandle<FilterThreadReport>,
+    drain: StdDuration,
+    abandon: &std::sync::atomic::AtomicBool,
+) -> FilterThreadReport {
+    let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
+    match tokio::time::timeout(drain, &mut joining).await {
+        Ok(r) => r,
+        Err(_) => {
+            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+            joining.await
+        }
+    }
+    .expect("join filter thread")
+}
+
+/// Sends builder `id`'s end of stream to the writer, then closes the link (at most 10 s
+/// for what is queued). The filter and spool threads have ended: this is its last handle.
+async fn close_writer_link(writer_link: Arc<Link>, id: u32, clock: WallClock, closing: &CancellationToken) {
+    let Ok(link) = Arc::try_unwrap(writer_link) else {
+        unreachable!("the filter and spool threads have ended and dropped their handles");
+    };
+    let eos = end_of_stream(id, clock.now());
+    link.send(Chunk::frame(id, u64::MAX, frame::encode_header(&eos, &[]), bytes::Bytes::new()));
+    closing.cancel();
+    if tokio::time::timeout(StdDuration::from_secs(10), link.close()).await.is_err() {
+        warn!(builder = id, "writer link did not finish in time");
+    }
 }
 
 /// What the driver measures beside the node: delays and the filter's input.
