@@ -182,6 +182,22 @@ async fn writer_alone(
     (out, addr, tokio::spawn(run_writer(cfg, listener, never())))
 }
 
+/// The builder of a [`writer_alone`] on its connection `b`: one slice's (empty) events,
+/// then its end of stream; the writer's report, which must say it stored that slice and
+/// saw the builder end, without error.
+async fn one_slice_and_end(
+    mut b: TcpStream,
+    writer: tokio::task::JoinHandle<anyhow::Result<shoal_net::writer::WriterReport>>,
+) -> shoal_net::writer::WriterReport {
+    let events = FrameHeader { flags: Flags::EVENTS, source: 0, ..header() };
+    b.write_all(&frame::encode(&events, &[])).await.unwrap();
+    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
+    let w = writer.await.unwrap().unwrap();
+    assert!(w.error.is_none(), "{:?}", w.error);
+    assert_eq!((w.slices, w.builders_ended), (1, 1));
+    w
+}
+
 /// Hostile clients on the writer's port: each is closed with a counted reason, a client
 /// that sends one byte and stalls (slowloris) holds nothing up, and the real builder's
 /// slices are stored.
@@ -199,15 +215,9 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
     rejected(addr, &frame::encode(&header(), &[])).await;
     rejected(addr, &frame::encode(&FrameHeader { flags: Flags::RAW, payload_len: 4, ..header() }, &[1, 2, 3, 4])).await;
 
-    // The real builder: one slice's (empty) events, then its end of stream.
-    let mut b = TcpStream::connect(addr).await.unwrap();
-    let events = FrameHeader { flags: Flags::EVENTS, source: 0, ..header() };
-    b.write_all(&frame::encode(&events, &[])).await.unwrap();
-    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
-    let w = writer.await.unwrap().unwrap();
+    // The real builder.
+    let w = one_slice_and_end(TcpStream::connect(addr).await.unwrap(), writer).await;
     drop(slow);
-    assert!(w.error.is_none(), "{:?}", w.error);
-    assert_eq!((w.slices, w.builders_ended), (1, 1));
     let reasons: Vec<&str> = w.rejected_connections.keys().map(String::as_str).collect();
     assert_eq!(
         reasons,
@@ -225,7 +235,7 @@ async fn hostile_clients_on_the_writer_port_are_counted_and_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_flood_on_the_writer_port_stops_at_its_limit() {
     let (out, addr, writer) = writer_alone("writer-flood").await;
-    let mut b = TcpStream::connect(addr).await.unwrap();
+    let b = TcpStream::connect(addr).await.unwrap();
     // Room for 1 + 256; one is the builder's: 256 flood connections fit, 3 do not.
     let mut flood = Vec::new();
     for _ in 0..259 {
@@ -240,13 +250,8 @@ async fn a_connection_flood_on_the_writer_port_stops_at_its_limit() {
         let closed = tokio::time::timeout(std::time::Duration::from_secs(60), s.read(&mut sink)).await;
         assert!(matches!(closed, Ok(Ok(0))), "a connection beyond the limit was not closed: {closed:?}");
     }
-    let events = FrameHeader { flags: Flags::EVENTS, source: 0, ..header() };
-    b.write_all(&frame::encode(&events, &[])).await.unwrap();
-    b.write_all(&frame::encode(&FrameHeader { flags: Flags::END_OF_STREAM, ..header() }, &[])).await.unwrap();
-    let w = writer.await.unwrap().unwrap();
+    let w = one_slice_and_end(b, writer).await;
     drop(flood);
-    assert!(w.error.is_none(), "{:?}", w.error);
-    assert_eq!((w.slices, w.builders_ended), (1, 1));
     assert_eq!(w.rejected_connections, BTreeMap::from([("connection_limit".to_string(), 3)]));
     std::fs::remove_dir_all(&out).unwrap();
 }
