@@ -721,6 +721,59 @@ pub async fn run_writer_with(
 mod tests {
     use super::*;
 
+    fn raw_fragment(slice: u64, body: &'static [u8]) -> Incoming {
+        let head = shoal_core::rawrec::RawHead {
+            builder: 0,
+            record: 0,
+            kind: RawKind::Fragment,
+            source: 1,
+            slice,
+            slice_start: shoal_core::Instant::ZERO,
+            hit_count: 0,
+        };
+        Incoming::Raw(RawRecord { head, body: bytes::Bytes::from_static(body) })
+    }
+
+    /// A round counts what it takes and is full at its bound; an alert's closing report
+    /// goes into the report, not to the disk.
+    #[test]
+    fn a_round_takes_slices_and_raw_records_up_to_its_bound() {
+        let (mut report, mut lost, mut ended) = (WriterReport::default(), None, BTreeSet::new());
+        let mut round = Round::default();
+        take_message(raw_fragment(7, b"abcd"), &mut report, &mut lost, &mut ended, &mut round);
+        take_message(Incoming::Ended { builder: 3 }, &mut report, &mut lost, &mut ended, &mut round);
+        take_message(Incoming::Rejected { reason: "bad_magic" }, &mut report, &mut lost, &mut ended, &mut round);
+        assert_eq!((round.items.len(), round.bytes, round.is_full()), (1, 4, false));
+        assert_eq!(ended, BTreeSet::from([3]));
+        assert_eq!(report.rejected_connections.get("bad_magic"), Some(&1));
+        for slice in 0..DISK_BATCH as u64 - 1 {
+            let m = Incoming::Slice { builder: 0, slice, slice_start_ns: 0, events: Vec::new() };
+            take_message(m, &mut report, &mut lost, &mut ended, &mut round);
+        }
+        assert!(round.is_full(), "{} items", round.items.len());
+        assert_eq!((report.slices, report.events_per_builder.get(&0)), (DISK_BATCH as u64 - 1, Some(&0)));
+    }
+
+    /// Once the disk thread is gone, a round is not queued and its raw records are counted
+    /// as not stored, then and for every round after (without waiting for room).
+    #[tokio::test]
+    async fn after_the_disk_thread_is_gone_rounds_are_counted_not_queued() {
+        let (tx, rx) = mpsc::channel(1);
+        drop(rx);
+        let mut queue = DiskQueue { tx, room: Arc::new(tokio::sync::Semaphore::new(DISK_QUEUE_KIB)), failed: false };
+        let (mut report, mut lost, mut ended) = (WriterReport::default(), None, BTreeSet::new());
+        for _ in 0..2 {
+            let mut round = Round::default();
+            take_message(raw_fragment(1, b"x"), &mut report, &mut lost, &mut ended, &mut round);
+            take_message(raw_fragment(2, b"y"), &mut report, &mut lost, &mut ended, &mut round);
+            let m = Incoming::Slice { builder: 0, slice: 1, slice_start_ns: 0, events: Vec::new() };
+            take_message(m, &mut report, &mut lost, &mut ended, &mut round);
+            assert_eq!(queue.send(round).await, 2);
+            assert!(queue.failed);
+        }
+        assert_eq!(queue.room.available_permits(), DISK_QUEUE_KIB, "the room reserved for a refused round comes back");
+    }
+
     #[test]
     fn checkpoints_close_a_file_a_window_and_a_restart_finds_what_was_left_open() {
         let dir = std::env::temp_dir().join(format!("shoal-checkpoints-{}", std::process::id()));
