@@ -695,7 +695,7 @@ pub async fn run_builder(
     let filter_link = writer_link.clone();
     let tap_events = cfg.tap.events;
     let km3 = crate::km3out::Km3Out::new(&cfg, id)?;
-    let publisher = slice_publisher(&cfg, id)?;
+    let publisher = slice_publisher(&cfg.builder.consumers, cfg.run.run_number, id)?;
     let filter_thread = std::thread::Builder::new()
         .name(format!("filter-{id}"))
         .spawn(move || {
@@ -949,19 +949,22 @@ fn start_udp(
     )))
 }
 
-/// The shared-memory slice publisher of builder `id`, where `builder.consumers` enables it.
-fn slice_publisher(cfg: &Config, id: u32) -> Result<Option<shoal_shm::SlicePublisher>, ConfigError> {
-    if !cfg.builder.consumers.enabled {
+/// The shared-memory slice publisher of builder `id` in `run`, where `c` enables it.
+fn slice_publisher(
+    c: &crate::config::ConsumersConfig,
+    run: u64,
+    id: u32,
+) -> Result<Option<shoal_shm::SlicePublisher>, ConfigError> {
+    if !c.enabled {
         return Ok(None);
     }
-    let c = &cfg.builder.consumers;
     let pc = shoal_shm::PublisherConfig {
         socket: shoal_shm::socket_name(&c.socket, id),
         ring_bytes: c.ring_mb << 20,
         max_consumers: c.max_consumers,
         max_hold: StdDuration::from_millis(c.max_hold_ms),
         any_user: c.any_user,
-        run: cfg.run.run_number,
+        run,
         builder: id,
     };
     shoal_shm::SlicePublisher::start(&pc).map(Some).map_err(|e| ConfigError::Invalid(format!("builder.consumers: {e}")))

@@ -192,7 +192,7 @@ impl ConnectionLimit {
     }
 
     /// A place for a new connection (given back when dropped), or `None` at the limit.
-    pub fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    pub fn admit(&self) -> Option<ConnectionPlace> {
         self.places.clone().try_acquire_owned().ok()
     }
 
