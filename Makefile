@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SHOAL  := target/release/shoal
 
-.PHONY: demo test build lint rust-test prom-test py-test py-env py-sdk c-examples rust-examples deps bench clean
+.PHONY: demo test build test-build lint rust-test prom-test py-test py-env py-sdk c-examples c-examples-test rust-examples deps bench clean
 
 demo: build
 	$(SHOAL) demo
@@ -16,20 +16,41 @@ demo: build
 build:
 	$(CARGO) build --release --locked -p shoal -p shoal-ffi
 
+# What the Python tests run is what `cargo test --workspace` builds anyway (the test
+# profile, in target/debug): the binary, libshoal.so, the Rust examples and the Python
+# module's library, here only built when `cargo test` has not run. A second, optimized
+# build of the whole tree for pytest alone took 9 of a cold `make test`'s 33 minutes on the
+# 2-core machine. The module is installed for the tests as a bare extension
+# (target/py-test/shoal.abi3.so, on PYTHONPATH); maturin's packaging of it (`make py-sdk`)
+# is checked by building its source distribution, which does not compile.
+TEST_OUT := target/debug
+PY_TEST_PATH := target/py-test
+test-build: py-env
+	$(CARGO) build --profile test --locked --workspace --lib --bins --examples
+	mkdir -p $(PY_TEST_PATH)
+	cp $(TEST_OUT)/libshoal_py.so $(PY_TEST_PATH)/shoal.abi3.so
+	$(VENV)/bin/maturin sdist -m crates/shoal-py/Cargo.toml -o target/py-sdist
+
 # The C examples (examples/c), built with the system cc against include/shoal.h and
-# libshoal.so; the Python tests run them.
-C_OUT  := target/c
+# libshoal.so: `c-examples` against the release library into target/c (the benchmarks'),
+# `c-examples-test` against the test build's into target/c-test (the Python tests').
 CFLAGS ?= -O2 -g -Wall -Wextra -Werror -std=c11
 c-examples: build
+c-examples: LIB_DIR := target/release
+c-examples: C_OUT := target/c
+c-examples-test: test-build
+c-examples-test: LIB_DIR := $(TEST_OUT)
+c-examples-test: C_OUT := target/c-test
+c-examples c-examples-test:
 	mkdir -p $(C_OUT)
-	cc $(CFLAGS) -Iinclude -Iexamples/c examples/c/readout.c -Ltarget/release -lshoal \
-	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/readout
+	cc $(CFLAGS) -Iinclude -Iexamples/c examples/c/readout.c -L$(LIB_DIR) -lshoal \
+	  -Wl,-rpath,$(CURDIR)/$(LIB_DIR) -o $(C_OUT)/readout
 	cc $(CFLAGS) -D_DEFAULT_SOURCE -Iexamples/c examples/c/unix_readout.c -o $(C_OUT)/unix_readout
-	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -Ltarget/release -lshoal -lpthread \
-	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/submit_bench
+	cc $(CFLAGS) -D_POSIX_C_SOURCE=199309L -Iinclude examples/c/submit_bench.c -L$(LIB_DIR) -lshoal -lpthread \
+	  -Wl,-rpath,$(CURDIR)/$(LIB_DIR) -o $(C_OUT)/submit_bench
 	cc $(CFLAGS) -shared -fPIC -Iinclude examples/c/filter/l1_filter.c -o $(C_OUT)/libl1_filter.so
-	cc $(CFLAGS) -Iinclude examples/c/consumer.c -Ltarget/release -lshoal \
-	  -Wl,-rpath,$(CURDIR)/target/release -o $(C_OUT)/consumer
+	cc $(CFLAGS) -Iinclude examples/c/consumer.c -L$(LIB_DIR) -lshoal \
+	  -Wl,-rpath,$(CURDIR)/$(LIB_DIR) -o $(C_OUT)/consumer
 
 test: deps lint rust-test prom-test py-test
 
@@ -78,13 +99,16 @@ py-sdk: py-env
 	VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH \
 	  $(VENV)/bin/maturin develop --release --locked --quiet -m crates/shoal-py/Cargo.toml
 
-# pytest exits 5 when it collects no test; that must fail loudly, not pass silently.
-# The source SDK's Rust examples (crates/shoal-net/examples: readout, submit_bench).
+# The source SDK's Rust examples (crates/shoal-net/examples: readout, submit_bench), for
+# the benchmarks (the tests run the test build's, in target/debug/examples).
 rust-examples:
 	$(CARGO) build --release --locked -p shoal-net --examples
 
-py-test: build py-env py-sdk c-examples rust-examples
-	SHOAL_BIN=$(CURDIR)/$(SHOAL) SHOAL_C_EXAMPLES=$(CURDIR)/$(C_OUT) SHOAL_RUST_EXAMPLES=$(CURDIR)/target/release/examples $(PY) -m pytest tests/python -q; \
+# pytest exits 5 when it collects no test; that must fail loudly, not pass silently.
+py-test: test-build py-env c-examples-test
+	SHOAL_BIN=$(CURDIR)/$(TEST_OUT)/shoal SHOAL_C_EXAMPLES=$(CURDIR)/target/c-test \
+	  SHOAL_RUST_EXAMPLES=$(CURDIR)/$(TEST_OUT)/examples PYTHONPATH=$(CURDIR)/$(PY_TEST_PATH) \
+	  $(PY) -m pytest tests/python -q; \
 	  rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 bench: build py-env
