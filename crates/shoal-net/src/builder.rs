@@ -687,32 +687,20 @@ pub async fn run_builder(
     // slower than the load must not build a backlog of small slices without end.
     let (mut out_tx, out_rx) =
         crate::filter_queue::filter_queue::<SliceOutcome<FragmentData>>(cfg.builder.filter_queue_slices as usize);
-    let abandon = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let filter_abandon = abandon.clone();
     let mut not_filtered = Unfiltered::default();
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
-    let filter_live = live.clone();
-    let filter_link = writer_link.clone();
-    let tap_events = cfg.tap.events;
-    let km3 = crate::km3out::Km3Out::new(&cfg, id)?;
-    let publisher = slice_publisher(&cfg.builder.consumers, cfg.run.run_number, id)?;
-    let filter_thread = std::thread::Builder::new()
-        .name(format!("filter-{id}"))
-        .spawn(move || {
-            let job = FilterJob {
-                id,
-                stage,
-                slice_clock,
-                tap_events,
-                least_per_slice,
-                abandon: filter_abandon,
-                store_slices: cfg.builder.store_slices,
-                km3,
-                publisher,
-            };
-            filter_loop(job, out_rx, released_tx, filter_link, filter_live)
-        })
-        .expect("spawn filter thread");
+    let job = FilterJob {
+        id,
+        stage,
+        slice_clock,
+        tap_events: cfg.tap.events,
+        least_per_slice,
+        abandon: Arc::default(),
+        store_slices: cfg.builder.store_slices,
+        km3: crate::km3out::Km3Out::new(&cfg, id)?,
+        publisher: slice_publisher(&cfg.builder.consumers, cfg.run.run_number, id)?,
+    };
+    let filter_thread = FilterThread::start(job, out_rx, released_tx, writer_link.clone(), live.clone());
     let mut sampler = RawSampler { every: cfg.tap.raw_every, seen: 0, slice_clock };
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
@@ -851,7 +839,7 @@ pub async fn run_builder(
         malformed_events,
         consumers,
         workers,
-    } = join_filter(filter_thread, filter_drain, &abandon).await;
+    } = filter_thread.join(filter_drain).await;
     for slice in abandoned {
         not_filtered.add(slice);
     }
@@ -970,22 +958,44 @@ fn slice_publisher(
     shoal_shm::SlicePublisher::start(&pc).map(Some).map_err(|e| ConfigError::Invalid(format!("builder.consumers: {e}")))
 }
 
-/// Waits for the filter thread to finish its queue, for at most `drain`; what is left
-/// then is abandoned (the thread counts it), so that the builder answers STOP in time.
-async fn join_filter(
-    filter_thread: std::thread::JoinHandle<FilterThreadReport>,
-    drain: StdDuration,
-    abandon: &std::sync::atomic::AtomicBool,
-) -> FilterThreadReport {
-    let mut joining = tokio::task::spawn_blocking(move || filter_thread.join().expect("filter thread panicked"));
-    match tokio::time::timeout(drain, &mut joining).await {
-        Ok(r) => r,
-        Err(_) => {
-            abandon.store(true, std::sync::atomic::Ordering::Relaxed);
-            joining.await
-        }
+/// The builder's filter thread: filters the slices of its queue, sends their events to
+/// the writer and gives their bytes back (`released`). Told to abandon what is left when
+/// the drain at the end of a run takes too long.
+struct FilterThread {
+    handle: std::thread::JoinHandle<FilterThreadReport>,
+    abandon: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FilterThread {
+    fn start(
+        job: FilterJob,
+        queue: FilterQueueRx<SliceOutcome<FragmentData>>,
+        released: mpsc::UnboundedSender<u64>,
+        link: Arc<Link>,
+        live: Arc<Live>,
+    ) -> Self {
+        let abandon = job.abandon.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("filter-{}", job.id))
+            .spawn(move || filter_loop(job, queue, released, link, live))
+            .expect("spawn filter thread");
+        Self { handle, abandon }
     }
-    .expect("join filter thread")
+
+    /// Waits for the thread to finish its queue, for at most `drain`; what is left then is
+    /// abandoned (the thread counts it), so that the builder answers STOP in time.
+    async fn join(self, drain: StdDuration) -> FilterThreadReport {
+        let Self { handle, abandon } = self;
+        let mut joining = tokio::task::spawn_blocking(move || handle.join().expect("filter thread panicked"));
+        match tokio::time::timeout(drain, &mut joining).await {
+            Ok(r) => r,
+            Err(_) => {
+                abandon.store(true, std::sync::atomic::Ordering::Relaxed);
+                joining.await
+            }
+        }
+        .expect("join filter thread")
+    }
 }
 
 /// Sends builder `id`'s end of stream to the writer, then closes the link (at most 10 s
