@@ -691,6 +691,10 @@ pub async fn run_builder(
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let job = FilterJob {
         id,
+        queue: out_rx,
+        released: released_tx,
+        link: writer_link.clone(),
+        live: live.clone(),
         stage,
         slice_clock,
         tap_events: cfg.tap.events,
@@ -700,7 +704,7 @@ pub async fn run_builder(
         km3: crate::km3out::Km3Out::new(&cfg, id)?,
         publisher: slice_publisher(&cfg.builder.consumers, cfg.run.run_number, id)?,
     };
-    let filter_thread = FilterThread::start(job, out_rx, released_tx, writer_link.clone(), live.clone());
+    let filter_thread = FilterThread::start(job);
     let mut sampler = RawSampler { every: cfg.tap.raw_every, seen: 0, slice_clock };
 
     let mut node: BuilderNode<FragmentData> = BuilderNode::new(cfg.builder_node(id)?);
@@ -967,17 +971,11 @@ struct FilterThread {
 }
 
 impl FilterThread {
-    fn start(
-        job: FilterJob,
-        queue: FilterQueueRx<SliceOutcome<FragmentData>>,
-        released: mpsc::UnboundedSender<u64>,
-        link: Arc<Link>,
-        live: Arc<Live>,
-    ) -> Self {
+    fn start(job: FilterJob) -> Self {
         let abandon = job.abandon.clone();
         let handle = std::thread::Builder::new()
             .name(format!("filter-{}", job.id))
-            .spawn(move || filter_loop(job, queue, released, link, live))
+            .spawn(move || filter_loop(job))
             .expect("spawn filter thread");
         Self { handle, abandon }
     }
@@ -1347,9 +1345,16 @@ fn own_shoal_exe() -> Result<std::path::PathBuf, ConfigError> {
     )))
 }
 
-/// What the filter thread is told.
+/// What the filter thread is given and told.
 struct FilterJob {
     id: u32,
+    /// The slices to filter.
+    queue: FilterQueueRx<SliceOutcome<FragmentData>>,
+    /// The bytes of each slice done with, back to the assembler's memory budget.
+    released: mpsc::UnboundedSender<u64>,
+    /// To the writer: events, stored slices.
+    link: Arc<Link>,
+    live: Arc<Live>,
     stage: FilterStage,
     slice_clock: SliceClock,
     /// Offer every slice's events to the `SHL_EVT` tap.
@@ -1487,15 +1492,13 @@ fn worker_outcome(
     }
 }
 
-fn filter_loop(
-    job: FilterJob,
-    rx: FilterQueueRx<SliceOutcome<FragmentData>>,
-    released: mpsc::UnboundedSender<u64>,
-    link: Arc<Link>,
-    live: Arc<Live>,
-) -> FilterThreadReport {
+fn filter_loop(job: FilterJob) -> FilterThreadReport {
     let FilterJob {
         id,
+        queue: rx,
+        released,
+        link,
+        live,
         mut stage,
         slice_clock,
         tap_events,
