@@ -31,7 +31,11 @@ slice must be built complete: the processes share a first slice (`run.start_slic
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
          [--receive epoll[,io_uring]] [--window 5[,1000000]] [--name conn-scaling]
-Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path);
+         [--perf-record]
+Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path); with --perf-record
+the builder runs under `perf record -g` (2,000 samples a second), one
+OUT_DIR/NAME-COUNT-PATH-wWINDOW-rREPEAT.perf.data per run, for `perf report -i` (its CPU
+figures are then the profiled process's, dearer than without);
 `scripts/conn_scaling.py --table OUT_DIR` writes the table again from the CSV.
 """
 import csv
@@ -114,7 +118,7 @@ def wait_rusage(p, timeout):
     raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
 
 
-def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5):
+def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5, record=None):
     slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
     with tempfile.TemporaryDirectory(prefix="connscale") as d:
         path = os.path.join(d, "cfg.toml")
@@ -126,6 +130,8 @@ def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5):
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         writer = node("writer")
         perf = ["perf", "stat", "-x,", "-o", counts, "-e", ",".join(SYSCALLS), "--"] if syscalls else []
+        if record:
+            perf = ["perf", "record", "-F", "2000", "-g", "-q", "-o", record, "--"]
         builder = node("builder", "0", perf)
         groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
         sources = [node("source", ",".join(map(str, range(lo, hi)))) for lo, hi in groups]
@@ -272,7 +278,10 @@ def main():
         for n in counts:
             for path in paths:
                 for window in windows:
-                    row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv, path, window)
+                    record = None
+                    if "--perf-record" in sys.argv:
+                        record = os.path.join(out_dir, f"{name}-{n}-{path}-w{window}-r{r}.perf.data")
+                    row = one_run(shoal, n, fragment, mb, "--syscalls" in sys.argv, path, window, record)
                     row["repeat"] = r
                     runs.append(row)
                     print(json.dumps(row), flush=True)
