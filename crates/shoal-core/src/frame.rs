@@ -320,12 +320,13 @@ pub struct StreamDecoder {
 const PIN_RATIO: usize = 4;
 
 /// Room made for a read when the next frame's size is not known (or small). 16 kB, not 64:
-/// every connection keeps one, and at 10,000 connections 64-kB buffers were 655 MB of the
+/// every connection kept one (now only one reading: [`StreamDecoder::release_idle`]), and at 10,000 connections 64-kB buffers were 655 MB of the
 /// builder's 1.2 GB, the kernel clearing their pages a fifth of its CPU; with 16 kB its CPU
 /// per GB fell by a fifth there and not at all at 10 connections (docs/benchmarks.md).
 pub const READ_RESERVE: usize = 16 * 1024;
 
-/// Frames at least this long get read buffers of their own size ([`StreamDecoder::prepare_read`]).
+/// Frames at least this long get read buffers of their own size ([`StreamDecoder::prepare_read`]);
+/// shorter ones are copied out of a shared one ([`StreamDecoder::next_frame`]).
 const OWN_BUFFER_MIN: usize = 16 * 1024;
 
 impl StreamDecoder {
@@ -341,9 +342,8 @@ impl StreamDecoder {
         }
     }
 
-    /// Makes room in the receive buffer for the next read. Small frames share a reused
-    /// [`READ_RESERVE`] buffer (and are copied out of it when much smaller,
-    /// [`StreamDecoder::next_frame`]). Large ones,
+    /// Makes room in the receive buffer for the next read. Small frames (under 16 kB) share a
+    /// [`READ_RESERVE`] buffer and are copied out of it ([`StreamDecoder::next_frame`]). Large ones,
     /// one per connection and slice on a detector, are read into a buffer of about their
     /// own size: the connection's last frame plus an eighth, or exactly the rest of a
     /// frame begun. Such a frame fills its buffer and is split off it without a copy and
@@ -374,6 +374,18 @@ impl StreamDecoder {
                     self.move_to_fresh_buffer(self.buf.len() + READ_RESERVE);
                 }
             }
+        }
+    }
+
+    /// Gives the receive buffer back while it holds nothing, so that a connection waiting
+    /// for data holds no memory: with a buffer kept by each, the builder's memory grew
+    /// with its connections (at 10,000, 16 kB each, every page written once by the
+    /// kernel's copy and the clearing of fresh pages about a tenth of its CPU). The next
+    /// [`StreamDecoder::prepare_read`] takes a buffer again, from an allocator that has
+    /// just had one back. Call it before waiting for the connection to be readable.
+    pub fn release_idle(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
         }
     }
 
@@ -448,13 +460,16 @@ impl StreamDecoder {
             }
             return Ok(None);
         }
-        // A frame much smaller than the buffer it arrived in is copied out: split off, it
-        // would share the buffer's allocation and keep all of it alive for as long as its
-        // slice is held, and the next read would need a fresh buffer. With one small
-        // fragment per connection per slice (10,000 connections), that pinned 16 times the
-        // data and the builder spent 69% of its CPU zeroing fresh pages. Copied, the buffer
-        // is reused; a frame split off pins at most PIN_RATIO times its size.
-        let frame_bytes = if total.saturating_mul(PIN_RATIO) < self.buf.capacity() {
+        // A small frame, or one much smaller than the buffer it arrived in, is copied out:
+        // split off, it would share the buffer's allocation and keep all of it alive for as
+        // long as its slice is held, and the next read would need a fresh buffer. With one
+        // small fragment per connection per slice (10,000 connections), that pinned 16 times
+        // the data and the builder spent 69% of its CPU zeroing fresh pages; a 4-kB frame
+        // split off a 16-kB buffer still pinned four times its size, and each read took
+        // fresh pages. Copied (a few hundred ns from the cache), the buffer is reused or
+        // given back ([`StreamDecoder::release_idle`]); a large frame has a buffer of about
+        // its own size (`prepare_read`), and one split off pins at most PIN_RATIO times it.
+        let frame_bytes = if total < OWN_BUFFER_MIN || total.saturating_mul(PIN_RATIO) < self.buf.capacity() {
             let copy = Bytes::copy_from_slice(&self.buf[..total]);
             self.buf.advance(total);
             copy
@@ -520,6 +535,53 @@ mod tests {
         let frame = d.next_frame().unwrap().unwrap();
         assert_eq!(frame.payload.as_ptr(), base.wrapping_add(HEADER_LEN), "split off, not copied");
         assert_eq!(frame.payload.len(), 60_000);
+    }
+
+    /// A connection's read cycle with 4-kB frames (one per read, or several): every frame
+    /// is copied out of the read buffer, so none keeps it alive (split off a 16-kB buffer,
+    /// each pinned four times its size and the next read took fresh pages), and the buffer
+    /// is given back whenever nothing is held, so a connection waiting holds no memory.
+    #[test]
+    fn small_frames_never_pin_the_read_buffer_and_an_idle_connection_holds_none() {
+        let mut d = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+        let n = 4096;
+        let stream: Vec<u8> = (0..30u8).flat_map(|i| encode(&header(n as u32), &vec![i; n])).collect();
+        let frame_len = HEADER_LEN + n;
+        // Reads of one frame, of three and a half, and of what is left.
+        let reads = [frame_len, 3 * frame_len + frame_len / 2, stream.len()];
+        let (mut fed, mut frames) = (0, Vec::new());
+        for want in reads {
+            d.prepare_read();
+            let b = d.buffer_mut();
+            let (start, end) = (b.as_ptr() as usize, b.as_ptr() as usize + b.capacity());
+            let take = want.min(b.capacity() - b.len()).min(stream.len() - fed);
+            d.extend(&stream[fed..fed + take]);
+            fed += take;
+            while let Some(f) = d.next_frame().unwrap() {
+                let p = f.payload.as_ptr() as usize;
+                assert!(!(start <= p && p < end), "frame {} was split off its read buffer", frames.len());
+                frames.push(f);
+            }
+            d.release_idle();
+            assert_eq!(d.buffer_mut().capacity() == 0, d.buffered() == 0, "given back exactly when idle");
+        }
+        while fed < stream.len() {
+            d.prepare_read();
+            let room = d.buffer_mut().capacity() - d.buffered();
+            let take = room.min(stream.len() - fed);
+            d.extend(&stream[fed..fed + take]);
+            fed += take;
+            while let Some(f) = d.next_frame().unwrap() {
+                frames.push(f);
+            }
+            d.release_idle();
+        }
+        assert_eq!(frames.len(), 30);
+        for (i, f) in frames.iter().enumerate() {
+            assert!(f.payload.len() == n && f.payload.iter().all(|&b| b == i as u8), "frame {i}");
+        }
+        assert_eq!(d.buffer_mut().capacity(), 0, "nothing held at the end: no buffer");
+        assert_eq!(d.finish(), Ok(()));
     }
 
     /// Large frames of about the same size, read as a socket would give them (at most the

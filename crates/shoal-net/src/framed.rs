@@ -13,17 +13,29 @@ use tracing::warn;
 /// A byte stream a [`FrameReader`] reads from: a tokio socket (epoll), or an io_uring one
 /// ([`crate::uring`]).
 pub trait ReadSource {
+    /// Waits until a read would find bytes (or the end of the stream), without a buffer:
+    /// the read buffer is taken only then, so that a connection waiting holds none.
+    fn ready(&mut self) -> impl std::future::Future<Output = std::io::Result<()>>;
+
     /// Appends what arrives to `buf` (at least one byte, or 0 at the end of the stream).
     fn read_into(&mut self, buf: &mut BytesMut) -> impl std::future::Future<Output = std::io::Result<usize>>;
 }
 
 impl ReadSource for TcpStream {
+    async fn ready(&mut self) -> std::io::Result<()> {
+        self.readable().await
+    }
+
     async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
         self.read_buf(buf).await
     }
 }
 
 impl ReadSource for OwnedReadHalf {
+    async fn ready(&mut self) -> std::io::Result<()> {
+        self.readable().await
+    }
+
     async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
         self.read_buf(buf).await
     }
@@ -98,11 +110,17 @@ impl<R: ReadSource> FrameReader<R> {
                 Ok(None) => {}
                 Err(e) => return Err(self.reject(e.kind(), &e.to_string())),
             }
-            self.dec.prepare_read();
-            let first_by = self.first_by;
+            // Nothing held while waiting: the buffer is taken once bytes are there.
+            self.dec.release_idle();
+            let Self { stream, dec, cancel, first_by, .. } = &mut *self;
+            let read = async {
+                stream.ready().await?;
+                dec.prepare_read();
+                stream.read_into(dec.buffer_mut()).await
+            };
             let n = tokio::select! {
-                r = self.stream.read_into(self.dec.buffer_mut()) => r,
-                _ = self.cancel.cancelled() => return Err(ReadEnd::Cancelled),
+                r = read => r,
+                _ = cancel.cancelled() => return Err(ReadEnd::Cancelled),
                 _ = tokio::time::sleep_until(first_by.unwrap_or_else(tokio::time::Instant::now)), if first_by.is_some() => {
                     return Err(self.reject("no_frame_in_time", "no whole frame since the connection opened"));
                 }

@@ -103,6 +103,12 @@ impl UringReceiver {
 pub struct UringStream(Rc<tokio_uring::net::TcpStream>);
 
 impl ReadSource for UringStream {
+    /// A ring's read waits with its buffer submitted: there is no readiness to wait for
+    /// apart from it.
+    async fn ready(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
     async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
         // The ring owns the buffer while the read is in flight; the bytes land after
         // what the decoder holds. (A read cancelled half-way takes the buffer with it:
