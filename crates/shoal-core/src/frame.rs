@@ -584,10 +584,7 @@ mod tests {
         assert_eq!(d.finish(), Ok(()));
     }
 
-    /// Large frames of about the same size, read as a socket would give them (at most the
-    /// room made), are split off the buffers they were read into (never copied out), and
-    /// once the connection's frames are known each read buffer is about a frame long, not
-    /// 64 kB.
+    /// 4-kB frames that straddle reads keep their bytes when room is made elsewhere.
     #[test]
     fn a_full_buffer_of_small_frames_makes_room_without_losing_the_bytes_held() {
         // 4-kB frames arriving 3,000 bytes a read, as on a connection among thousands: a
@@ -621,6 +618,10 @@ mod tests {
         assert_eq!(d.finish(), Ok(()));
     }
 
+    /// Large frames of about the same size, read as a socket would give them (at most the
+    /// room made), are split off the buffers they were read into (never copied out), and
+    /// once the connection's frames are known each read buffer is about a frame long, not
+    /// 64 kB.
     #[test]
     fn large_frames_are_read_into_buffers_of_their_own_size() {
         let mut d = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
