@@ -16,6 +16,15 @@ ANCHOR_SLACK_NS = 50_000
 INJECTED_US = {"source0": 2_500.0, "source1": -1_500.0}
 
 
+def level_by_rule(verdict: dict) -> str:
+    """The level the verdict's own far-end skew calls for (shoal-core's `judge`, written
+    out again as the oracle): each far end is half a probe's round trip away, so on a busy
+    machine a corrected skew can be judged worse than "ok" while the clocks are right."""
+    if verdict["skew_ns"] <= verdict["tolerated_ns"]:
+        return "ok"
+    return "degraded" if verdict["skew_ns"] <= verdict["limit_ns"] else "beyond"
+
+
 def clock_cluster(tmp_path, correct: bool) -> str:
     text = cluster_toml("clocks", 2, 1, tmp_path / "state")
     for name, us in INJECTED_US.items():
@@ -51,7 +60,7 @@ def test_offsets_are_measured_within_their_uncertainty_corrected_and_the_run_los
             if p["name"] in INJECTED_US:
                 assert abs(clock["correction_ns"] + clock["residual_ns"] - injected) <= bound, (p["name"], clock)
         verdict = s["clock_verdict"]
-        assert verdict["level"] == "ok", verdict
+        assert verdict["level"] == level_by_rule(verdict), verdict
         # 4 ms of host skew corrected to far below 1 ms. Judged at the near ends of the two
         # clocks' uncertainty (what the measurements prove at least), not at the far ends
         # (`skew_ns`): each bound is half a probe's round trip, which grows with the
@@ -84,7 +93,9 @@ def test_offsets_are_measured_within_their_uncertainty_corrected_and_the_run_los
         record = json.loads(c.wait_file(c.state_dir / "runs" / "run000001.json").read_text())
         clocks = record["clocks"]
         assert set(INJECTED_US) <= set(clocks["at_start"]), clocks
-        assert clocks["verdict_at_start"]["level"] == "ok", clocks
+        at_start = clocks["verdict_at_start"]
+        assert at_start["skew_certain_ns"] < 1_000_000, clocks
+        assert at_start["level"] == level_by_rule(at_start), clocks
         assert clocks["at_end"]["source0"]["correction_ns"] == clocks["at_start"]["source0"]["correction_ns"]
         # Nothing lost: every fragment delivered, every slice complete.
         ledger = record["ledger"]
@@ -109,7 +120,7 @@ def test_without_correction_the_skew_is_measured_and_judged(shoal_bin, tmp_path)
         assert verdict["skew_ns"] >= 4_000_000 - 2 * ANCHOR_SLACK_NS, verdict
         assert sorted(verdict["between"]) == ["source0", "source1"], verdict
         assert verdict["tolerated_ns"] == 5_000_000, verdict
-        assert verdict["level"] == ("ok" if verdict["skew_ns"] <= 5_000_000 else "degraded"), verdict
+        assert verdict["level"] == level_by_rule(verdict), verdict
         # Each clock over the 1 ms bound is named once, with its offset.
         warned = [line for line in s["log"] if "host clock" in line]
         for name, us in INJECTED_US.items():

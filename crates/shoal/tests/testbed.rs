@@ -91,10 +91,13 @@ fn hosts_1ms_apart_are_measured_corrected_and_lose_nothing() {
     let verdict = &clocks["verdict_at_start"];
     let certain = verdict["skew_certain_ns"].as_u64().unwrap();
     assert!(certain <= verdict["tolerated_ns"].as_u64().unwrap(), "{clocks}");
-    let level = if verdict["skew_ns"].as_u64().unwrap() <= verdict["tolerated_ns"].as_u64().unwrap() {
+    let skew = verdict["skew_ns"].as_u64().unwrap();
+    let level = if skew <= verdict["tolerated_ns"].as_u64().unwrap() {
         "ok"
-    } else {
+    } else if skew <= verdict["limit_ns"].as_u64().unwrap() {
         "degraded"
+    } else {
+        "beyond"
     };
     assert_eq!(verdict["level"], level, "{clocks}");
     eprintln!(
