@@ -469,19 +469,25 @@ impl StreamDecoder {
         // fresh pages. Copied (a few hundred ns from the cache), the buffer is reused or
         // given back ([`StreamDecoder::release_idle`]); a large frame has a buffer of about
         // its own size (`prepare_read`), and one split off pins at most PIN_RATIO times it.
-        let frame_bytes = if total < OWN_BUFFER_MIN || total.saturating_mul(PIN_RATIO) < self.buf.capacity() {
-            let copy = Bytes::copy_from_slice(&self.buf[..total]);
-            self.buf.advance(total);
-            copy
-        } else {
-            self.buf.split_to(total).freeze()
-        };
+        //
+        // Checked in place, then only the payload leaves the buffer: a copy of the whole
+        // frame sliced past its header made the copy's allocation shared (a second
+        // allocation and atomic reference counts for every frame, freed on another thread).
         self.pending = None;
         self.last_frame_len = total;
         let computed = self.payload_crc;
         (self.payload_crc, self.payload_checked) = (0, 0);
-        check_payload_crc(&frame_bytes, computed)?;
-        Ok(Some(Frame { header, payload: frame_bytes.slice(HEADER_LEN..) }))
+        check_payload_crc(&self.buf[..HEADER_LEN], computed)?;
+        let payload = if total < OWN_BUFFER_MIN || total.saturating_mul(PIN_RATIO) < self.buf.capacity() {
+            let copy = Bytes::copy_from_slice(&self.buf[HEADER_LEN..total]);
+            self.buf.advance(total);
+            copy
+        } else {
+            let mut whole = self.buf.split_to(total);
+            whole.advance(HEADER_LEN);
+            whole.freeze()
+        };
+        Ok(Some(Frame { header, payload }))
     }
 
     /// Call at end of stream: an error if the stream stopped inside a frame.
