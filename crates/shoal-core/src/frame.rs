@@ -320,9 +320,12 @@ pub struct StreamDecoder {
 const PIN_RATIO: usize = 4;
 
 /// Room made for a read when the next frame's size is not known (or small). 16 kB, not 64:
-/// every connection kept one (now only one reading: [`StreamDecoder::release_idle`]), and at 10,000 connections 64-kB buffers were 655 MB of the
-/// builder's 1.2 GB, the kernel clearing their pages a fifth of its CPU; with 16 kB its CPU
-/// per GB fell by a fifth there and not at all at 10 connections (docs/benchmarks.md).
+/// every connection kept one (now only a connection reading holds one:
+/// [`StreamDecoder::release_idle`]), and at 10,000 connections 64-kB buffers were 655 MB of
+/// the builder's 1.2 GB, the kernel clearing their pages a fifth of its CPU; with 16 kB its
+/// CPU per GB fell by a fifth there and not at all at 10 connections. Tried at 64 kB again
+/// once idle connections held none: the builder's peak memory at 10,000 connections
+/// doubled, for no gain at 10 (docs/benchmarks.md).
 pub const READ_RESERVE: usize = 16 * 1024;
 
 /// Frames at least this long get read buffers of their own size ([`StreamDecoder::prepare_read`]);
@@ -379,8 +382,8 @@ impl StreamDecoder {
 
     /// Gives the receive buffer back while it holds nothing, so that a connection waiting
     /// for data holds no memory: with a buffer kept by each, the builder's memory grew
-    /// with its connections (at 10,000, 16 kB each, every page written once by the
-    /// kernel's copy and the clearing of fresh pages about a tenth of its CPU). The next
+    /// with its connections (at 10,000, 16 kB each; with this and small frames copied out,
+    /// its peak fell by about 110 MB and its CPU per GB by 13-25 %). The next
     /// [`StreamDecoder::prepare_read`] takes a buffer again, from an allocator that has
     /// just had one back. Call it before waiting for the connection to be readable.
     pub fn release_idle(&mut self) {
