@@ -20,9 +20,10 @@ build:
 # profile, in target/debug): the binary, libshoal.so, the Rust examples and the Python
 # module's library, here only built when `cargo test` has not run. A second, optimized
 # build for pytest alone took 12 of a cold `make test`'s 33 minutes on the 2-core machine
-# (7.5 the binary and libshoal.so, about 4 the module with maturin, 1 the Rust examples). The module is installed for the tests as a bare extension
-# (target/py-test/shoal.abi3.so, on PYTHONPATH); maturin's packaging of it (`make py-sdk`)
-# is checked by building its source distribution, which does not compile.
+# (7.5 the binary and libshoal.so, about 4 the module with maturin, 1 the Rust examples).
+# The module is installed for the tests as a bare extension (target/py-test/shoal.abi3.so,
+# on PYTHONPATH); maturin's packaging of it (`make py-sdk`) is checked by building its
+# source distribution, which does not compile.
 TEST_OUT := target/debug
 PY_TEST_PATH := target/py-test
 test-build: py-env
