@@ -52,6 +52,9 @@ c-examples c-examples-test:
 	cc $(CFLAGS) -shared -fPIC -Iinclude examples/c/filter/l1_filter.c -o $(C_OUT)/libl1_filter.so
 	cc $(CFLAGS) -Iinclude examples/c/consumer.c -L$(LIB_DIR) -lshoal \
 	  -Wl,-rpath,$(CURDIR)/$(LIB_DIR) -o $(C_OUT)/consumer
+# Not an example: the connection-scaling benchmark's read-only receiver, built here so
+# that it keeps compiling (scripts/conn_scaling.py builds its own).
+	cc $(CFLAGS) scripts/tcp_sink.c -o $(C_OUT)/tcp_sink
 
 test: deps lint rust-test prom-test py-test
 

@@ -28,9 +28,16 @@ that runs further ahead is held back by its connection; with 1000000, as the ser
 2026-11-26 ran, nothing is held and the builder keeps whatever the drift brings). Every
 slice must be built complete: the processes share a first slice (`run.start_slice`).
 
+`--receive sink` puts scripts/tcp_sink.c (built with cc) in the builder's place: a receiver
+that accepts, reads into one 64-kB buffer and discards, nothing else (`sink:16384` reads at
+most 16 kB at a time, as the builder's readers do). Its CPU per GB at
+each count is what the kernel alone costs for the same connections and the same senders:
+the floor under the builder's figure (its rows fill the builder's columns; no writer runs,
+and its bytes must be every fragment's).
+
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
-         [--receive epoll[,io_uring]] [--window 5[,1000000]] [--name conn-scaling]
+         [--receive epoll[,io_uring][,sink]] [--window 5[,1000000]] [--name conn-scaling]
          [--perf-record]
 Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path); with --perf-record
 the builder runs under `perf record -g` (2,000 samples a second), one
@@ -118,6 +125,65 @@ def wait_rusage(p, timeout):
     raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
 
 
+def build_sink():
+    """scripts/tcp_sink.c built into a temporary directory; its path."""
+    out = os.path.join(tempfile.mkdtemp(prefix="tcpsink"), "tcp_sink")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_sink.c")
+    subprocess.run(["cc", "-O2", "-Wall", "-o", out, src], check=True)
+    return out
+
+
+def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
+    """One point with tcp_sink in the builder's place: its CPU per GB beside the builder's."""
+    slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
+    with tempfile.TemporaryDirectory(prefix="connscale") as d:
+        path = os.path.join(d, "cfg.toml")
+        text = config(n, fragment, slices, os.path.join(d, "out"))
+        with open(path, "w") as f:
+            f.write(text)
+        port = text.split('builder_addrs = ["127.0.0.1:')[1].split('"')[0]
+        receiver = subprocess.Popen([sink, port, str(n), str(read_bytes)], stdout=subprocess.PIPE)
+        groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
+        sources = []
+        try:
+            # The sources retry their connections until the sink listens.
+            sources = [subprocess.Popen([shoal, "node", "--role", "source", "--config", path,
+                                         "--ids", ",".join(map(str, range(lo, hi)))],
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for lo, hi in groups]
+            source_cpu, produced = 0.0, 0
+            for s in sources:
+                out = s.stdout.read()
+                rc, cpu, _, _ = wait_rusage(s, 900)
+                if rc != 0:
+                    raise RuntimeError(f"a source process failed ({rc})")
+                source_cpu += cpu
+                produced += sum(t["produced"] for t in json.loads(out)["tallies"].values())
+            out = receiver.stdout.read()
+            rc, cpu, rss_mb, faults = wait_rusage(receiver, 120)
+            if rc != 0:
+                raise RuntimeError(f"tcp_sink failed ({rc})")
+            got = json.loads(out)
+        finally:
+            for p in [receiver, *sources]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if got["connections"] != n or got["bytes"] < produced * fragment:
+        raise RuntimeError(f"{n} connections: tcp_sink took {got['connections']} connections and "
+                           f"{got['bytes']} bytes for {produced} fragments of {fragment}")
+    gb = got["bytes"] / 1e9
+    return {
+        "builder_page_faults_per_fragment": faults / produced,
+        "receive": "sink" if read_bytes == 65536 else f"sink:{read_bytes}", "window": 0, "read_holds": 0, "held_fragments_most": 0, "connections": n,
+        "fragment_bytes": fragment, "slices": slices, "gb": gb,
+        "builder_cpu_s": cpu, "builder_cpu_s_per_gb": cpu / gb,
+        "builder_cpu_us_per_fragment": 1e6 * cpu / produced,
+        "mbytes_per_s": got["bytes"] / 1e6 / got["span_s"] if got["span_s"] > 0 else float("nan"),
+        "sender_cpu_s_per_gb": source_cpu / gb,
+        "builder_peak_rss_mb": rss_mb,
+    }
+
+
 def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5, record=None):
     slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
     with tempfile.TemporaryDirectory(prefix="connscale") as d:
@@ -186,10 +252,12 @@ def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5, r
 
 def write_table(runs, out_dir, name="conn-scaling"):
     """OUT_DIR/NAME.md: medians per receive path and connection count, from the runs' rows."""
-    several_windows = len({x.get("window") for x in runs}) > 1
     for x in runs:
         x.setdefault("receive", "epoll")
-        if several_windows and "window" not in x["receive"]:
+    # The sink has no window: only the builders' rows are told apart by theirs.
+    several_windows = len({str(x.get("window")) for x in runs if not x["receive"].startswith("sink")}) > 1
+    for x in runs:
+        if several_windows and not x["receive"].startswith("sink") and "window" not in x["receive"]:
             x["receive"] = f"{x['receive']}, window {x.get('window') or 1000000}"
     paths = sorted({x["receive"] for x in runs})
     counts = sorted({x["connections"] for x in runs})
@@ -276,10 +344,17 @@ def main():
     paths = arg("--receive", "epoll").split(",")
     windows = [int(w) for w in arg("--window", "5").split(",")]
     os.makedirs(out_dir, exist_ok=True)
+    sink = build_sink() if any(p.startswith("sink") for p in paths) else None
     runs = []
     for r in range(repeats):
         for n in counts:
             for path in paths:
+                if path.startswith("sink"):
+                    row = sink_run(shoal, sink, n, fragment, mb, int(path.partition(":")[2] or 65536))
+                    row["repeat"] = r
+                    runs.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 for window in windows:
                     record = None
                     if "--perf-record" in sys.argv:
