@@ -125,6 +125,33 @@ def wait_rusage(p, timeout):
     raise RuntimeError(f"process {p.args[:4]} did not end in {timeout} s")
 
 
+def wait_report(p, timeout, what):
+    """(the JSON a process printed, its CPU seconds, peak RSS MB, page faults) once it ended well."""
+    out = p.stdout.read()
+    rc, cpu, rss_mb, faults = wait_rusage(p, timeout)
+    if rc != 0:
+        raise RuntimeError(f"{what} failed ({rc})")
+    return json.loads(out), cpu, rss_mb, faults
+
+
+def start_sources(shoal, path, n):
+    """The source processes of a point, at most PER_PROCESS sources each."""
+    groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
+    return [subprocess.Popen([shoal, "node", "--role", "source", "--config", path,
+                              "--ids", ",".join(map(str, range(lo, hi)))],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for lo, hi in groups]
+
+
+def wait_sources(sources):
+    """(their CPU seconds together, fragments they produced) once every source process ended."""
+    source_cpu, produced = 0.0, 0
+    for s in sources:
+        report, cpu, _, _ = wait_report(s, 900, "a source process")
+        source_cpu += cpu
+        produced += sum(t["produced"] for t in report["tallies"].values())
+    return source_cpu, produced
+
+
 def build_sink():
     """scripts/tcp_sink.c built into a temporary directory; its path."""
     out = os.path.join(tempfile.mkdtemp(prefix="tcpsink"), "tcp_sink")
@@ -143,26 +170,12 @@ def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
             f.write(text)
         port = text.split('builder_addrs = ["127.0.0.1:')[1].split('"')[0]
         receiver = subprocess.Popen([sink, port, str(n), str(read_bytes)], stdout=subprocess.PIPE)
-        groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
         sources = []
         try:
             # The sources retry their connections until the sink listens.
-            sources = [subprocess.Popen([shoal, "node", "--role", "source", "--config", path,
-                                         "--ids", ",".join(map(str, range(lo, hi)))],
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for lo, hi in groups]
-            source_cpu, produced = 0.0, 0
-            for s in sources:
-                out = s.stdout.read()
-                rc, cpu, _, _ = wait_rusage(s, 900)
-                if rc != 0:
-                    raise RuntimeError(f"a source process failed ({rc})")
-                source_cpu += cpu
-                produced += sum(t["produced"] for t in json.loads(out)["tallies"].values())
-            out = receiver.stdout.read()
-            rc, cpu, rss_mb, faults = wait_rusage(receiver, 120)
-            if rc != 0:
-                raise RuntimeError(f"tcp_sink failed ({rc})")
-            got = json.loads(out)
+            sources = start_sources(shoal, path, n)
+            source_cpu, produced = wait_sources(sources)
+            got, cpu, rss_mb, faults = wait_report(receiver, 120, "tcp_sink")
         finally:
             for p in [receiver, *sources]:
                 if p.poll() is None:
@@ -174,7 +187,8 @@ def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
     gb = got["bytes"] / 1e9
     return {
         "builder_page_faults_per_fragment": faults / produced,
-        "receive": "sink" if read_bytes == 65536 else f"sink:{read_bytes}", "window": 0, "read_holds": 0, "held_fragments_most": 0, "connections": n,
+        "receive": "sink" if read_bytes == 65536 else f"sink:{read_bytes}", "window": 0, "read_holds": 0,
+        "held_fragments_most": 0, "connections": n,
         "fragment_bytes": fragment, "slices": slices, "gb": gb,
         "builder_cpu_s": cpu, "builder_cpu_s_per_gb": cpu / gb,
         "builder_cpu_us_per_fragment": 1e6 * cpu / produced,
@@ -199,22 +213,10 @@ def one_run(shoal, n, fragment, mb, syscalls=False, receive="epoll", window=5, r
         if record:
             perf = ["perf", "record", "-F", "2000", "-g", "-q", "-o", record, "--"]
         builder = node("builder", "0", perf)
-        groups = [(lo, min(n, lo + PER_PROCESS)) for lo in range(0, n, PER_PROCESS)]
-        sources = [node("source", ",".join(map(str, range(lo, hi)))) for lo, hi in groups]
+        sources = start_sources(shoal, path, n)
         try:
-            source_cpu, produced = 0.0, 0
-            for s in sources:
-                out = s.stdout.read()
-                rc, cpu, _, _ = wait_rusage(s, 900)
-                if rc != 0:
-                    raise RuntimeError(f"a source process failed ({rc})")
-                source_cpu += cpu
-                produced += sum(t["produced"] for t in json.loads(out)["tallies"].values())
-            out = builder.stdout.read()
-            rc, builder_cpu, builder_rss_mb, builder_faults = wait_rusage(builder, 900)
-            if rc != 0:
-                raise RuntimeError(f"the builder failed ({rc})")
-            report = json.loads(out)
+            source_cpu, produced = wait_sources(sources)
+            report, builder_cpu, builder_rss_mb, builder_faults = wait_report(builder, 900, "the builder")
             writer.stdout.read()
             wait_rusage(writer, 120)
             events = {}
