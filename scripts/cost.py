@@ -7,6 +7,8 @@ prints, per fragment and per megabyte received, the system calls by kind, the wa
 (`sched:sched_wakeup`), the context switches and the CPU time. Counts depend far less on a
 shared machine's noise than times do: quote them before and after a change to the data
 path (median of the runs, with min-max to show how repeatable they are).
+Instructions per fragment, which perf cannot count here, come from callgrind:
+scripts/cost_instructions.py.
 
   scripts/cost.py target/release/shoal                     # 30 x 10, delayed:8, 3 s x 3
   scripts/cost.py target/release/shoal --policy direct --policy tbf:1000Mbit:20000
