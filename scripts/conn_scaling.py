@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 
 PER_PROCESS = 2500
 SYSCALLS = ["raw_syscalls:sys_enter", "syscalls:sys_enter_recvfrom", "syscalls:sys_enter_epoll_wait",
@@ -168,7 +169,7 @@ def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
         text = config(n, fragment, slices, os.path.join(d, "out"))
         with open(path, "w") as f:
             f.write(text)
-        port = text.split('builder_addrs = ["127.0.0.1:')[1].split('"')[0]
+        port = tomllib.loads(text)["run"]["builder_addrs"][0].rsplit(":", 1)[1]
         receiver = subprocess.Popen([sink, port, str(n), str(read_bytes)], stdout=subprocess.PIPE)
         sources = []
         try:

@@ -8,7 +8,6 @@
 // been accepted and all have ended (or fails after 60 s with nothing to do).
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,9 +31,9 @@ int main(int argc, char **argv) {
     epoll_ctl(ep, EPOLL_CTL_ADD, l, &ev);
     char *buf = malloc(size);
     if (!buf) { perror("malloc"); return 1; }
-    long accepted = 0, open = 0; unsigned long long bytes = 0, reads = 0;
+    long accepted = 0, live = 0; unsigned long long bytes = 0, reads = 0;
     struct timespec first = {0}, last = {0};
-    while (accepted < want || open > 0) {
+    while (accepted < want || live > 0) {
         int n = epoll_wait(ep, evs, 256, 60000);
         if (n <= 0) { fprintf(stderr, "tcp_sink: nothing for 60 s\n"); return 1; }
         for (int i = 0; i < n; i++) {
@@ -44,7 +43,7 @@ int main(int argc, char **argv) {
                 while ((c = accept4(l, NULL, NULL, SOCK_NONBLOCK)) >= 0) {
                     struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = c};
                     epoll_ctl(ep, EPOLL_CTL_ADD, c, &e);
-                    accepted++; open++;
+                    accepted++; live++;
                 }
                 continue;
             }
@@ -61,7 +60,7 @@ int main(int argc, char **argv) {
                     if ((size_t)r == size || (evs[i].events & EPOLLRDHUP)) continue;
                 } else if (r == 0 || errno != EAGAIN) {
                     close(fd);
-                    open--;
+                    live--;
                 }
                 break;
             }
