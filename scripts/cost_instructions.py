@@ -14,6 +14,7 @@ and the end of the run (loading, the summary, the histograms' reports) taken out
   scripts/cost_instructions.py target/release/shoal                 # 4 x 2, 4,000 B, 500 slices
   scripts/cost_instructions.py BEFORE/shoal AFTER/shoal             # side by side
   scripts/cost_instructions.py target/release/shoal --fragment 64000 --json
+  scripts/cost_instructions.py target/release/shoal --top 40        # and the costliest functions
 
 Prints instructions per fragment in all and per stage: the self cost of each function,
 grouped by what it belongs to (the source's node and link, the builder's reader and
@@ -78,14 +79,19 @@ def callgrind(shoal, cfg_text):
         # Every function (not only the top 99 %), and no annotated source after them.
         text = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no", out],
                               capture_output=True, text=True, check=True).stdout
-    by_stage = {}
+    by_stage, by_function = {}, {}
     for line in text.splitlines():
         m = LINE.match(line)
         if not m or "PROGRAM TOTALS" in m.group(2):
             continue
+        count = int(m.group(1).replace(",", ""))
         stage = stage_of(m.group(2))
-        by_stage[stage] = by_stage.get(stage, 0) + int(m.group(1).replace(",", ""))
-    return by_stage, summary["ledger"]["buckets"]["delivered"]
+        by_stage[stage] = by_stage.get(stage, 0) + count
+        # callgrind_annotate gives one line per (source file, function): the code inlined
+        # from other files comes apart. Summed by the function's name.
+        function = re.sub(r" \[[^\]]*\]$", "", m.group(2)).split(":", 1)[-1]
+        by_function[function] = by_function.get(function, 0) + count
+    return by_stage, by_function, summary["ledger"]["buckets"]["delivered"]
 
 
 def per_fragment(shoal, args):
@@ -95,11 +101,18 @@ def per_fragment(shoal, args):
         cfg = saturated_demo.config(args.sources, args.builders, args.fragment, slices, "direct",
                                     builder_budget_mb=256)
         runs.append(callgrind(shoal, cfg))
-    (small, n_small), (large, n_large) = runs
+    (small, small_fn, n_small), (large, large_fn, n_large) = runs
     fragments = n_large - n_small
-    stages = sorted(set(small) | set(large), key=lambda s: -(large.get(s, 0) - small.get(s, 0)))
-    per = {s: (large.get(s, 0) - small.get(s, 0)) / fragments for s in stages}
-    return {"binary": shoal, "fragments": [n_small, n_large], "total": sum(per.values()), "stages": per}
+
+    def added(a, b):
+        """Per added fragment, largest first."""
+        keys = sorted(set(a) | set(b), key=lambda k: -(b.get(k, 0) - a.get(k, 0)))
+        return {k: (b.get(k, 0) - a.get(k, 0)) / fragments for k in keys}
+
+    per = added(small, large)
+    functions = dict(list(added(small_fn, large_fn).items())[:args.top])
+    return {"binary": shoal, "fragments": [n_small, n_large], "total": sum(per.values()), "stages": per,
+            "functions": functions}
 
 
 def main():
@@ -109,6 +122,7 @@ def main():
     p.add_argument("--builders", type=int, default=2)
     p.add_argument("--fragment", type=int, default=4000)
     p.add_argument("--slices", type=int, default=500)
+    p.add_argument("--top", type=int, default=0, help="also list the N functions that cost most per fragment")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     results = [per_fragment(os.path.abspath(s), args) for s in args.shoal]
@@ -125,6 +139,12 @@ def main():
     for s in stages:
         print(f"| {s} | " + " | ".join(f"{r['stages'].get(s, 0):,.0f}" for r in results) + " |")
     print("| **all** | " + " | ".join(f"**{r['total']:,.0f}**" for r in results) + " |")
+    for r, name in zip(results, names):
+        if r["functions"]:
+            print(f"\n{name}: the {len(r['functions'])} functions that cost most per fragment (self)\n")
+            print("| instructions | function |\n| ---: | --- |")
+            for f, n in r["functions"].items():
+                print(f"| {n:,.0f} | `{f}` |")
     return 0
 
 
