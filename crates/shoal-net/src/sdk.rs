@@ -88,8 +88,14 @@ impl SourceHandle {
                     .build()
                     .map_err(|e| format!("tokio runtime: {e}"))?;
                 let live = Arc::new(Live::default());
-                rt.block_on(crate::source::run_source_with(&cfg, clock, live, c, false, Some(i)))
-                    .map_err(|e| e.to_string())
+                // On a worker, as `shoal node` runs its role (the source's loop woken by its
+                // links' tasks without a futex call to wake this thread).
+                let source =
+                    rt.spawn(async move { crate::source::run_source_with(&cfg, clock, live, c, false, Some(i)).await });
+                match rt.block_on(source) {
+                    Ok(result) => result.map_err(|e| e.to_string()),
+                    Err(e) => Err(format!("the source's task ended without finishing: {e}")),
+                }
             })
             .map_err(|e| SdkError::Start(e.to_string()))?;
         Ok(Self { ingest, cancel, thread: Some(thread), input })

@@ -344,7 +344,18 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
-    match rt.block_on(run(cli)) {
+    // The command runs as a task on the runtime's workers, not on this thread under
+    // `block_on`: a builder's loop woken by its readers' tasks then runs on a worker, where
+    // the wake-up is a push to that worker's queue rather than a futex call to wake this
+    // thread (docs/benchmarks.md "The node's loop on a worker").
+    let result = match rt.block_on(async { tokio::spawn(run(cli)).await }) {
+        Ok(result) => result,
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(e) => Err(anyhow::anyhow!("the command's task ended without finishing: {e}")),
+        },
+    };
+    match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
