@@ -30,14 +30,16 @@ slice must be built complete: the processes share a first slice (`run.start_slic
 
 `--receive sink` puts scripts/tcp_sink.c (built with cc) in the builder's place: a receiver
 that accepts, reads into one 64-kB buffer and discards, nothing else (`sink:16384` reads at
-most 16 kB at a time, as the builder's readers do). Its CPU per GB at
+most 16 kB at a time, as the builder's readers do; `sink:65536:64` reads each time into a
+buffer of its own and keeps the 64 latest, as a builder keeps what it has read until the
+slice is built, so that the kernel's copy writes into memory freed a while ago). Its CPU per GB at
 each count is what the kernel alone costs for the same connections and the same senders:
 the floor under the builder's figure (its rows fill the builder's columns; no writer runs,
 and its bytes must be every fragment's).
 
 usage: scripts/conn_scaling.py SHOAL OUT_DIR [--counts 1,10,100,1000,10000]
          [--fragment BYTES] [--mb-per-point MB] [--repeats R] [--syscalls]
-         [--receive epoll[,io_uring][,sink]] [--window 5[,1000000]] [--name conn-scaling]
+         [--receive epoll[,io_uring][,sink[:BYTES[:KEEP]]]] [--window 5[,1000000]] [--name conn-scaling]
          [--perf-record]
 Writes OUT_DIR/NAME.{csv,md} (medians of R runs per count and path); with --perf-record
 the builder runs under `perf record -g` (2,000 samples a second), one
@@ -161,8 +163,12 @@ def build_sink():
     return out
 
 
-def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
-    """One point with tcp_sink in the builder's place: its CPU per GB beside the builder's."""
+def sink_run(shoal, sink, n, fragment, mb, receive):
+    """One point with tcp_sink in the builder's place (`receive` is `sink[:READ_BYTES[:KEEP]]`):
+    its CPU per GB beside the builder's."""
+    given = [int(x) for x in receive.split(":")[1:]]
+    read_bytes = given[0] if given else 65536
+    keep = given[1] if len(given) > 1 else 0
     slices = max(20, math.ceil(mb * 1e6 / (n * fragment)))
     with tempfile.TemporaryDirectory(prefix="connscale") as d:
         path = os.path.join(d, "cfg.toml")
@@ -170,7 +176,7 @@ def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
         with open(path, "w") as f:
             f.write(text)
         port = tomllib.loads(text)["run"]["builder_addrs"][0].rsplit(":", 1)[1]
-        receiver = subprocess.Popen([sink, port, str(n), str(read_bytes)], stdout=subprocess.PIPE)
+        receiver = subprocess.Popen([sink, port, str(n), str(read_bytes), str(keep)], stdout=subprocess.PIPE)
         sources = []
         try:
             # The sources retry their connections until the sink listens.
@@ -188,7 +194,7 @@ def sink_run(shoal, sink, n, fragment, mb, read_bytes=65536):
     gb = got["bytes"] / 1e9
     return {
         "builder_page_faults_per_fragment": faults / produced,
-        "receive": "sink" if read_bytes == 65536 else f"sink:{read_bytes}", "window": 0, "read_holds": 0,
+        "receive": receive, "window": 0, "read_holds": 0,
         "held_fragments_most": 0, "connections": n,
         "fragment_bytes": fragment, "slices": slices, "gb": gb,
         "builder_cpu_s": cpu, "builder_cpu_s_per_gb": cpu / gb,
@@ -353,7 +359,7 @@ def main():
         for n in counts:
             for path in paths:
                 if path.startswith("sink"):
-                    row = sink_run(shoal, sink, n, fragment, mb, int(path.partition(":")[2] or 65536))
+                    row = sink_run(shoal, sink, n, fragment, mb, path)
                     row["repeat"] = r
                     runs.append(row)
                     print(json.dumps(row), flush=True)

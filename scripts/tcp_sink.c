@@ -4,8 +4,14 @@
 // the builder's CPU per GB: what the kernel alone costs per GB at each connection count.
 // It answers nothing, so the sources must not wait for a reply (the `direct` policy).
 //
-// usage: tcp_sink PORT CONNECTIONS [READ_BYTES, default 65536]; prints one JSON line once CONNECTIONS connections have
-// been accepted and all have ended (or fails after 60 s with nothing to do).
+// With KEEP > 0 it keeps what it reads, as a builder keeps fragments until their slice is
+// built: each read goes into a buffer of its own (malloc), and the KEEP most recent ones
+// are kept, the oldest freed when another is taken. The kernel's copy then writes into
+// memory freed a while ago rather than into one buffer that stays in the cache.
+//
+// usage: tcp_sink PORT CONNECTIONS [READ_BYTES, default 65536 [KEEP, default 0]]; prints
+// one JSON line once CONNECTIONS connections have been accepted and all have ended (or
+// fails after 60 s with nothing to do).
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -17,10 +23,12 @@
 #include <unistd.h>
 
 int main(int argc, char **argv) {
-    if (argc != 3 && argc != 4) { fprintf(stderr, "usage: tcp_sink PORT CONNECTIONS [READ_BYTES]\n"); return 2; }
+    if (argc < 3 || argc > 5) { fprintf(stderr, "usage: tcp_sink PORT CONNECTIONS [READ_BYTES [KEEP]]\n"); return 2; }
     int port = atoi(argv[1]); long want = atol(argv[2]);
-    size_t size = argc == 4 ? (size_t)atol(argv[3]) : 1 << 16;
+    size_t size = argc >= 4 ? (size_t)atol(argv[3]) : 1 << 16;
+    long keep = argc == 5 ? atol(argv[4]) : 0;
     if (size < 1 || size > 1 << 24) { fprintf(stderr, "tcp_sink: READ_BYTES from 1 to 16 MiB\n"); return 2; }
+    if (keep < 0 || keep > 1 << 16) { fprintf(stderr, "tcp_sink: KEEP from 0 to 65536\n"); return 2; }
     int l = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
     setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
@@ -30,7 +38,9 @@ int main(int argc, char **argv) {
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = l}, evs[256];
     epoll_ctl(ep, EPOLL_CTL_ADD, l, &ev);
     char *buf = malloc(size);
-    if (!buf) { perror("malloc"); return 1; }
+    char **kept = keep ? calloc((size_t)keep, sizeof *kept) : NULL;
+    long next_kept = 0;
+    if (!buf || (keep && !kept)) { perror("malloc"); return 1; }
     long accepted = 0, live = 0; unsigned long long bytes = 0, reads = 0;
     struct timespec first = {0}, last = {0};
     while (accepted < want || live > 0) {
@@ -50,6 +60,12 @@ int main(int argc, char **argv) {
             // Edge-triggered, and a short read ends the round as in tokio; once the peer
             // has ended, read on to the 0 that says so.
             for (;;) {
+                if (keep) {
+                    free(kept[next_kept]);
+                    if (!(kept[next_kept] = malloc(size))) { perror("malloc"); return 1; }
+                    buf = kept[next_kept];
+                    next_kept = (next_kept + 1) % keep;
+                }
                 ssize_t r = read(fd, buf, size);
                 reads++;
                 if (r < 0 && errno == EINTR) continue;
