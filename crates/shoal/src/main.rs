@@ -343,11 +343,16 @@ fn main() -> ExitCode {
         tracing::debug!("transparent huge pages stay on: {e}");
     }
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     // The command runs as a task on the runtime's workers, not on this thread under
     // `block_on`: a builder's loop woken by its readers' tasks then runs on a worker, where
     // the wake-up is a push to that worker's queue rather than a futex call to wake this
-    // thread (docs/benchmarks.md "The node's loop on a worker").
+    // thread (docs/benchmarks.md "The node's loop on a worker"). The workers get the main
+    // thread's 8-MiB stack (tokio's default is 2 MiB), which the commands had before.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_stack_size(8 << 20)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     let result = match rt.block_on(async { tokio::spawn(run(cli)).await }) {
         Ok(result) => result,
         Err(e) => match e.try_into_panic() {
