@@ -5,8 +5,8 @@
 // It answers nothing, so the sources must not wait for a reply (the `direct` policy).
 //
 // With KEEP > 0 it keeps what it reads, as a builder keeps fragments until their slice is
-// built: each read goes into a buffer of its own (malloc), and the KEEP most recent ones
-// are kept, the oldest freed when another is taken. The kernel's copy then writes into
+// built: each read that brings data leaves its buffer kept and takes a new one (malloc);
+// the KEEP most recent are kept, the oldest freed when another is kept. The kernel's copy then writes into
 // memory freed a while ago rather than into one buffer that stays in the cache.
 //
 // usage: tcp_sink PORT CONNECTIONS [READ_BYTES, default 65536 [KEEP, default 0]]; prints
@@ -60,12 +60,6 @@ int main(int argc, char **argv) {
             // Edge-triggered, and a short read ends the round as in tokio; once the peer
             // has ended, read on to the 0 that says so.
             for (;;) {
-                if (keep) {
-                    free(kept[next_kept]);
-                    if (!(kept[next_kept] = malloc(size))) { perror("malloc"); return 1; }
-                    buf = kept[next_kept];
-                    next_kept = (next_kept + 1) % keep;
-                }
                 ssize_t r = read(fd, buf, size);
                 reads++;
                 if (r < 0 && errno == EINTR) continue;
@@ -73,6 +67,12 @@ int main(int argc, char **argv) {
                     clock_gettime(CLOCK_MONOTONIC, &last);
                     if (!bytes) first = last;
                     bytes += r;
+                    if (keep) {
+                        free(kept[next_kept]);
+                        kept[next_kept] = buf;
+                        next_kept = (next_kept + 1) % keep;
+                        if (!(buf = malloc(size))) { perror("malloc"); return 1; }
+                    }
                     if ((size_t)r == size || (evs[i].events & EPOLLRDHUP)) continue;
                 } else if (r == 0 || errno != EAGAIN) {
                     close(fd);
