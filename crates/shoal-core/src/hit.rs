@@ -43,7 +43,7 @@ impl Hit {
     /// Decodes one record. Inlined, on an array: the filters decode every hit of a slice
     /// through this (a call with six bounds checks per hit was 5 % of the KM3NeT trigger).
     #[inline]
-    fn from_record(rec: &[u8; HIT_LEN]) -> Hit {
+    pub fn from_record(rec: &[u8; HIT_LEN]) -> Hit {
         Hit { channel: rec[0], time_ns: u32::from_le_bytes([rec[1], rec[2], rec[3], rec[4]]), amplitude: rec[5] }
     }
 }
@@ -86,7 +86,13 @@ impl<'a> HitPayload<'a> {
     }
 
     pub fn hits(&self) -> impl ExactSizeIterator<Item = Hit> + 'a {
-        self.hits.as_chunks::<HIT_LEN>().0.iter().map(Hit::from_record)
+        self.records().iter().map(Hit::from_record)
+    }
+
+    /// The hit records themselves, for reading hits in place (a binary search by time
+    /// over records already in order needs no decoded copy).
+    pub fn records(&self) -> &'a [[u8; HIT_LEN]] {
+        self.hits.as_chunks::<HIT_LEN>().0
     }
 }
 

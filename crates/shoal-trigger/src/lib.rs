@@ -53,6 +53,12 @@ impl FragmentData {
         HitPayload::parse(&self.payload, self.hit_count)
     }
 
+    /// The payload's hit records as they came (none if the payload is malformed: the
+    /// builder has already checked it).
+    pub fn hit_records(&self) -> &[[u8; shoal_core::hit::HIT_LEN]] {
+        self.hits().map_or(&[], |p| p.records())
+    }
+
     /// Replaces `out` with this fragment's hits sorted by time (none if the payload is
     /// malformed: the builder has already checked it).
     pub fn sorted_hits_into(&self, out: &mut Vec<shoal_core::hit::Hit>) {
