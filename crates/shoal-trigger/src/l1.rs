@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use shoal_core::SourceId;
 use shoal_core::hit::Hit;
 
-use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData};
+use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData, SliceHits};
 
 /// Parameters of [`L1Multiplicity`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,8 +33,8 @@ impl Default for L1Config {
 #[derive(Debug, Default)]
 pub struct L1Multiplicity {
     cfg: L1Config,
-    /// Reused per-slice buffers.
-    hits: Vec<Vec<Hit>>,
+    /// The slice's hits, one fragment at a time (a reused buffer).
+    hits: SliceHits,
 }
 
 /// Indices of the L1 hits among one source's time-sorted hits: a hit is L1 if a hit on
@@ -70,13 +70,12 @@ impl Filter for L1Multiplicity {
 
     fn process(&mut self, slice: &SliceData) -> Vec<Event> {
         let cfg = &self.cfg;
-        self.hits.resize_with(slice.fragments.len(), Vec::new);
+        self.hits.clear();
         // (time, fragment index, hit index) of every L1 hit in the slice.
         let mut l1: Vec<(u32, usize, usize)> = Vec::new();
         let mut idx = Vec::new();
         for (fi, f) in slice.fragments.iter().enumerate() {
-            let hits = &mut self.hits[fi];
-            f.sorted_hits_into(hits);
+            let hits = self.hits.read(f);
             l1_indices(hits, cfg, &mut idx);
             l1.extend(idx.iter().map(|&hi| (hits[hi].time_ns, fi, hi)));
         }
@@ -108,25 +107,23 @@ impl Filter for L1Multiplicity {
             distinct -= u32::from(*c == 0);
         }
 
-        // Which hits triggered: one flag per hit, set from the L1 list of each window.
-        let mut triggered: Vec<Vec<bool>> = self.hits.iter().map(|h| vec![false; h.len()]).collect();
+        // Which hits triggered: the window's L1 hits, as (fragment, hit index).
+        let sorted = self.hits.sorted(slice);
+        let mut triggered: Vec<(usize, usize)> = Vec::new();
         let mut events = Vec::with_capacity(windows.len());
         for (id, &(a, b)) in windows.iter().enumerate() {
-            for &(_, fi, hi) in &l1[a..=b] {
-                triggered[fi][hi] = true;
-            }
+            triggered.clear();
+            triggered.extend(l1[a..=b].iter().map(|&(_, fi, hi)| (fi, hi)));
+            triggered.sort_unstable();
             let t0 = l1[a].0.saturating_sub(cfg.snapshot_ns);
             let t1 = l1[b].0.saturating_add(cfg.snapshot_ns);
             let mut hits = Vec::new();
-            for (fi, fh) in self.hits.iter().enumerate() {
+            for (fi, fh) in sorted.iter().enumerate() {
                 let start = fh.partition_point(|h| h.time_ns < t0);
                 let end = fh.partition_point(|h| h.time_ns <= t1);
                 for k in start..end {
-                    hits.push(EventHit::from_hit(sources[fi], fh[k], triggered[fi][k]));
+                    hits.push(EventHit::from_hit(sources[fi], fh.get(k), triggered.binary_search(&(fi, k)).is_ok()));
                 }
-            }
-            for &(_, fi, hi) in &l1[a..=b] {
-                triggered[fi][hi] = false;
             }
             hits.sort_unstable_by_key(|h| (h.time_ns, h.source, h.channel));
             events.push(Event { id: id as u32, trigger_mask: 1, overlays: 0, hits });
@@ -211,6 +208,10 @@ mod tests {
                 }
             }
             prop_assert_eq!(got, want);
+            // Payloads out of time order (the hits reversed) give the same events.
+            let reversed: Vec<FragmentData> =
+                sorted.iter().enumerate().map(|(i, v)| frag(i as u32, &v.iter().rev().copied().collect::<Vec<_>>())).collect();
+            prop_assert_eq!(f.process(&SliceData { fragments: reversed, ..slice.clone() }), f.process(&slice));
         }
     }
 

@@ -35,7 +35,7 @@ pub use shoal_core::event::{Event, EventDecodeError, EventHit, decode_events, en
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use shoal_core::SourceId;
-use shoal_core::hit::{HitPayload, PayloadError};
+use shoal_core::hit::{Hit, HitPayload, PayloadError};
 
 /// One fragment of an assembled slice, as the filter sees it.
 #[derive(Clone, Debug)]
@@ -58,19 +58,89 @@ impl FragmentData {
     pub fn hit_records(&self) -> &[[u8; shoal_core::hit::HIT_LEN]] {
         self.hits().map_or(&[], |p| p.records())
     }
+}
 
-    /// Replaces `out` with this fragment's hits sorted by time (none if the payload is
-    /// malformed: the builder has already checked it).
-    pub fn sorted_hits_into(&self, out: &mut Vec<shoal_core::hit::Hit>) {
-        out.clear();
-        if let Ok(p) = self.hits() {
-            out.extend(p.hits());
-        }
+/// A slice's hits in time order for a filter that reads its fragments one at a time and
+/// then looks hits up by time across all of them (event windows).
+///
+/// A fragment is decoded into one buffer reused for every fragment, which stays in the
+/// cache; a fragment whose records were in time order is later read in place from its
+/// payload, and only the others keep a sorted copy. A buffer per fragment held a whole
+/// slice's decoded hits per filter, a gigabyte of cold memory in a 100-builder process.
+#[derive(Debug, Default)]
+pub(crate) struct SliceHits {
+    /// The fragment being read, in time order.
+    current: Vec<Hit>,
+    /// The sorted hits of fragments whose records were not in time order, and where each
+    /// fragment's are (`None`: in its payload, in order).
+    resorted: Vec<Hit>,
+    resorted_at: Vec<Option<std::ops::Range<usize>>>,
+}
+
+impl SliceHits {
+    /// Starts a slice.
+    pub(crate) fn clear(&mut self) {
+        self.resorted.clear();
+        self.resorted_at.clear();
+    }
+
+    /// The hits of `f`, the slice's next fragment, in time order (valid until the next
+    /// call).
+    pub(crate) fn read(&mut self, f: &FragmentData) -> &[Hit] {
+        let hits = &mut self.current;
+        hits.clear();
+        hits.extend(f.hit_records().iter().map(Hit::from_record));
         // Readouts send hits in time order, ties on a time in any order: the stable sort
         // merges the runs that leaves (the whole key orders, so equal hits are identical
         // and the result is that of any sort).
-        if !out.is_sorted() {
-            out.sort();
+        if hits.is_sorted() {
+            self.resorted_at.push(None);
+        } else {
+            hits.sort();
+            let at = self.resorted.len();
+            self.resorted.extend_from_slice(hits);
+            self.resorted_at.push(Some(at..self.resorted.len()));
+        }
+        hits
+    }
+
+    /// Every fragment's hits in time order, once all of `slice` was read.
+    pub(crate) fn sorted<'a>(&'a self, slice: &'a SliceData) -> Vec<SortedHits<'a>> {
+        debug_assert_eq!(slice.fragments.len(), self.resorted_at.len());
+        slice
+            .fragments
+            .iter()
+            .zip(&self.resorted_at)
+            .map(|(f, at)| match at {
+                None => SortedHits::Records(f.hit_records()),
+                Some(r) => SortedHits::Decoded(&self.resorted[r.clone()]),
+            })
+            .collect()
+    }
+}
+
+/// One fragment's hits in time order (from [`SliceHits::sorted`]).
+#[derive(Clone, Copy)]
+pub(crate) enum SortedHits<'a> {
+    /// The payload's records, already in order.
+    Records(&'a [[u8; shoal_core::hit::HIT_LEN]]),
+    /// Decoded and sorted (the payload's were not in order).
+    Decoded(&'a [Hit]),
+}
+
+impl SortedHits<'_> {
+    pub(crate) fn get(&self, k: usize) -> Hit {
+        match self {
+            SortedHits::Records(r) => Hit::from_record(&r[k]),
+            SortedHits::Decoded(h) => h[k],
+        }
+    }
+
+    /// The first index whose hit fails `pred` (`pred` true on a prefix, as for slices).
+    pub(crate) fn partition_point(&self, pred: impl Fn(&Hit) -> bool) -> usize {
+        match self {
+            SortedHits::Records(r) => r.partition_point(|rec| pred(&Hit::from_record(rec))),
+            SortedHits::Decoded(h) => h.partition_point(pred),
         }
     }
 }

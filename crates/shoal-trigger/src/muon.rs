@@ -26,12 +26,12 @@
 //!    clusters are flagged triggered.
 
 use serde::{Deserialize, Serialize};
-use shoal_core::hit::{HIT_LEN, Hit};
+use shoal_core::hit::Hit;
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{C_LIGHT, N_WATER, cherenkov_angle};
 
 use crate::scan::{DirectionScan, ScanScratch};
-use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData};
+use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData, SliceHits};
 
 /// Trigger bit of the causality cluster trigger.
 pub const TRIGGER_3D: u32 = 1 << 1;
@@ -392,49 +392,18 @@ pub fn build_events(hits: &[TriggerHit], clusters: &[Cluster], snapshot_ns: f64)
     merged
 }
 
-/// One fragment's hits in time order, as the event building reads them.
-#[derive(Clone, Copy)]
-enum SortedHits<'a> {
-    /// The payload's records, already in order.
-    Records(&'a [[u8; HIT_LEN]]),
-    /// Decoded and sorted (the payload's were not in order).
-    Decoded(&'a [Hit]),
-}
-
-impl SortedHits<'_> {
-    fn get(&self, k: usize) -> Hit {
-        match self {
-            SortedHits::Records(r) => Hit::from_record(&r[k]),
-            SortedHits::Decoded(h) => h[k],
-        }
-    }
-
-    /// The first index whose hit fails `pred` (`pred` true on a prefix, as for slices).
-    fn partition_point(&self, pred: impl Fn(&Hit) -> bool) -> usize {
-        match self {
-            SortedHits::Records(r) => r.partition_point(|rec| pred(&Hit::from_record(rec))),
-            SortedHits::Decoded(h) => h.partition_point(pred),
-        }
-    }
-}
-
 /// The `muon` filter.
 #[derive(Debug, Default)]
 pub struct MuonFilter {
     cfg: MuonConfig,
     geometry: Option<Geometry>,
     scan: DirectionScan,
-    /// One fragment's hits in time order and their L1 flags, while it is read (reused for
-    /// every fragment, so they stay in the cache: a buffer per fragment was a whole
-    /// slice's hits per builder, 1 GB of cold memory in a 100-builder process).
-    hits: Vec<Hit>,
+    /// The slice's hits, one fragment at a time, and the L1 flags of the fragment being
+    /// read (reused for every fragment, so they stay in the cache).
+    hits: SliceHits,
     flags: Vec<bool>,
     /// The slice's L1 hits that joined trigger hits, as (fragment, hit index), ascending.
     l1_hits: Vec<(usize, usize)>,
-    /// The hits of fragments whose payload was not in time order, sorted; where each
-    /// fragment's are (`None`: the payload's own records are read in place).
-    resorted: Vec<Hit>,
-    resorted_at: Vec<Option<std::ops::Range<usize>>>,
     /// The slice's merged local coincidences (a reused buffer: an ARCA slice's, grown
     /// afresh every slice, had the kernel clear new pages for it, 10 % of the trigger's time).
     trig: Vec<TriggerHit>,
@@ -496,23 +465,9 @@ impl MuonFilter {
         let mut trig = std::mem::take(&mut self.trig);
         trig.clear();
         self.l1_hits.clear();
-        self.resorted.clear();
-        self.resorted_at.clear();
+        self.hits.clear();
         for (fi, f) in slice.fragments.iter().enumerate() {
-            let hits = &mut self.hits;
-            hits.clear();
-            hits.extend(f.hit_records().iter().map(Hit::from_record));
-            // Readouts send hits in time order, ties on a time in any order: the stable sort
-            // merges the runs that leaves (the whole key orders, so equal hits are identical
-            // and the result is that of any sort). A fragment in order is read in place later.
-            if hits.is_sorted() {
-                self.resorted_at.push(None);
-            } else {
-                hits.sort();
-                let at = self.resorted.len();
-                self.resorted.extend_from_slice(hits);
-                self.resorted_at.push(Some(at..self.resorted.len()));
-            }
+            let hits = self.hits.read(f);
             self.stats.l0_hits += hits.len() as u64;
             let flags = &mut self.flags;
             l1_flags(hits, &cfg.l1, flags);
@@ -572,15 +527,7 @@ impl MuonFilter {
         };
         let offsets: Vec<(f64, f64)> =
             (0..n).map(t0_range).map(|(lo, hi)| if lo.is_finite() { (lo, hi) } else { (0.0, 0.0) }).collect();
-        let sorted: Vec<SortedHits<'_>> = slice
-            .fragments
-            .iter()
-            .zip(&self.resorted_at)
-            .map(|(f, at)| match at {
-                None => SortedHits::Records(f.hit_records()),
-                Some(r) => SortedHits::Decoded(&self.resorted[r.clone()]),
-            })
-            .collect();
+        let sorted = self.hits.sorted(slice);
         let mut events = Vec::with_capacity(windows.len());
         for (id, w) in windows.iter().enumerate() {
             let mut triggered: Vec<(usize, usize)> = Vec::new();
