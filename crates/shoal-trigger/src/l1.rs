@@ -119,8 +119,8 @@ impl Filter for L1Multiplicity {
             let t1 = l1[b].0.saturating_add(cfg.snapshot_ns);
             let mut hits = Vec::new();
             for (fi, fh) in sorted.iter().enumerate() {
-                let start = fh.partition_point(|h| h.time_ns < t0);
-                let end = fh.partition_point(|h| h.time_ns <= t1);
+                let start = fh.partition_point_by_time(|t| t < t0);
+                let end = fh.partition_point_by_time(|t| t <= t1);
                 for k in start..end {
                     hits.push(EventHit::from_hit(sources[fi], fh.get(k), triggered.binary_search(&(fi, k)).is_ok()));
                 }

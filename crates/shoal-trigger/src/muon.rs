@@ -542,8 +542,8 @@ impl MuonFilter {
             for (fi, fh) in sorted.iter().enumerate() {
                 let module = geometry.modules.get(slice.fragments[fi].source as usize);
                 let (lo, hi) = offsets[fi];
-                let a = fh.partition_point(|h| f64::from(h.time_ns) + hi < w.start);
-                let b = fh.partition_point(|h| f64::from(h.time_ns) + lo <= w.end);
+                let a = fh.partition_point_by_time(|t| f64::from(t) + hi < w.start);
+                let b = fh.partition_point_by_time(|t| f64::from(t) + lo <= w.end);
                 for k in a..b {
                     let h = fh.get(k);
                     let t0 = module.and_then(|m| m.pmts.get(usize::from(h.channel))).map_or(0.0, |p| p.t0_ns);
