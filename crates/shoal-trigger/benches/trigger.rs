@@ -10,7 +10,7 @@ use divan::counter::ItemsCount;
 use divan::{Bencher, black_box};
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
-use shoal_trigger::muon::{L1Kind, MuonConfig, MuonFilter, l1_flags};
+use shoal_trigger::muon::{L1Kind, MuonConfig, MuonFilter, l1_hit_indices};
 use shoal_trigger::{FragmentData, SliceData};
 
 fn main() {
@@ -53,14 +53,14 @@ fn l1(bencher: Bencher, arca: bool) {
     let c = case(arca);
     // Decoding the payloads is part of the cost, as in the builder.
     bencher.counter(ItemsCount::new(c.hits)).bench_local(|| {
-        let mut flags = Vec::new();
+        let mut l1 = Vec::new();
         let mut hits = Vec::new();
         let mut n = 0usize;
         for f in &c.slice.fragments {
             hits.clear();
             hits.extend(f.hits().unwrap().hits());
-            l1_flags(&hits, &c.cfg.l1, &mut flags);
-            n += flags.iter().filter(|&&x| x).count();
+            l1_hit_indices(&hits, &c.cfg.l1, &mut l1);
+            n += l1.len();
         }
         black_box(n)
     });

@@ -2,7 +2,7 @@
 //! direction scan) and event building (physics.md section 2).
 //!
 //! Steps for one slice:
-//! 1. **L1** per module ([`l1_flags`]): ANTARES: a hit with a partner on a *different* PMT
+//! 1. **L1** per module ([`l1_hit_indices`]): ANTARES: a hit with a partner on a *different* PMT
 //!    of the floor within `l1.window_ns`, or with amplitude at least `l1.high_amplitude`;
 //!    KM3NeT: a hit with any other hit of the DOM within `l1.window_ns` (the same PMT may
 //!    count twice).
@@ -116,36 +116,28 @@ impl Default for MuonConfig {
     }
 }
 
-/// L1 flags of one module's time-sorted hits.
-pub fn l1_flags(hits: &[Hit], p: &L1Params, out: &mut Vec<bool>) {
+/// The indices of one module's time-sorted hits that are L1, ascending.
+///
+/// Each hit looks for a partner on both sides, so that the answer is a short list (a few
+/// per cent of the hits) and the trigger hits are built from it without a pass over a
+/// flag per hit.
+pub fn l1_hit_indices(hits: &[Hit], p: &L1Params, out: &mut Vec<usize>) {
     out.clear();
-    out.resize(hits.len(), false);
     let w = p.window_ns;
-    match p.kind {
-        L1Kind::Km3net => {
+    for (i, h) in hits.iter().enumerate() {
+        let after = |o: &&Hit| o.time_ns - h.time_ns <= w;
+        let before = |o: &&Hit| h.time_ns - o.time_ns <= w;
+        let l1 = match p.kind {
             // Sorted: a hit has a partner iff a neighbour is within the window.
-            for i in 1..hits.len() {
-                if hits[i].time_ns - hits[i - 1].time_ns <= w {
-                    out[i] = true;
-                    out[i - 1] = true;
-                }
+            L1Kind::Km3net => hits.get(i + 1).is_some_and(|o| after(&o)) || (i > 0 && before(&&hits[i - 1])),
+            L1Kind::Antares => {
+                (p.high_amplitude > 0 && h.amplitude >= p.high_amplitude)
+                    || hits[i + 1..].iter().take_while(after).any(|o| o.channel != h.channel)
+                    || hits[..i].iter().rev().take_while(before).any(|o| o.channel != h.channel)
             }
-        }
-        L1Kind::Antares => {
-            for i in 0..hits.len() {
-                let h = hits[i];
-                if p.high_amplitude > 0 && h.amplitude >= p.high_amplitude {
-                    out[i] = true;
-                }
-                let mut j = i + 1;
-                while j < hits.len() && hits[j].time_ns - h.time_ns <= w {
-                    if hits[j].channel != h.channel {
-                        out[i] = true;
-                        out[j] = true;
-                    }
-                    j += 1;
-                }
-            }
+        };
+        if l1 {
+            out.push(i);
         }
     }
 }
@@ -398,10 +390,10 @@ pub struct MuonFilter {
     cfg: MuonConfig,
     geometry: Option<Geometry>,
     scan: DirectionScan,
-    /// The slice's hits, one fragment at a time, and the L1 flags of the fragment being
+    /// The slice's hits, one fragment at a time, and the L1 hits of the fragment being
     /// read (reused for every fragment, so they stay in the cache).
     hits: SliceHits,
-    flags: Vec<bool>,
+    l1_of_module: Vec<usize>,
     /// The slice's L1 hits that joined trigger hits, as (fragment, hit index), ascending.
     l1_hits: Vec<(usize, usize)>,
     /// The slice's merged local coincidences (a reused buffer: an ARCA slice's, grown
@@ -469,8 +461,8 @@ impl MuonFilter {
         for (fi, f) in slice.fragments.iter().enumerate() {
             let hits = self.hits.read(f);
             self.stats.l0_hits += hits.len() as u64;
-            let flags = &mut self.flags;
-            l1_flags(hits, &cfg.l1, flags);
+            let l1 = &mut self.l1_of_module;
+            l1_hit_indices(hits, &cfg.l1, l1);
             let Some(module) = geometry.modules.get(f.source as usize) else {
                 self.stats.unknown_module_hits += hits.len() as u64;
                 continue;
@@ -482,20 +474,18 @@ impl MuonFilter {
                     continue;
                 }
             }
-            let mut i = 0;
-            while i < hits.len() {
-                if !flags[i] {
-                    i += 1;
-                    continue;
-                }
-                let first = i;
-                let mut j = i + 1;
+            // A trigger hit starts at each L1 hit not yet merged and takes in every hit
+            // within the window of it; the L1 ones among those are merged into it.
+            let mut p = 0;
+            while p < l1.len() {
+                let first = l1[p];
+                let mut j = first + 1;
                 while j < hits.len() && hits[j].time_ns - hits[first].time_ns <= cfg.l1.window_ns {
                     j += 1;
                 }
-                let l1_before = self.l1_hits.len();
-                self.l1_hits.extend((first..j).filter(|&k| flags[k]).map(|k| (fi, k)));
-                self.stats.l1_hits += (self.l1_hits.len() - l1_before) as u64;
+                let q = p + l1[p..].partition_point(|&k| k < j);
+                self.l1_hits.extend(l1[p..q].iter().map(|&k| (fi, k)));
+                self.stats.l1_hits += (q - p) as u64;
                 let pmt = module.pmts.get(usize::from(hits[first].channel));
                 trig.push(TriggerHit {
                     t: f64::from(hits[first].time_ns) + pmt.map_or(0.0, |p| p.t0_ns),
@@ -504,7 +494,7 @@ impl MuonFilter {
                     hit: first,
                     hit_end: j,
                 });
-                i = j;
+                p = q;
             }
         }
         // By time, ties in the order pushed (module, then hit): the stable order, without the
@@ -669,8 +659,9 @@ mod tests {
             hits.sort_unstable();
             let p = L1Params { kind: if km3net { L1Kind::Km3net } else { L1Kind::Antares }, window_ns: window, high_amplitude: high };
             let mut got = Vec::new();
-            l1_flags(&hits, &p, &mut got);
-            prop_assert_eq!(got, brute_l1(&hits, &p));
+            l1_hit_indices(&hits, &p, &mut got);
+            let want: Vec<usize> = brute_l1(&hits, &p).into_iter().enumerate().filter(|&(_, l1)| l1).map(|(i, _)| i).collect();
+            prop_assert_eq!(got, want);
         }
 
         #[test]
