@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use shoal_core::SourceId;
 use shoal_core::hit::Hit;
 
+use crate::muon::{L1Kind, L1Params, l1_hit_indices};
 use crate::{Event, EventHit, Filter, FilterConfig, FilterError, SliceData, SliceHits};
 
 /// Parameters of [`L1Multiplicity`].
@@ -39,23 +40,10 @@ pub struct L1Multiplicity {
 
 /// Indices of the L1 hits among one source's time-sorted hits: a hit is L1 if a hit on
 /// another channel lies within `coincidence_ns` before or after it, or if its amplitude
-/// reaches `high_amplitude` (when enabled).
+/// reaches `high_amplitude` (when enabled): the `muon` filter's ANTARES definition.
 pub(crate) fn l1_indices(hits: &[Hit], cfg: &L1Config, out: &mut Vec<usize>) {
-    out.clear();
-    let partner = |i: usize, j: usize| hits[j].channel != hits[i].channel;
-    for (i, hi) in hits.iter().enumerate() {
-        let high = cfg.high_amplitude > 0 && hi.amplitude >= cfg.high_amplitude;
-        let after = || {
-            (i + 1..hits.len())
-                .take_while(|&j| hits[j].time_ns - hi.time_ns <= cfg.coincidence_ns)
-                .any(|j| partner(i, j))
-        };
-        let before =
-            || (0..i).rev().take_while(|&j| hi.time_ns - hits[j].time_ns <= cfg.coincidence_ns).any(|j| partner(i, j));
-        if high || after() || before() {
-            out.push(i);
-        }
-    }
+    let p = L1Params { kind: L1Kind::Antares, window_ns: cfg.coincidence_ns, high_amplitude: cfg.high_amplitude };
+    l1_hit_indices(hits, &p, out);
 }
 
 impl Filter for L1Multiplicity {
