@@ -1,6 +1,6 @@
 //! Generator throughput on one core: one second of ANTARES-size data (300 sources x 100
-//! slices of 10 ms), for the singles-only and the physics generator, beside copying as many
-//! bytes into fresh fragments.
+//! slices of 10 ms), for the singles-only and the physics generator (each version of its
+//! algorithm), beside copying as many bytes into fresh fragments.
 use shoal_detector::geometry::Geometry;
 use shoal_detector::physics::{PhysicsConfig, PhysicsGenerator};
 use shoal_detector::{GeneratedFragment, NoiseGenerator};
@@ -47,7 +47,11 @@ fn main() {
     let slice = std::time::Duration::from_millis(10);
     let noise = NoiseGenerator::new(Default::default(), slice).unwrap();
     measure("noise", |s, sl| noise.generate(s, sl));
-    let physics = PhysicsGenerator::new(PhysicsConfig::default(), Geometry::antares(10, 30), slice).unwrap();
-    measure("physics", |s, sl| physics.generate(s as usize, sl));
+    // Every version of the physics generator's algorithm (docs/physics.md), the default last.
+    for version in shoal_detector::physics::PHYSICS_VERSIONS {
+        let cfg = PhysicsConfig { version, ..Default::default() };
+        let physics = PhysicsGenerator::new(cfg, Geometry::antares(10, 30), slice).unwrap();
+        measure(&format!("physics version {version}"), |s, sl| physics.generate(s as usize, sl));
+    }
     measure_copy(881_000_000);
 }

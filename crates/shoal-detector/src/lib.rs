@@ -59,6 +59,8 @@ pub enum ConfigError {
     BadRate(f64),
     #[error("at least one optical module per source")]
     NoModules,
+    #[error("physics generator version {0} is unknown (1 or 2)")]
+    UnknownVersion(u32),
 }
 
 /// Poisson background generator. See the crate documentation.

@@ -10,8 +10,9 @@
 
 use bytes::BytesMut;
 use rand::{Rng, RngExt, SeedableRng};
-use rand_distr::{Distribution, Exp, Normal, Poisson};
+use rand_distr::{Distribution, Exp, Exp1, Normal, Poisson};
 use rand_pcg::Pcg64Mcg;
+use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::{Deserialize, Serialize};
 use shoal_core::hit::{HIT_LEN, Hit};
 
@@ -70,7 +71,15 @@ pub struct PhysicsConfig {
     /// Waveform records per PMT per second (263 bytes each; 0: none).
     pub waveform_hz: f64,
     pub seed: u64,
+    /// The generator's algorithm ([`PHYSICS_VERSIONS`]): the same (seed, module, slice)
+    /// gives the same bytes within a version, other bytes of the same distributions in
+    /// another.
+    pub version: u32,
 }
+
+/// The physics generator's versions: 1 draws the hits PMT by PMT and sorts them by time
+/// (up to 2026-11-28); 2, the default, draws them in time order (about twice as fast).
+pub const PHYSICS_VERSIONS: [u32; 2] = [1, 2];
 
 impl Default for PhysicsConfig {
     fn default() -> Self {
@@ -90,6 +99,7 @@ impl Default for PhysicsConfig {
             amplitude: AmplitudeKind::Charge,
             waveform_hz: 1_650.0,
             seed: 1,
+            version: 2,
         }
     }
 }
@@ -210,6 +220,9 @@ impl PhysicsGenerator {
         if geometry.modules.is_empty() {
             return Err(ConfigError::NoModules);
         }
+        if !PHYSICS_VERSIONS.contains(&cfg.version) {
+            return Err(ConfigError::UnknownVersion(cfg.version));
+        }
         let (centre, radius) = geometry.bounding_sphere();
         let theta = cherenkov_angle();
         let mut table_rng = Pcg64Mcg::seed_from_u64(mix(cfg.seed ^ 0x7370_6521));
@@ -323,8 +336,50 @@ impl PhysicsGenerator {
     /// The data of module `module` (= source id) in `slice`, with ground truth.
     pub fn generate_with_truth(&self, module: usize, slice: u64) -> TruthFragment {
         let mut origins = Vec::new();
-        let (keys, mut rng, burst) = self.hit_keys(module, slice, Some(&mut origins));
+        let (keys, mut rng, burst) = self.sorted_keys(module, slice, Some(&mut origins));
+        let fragment = self.finish(&keys, &mut rng, module, burst);
+        let hits = keys.iter().map(|&k| unpack_hit_key(k)).collect();
+        TruthFragment { fragment, hits, origins }
+    }
+
+    /// The data of module `module` in `slice` (what a source sends): the same bytes as
+    /// [`Self::generate_with_truth`]'s, without the truth.
+    pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
+        let (keys, mut rng, burst) = self.sorted_keys(module, slice, None);
+        self.finish(&keys, &mut rng, module, burst)
+    }
+
+    /// The hits of (module, slice) as keys ([`crate::hit_key`]) sorted by time, each hit's
+    /// origin in `origins` when given (in the same order); the module's RNG stream, to draw
+    /// the waveforms from next; whether the module is in a burst.
+    fn sorted_keys(&self, module: usize, slice: u64, origins: Option<&mut Vec<Origin>>) -> (Vec<u64>, Pcg64Mcg, bool) {
+        match self.cfg.version {
+            1 => self.sorted_keys_v1(module, slice, origins),
+            // Two copies of the loop: one keeps no origins at all.
+            _ => match origins {
+                Some(origins) => self.sorted_keys_v2(module, slice, origins),
+                None => self.sorted_keys_v2(module, slice, NoTruth),
+            },
+        }
+    }
+
+    /// Version 1: every hit drawn in turn (singles PMT by PMT), then sorted by time.
+    fn sorted_keys_v1(
+        &self,
+        module: usize,
+        slice: u64,
+        origins: Option<&mut Vec<Origin>>,
+    ) -> (Vec<u64>, Pcg64Mcg, bool) {
         let span = self.slice_ns.max(1);
+        let Some(origins) = origins else {
+            let (mut keys, rng, burst) = self.drawn_keys_v1(module, slice, None);
+            // A stable sort by time puts the keys in the order of the truth's (time, index)
+            // sort below.
+            radix_sort_by_time(&mut keys, span);
+            return (keys, rng, burst);
+        };
+        let mut drawn = Vec::new();
+        let (keys, rng, burst) = self.drawn_keys_v1(module, slice, Some(&mut drawn));
         // Sort (key time, index) pairs to carry the origins along; the index lives in the
         // low 16 bits, so more hits than that sort by a comparison sort (stable both).
         let order: Vec<usize> = if keys.len() <= 0xffff {
@@ -336,33 +391,24 @@ impl PhysicsGenerator {
             idx.sort_by_key(|&i| keys[i] >> 16);
             idx
         };
-        let keys: Vec<u64> = order.iter().map(|&i| keys[i]).collect();
-        let origins = order.iter().map(|&i| origins[i]).collect();
-        let fragment = self.finish(&keys, &mut rng, module, burst);
-        let hits = keys.iter().map(|&k| unpack_hit_key(k)).collect();
-        TruthFragment { fragment, hits, origins }
+        origins.extend(order.iter().map(|&i| drawn[i]));
+        (order.iter().map(|&i| keys[i]).collect(), rng, burst)
     }
 
-    /// The data of module `module` in `slice` (what a source sends): the same bytes as
-    /// [`Self::generate_with_truth`]'s, without the truth.
-    pub fn generate(&self, module: usize, slice: u64) -> GeneratedFragment {
-        let (mut keys, mut rng, burst) = self.hit_keys(module, slice, None);
-        // A stable sort by time puts the keys in the order of the truth's (time, index) sort.
-        radix_sort_by_time(&mut keys, self.slice_ns.max(1));
-        self.finish(&keys, &mut rng, module, burst)
-    }
-
-    /// The hits of (module, slice) in the order drawn, as keys ([`crate::hit_key`]), each
-    /// hit's origin pushed to `origins` when given; the
-    /// module's RNG stream, to draw the waveforms from next; whether the module is in a
-    /// burst.
-    fn hit_keys(&self, module: usize, slice: u64, mut origins: Option<&mut Vec<Origin>>) -> (Vec<u64>, Pcg64Mcg, bool) {
+    /// Version 1's hits of (module, slice) in the order drawn, each hit's origin pushed to
+    /// `origins` when given.
+    fn drawn_keys_v1(
+        &self,
+        module: usize,
+        slice: u64,
+        mut origins: Option<&mut Vec<Origin>>,
+    ) -> (Vec<u64>, Pcg64Mcg, bool) {
         let m: &Module = &self.geometry.modules[module % self.geometry.modules.len()];
-        let mut rng = Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ mix(module as u64 ^ mix(slice))));
+        let mut rng = self.module_rng(module, slice);
         let span = self.slice_ns.max(1);
         let burst = self.in_burst(module, slice);
+        let rate = self.singles_rate(burst);
         let secs = f64::from(span) * 1e-9;
-        let rate = self.cfg.singles_hz * if burst { self.cfg.burst_rate_factor } else { 1.0 };
         // Room for the expected hits and afterpulses (a few percent), so the list rarely grows.
         let expected = rate * secs * m.pmts.len() as f64 * (1.0 + self.cfg.afterpulse_probability);
         let mut keys: Vec<u64> = Vec::with_capacity(expected as usize + 64 + 4 * expected.sqrt() as usize);
@@ -382,16 +428,126 @@ impl PhysicsGenerator {
                 }
             }
         }
-        let mut push = |t: f64, channel: usize, amp: u8, o: Origin, keys: &mut Vec<u64>| {
+        self.correlated_hits(m, module, slice, &mut rng, &mut |t, channel, amp, o| {
             if t >= 0.0 && t < f64::from(span) {
                 keys.push(hit_key(t as u64, channel as u64, amp));
                 if let Some(origins) = origins.as_deref_mut() {
                     origins.push(o);
                 }
             }
+        });
+        if self.cfg.afterpulse_probability > 0.0 {
+            let n = keys.len();
+            for i in 0..n {
+                if rng.random::<f64>() < self.cfg.afterpulse_probability {
+                    let k = keys[i];
+                    let t = (k >> 16) as f64 + rng.random_range(8.0..25.0);
+                    let amp = self.amplitude(&mut rng, 1);
+                    if t < f64::from(span) {
+                        keys.push(hit_key(t as u64, (k >> 8) & 0xff, amp));
+                        if let Some(origins) = origins.as_deref_mut() {
+                            origins.push(Origin::Afterpulse);
+                        }
+                    }
+                }
+            }
+        }
+        (keys, rng, burst)
+    }
+
+    /// Version 2: the hits drawn in time order, so that nothing is sorted afterwards.
+    ///
+    /// The singles of all the module's PMTs together are one Poisson process in time: each
+    /// comes an exponential gap after the one before (a ziggurat draw), with a PMT and an
+    /// amplitude from one more 64-bit draw. The genuine coincidences and the muons' light
+    /// are drawn first and sorted (a few dozen at most); they, and the afterpulses, join the
+    /// stream where their time comes. Which hits afterpulse is a geometric gap between them
+    /// (a draw per afterpulse, not one per hit). The distributions are those of version 1
+    /// (independent Poisson singles on every PMT, uniform in time; each hit afterpulses
+    /// with the same probability); the bytes are not.
+    fn sorted_keys_v2<O: Origins>(&self, module: usize, slice: u64, origins: O) -> (Vec<u64>, Pcg64Mcg, bool) {
+        let m: &Module = &self.geometry.modules[module % self.geometry.modules.len()];
+        let mut rng = self.module_rng(module, slice);
+        let span = u64::from(self.slice_ns.max(1));
+        let burst = self.in_burst(module, slice);
+        let mut correlated: Vec<(u64, Origin)> = Vec::new();
+        self.correlated_hits(m, module, slice, &mut rng, &mut |t, channel, amp, o| {
+            if t >= 0.0 && t < span as f64 {
+                correlated.push((hit_key(t as u64, channel as u64, amp), o));
+            }
+        });
+        correlated.sort_by_key(|&(k, _)| k);
+        // Latest first, so that the next one is popped.
+        correlated.reverse();
+        let channels = m.pmts.len() as u64;
+        // Singles per ns of the whole module.
+        let per_ns = self.singles_rate(burst) * channels as f64 * 1e-9;
+        let expected = per_ns * span as f64;
+        let capacity = expected * (1.0 + self.cfg.afterpulse_probability);
+        let mut out = TimeOrdered {
+            keys: Vec::with_capacity(capacity as usize + 64 + 4 * capacity.sqrt() as usize + correlated.len()),
+            origins,
+            correlated,
+            afterpulses: Afterpulses::new(self.cfg.afterpulse_probability, &mut rng),
+            next_waiting: u64::MAX,
         };
+        out.next_waiting = out.earliest_waiting();
+        if per_ns > 0.0 {
+            let (mean_gap, end) = (1.0 / per_ns, span as f64);
+            // The singles' own stream, seeded from the module's: two draws per hit, where
+            // xoshiro's short dependency chain lets them overlap.
+            let mut singles = Xoshiro256PlusPlus::seed_from_u64(rng.next_u64());
+            let mut t = 0.0f64;
+            loop {
+                t += Distribution::<f64>::sample(&Exp1, &mut singles) * mean_gap;
+                if t >= end {
+                    break;
+                }
+                let r = singles.next_u64();
+                // The PMT from the low half (multiply-shift), the amplitude from the top 10
+                // bits; the time is below 2^32 (a signed conversion is one instruction).
+                let channel = ((r & 0xffff_ffff) * channels) >> 32;
+                let key = hit_key(t as i64 as u64, channel, self.spe_amplitudes[(r >> 54) as usize]);
+                if key > out.next_waiting {
+                    out.push_before(key, span, &mut rng, self);
+                }
+                out.keys.push(key);
+                out.origins.push(Origin::Singles);
+                out.after(key, span, &mut rng, self);
+            }
+        }
+        out.push_before(u64::MAX, span, &mut rng, self);
+        (out.keys, rng, burst)
+    }
+
+    /// The module's RNG stream for `slice`: the singles, the genuine coincidences, the
+    /// afterpulses and the waveforms.
+    fn module_rng(&self, module: usize, slice: u64) -> Pcg64Mcg {
+        Pcg64Mcg::seed_from_u64(mix(self.cfg.seed ^ mix(module as u64 ^ mix(slice))))
+    }
+
+    /// Singles per PMT per second.
+    fn singles_rate(&self, burst: bool) -> f64 {
+        self.cfg.singles_hz * if burst { self.cfg.burst_rate_factor } else { 1.0 }
+    }
+
+    /// The module's light that is not a single: genuine K-40 coincidences (drawn from
+    /// `rng`), then the light of the slice's muons and the neighbouring slices' (light
+    /// crosses a slice boundary with the track; drawn from each muon's own stream), each hit
+    /// given to `push` as (time in ns from the slice start, PMT, amplitude, origin), the
+    /// time possibly outside the slice.
+    fn correlated_hits(
+        &self,
+        m: &Module,
+        module: usize,
+        slice: u64,
+        rng: &mut Pcg64Mcg,
+        push: &mut impl FnMut(f64, usize, u8, Origin),
+    ) {
+        let span = self.slice_ns.max(1);
+        let secs = f64::from(span) * 1e-9;
         if self.cfg.coincidence_hz > 0.0 && m.pmts.len() >= 2 {
-            let n = Poisson::new(self.cfg.coincidence_hz * secs).expect("positive mean").sample(&mut rng) as usize;
+            let n = Poisson::new(self.cfg.coincidence_hz * secs).expect("positive mean").sample(rng) as usize;
             let jitter = Normal::new(0.0, self.cfg.coincidence_sigma_ns.max(1e-9)).expect("valid");
             for _ in 0..n {
                 let t = rng.random::<f64>() * f64::from(span);
@@ -399,13 +555,11 @@ impl PhysicsGenerator {
                 let first = rng.random_range(0..m.pmts.len());
                 for j in 0..k {
                     let c = (first + j * (1 + m.pmts.len() / k.max(1))) % m.pmts.len();
-                    let amp = self.amplitude(&mut rng, 1);
-                    push(t + jitter.sample(&mut rng).abs(), c, amp, Origin::Coincidence, &mut keys);
+                    let amp = self.amplitude(rng, 1);
+                    push(t + jitter.sample(rng).abs(), c, amp, Origin::Coincidence);
                 }
             }
         }
-        // Muon light: the slice's muons and the neighbouring slices' (light crosses a
-        // slice boundary with the track).
         let jitter = Normal::new(0.0, self.cfg.jitter_ns.max(1e-9)).expect("valid");
         let scatter = Exp::new(1.0 / 3.0).expect("valid");
         for (ds, base) in [(-1i64, -(f64::from(span))), (0, 0.0), (1, f64::from(span))] {
@@ -426,22 +580,10 @@ impl PhysicsGenerator {
                     }
                     let t = t + base + jitter.sample(&mut mrng) + scatter.sample(&mut mrng) - p.t0_ns;
                     let amp = self.amplitude(&mut mrng, n);
-                    push(t, c, amp, Origin::Muon(MuonId { slice: s, index: mu.id }), &mut keys);
+                    push(t, c, amp, Origin::Muon(MuonId { slice: s, index: mu.id }));
                 }
             }
         }
-        if self.cfg.afterpulse_probability > 0.0 {
-            let n = keys.len();
-            for i in 0..n {
-                if rng.random::<f64>() < self.cfg.afterpulse_probability {
-                    let k = keys[i];
-                    let t = (k >> 16) as f64 + rng.random_range(8.0..25.0);
-                    let amp = self.amplitude(&mut rng, 1);
-                    push(t, ((k >> 8) & 0xff) as usize, amp, Origin::Afterpulse, &mut keys);
-                }
-            }
-        }
-        (keys, rng, burst)
     }
 
     /// The fragment of time-sorted hit `keys`, followed by the module's waveforms drawn
@@ -462,6 +604,122 @@ impl PhysicsGenerator {
             burst,
             opaque: false,
         }
+    }
+}
+
+/// Version 2's keys in time order as they are drawn, with their origins when the truth is
+/// kept, and the hits waiting for their time to come.
+struct TimeOrdered<O> {
+    keys: Vec<u64>,
+    origins: O,
+    /// The module's coincidences and muon light not yet placed, latest first.
+    correlated: Vec<(u64, Origin)>,
+    afterpulses: Afterpulses,
+    /// The earliest of the waiting hits (`u64::MAX`: none).
+    next_waiting: u64,
+}
+
+/// Where version 2 puts each hit's origin, in the keys' order.
+trait Origins {
+    fn push(&mut self, origin: Origin);
+}
+
+/// The origins of a fragment whose truth is not asked for: none kept.
+struct NoTruth;
+
+impl Origins for NoTruth {
+    #[inline]
+    fn push(&mut self, _: Origin) {}
+}
+
+impl Origins for &mut Vec<Origin> {
+    #[inline]
+    fn push(&mut self, origin: Origin) {
+        Vec::push(self, origin);
+    }
+}
+
+impl<O: Origins> TimeOrdered<O> {
+    fn earliest_waiting(&self) -> u64 {
+        let correlated = self.correlated.last().map_or(u64::MAX, |c| c.0);
+        correlated.min(self.afterpulses.pending.last().copied().unwrap_or(u64::MAX))
+    }
+
+    /// Places every waiting hit earlier than `key`, in order (a correlated hit may add an
+    /// afterpulse of its own).
+    #[cold]
+    fn push_before(&mut self, key: u64, span: u64, rng: &mut Pcg64Mcg, generator: &PhysicsGenerator) {
+        loop {
+            let correlated = self.correlated.last().map_or(u64::MAX, |c| c.0);
+            let afterpulse = self.afterpulses.pending.last().copied().unwrap_or(u64::MAX);
+            let next = correlated.min(afterpulse);
+            if next >= key {
+                self.next_waiting = next;
+                return;
+            }
+            let origin = if correlated <= afterpulse {
+                let (_, origin) = self.correlated.pop().expect("the earliest");
+                self.after(correlated, span, rng, generator);
+                origin
+            } else {
+                self.afterpulses.pending.pop();
+                Origin::Afterpulse
+            };
+            self.keys.push(next);
+            self.origins.push(origin);
+        }
+    }
+
+    /// A hit (not an afterpulse) was placed: draws its afterpulse if it has one.
+    #[inline]
+    fn after(&mut self, key: u64, span: u64, rng: &mut Pcg64Mcg, generator: &PhysicsGenerator) {
+        if self.afterpulses.until > 0 {
+            self.afterpulses.until -= 1;
+        } else if let Some(k) = self.afterpulses.draw(key, span, rng, generator) {
+            self.next_waiting = self.next_waiting.min(k);
+        }
+    }
+}
+
+/// Version 2's afterpulses: which hits have one (a geometric gap between them, the same
+/// Bernoulli trial per hit as version 1 draws one by one) and those drawn but not yet
+/// placed, latest first.
+struct Afterpulses {
+    /// ln(1 - probability); zero when there are none.
+    log_keep: f64,
+    /// Hits to pass before the next that has an afterpulse.
+    until: u64,
+    pending: Vec<u64>,
+}
+
+impl Afterpulses {
+    fn new(probability: f64, rng: &mut Pcg64Mcg) -> Self {
+        let mut a = Self { log_keep: (1.0 - probability).ln(), until: 0, pending: Vec::new() };
+        a.until = a.gap(rng);
+        a
+    }
+
+    fn gap(&self, rng: &mut Pcg64Mcg) -> u64 {
+        if self.log_keep == 0.0 {
+            return u64::MAX;
+        }
+        // 1 - u is in (0, 1]: the logarithm is finite.
+        ((1.0 - rng.random::<f64>()).ln() / self.log_keep) as u64
+    }
+
+    /// The afterpulse of the hit `key`, waiting for its time unless after the slice; the
+    /// gap to the next hit that has one.
+    #[cold]
+    fn draw(&mut self, key: u64, span: u64, rng: &mut Pcg64Mcg, generator: &PhysicsGenerator) -> Option<u64> {
+        let t = (key >> 16) as f64 + rng.random_range(8.0..25.0);
+        let amp = generator.amplitude(rng, 1);
+        self.until = self.gap(rng);
+        (t < span as f64).then(|| {
+            let k = hit_key(t as u64, (key >> 8) & 0xff, amp);
+            let at = self.pending.partition_point(|&p| p > k);
+            self.pending.insert(at, k);
+            k
+        })
     }
 }
 
@@ -514,22 +772,120 @@ mod tests {
     }
 
     /// The generator's output is part of its interface: the same (seed, module, slice)
-    /// gives the same bytes in every version (a change of them is versioned and said in
-    /// docs/physics.md). The digests were taken before the generator was made faster
-    /// (issue 32, goal 5). The muons' light and the amplitudes go through the platform's
-    /// `exp`, `ln` and `acos`: a C library that rounds them differently would change bytes
-    /// too, and fail here first.
+    /// gives the same bytes within a version (a change of them is a new version, said in
+    /// docs/physics.md). Version 1's digests were taken before the generator was first made
+    /// faster (issue 32, goal 5), version 2's when it was written. The muons' light, the
+    /// amplitudes and version 2's gaps go through the platform's `exp`, `ln` and `acos`: a
+    /// C library that rounds them differently would change bytes too, and fail here first.
     #[test]
     fn the_bytes_of_a_seed_do_not_change() {
-        let muons = PhysicsConfig { muon_rate_hz: 500.0, burst_fraction: 0.3, ..Default::default() };
-        assert_eq!(digest(&antares(muons)), (287_012_272, 1_570_167_543));
-        let km3 = PhysicsGenerator::new(
-            PhysicsConfig { muon_rate_hz: 500.0, ..PhysicsConfig::km3net() },
-            Geometry::antares(10, 30),
-            core::time::Duration::from_millis(10),
-        )
-        .unwrap();
-        assert_eq!(digest(&km3), (962_300_345, 1_866_940_330));
+        for (version, antares_digest, km3net_digest) in [
+            (1, (287_012_272, 1_570_167_543), (962_300_345, 1_866_940_330)),
+            (2, (293_072_588, 1_098_924_902), (838_307_194, 2_944_970_437)),
+        ] {
+            let muons = PhysicsConfig { muon_rate_hz: 500.0, burst_fraction: 0.3, version, ..Default::default() };
+            assert_eq!(digest(&antares(muons)), antares_digest, "version {version}");
+            let km3 = PhysicsGenerator::new(
+                PhysicsConfig { muon_rate_hz: 500.0, version, ..PhysicsConfig::km3net() },
+                Geometry::antares(10, 30),
+                core::time::Duration::from_millis(10),
+            )
+            .unwrap();
+            assert_eq!(digest(&km3), km3net_digest, "version {version}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_version_is_refused() {
+        let cfg = PhysicsConfig { version: 3, ..Default::default() };
+        let err = PhysicsGenerator::new(cfg, Geometry::antares(1, 3), core::time::Duration::from_millis(10));
+        assert!(matches!(err, Err(ConfigError::UnknownVersion(3))), "{err:?}");
+    }
+
+    /// Both versions draw the same distributions: Poisson singles on every PMT at the
+    /// configured rate, uniform over the slice, and the configured share of afterpulses.
+    #[test]
+    fn both_versions_draw_the_same_distributions() {
+        for version in PHYSICS_VERSIONS {
+            let cfg = PhysicsConfig {
+                burst_fraction: 0.0,
+                muon_rate_hz: 0.0,
+                coincidence_hz: 0.0,
+                version,
+                ..Default::default()
+            };
+            let g = antares(cfg);
+            let (mut per_pmt, mut per_tenth, mut singles, mut after) = ([0u64; 3], [0u64; 10], 0u64, 0u64);
+            let mut per_slice = Vec::new();
+            for s in 0..200 {
+                let f = g.generate_with_truth(7, s);
+                assert!(f.hits.windows(2).all(|w| w[0].time_ns <= w[1].time_ns), "version {version}: sorted");
+                let mut n = 0u64;
+                for (h, o) in f.hits.iter().zip(&f.origins) {
+                    match o {
+                        Origin::Singles => {
+                            per_pmt[usize::from(h.channel)] += 1;
+                            per_tenth[(h.time_ns / 1_000_000) as usize] += 1;
+                            singles += 1;
+                            n += 1;
+                        }
+                        Origin::Afterpulse => after += 1,
+                        o => panic!("{o:?} not configured"),
+                    }
+                }
+                per_slice.push(n as f64);
+            }
+            // 3 PMTs x 70 kHz x 2 s = 420,000 singles (sd 648); 140,000 per PMT (sd 374),
+            // 42,000 per tenth of the slice (sd 205): 5 sd each.
+            assert!((singles as f64 - 420_000.0).abs() < 3_300.0, "version {version}: {singles}");
+            for n in per_pmt {
+                assert!((n as f64 - 140_000.0).abs() < 1_900.0, "version {version}: per PMT {per_pmt:?}");
+            }
+            for n in per_tenth {
+                assert!((n as f64 - 42_000.0).abs() < 1_030.0, "version {version}: per tenth {per_tenth:?}");
+            }
+            // Poisson per slice: the variance is the mean (2,100; the sample variance of 200
+            // slices has a standard error of 10%).
+            let mean = per_slice.iter().sum::<f64>() / per_slice.len() as f64;
+            let var = per_slice.iter().map(|n| (n - mean).powi(2)).sum::<f64>() / (per_slice.len() - 1) as f64;
+            assert!((var / mean - 1.0).abs() < 0.4, "version {version}: variance {var} of mean {mean}");
+            // 2% of 420,000 (sd 91), fewer the few after the slice's end.
+            let frac = after as f64 / singles as f64;
+            assert!((frac - 0.02).abs() < 0.0012, "version {version}: afterpulses {frac}");
+        }
+    }
+
+    /// Version 2 puts the correlated hits and the afterpulses in order among the singles,
+    /// ties included, at any rate; without singles they are still there, in order.
+    #[test]
+    fn version_2_keeps_every_kind_of_hit_in_order() {
+        for singles_hz in [0.0, 70_000.0, 30_000_000.0] {
+            let cfg = PhysicsConfig {
+                singles_hz,
+                coincidence_hz: 5_000.0,
+                afterpulse_probability: 0.3,
+                muon_rate_hz: 2_000.0,
+                burst_fraction: 0.0,
+                ..Default::default()
+            };
+            let g = antares(cfg);
+            let mut kinds = [0u64; 4];
+            for (m, s) in [(0, 3), (40, 4), (150, 5), (299, 6)] {
+                let f = g.generate_with_truth(m, s);
+                assert_eq!(f.fragment, g.generate(m, s));
+                assert!(f.hits.windows(2).all(|w| w[0].time_ns <= w[1].time_ns), "{singles_hz} Hz: sorted");
+                for o in &f.origins {
+                    kinds[match o {
+                        Origin::Singles => 0,
+                        Origin::Coincidence => 1,
+                        Origin::Afterpulse => 2,
+                        Origin::Muon(_) => 3,
+                    }] += 1;
+                }
+            }
+            assert_eq!(kinds[0] == 0, singles_hz == 0.0, "{kinds:?}");
+            assert!(kinds[1] > 100 && kinds[2] > 50 && kinds[3] > 0, "{singles_hz} Hz: {kinds:?}");
+        }
     }
 
     #[test]
