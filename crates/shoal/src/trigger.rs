@@ -38,6 +38,9 @@ pub struct EvalArgs {
     direction_scan: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The physics generator's version (`[source.physics] version`; default: the latest).
+    #[arg(long)]
+    generator_version: Option<u32>,
     /// Exit with status 3 if the data reduction is below this factor.
     #[arg(long)]
     min_reduction: Option<f64>,
@@ -65,6 +68,9 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
     };
     physics.seed = args.seed;
     physics.waveform_hz = 0.0;
+    if let Some(v) = args.generator_version {
+        physics.version = v;
+    }
     if let Some(r) = args.rate_khz {
         physics.singles_hz = r * 1e3;
     }
