@@ -802,6 +802,14 @@ impl Config {
         })
     }
 
+    /// Whether the sources compute their hits during the run (a hit generator, no replay
+    /// pool, no readout input), taking CPU from the rest of the chain.
+    pub fn generates_hits_live(&self) -> bool {
+        self.source.replay_pool == 0
+            && self.source.generator.computes_hits()
+            && matches!(self.input(), Ok(InputKind::Generator))
+    }
+
     /// Where this source process's data come from (`source.input`).
     pub fn input(&self) -> Result<InputKind, ConfigError> {
         let s = self.source.input.trim();
@@ -1010,6 +1018,16 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_hit_generator_without_a_replay_pool_or_input_generates_live() {
+        let with = |text: &str| toml::from_str::<Config>(text).unwrap().generates_hits_live();
+        assert!(with(""));
+        assert!(with("[source]\ngenerator = \"noise\""));
+        assert!(!with("[source]\nreplay_pool = 16"));
+        assert!(!with("[source]\ngenerator = \"fixed\""));
+        assert!(!with("[source]\ninput = \"unix:/tmp/shoal-readout.sock\""));
+    }
 
     #[test]
     fn example_file_documents_the_defaults() {

@@ -71,6 +71,8 @@ pub struct RunSummary {
     pub hits_received: u64,
     /// What the sources generated, in words.
     pub workload: String,
+    /// The sources computed their hits during the run ([`crate::config::Config::generates_hits_live`]).
+    pub generated_live: bool,
     /// Bytes received over the time from the first to the last arrival.
     pub mbytes_per_s: f64,
     pub network_delay: DelayStats,
@@ -351,6 +353,7 @@ fn summarize(
         bytes_received: bytes,
         hits_received: builder_reports.iter().map(|b| b.hits + b.km3net.as_ref().map_or(0, |k| k.hits)).sum(),
         workload: cfg.describe_workload(),
+        generated_live: cfg.generates_hits_live(),
         mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
         network_delay: DelayStats::from_histogram(&net),
         shaping_delay: DelayStats::from_histogram(&shaping),

@@ -191,5 +191,13 @@ pub fn table(s: &RunSummary) -> String {
             s.late_slice_ends, s.worst_late_ms, s.worst_late_at_s
         );
     }
+    if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
+        let _ = writeln!(
+            o,
+            "  hint: the sources computed their hits during the run, about 0.6 core-seconds for each second of \
+             the 10-string detector's data; `[source] replay_pool = 16` replays slices computed once and leaves \
+             the cores to moving, assembling and filtering them (docs/benchmarks.md, \"The generator draws in time order\")"
+        );
+    }
     o
 }

@@ -46,6 +46,7 @@ fn an_overloaded_demo_ends_by_itself_within_its_memory_budget() {
     assert!(out.status.success(), "{stderr}");
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(s["memory_budget_mb"], 4096);
+    assert_eq!(s["generated_live"], true, "3,000 physics sources compute their hits");
     assert!(s["memory_planned_mb"].as_u64().unwrap() <= 4096);
     // MB of the peak against MiB of the budget.
     let peak_mib = s["peak_rss_mb"].as_f64().unwrap() * 1e6 / f64::from(1 << 20);
