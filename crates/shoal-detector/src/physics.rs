@@ -460,8 +460,8 @@ impl PhysicsGenerator {
     /// The singles of all the module's PMTs together are one Poisson process in time: each
     /// comes an exponential gap after the one before (a ziggurat draw), with a PMT and an
     /// amplitude from one more 64-bit draw. The genuine coincidences and the muons' light
-    /// are drawn first and sorted (a few dozen at most); they, and the afterpulses, join the
-    /// stream where their time comes. Which hits afterpulse is a geometric gap between them
+    /// are drawn first and sorted (a few dozen at the default rates); they, and the
+    /// afterpulses, join the stream where their time comes. Which hits afterpulse is a geometric gap between them
     /// (a draw per afterpulse, not one per hit). The distributions are those of version 1
     /// (independent Poisson singles on every PMT, uniform in time; each hit afterpulses
     /// with the same probability); the bytes are not.
