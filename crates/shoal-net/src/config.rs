@@ -802,12 +802,16 @@ impl Config {
         })
     }
 
+    /// Whether the configured generator computes hits for every slice (no replay pool
+    /// standing in for it).
+    pub fn computes_hits_per_slice(&self) -> bool {
+        self.source.replay_pool == 0 && self.source.generator.computes_hits()
+    }
+
     /// Whether the sources compute their hits during the run (a hit generator, no replay
     /// pool, no readout input), taking CPU from the rest of the chain.
     pub fn generates_hits_live(&self) -> bool {
-        self.source.replay_pool == 0
-            && self.source.generator.computes_hits()
-            && matches!(self.input(), Ok(InputKind::Generator))
+        self.computes_hits_per_slice() && matches!(self.input(), Ok(InputKind::Generator))
     }
 
     /// Where this source process's data come from (`source.input`).

@@ -44,7 +44,7 @@ pub const MAX_BYTES: u64 = 64 << 20;
 /// costs a copy, and 75 threads handing them over slowed the full-shape run from 548 to
 /// 319 MB/s. The memory plan asks here too, so such a node keeps its whole share.
 pub fn ahead_slices(cfg: &crate::config::Config) -> Result<SliceNumber, crate::config::ConfigError> {
-    if cfg.source.replay_pool > 0 || !cfg.source.generator.computes_hits() {
+    if !cfg.computes_hits_per_slice() {
         return Ok(0);
     }
     let slice = (cfg.slice_clock()?.length().as_nanos() as u64).max(1);
@@ -345,7 +345,7 @@ mod tests {
             let mut s = sh.lock();
             while !s.thread_waiting || s.batch_ready(sh.batch, sh.max_bytes) {
                 assert!(std::time::Instant::now() < deadline, "the thread never caught up");
-                s = p.shared.changed.wait_timeout(s, Duration::from_millis(10)).unwrap().0;
+                s = sh.changed.wait_timeout(s, Duration::from_millis(10)).unwrap().0;
             }
         };
         for slice in 0..400 {

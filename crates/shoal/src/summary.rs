@@ -194,9 +194,9 @@ pub fn table(s: &RunSummary) -> String {
     if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
         let _ = writeln!(
             o,
-            "  hint: the sources computed their hits during the run, about 0.6 core-seconds for each second of \
-             the 10-string detector's data; `[source] replay_pool = 16` replays slices computed once and leaves \
-             the cores to moving, assembling and filtering them (docs/benchmarks.md, \"The generator draws in time order\")"
+            "  hint: the sources computed their hits during the run, on the cores that also move, assemble and \
+             filter them; `[source] replay_pool = 16` replays slices computed once (docs/benchmarks.md, \
+             \"The generator draws in time order\")"
         );
     }
     o
