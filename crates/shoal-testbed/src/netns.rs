@@ -319,7 +319,7 @@ fn counted_packets(listing: &str) -> u64 {
 mod tests {
     #[test]
     fn nft_counters_are_summed() {
-        let listing = "table bridge shoal_loss {\n\tchain fw {\n\t\ttype filter hook forward priority filter; policy accept;\n\t\toifname { \"b0\", \"b1\" } numgen random mod 1000000 < 1000 counter packets 17 bytes 25024 drop\n\t}\n}\n";
+        let listing = "table bridge shoal_loss {\n\tchain fw {\n\t\ttype filter hook forward priority filter; policy accept;\n\t\toifname { \"b0\", \"b1\" } ether type ip numgen random mod 1000000 < 1000 counter packets 17 bytes 25024 drop\n\t}\n}\n";
         assert_eq!(super::counted_packets(listing), 17);
         assert_eq!(super::counted_packets(""), 0);
     }

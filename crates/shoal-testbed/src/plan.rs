@@ -350,8 +350,13 @@ impl Plan {
         if self.loss_ppm > 0 && !hosts.is_empty() {
             // numgen draws per packet in the bridge's forward path: an independent loss
             // with probability ppm / 1e6, counted by the rule (netem is not available).
+            // IPv4 packets only, as in the simulator, which has no ARP: a lost ARP request
+            // or reply holds a path's first packets for Linux's `retrans_time_ms` (1 s) and
+            // drops those beyond `unres_qlen_bytes`, a one-second outage rather than a
+            // packet loss (it lost UDP runs 6 whole fragments, older than the sources'
+            // retransmit buffers by the time the NACKs came; docs/testbed.md).
             rules.push(format!(
-                "oifname {{ {} }} numgen random mod 1000000 < {} counter drop",
+                "oifname {{ {} }} ether type ip numgen random mod 1000000 < {} counter drop",
                 list(hosts),
                 self.loss_ppm
             ));
@@ -365,7 +370,7 @@ impl Plan {
                 let ppb = (p * PPB).round() as u64;
                 if ppb > 0 {
                     rules.push(format!(
-                        "oifname {{ {ports} }} meta length {lo}-{hi} numgen random mod {} < {ppb} counter drop",
+                        "oifname {{ {ports} }} ether type ip meta length {lo}-{hi} numgen random mod {} < {ppb} counter drop",
                         PPB as u64
                     ));
                 }
@@ -570,11 +575,13 @@ mod tests {
         let p = p.with_loss_ppm(1000);
         let core = p.namespace_script("tb-core");
         assert!(
-            core.contains(r#"oifname { "b0", "b1", "w", "ctl" } numgen random mod 1000000 < 1000 counter drop"#),
+            core.contains(
+                r#"oifname { "b0", "b1", "w", "ctl" } ether type ip numgen random mod 1000000 < 1000 counter drop"#
+            ),
             "{core}"
         );
         let sector = p.namespace_script("tb-sec0");
-        assert!(sector.contains(r#"oifname { "s0", "s1", "s2", "s3", "s4" } numgen"#), "{sector}");
+        assert!(sector.contains(r#"oifname { "s0", "s1", "s2", "s3", "s4" } ether type ip numgen"#), "{sector}");
         let rule = sector.lines().find(|l| l.contains("numgen")).unwrap();
         assert!(!rule.contains("uplink"), "switch-to-switch links stay lossless: {rule}");
         assert!(!p.namespace_script("tb-s0").contains("nft"), "hosts have no loss rule");
@@ -590,10 +597,10 @@ mod tests {
         // A full frame: 1514 bytes on the bridge, 1538 on the simulator's wire (preamble,
         // FCS, gap): 1 - (1 - 1e-7)^(8 x 1538) = 1,229,643 parts per billion.
         assert!(
-            core.contains(r#"oifname { "sec0", "sec1" } meta length 1500-1600 numgen random mod 1000000000 < 1229643 counter drop"#),
+            core.contains(r#"oifname { "sec0", "sec1" } ether type ip meta length 1500-1600 numgen random mod 1000000000 < 1229643 counter drop"#),
             "{core}"
         );
-        assert!(sector.contains(r#"oifname { "uplink" } meta length 0-127 numgen"#), "{sector}");
+        assert!(sector.contains(r#"oifname { "uplink" } ether type ip meta length 0-127 numgen"#), "{sector}");
         assert_eq!(sector.matches("meta length").count(), 5, "{sector}");
         assert!(!core.contains(r#""b0""#), "host ports keep no bit errors: {core}");
         assert!(
