@@ -191,6 +191,9 @@ pub fn table(s: &RunSummary) -> String {
             s.late_slice_ends, s.worst_late_ms, s.worst_late_at_s
         );
     }
+    if let Some(w) = wall_clock_cuts(s) {
+        let _ = writeln!(o, "  warning: {w}");
+    }
     if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
         let _ = writeln!(
             o,
@@ -200,4 +203,79 @@ pub fn table(s: &RunSummary) -> String {
         );
     }
     o
+}
+
+/// Slices the builders processed at their wall-clock guard, in words: the sources they
+/// lacked most often, and whether those sources were still sending (their fragments came
+/// later, `salvaged` or `late`) and how late the sources sent. A source that falls behind
+/// by more than the guard misses slices although nothing is lost on the way.
+fn wall_clock_cuts(s: &RunSummary) -> Option<String> {
+    const REASON: &str = "wall_clock_timeout";
+    let cut = s.incomplete_reasons.get(REASON).copied().filter(|&n| n > 0)?;
+    let mut missing = std::collections::BTreeMap::<u32, u64>::new();
+    for i in s.builder_reports.iter().flat_map(|b| &b.node.incomplete_slices).filter(|i| i.reason == REASON) {
+        for &m in &i.missing {
+            *missing.entry(m).or_default() += 1;
+        }
+    }
+    let mut text =
+        format!("{cut} slices were processed incomplete at the builders' wall-clock guard (`builder.wall_timeout_ms`)");
+    let groups = source_groups(&missing);
+    if !groups.is_empty() {
+        let shown: Vec<String> = groups
+            .iter()
+            .take(4)
+            .map(|(ids, n)| format!("{ids} ({n} slice{})", if *n == 1 { "" } else { "s" }))
+            .collect();
+        let more = if groups.len() > 4 { format!(" and {} more", groups.len() - 4) } else { String::new() };
+        let _ = write!(text, "; most often missing: sources {}{more}", shown.join(", "));
+    }
+    let bucket = |k: &str| s.ledger.buckets.get(k).copied().unwrap_or(0);
+    let (salvaged, late) = (bucket("salvaged"), bucket("late"));
+    if salvaged + late > 0 {
+        let _ = write!(
+            text,
+            ". {} fragments came after their slice ({salvaged} salvaged, {late} late), and the sources sent up to {} \
+             after their slices' end: the sources were sending but fell behind by more than the guard (a \
+             machine short of CPU, or a path too slow for the load)",
+            salvaged + late,
+            us(s.shaping_delay.max_us as f64)
+        );
+    }
+    Some(text)
+}
+
+/// Sources and how many slices lacked each, as runs of consecutive ids with the same
+/// count (the sources of one process usually go missing together), most slices first.
+fn source_groups(missing: &std::collections::BTreeMap<u32, u64>) -> Vec<(String, u64)> {
+    let mut runs: Vec<(u32, u32, u64)> = Vec::new();
+    for (&id, &n) in missing {
+        match runs.last_mut() {
+            Some((_, last, count)) if *last + 1 == id && *count == n => *last = id,
+            _ => runs.push((id, id, n)),
+        }
+    }
+    runs.sort_by_key(|&(first, _, n)| (std::cmp::Reverse(n), first));
+    runs.into_iter().map(|(a, b, n)| (if a == b { a.to_string() } else { format!("{a}-{b}") }, n)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_missing_together_are_named_as_one_range() {
+        let missing = [(184, 120), (185, 120), (186, 120), (187, 120), (272, 47), (273, 47), (9, 3), (10, 2)];
+        let groups = source_groups(&missing.into_iter().collect());
+        assert_eq!(
+            groups,
+            vec![
+                ("184-187".to_string(), 120),
+                ("272-273".to_string(), 47),
+                ("9".to_string(), 3),
+                ("10".to_string(), 2)
+            ]
+        );
+        assert!(source_groups(&Default::default()).is_empty());
+    }
 }
