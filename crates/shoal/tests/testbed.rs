@@ -124,7 +124,9 @@ fn a_pull_scenario_over_udp_runs_on_the_emulated_network() {
 /// at random (an nft rule on every port toward a host): every fragment is delivered,
 /// directly or recovered by a NACK, nothing is damaged or lost. About 15,000 data
 /// datagrams cross a lossy port, so the loss happens (P(no drop) = e^-15 < 1e-6) and
-/// the rule's counter says how much.
+/// the rule's counter says how much. The rule drops IPv4 packets, not ARP: a lost ARP
+/// exchange holds a path for a second and once lost 6 whole fragments here, older than
+/// the retransmit buffer when the NACKs came (docs/testbed.md, "ARP is not lost").
 #[test]
 fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
     if let Some(why) = shoal_testbed::netns::loss_unavailable() {
