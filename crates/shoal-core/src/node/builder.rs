@@ -127,6 +127,11 @@ pub struct IncompleteSlice {
     /// Sources beyond [`MAX_LISTED_SOURCES`] in `missing` and `dropped` together.
     #[cfg_attr(feature = "serde", serde(default))]
     pub unlisted_sources: u32,
+    /// Of `missing`, the sources whose fragment came after the slice was processed: they
+    /// were sending, but later than the builder waited (a source behind, not a loss on the
+    /// way).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Vec::is_empty"))]
+    pub arrived_late: Vec<SourceId>,
 }
 
 impl IncompleteSlice {
@@ -141,6 +146,7 @@ impl IncompleteSlice {
             missing,
             dropped,
             unlisted_sources: unlisted as u32,
+            arrived_late: Vec::new(),
         }
     }
 }
@@ -252,6 +258,9 @@ impl<T> BuilderNode<T> {
         if let Some(p) = self.pull.as_mut() {
             p.handle_arrival(now, a.source, a.slice);
         }
+        if admission == Admission::Late {
+            self.note_late_arrival(a.source, a.slice);
+        }
         if admission == Admission::Accepted {
             self.report.fragments += 1;
             self.report.bytes += a.wire_bytes;
@@ -262,6 +271,20 @@ impl<T> BuilderNode<T> {
         }
         self.collect(now);
         (ArrivalOutcome { admission, network_delay, shaping_delay }, late)
+    }
+
+    /// A fragment of a slice already processed: if the slice is listed incomplete without
+    /// this source, the source was sending, only late.
+    fn note_late_arrival(&mut self, source: SourceId, slice: SliceNumber) {
+        let listed = &mut self.report.incomplete_slices;
+        // Listed in the order processed, which is slice order (a search that finds the
+        // slice has found it, sorted or not).
+        if let Ok(i) = listed.binary_search_by_key(&slice, |s| s.slice) {
+            let s = &mut listed[i];
+            if s.missing.contains(&source) && !s.arrived_late.contains(&source) {
+                s.arrived_late.push(source);
+            }
+        }
     }
 
     /// A late fragment was kept in the late-data side stream: the ledger counts it
@@ -446,6 +469,27 @@ mod tests {
         assert_eq!(late, Some(3), "kept or not is the driver's choice; this one is dropped");
         let t = b.report().tally;
         assert_eq!((t.delivered, t.late, t.salvaged, t.unaccounted()), (1, 1, 1, 0));
+    }
+
+    #[test]
+    fn a_missing_source_that_sends_late_is_listed_as_late_not_lost() {
+        let mut b = node(3);
+        b.handle_fragment(Instant::from_nanos(13_000_000), arrival(0, 0), 1);
+        // The wall-clock guard processes slice 0 without sources 1 and 2.
+        b.handle_timeout(Instant::from_nanos(13_000_000) + Duration::from_secs(3));
+        assert_eq!(b.poll_slice().unwrap().missing, [1, 2]);
+        let later = Instant::from_nanos(13_000_000) + Duration::from_secs(4);
+        assert_eq!(b.handle_fragment(later, arrival(2, 0), 2).admission, Admission::Late);
+        // Again, and a source that was not missing: neither listed twice nor added.
+        b.handle_fragment(later, arrival(2, 0), 3);
+        b.handle_fragment(later, arrival(0, 0), 4);
+        let r = b.report();
+        assert_eq!(r.incomplete_slices.len(), 1);
+        assert_eq!(
+            (r.incomplete_slices[0].missing.clone(), r.incomplete_slices[0].arrived_late.clone()),
+            (vec![1, 2], vec![2])
+        );
+        assert_eq!((r.tally.late, r.tally.unaccounted()), (3, 0));
     }
 
     #[test]
