@@ -350,6 +350,30 @@ fn a_burst_over_the_cutoff_is_named_though_no_slice_is_lost() {
     no_process_left(&dir);
 }
 
+/// Sources that send later than the builders wait: `delayed:1` holds source 1 back one
+/// 100-ms slice and source 2 two, and the builders' wall-clock guard is 50 ms, so every
+/// slice is processed without them and their fragments come after it. Nothing is lost on
+/// the way: the diagnosis puts the slices down to the sources being late, not to the
+/// builders that discarded their fragments as late.
+#[test]
+fn sources_behind_the_builders_guard_are_named_late() {
+    let c = Cluster::start_policy("late", 6, "delayed:1", ["", "", "wall_timeout_ms = 50", ""], &[]);
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let b = &record["ledger"]["buckets"];
+    let late = b["late"].as_u64().unwrap_or(0) + b["salvaged"].as_u64().unwrap_or(0);
+    assert!(late > 0, "the delayed sources' fragments came after their slices: {b}");
+    assert!(record["slices_incomplete"].as_u64().unwrap() > 0, "{}", record["slices_incomplete"]);
+    let causes = assert_causes_allowing(
+        &record,
+        &[("sources_late", "source1,source2")],
+        &[("sources_late", "source1"), ("sources_late", "source2")],
+    );
+    let losses = losses_put_down_to(&record, "sources_late");
+    println!("fault sources behind the guard: {late} fragments after their slices; diagnosis {causes:?} {losses}");
+    no_process_left(&dir);
+}
+
 /// A source process started by hand with the wrong `--ids` (source2 given source 1,
 /// already source1's): source 1 comes twice and source 2 never. Run control sees two
 /// processes hosting one source; the diagnosis names the mismatch and puts the slices

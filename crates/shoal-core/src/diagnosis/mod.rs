@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use crate::clocksync::ClockVerdict;
 
-pub use slices::{LostSlice, RunFacts, SliceDiagnosis, SliceLoss, attribute};
+pub use slices::{LostSlice, RunFacts, SOURCES_LATE, SliceDiagnosis, SliceLoss, attribute};
 
 /// The known problems, highest priority first: when several could explain a lost slice,
 /// the first one claims it (a dead builder explains its sources' drops, not the reverse;

@@ -13,10 +13,15 @@
 //!    in the slice (its builder, the hosts of the sources it lacked), on at the slice's
 //!    time give or take [`RunFacts::margin_ns`]. A builder hung or down while the hosts of
 //!    the missing sources were dropping claims the slice too: the sources were held
-//!    back by that builder (direct back-pressure), so their drops are its symptom;
-//! 3. a slice never filtered is the filter's, even without an episode (its queue was full
+//!    back by that builder (direct back-pressure), so their drops are its symptom. A
+//!    builder discarding fragments as late does not claim a slice whose missing sources
+//!    all came late: their lateness is what it shows;
+//! 3. a slice processed without sources that all sent its fragment afterwards
+//!    ([`LostSlice::arrived_late`]): [`SOURCES_LATE`] on their hosts. They were sending,
+//!    but behind by more than the builder waited (its wall-clock guard, its window);
+//! 4. a slice never filtered is the filter's, even without an episode (its queue was full
 //!    by definition): [`Rule::FilterBehind`];
-//! 4. otherwise `unexplained`.
+//! 5. otherwise `unexplained`.
 
 use std::collections::BTreeMap;
 
@@ -62,7 +67,18 @@ pub struct LostSlice {
     pub loss: SliceLoss,
     /// Sources it lacked (sent nothing, or discarded).
     pub lacking: Vec<u32>,
+    /// Of those, the sources whose fragment came after the slice was processed.
+    pub arrived_late: Vec<u32>,
 }
+
+/// The cause of a slice whose lacking sources all sent their fragments after the builder
+/// had processed it (not a [`Rule`]: no live rule sees it, the builders' lists do).
+pub const SOURCES_LATE: &str = "sources_late";
+
+/// What to do about [`SOURCES_LATE`].
+pub const SOURCES_LATE_ACTION: &str = "the sources were sending but fell behind by more than the builders wait \
+     (builder.wall_timeout_ms, builder.max_active): look at the sources' hosts (CPU, their links); a longer \
+     guard holds more in the builders' memory";
 
 /// A process of the run and what it hosts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,7 +122,7 @@ pub struct RunFacts {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Cause {
-    /// A [`Rule`]'s name, or `unexplained`.
+    /// A [`Rule`]'s name, [`SOURCES_LATE`], or `unexplained`.
     pub rule: String,
     pub processes: Vec<String>,
 }
@@ -146,7 +162,13 @@ pub fn not_built(facts: &RunFacts, builder: u32, departed: &Departed) -> Vec<Los
     let to = departed.rejoined_slice.unwrap_or(facts.end_slice).min(facts.end_slice);
     (from..to)
         .filter(|s| facts.n_builders > 0 && builder_for(*s, facts.n_builders) == builder)
-        .map(|slice| LostSlice { slice, builder, loss: SliceLoss::NotBuilt, lacking: Vec::new() })
+        .map(|slice| LostSlice {
+            slice,
+            builder,
+            loss: SliceLoss::NotBuilt,
+            lacking: Vec::new(),
+            arrived_late: Vec::new(),
+        })
         .collect()
 }
 
@@ -199,12 +221,18 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
         |name: &str| builder_host.is_some_and(|b| b.name == name) || source_hosts.iter().any(|h| h.name == name);
     let sources_dropping =
         facts.episodes.iter().filter(on).any(|e| e.rule == Rule::SourceDropping && involved(&e.process));
+    // Every source it lacked sent its fragment after it was processed: the builder that
+    // discarded them as late shows their lateness, it did not cause it.
+    let all_late = s.loss == SliceLoss::Incomplete
+        && !s.lacking.is_empty()
+        && s.lacking.iter().all(|id| s.arrived_late.contains(id));
     let mut candidates: Vec<&Episode> = facts
         .episodes
         .iter()
         .filter(on)
         // A cut-off fragment arrives (an empty marker): the cutoff never loses a slice.
         .filter(|e| e.rule != Rule::SourceCutOff)
+        .filter(|e| !(all_late && e.rule == Rule::BuilderDiscarding))
         .filter(|e| {
             involved(&e.process)
                 || (sources_dropping && e.role == "builder" && matches!(e.rule, Rule::ProcessDown | Rule::ProcessHung))
@@ -214,7 +242,11 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
     if let Some(e) = candidates.first() {
         return cause(e.rule, &e.process);
     }
-    // 3. Never filtered: the filter's queue was full.
+    // 3. Every source it lacked sent its fragment, after the slice was processed.
+    if all_late {
+        return Cause { rule: SOURCES_LATE.into(), processes: source_hosts.iter().map(|h| h.name.clone()).collect() };
+    }
+    // 4. Never filtered: the filter's queue was full.
     if s.loss == SliceLoss::NotFiltered
         && let Some(b) = builder_host
     {
@@ -246,10 +278,14 @@ pub fn attribute(facts: &RunFacts) -> SliceDiagnosis {
         } else {
             d.explained += 1;
         }
-        let action = Rule::ALL.iter().find(|r| r.name() == c.rule).map_or(
-            "no rule knows this loss: read the builders' and sources' logs around these slices, and report it",
-            |r| r.action(),
-        );
+        let action = if c.rule == SOURCES_LATE {
+            SOURCES_LATE_ACTION
+        } else {
+            Rule::ALL.iter().find(|r| r.name() == c.rule).map_or(
+                "no rule knows this loss: read the builders' and sources' logs around these slices, and report it",
+                |r| r.action(),
+            )
+        };
         let g = groups.entry((c.rule.clone(), c.processes.clone())).or_insert_with(|| CauseSummary {
             rule: c.rule.clone(),
             processes: c.processes.clone(),

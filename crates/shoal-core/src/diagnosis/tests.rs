@@ -318,7 +318,7 @@ fn facts() -> RunFacts {
 }
 
 fn lost(slice: u64, loss: SliceLoss, lacking: &[u32]) -> LostSlice {
-    LostSlice { slice, builder: (slice % 2) as u32, loss, lacking: lacking.to_vec() }
+    LostSlice { slice, builder: (slice % 2) as u32, loss, lacking: lacking.to_vec(), arrived_late: Vec::new() }
 }
 
 fn episode(rule: Rule, process: &str, role: &str, from_slice: u64, to_slice: Option<u64>) -> Episode {
@@ -424,7 +424,9 @@ mod props {
             prop_assert_eq!(d.causes.iter().map(|c| c.slices).sum::<u64>(), d.lost_slices);
             prop_assert!(d.lost_slices >= slices.len() as u64);
             for c in &d.causes {
-                prop_assert!(c.rule == "unexplained" || Rule::ALL.iter().any(|r| r.name() == c.rule));
+                prop_assert!(
+                    c.rule == "unexplained" || c.rule == SOURCES_LATE || Rule::ALL.iter().any(|r| r.name() == c.rule)
+                );
                 prop_assert_eq!(c.losses.values().sum::<u64>(), c.slices);
             }
         }
@@ -467,4 +469,39 @@ fn a_slice_lost_twice_is_lost_by_what_lost_the_most_of_it() {
     let d = attribute(&f);
     assert_eq!((d.lost_slices, d.causes.len()), (1, 1));
     assert_eq!(d.causes[0].rule, "storage_failing");
+}
+
+#[test]
+fn slices_whose_missing_sources_all_came_late_are_those_sources_being_late() {
+    let mut f = facts();
+    f.hosts.push(Host { name: "source23".into(), role: "source".into(), sources: vec![2, 3], builder: None });
+    let late = |slice, lacking: &[u32], arrived: &[u32]| LostSlice {
+        arrived_late: arrived.to_vec(),
+        ..lost(slice, SliceLoss::Incomplete, lacking)
+    };
+    f.lost = vec![
+        late(1030, &[0], &[0]),
+        late(1031, &[2, 3], &[2, 3]),
+        // Source 3 never sent: not lateness alone.
+        late(1032, &[2, 3], &[2]),
+    ];
+    let d = attribute(&f);
+    assert_eq!((d.lost_slices, d.explained, d.unexplained), (3, 2, 1), "{d:?}");
+    let of = |p: &str| d.causes.iter().find(|c| c.processes == [p.to_string()]).unwrap_or_else(|| panic!("{d:?}"));
+    assert_eq!((of("source0").rule.as_str(), of("source0").slices), (SOURCES_LATE, 1));
+    assert_eq!((of("source23").rule.as_str(), of("source23").slices), (SOURCES_LATE, 1));
+    assert!(of("source23").action.contains("wall_timeout_ms"), "{d:?}");
+    // The builders' discarding of the late fragments is their symptom, not a cause.
+    f.episodes = vec![
+        episode(Rule::BuilderDiscarding, "builder0", "builder", 1020, Some(1040)),
+        episode(Rule::BuilderDiscarding, "builder1", "builder", 1020, Some(1040)),
+    ];
+    let d = attribute(&f);
+    assert_eq!(d.causes.iter().filter(|c| c.rule == SOURCES_LATE).map(|c| c.slices).sum::<u64>(), 2, "{d:?}");
+    assert_eq!(d.unexplained, 0, "the slice source 3 never sent is the discarding builder's: {d:?}");
+    // An episode on the source at the time comes first: a hung source that sent late
+    // afterwards was hung.
+    f.episodes = vec![episode(Rule::ProcessHung, "source0", "source", 1020, Some(1040))];
+    let d = attribute(&f);
+    assert_eq!(d.causes.iter().find(|c| c.processes == ["source0".to_string()]).unwrap().rule, "process_hung");
 }

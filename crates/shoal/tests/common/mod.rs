@@ -142,6 +142,17 @@ impl Cluster {
     /// with) started by the test as someone else would (`launch = "external"`), whatever
     /// ids the cluster file gives them.
     pub fn start_external(name: &str, seconds: u32, tables: [&str; 4], external: &[(&str, &str)]) -> Cluster {
+        Self::start_policy(name, seconds, "direct", tables, external)
+    }
+
+    /// ... with the sources' shaping `policy` (`direct` in the others).
+    pub fn start_policy(
+        name: &str,
+        seconds: u32,
+        policy: &str,
+        tables: [&str; 4],
+        external: &[(&str, &str)],
+    ) -> Cluster {
         let [cluster, source, builder, writer] = tables;
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -164,7 +175,7 @@ impl Cluster {
         }
         let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
         text += &format!(
-            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"direct\"\n\
+            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"{policy}\"\n\
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n{source}\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
@@ -335,7 +346,8 @@ pub fn no_process_left(dir: &Path) {
 
 /// Causes a loaded machine adds to any run (late fragments, a filter starved of CPU, a
 /// source behind, a process starved so long its statistics stop for 3 s): named, so allowed beside the injected fault's, never instead of it.
-pub const LOAD_CAUSES: [&str; 4] = ["builder_discarding", "source_dropping", "filter_behind", "process_hung"];
+pub const LOAD_CAUSES: [&str; 5] =
+    ["builder_discarding", "source_dropping", "filter_behind", "process_hung", "sources_late"];
 
 /// The run record's diagnosis names the `expected` causes (rule, process) for the slices it
 /// lost, each at least once, any other only from [`LOAD_CAUSES`], and leaves none
