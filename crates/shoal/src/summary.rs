@@ -213,10 +213,13 @@ fn wall_clock_cuts(s: &RunSummary) -> Option<String> {
     const REASON: &str = "wall_clock_timeout";
     let cut = s.incomplete_reasons.get(REASON).copied().filter(|&n| n > 0)?;
     let mut missing = std::collections::BTreeMap::<u32, u64>::new();
+    // Listed cut slices whose every missing fragment came later (the builders' `arrived_late`).
+    let mut all_came_later = 0u64;
     for i in s.builder_reports.iter().flat_map(|b| &b.node.incomplete_slices).filter(|i| i.reason == REASON) {
         for &m in &i.missing {
             *missing.entry(m).or_default() += 1;
         }
+        all_came_later += u64::from(!i.missing.is_empty() && i.missing.iter().all(|m| i.arrived_late.contains(m)));
     }
     let mut text =
         format!("{cut} slices were processed incomplete at the builders' wall-clock guard (`builder.wall_timeout_ms`)");
@@ -232,13 +235,13 @@ fn wall_clock_cuts(s: &RunSummary) -> Option<String> {
     }
     let bucket = |k: &str| s.ledger.buckets.get(k).copied().unwrap_or(0);
     let (salvaged, late) = (bucket("salvaged"), bucket("late"));
-    if salvaged + late > 0 {
+    if all_came_later > 0 {
         let _ = write!(
             text,
-            ". {} fragments came after their slice ({salvaged} salvaged, {late} late), and the sources sent up to {} \
-             after their slices' end: the sources were sending but fell behind by more than the guard (a \
-             machine short of CPU, or a path too slow for the load)",
-            salvaged + late,
+            ". In {all_came_later} of them every missing fragment came later ({salvaged} salvaged, {late} late in \
+             the run), and the sources sent up to {} after their slices' end: the sources were sending but fell \
+             behind by more than the guard (a machine short of CPU, a path too slow for the load, or a shaping \
+             policy that holds them longer)",
             us(s.shaping_delay.max_us as f64)
         );
     }
