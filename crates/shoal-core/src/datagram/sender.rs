@@ -79,6 +79,9 @@ pub struct DatagramSender {
     end: Option<EndState>,
     /// The frame being handed over in parts, if its last part has not come yet.
     partial: Option<Partial>,
+    /// The last frame completed (slice, length): an empty part of an empty frame after it
+    /// is not another frame.
+    last_frame: Option<(SliceNumber, u32)>,
     stats: SenderStats,
 }
 
@@ -114,6 +117,7 @@ impl DatagramSender {
             probe_at: None,
             end: None,
             partial: None,
+            last_frame: None,
             stats: SenderStats::default(),
         }
     }
@@ -138,9 +142,11 @@ impl DatagramSender {
     /// abandons the unfinished one (counted; the builder gives it up as damaged).
     pub fn handle_frame_part(&mut self, now: Instant, slice: SliceNumber, frame_len: u32, part: &[u8]) {
         // A frame starts with its first byte: an empty part that continues nothing (one
-        // after the frame was complete) is not a new frame.
+        // after the frame was complete) is not a new frame. An empty frame has no byte: its
+        // first empty part is the frame, the next ones repeat it.
         let continues = self.partial.as_ref().is_some_and(|p| p.slice == slice && p.frame_len == frame_len);
-        if part.is_empty() && frame_len > 0 && !continues {
+        let repeats_empty = frame_len == 0 && self.last_frame == Some((slice, 0));
+        if part.is_empty() && !continues && (frame_len > 0 || repeats_empty) {
             return;
         }
         let mut p = match self.partial.take() {
@@ -189,6 +195,8 @@ impl DatagramSender {
         }
         if p.cut < frame_len {
             self.partial = Some(p);
+        } else {
+            self.last_frame = Some((slice, frame_len));
         }
         let mut batch = batch.freeze();
         for (h, len) in headers {
