@@ -357,6 +357,69 @@ fn a_source_that_answers_late_is_still_heard() {
     assert_eq!((s.lost_datagrams, s.fragments_damaged), (0, 0));
 }
 
+/// Linux holds a path's first packets while it resolves the neighbour (ARP). When that
+/// exchange is lost it asks again only after a second, and drops the oldest packets it
+/// holds beyond its queue. The builder then sees the stream's first gap a second late. The
+/// sender keeps its stream's first datagrams for `start_retransmit_age`, so it answers
+/// those NACKs and every frame is recovered. With only `retransmit_age` (500 ms) the
+/// oldest were gone, and a testbed run lost 6 fragments that way (docs/testbed.md).
+#[test]
+fn a_path_that_held_the_streams_first_second_recovers_every_frame() {
+    let cfg = UdpConfig::default();
+    let mut tx = DatagramSender::new(cfg, RUN, SOURCE, BUILDER);
+    let mut rx = BuilderEndpoint::new(cfg, RUN, BUILDER, 4);
+    // The path opens 1.05 s after the first datagram; until then the kernel holds the
+    // newest 100 (about unres_qlen_bytes over a datagram's size in memory).
+    let resolved = Instant::from_nanos(1_050_000_000);
+    let mut held: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
+    let mut dropped = 0;
+    let (mut sent, mut got) = (BTreeMap::new(), BTreeMap::new());
+    for ms in 0..3_000u64 {
+        let now = Instant::from_nanos(ms * 1_000_000);
+        // A 4,000-byte frame (3 datagrams) every 10 ms for 2 s, then the end.
+        if ms % 10 == 0 && ms < 2_000 {
+            let frame: Vec<u8> = (0..4_000u64).map(|i| (i ^ ms) as u8).collect();
+            tx.handle_frame(now, ms / 10, &frame);
+            sent.insert(ms / 10, Bytes::from(frame));
+        }
+        if ms == 2_000 {
+            tx.handle_end(now);
+        }
+        tx.handle_timeout(now);
+        while let Some(d) = tx.poll_transmit() {
+            if now < resolved {
+                held.push_back(d);
+                if held.len() > 100 {
+                    held.pop_front();
+                    dropped += 1;
+                }
+            } else {
+                rx.handle_bytes(now, &d).unwrap();
+            }
+        }
+        if now >= resolved {
+            for d in held.drain(..) {
+                rx.handle_bytes(now, &d).unwrap();
+            }
+        }
+        rx.handle_timeout(now);
+        while let Some((_, d)) = rx.poll_transmit() {
+            tx.handle_datagram(now, &Datagram::decode(&d).unwrap());
+        }
+        while let Some(e) = rx.poll_event() {
+            if let EndpointEvent::Fragment(f) = e {
+                got.insert(f.slice, f.frame);
+            }
+        }
+    }
+    assert!(dropped > 200, "the path dropped the stream's oldest datagrams: {dropped}");
+    assert_eq!(tx.stats().unanswerable, 0, "{:?}", tx.stats());
+    let s = rx.stream(SOURCE).unwrap().stats();
+    assert_eq!((s.lost_datagrams, s.fragments_damaged), (0, 0), "{s:?}");
+    assert_eq!(got.len(), sent.len());
+    assert!(got == sent, "every frame recovered, byte for byte");
+}
+
 /// A pull stream greets its builder before any data, and a request round-trips the wire.
 #[test]
 fn a_greeting_announces_the_stream_and_a_request_names_its_slice() {

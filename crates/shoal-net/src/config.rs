@@ -207,8 +207,11 @@ pub struct UdpSettings {
     pub max_payload: u16,
     /// Retransmit buffer per (source, builder) stream: at most this many MiB ...
     pub retransmit_mb: u64,
-    /// ... and datagrams at most this old.
+    /// ... and datagrams at most this old ...
     pub retransmit_age_ms: u64,
+    /// ... except those of a stream's first this many ms, kept this long (a path's first
+    /// packets may wait a second for the neighbour's resolution).
+    pub start_retransmit_age_ms: u64,
     /// A gap is asked for this long after it is seen, again `nack_interval_us` later and
     /// then after twice as long each time, at most `max_nacks` times.
     pub nack_delay_us: u64,
@@ -228,6 +231,7 @@ impl Default for UdpSettings {
             max_payload: d.max_payload,
             retransmit_mb: d.retransmit_bytes >> 20,
             retransmit_age_ms: d.retransmit_age.as_millis() as u64,
+            start_retransmit_age_ms: d.start_retransmit_age.as_millis() as u64,
             nack_delay_us: d.nack_delay.as_micros() as u64,
             nack_interval_us: d.nack_interval.as_micros() as u64,
             max_nacks: d.max_nacks,
@@ -1001,6 +1005,7 @@ impl Config {
             max_payload: u.max_payload,
             retransmit_bytes: u.retransmit_mb << 20,
             retransmit_age: Duration::from_millis(u.retransmit_age_ms),
+            start_retransmit_age: Duration::from_millis(u.start_retransmit_age_ms),
             nack_delay: Duration::from_micros(u.nack_delay_us),
             nack_interval: Duration::from_micros(u.nack_interval_us),
             max_nacks: u.max_nacks,

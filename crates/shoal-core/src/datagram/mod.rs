@@ -42,6 +42,12 @@ pub struct UdpConfig {
     pub retransmit_bytes: u64,
     /// ... and none older than this. A NACK for an older datagram is unanswerable (counted).
     pub retransmit_age: Duration,
+    /// The datagrams of a stream's first `start_retransmit_age` are kept that long instead
+    /// (still within `retransmit_bytes`). A path's first packets wait while the kernel
+    /// resolves the neighbour (ARP). When that exchange is lost, Linux asks again only
+    /// after a second and drops the oldest packets it holds, so the builder sees the
+    /// stream's first gap a second late.
+    pub start_retransmit_age: Duration,
     /// A gap is NACKed this long after it is seen: datagrams reordered by less are not
     /// asked for.
     pub nack_delay: Duration,
@@ -78,13 +84,15 @@ impl Default for UdpConfig {
     /// or 500 ms per stream (a datagram may wait in its host's queue and a stalled builder
     /// see the gap late: with 200 ms, testbed runs whose processes stalled for 100-300 ms
     /// had NACKs arrive too late to be answered, 4-22 datagrams per run; the byte limit
-    /// binds first above 1 Gbit/s); reassembly given up after 100 ms, at most 64 MiB of it
-    /// per source.
+    /// binds first above 1 Gbit/s), and 2 s for the datagrams of the stream's first 2 s (a
+    /// lost ARP exchange holds a path's first packets for a second: docs/testbed.md);
+    /// reassembly given up after 100 ms, at most 64 MiB of it per source.
     fn default() -> Self {
         Self {
             max_payload: 1420,
             retransmit_bytes: 64 << 20,
             retransmit_age: Duration::from_millis(500),
+            start_retransmit_age: Duration::from_secs(2),
             nack_delay: Duration::from_millis(1),
             nack_interval: Duration::from_millis(5),
             max_nacks: 4,

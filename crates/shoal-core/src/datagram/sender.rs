@@ -73,6 +73,9 @@ pub struct DatagramSender {
     /// Sent datagrams by sequence number, oldest first, for retransmission.
     kept: VecDeque<Kept>,
     kept_bytes: u64,
+    /// When the first data datagram was sent: those of the stream's start are kept for
+    /// [`UdpConfig::start_retransmit_age`].
+    started: Option<Instant>,
     out: VecDeque<Bytes>,
     /// When to send a `SYNC` if nothing else is sent before (one per idle period).
     probe_at: Option<Instant>,
@@ -113,6 +116,7 @@ impl DatagramSender {
             next_seq: 0,
             kept: VecDeque::new(),
             kept_bytes: 0,
+            started: None,
             out: VecDeque::new(),
             probe_at: None,
             end: None,
@@ -201,6 +205,7 @@ impl DatagramSender {
         let mut batch = batch.freeze();
         for (h, len) in headers {
             let d = batch.split_to(super::DATAGRAM_HEADER_LEN + len);
+            self.started.get_or_insert(now);
             let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
             self.kept_bytes += kept.wire_len();
             self.kept.push_back(kept);
@@ -290,7 +295,14 @@ impl DatagramSender {
 
     fn forget_old(&mut self, now: Instant) {
         while let Some(k) = self.kept.front() {
-            let too_old = now.saturating_duration_since(k.at) > self.cfg.retransmit_age;
+            let at_start =
+                self.started.is_some_and(|s| k.at.saturating_duration_since(s) < self.cfg.start_retransmit_age);
+            let age = if at_start {
+                self.cfg.start_retransmit_age.max(self.cfg.retransmit_age)
+            } else {
+                self.cfg.retransmit_age
+            };
+            let too_old = now.saturating_duration_since(k.at) > age;
             if !too_old && self.kept_bytes <= self.cfg.retransmit_bytes {
                 break;
             }
