@@ -131,7 +131,7 @@ fn post_mortem(bencher: Bencher) {
             builder: (k % u64::from(BUILDERS)) as u32,
             loss: SliceLoss::Incomplete,
             lacking: vec![(k * 13 % u64::from(SOURCES)) as u32, (k * 7 % u64::from(SOURCES)) as u32],
-            arrived_late: Vec::new(),
+            lacking_came_late: false,
         })
         .collect();
     let facts = RunFacts {

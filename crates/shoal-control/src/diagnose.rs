@@ -190,7 +190,7 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
                 builder: shoal_core::slice::builder_for(slice, config.run.builders.max(1)),
                 loss,
                 lacking: Vec::new(),
-                arrived_late: Vec::new(),
+                lacking_came_late: false,
             }));
         }
     }
@@ -203,14 +203,14 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
             builder: *id,
             loss: SliceLoss::Incomplete,
             lacking: s.missing.iter().chain(&s.dropped).copied().collect(),
-            arrived_late: s.arrived_late.clone(),
+            lacking_came_late: s.sources_came_late(),
         }));
         lost.extend(d.not_filtered_slices.iter().map(|s| LostSlice {
             slice: *s,
             builder: *id,
             loss: SliceLoss::NotFiltered,
             lacking: Vec::new(),
-            arrived_late: Vec::new(),
+            lacking_came_late: false,
         }));
         unlisted += d.incomplete_unlisted + d.slices_not_filtered.saturating_sub(d.not_filtered_slices.len() as u64);
     }

@@ -65,8 +65,6 @@ pub struct PrefetchStats {
     pub generated_inline: u64,
     /// Times the thread woke from waiting for work and computed a batch.
     pub batches_after_waiting: u64,
-    /// Slices the thread computed.
-    pub slices_computed: u64,
 }
 
 struct State {
@@ -204,7 +202,6 @@ fn generate_ahead<W: Workload>(shared: &Shared<W>) {
         let slice = state.next_to_generate;
         state.next_to_generate += 1;
         state.in_progress = Some(slice);
-        state.stats.slices_computed += 1;
         drop(state);
         for &source in &shared.sources {
             let fragment = shared.workload.generate(source, slice);

@@ -219,7 +219,7 @@ fn wall_clock_cuts(s: &RunSummary) -> Option<String> {
         for &m in &i.missing {
             *missing.entry(m).or_default() += 1;
         }
-        all_came_later += u64::from(!i.missing.is_empty() && i.missing.iter().all(|m| i.arrived_late.contains(m)));
+        all_came_later += u64::from(i.sources_came_late());
     }
     let mut text =
         format!("{cut} slices were processed incomplete at the builders' wall-clock guard (`builder.wall_timeout_ms`)");

@@ -202,10 +202,12 @@ impl DatagramSender {
         } else {
             self.last_frame = Some((slice, frame_len));
         }
+        if !headers.is_empty() {
+            self.started.get_or_insert(now);
+        }
         let mut batch = batch.freeze();
         for (h, len) in headers {
             let d = batch.split_to(super::DATAGRAM_HEADER_LEN + len);
-            self.started.get_or_insert(now);
             let kept = Kept { at: now, header: h, payload: d.slice(super::DATAGRAM_HEADER_LEN..) };
             self.kept_bytes += kept.wire_len();
             self.kept.push_back(kept);

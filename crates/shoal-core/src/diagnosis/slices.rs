@@ -17,7 +17,7 @@
 //!    builder discarding fragments as late does not claim a slice whose missing sources
 //!    all came late: their lateness is what it shows;
 //! 3. a slice processed without sources that all sent its fragment afterwards
-//!    ([`LostSlice::arrived_late`]): [`SOURCES_LATE`] on their hosts. They were sending,
+//!    ([`LostSlice::lacking_came_late`]): [`SOURCES_LATE`] on their hosts. They were sending,
 //!    but behind by more than the builder waited (its wall-clock guard, its window);
 //! 4. a slice never filtered is the filter's, even without an episode (its queue was full
 //!    by definition): [`Rule::FilterBehind`];
@@ -67,8 +67,9 @@ pub struct LostSlice {
     pub loss: SliceLoss,
     /// Sources it lacked (sent nothing, or discarded).
     pub lacking: Vec<u32>,
-    /// Of those, the sources whose fragment came after the slice was processed.
-    pub arrived_late: Vec<u32>,
+    /// Every source it lacked sent its fragment after the slice was processed
+    /// ([`crate::node::IncompleteSlice::sources_came_late`]).
+    pub lacking_came_late: bool,
 }
 
 /// The cause of a slice whose lacking sources all sent their fragments after the builder
@@ -167,7 +168,7 @@ pub fn not_built(facts: &RunFacts, builder: u32, departed: &Departed) -> Vec<Los
             builder,
             loss: SliceLoss::NotBuilt,
             lacking: Vec::new(),
-            arrived_late: Vec::new(),
+            lacking_came_late: false,
         })
         .collect()
 }
@@ -223,9 +224,7 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
         facts.episodes.iter().filter(on).any(|e| e.rule == Rule::SourceDropping && involved(&e.process));
     // Every source it lacked sent its fragment after it was processed: the builder that
     // discarded them as late shows their lateness, it did not cause it.
-    let all_late = s.loss == SliceLoss::Incomplete
-        && !s.lacking.is_empty()
-        && s.lacking.iter().all(|id| s.arrived_late.contains(id));
+    let all_late = s.loss == SliceLoss::Incomplete && s.lacking_came_late;
     let mut candidates: Vec<&Episode> = facts
         .episodes
         .iter()

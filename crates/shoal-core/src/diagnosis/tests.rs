@@ -318,7 +318,7 @@ fn facts() -> RunFacts {
 }
 
 fn lost(slice: u64, loss: SliceLoss, lacking: &[u32]) -> LostSlice {
-    LostSlice { slice, builder: (slice % 2) as u32, loss, lacking: lacking.to_vec(), arrived_late: Vec::new() }
+    LostSlice { slice, builder: (slice % 2) as u32, loss, lacking: lacking.to_vec(), lacking_came_late: false }
 }
 
 fn episode(rule: Rule, process: &str, role: &str, from_slice: u64, to_slice: Option<u64>) -> Episode {
@@ -475,9 +475,15 @@ fn a_slice_lost_twice_is_lost_by_what_lost_the_most_of_it() {
 fn slices_whose_missing_sources_all_came_late_are_those_sources_being_late() {
     let mut f = facts();
     f.hosts.push(Host { name: "source23".into(), role: "source".into(), sources: vec![2, 3], builder: None });
-    let late = |slice, lacking: &[u32], arrived: &[u32]| LostSlice {
-        arrived_late: arrived.to_vec(),
-        ..lost(slice, SliceLoss::Incomplete, lacking)
+    // As the run record's builders list them.
+    let late = |slice, lacking: &[u32], arrived: &[u32]| {
+        let listed = crate::node::IncompleteSlice {
+            slice,
+            missing: lacking.to_vec(),
+            arrived_late: arrived.to_vec(),
+            ..Default::default()
+        };
+        LostSlice { lacking_came_late: listed.sources_came_late(), ..lost(slice, SliceLoss::Incomplete, lacking) }
     };
     f.lost = vec![
         late(1030, &[0], &[0]),

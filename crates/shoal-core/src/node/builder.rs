@@ -149,6 +149,15 @@ impl IncompleteSlice {
             arrived_late: Vec::new(),
         }
     }
+
+    /// Every source it lacked sent its fragment, after the slice was processed (none sent
+    /// nothing, none was discarded): the sources were late, nothing was lost on the way.
+    pub fn sources_came_late(&self) -> bool {
+        !self.missing.is_empty()
+            && self.dropped.is_empty()
+            && self.unlisted_sources == 0
+            && self.missing.iter().all(|m| self.arrived_late.contains(m))
+    }
 }
 
 /// A builder process's decisions. See the [module documentation](super).
