@@ -13,7 +13,7 @@
 //! - [`hit`]: the 6-byte hit record and the waveform record carried in frame payloads.
 //! - [`slice`]: slice numbers, the slice clock and the slice-to-builder rule.
 //! - [`shaping`]: traffic-shaping policies behind the [`shaping::Shaper`] trait
-//!   (`Direct`, `Delayed { k }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
+//!   (`Direct`, `Delayed { k, window }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
 //!   [`shaping::BurstCutoff`].
 //! - [`assembly`]: the builder's [`assembly::SliceAssembler`].
 //! - [`budget`]: one memory budget per process, divided among its queues

@@ -94,9 +94,12 @@ pub trait Shaper: Send + fmt::Debug {
     }
 }
 
+/// Delayed transmission's window when the text form gives none (`delayed:K`).
+pub const DELAYED_WINDOW: u32 = 1;
+
 /// The policy of a run, as chosen on the command line or in a configuration file.
 ///
-/// Text form: `direct`, `delayed:K`, `tbf:RATE[:BURST]` where RATE is bytes per second
+/// Text form: `direct`, `delayed:K[:W]`, `tbf:RATE[:BURST]` where RATE is bytes per second
 /// (suffixes `k`, `M`, `G`; append `bit` for bits, e.g. `tbf:40Mbit`) and BURST bytes,
 /// `pull:CREDITS[:cap=N][:timeout=DUR][:reasks=N][:hold=N][:rate=RATE[:burst=BURST]]` (see
 /// [`PullConfig`]; DUR such as `50ms`, `200us`, `1s`; `rate`: sources answer requests
@@ -104,8 +107,15 @@ pub trait Shaper: Send + fmt::Debug {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Policy {
     Direct,
-    Delayed { k: u32 },
-    TokenBucket { rate_bytes_per_s: u64, burst_bytes: u64 },
+    /// `window`: most fragments of one source being written at a time (at least 1).
+    Delayed {
+        k: u32,
+        window: u32,
+    },
+    TokenBucket {
+        rate_bytes_per_s: u64,
+        burst_bytes: u64,
+    },
     Pull(PullConfig),
 }
 
@@ -168,7 +178,7 @@ impl Policy {
     pub fn build(&self, ctx: ShaperContext) -> Box<dyn Shaper> {
         match *self {
             Policy::Direct => Box::new(Direct::new(ctx)),
-            Policy::Delayed { k } => Box::new(Delayed::new(ctx, k)),
+            Policy::Delayed { k, window } => Box::new(Delayed::with_window(ctx, k, window)),
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 Box::new(TokenBucket::new(ctx, rate_bytes_per_s, burst_bytes))
             }
@@ -181,7 +191,8 @@ impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Policy::Direct => write!(f, "direct"),
-            Policy::Delayed { k } => write!(f, "delayed:{k}"),
+            Policy::Delayed { k, window } if *window == DELAYED_WINDOW => write!(f, "delayed:{k}"),
+            Policy::Delayed { k, window } => write!(f, "delayed:{k}:{window}"),
             Policy::TokenBucket { rate_bytes_per_s, burst_bytes } => {
                 write!(f, "tbf:{rate_bytes_per_s}:{burst_bytes}")
             }
@@ -265,10 +276,17 @@ impl FromStr for Policy {
                 if k == 0 {
                     return Err(err("K must be at least 1"));
                 }
+                let window = match parts.next() {
+                    Some(w) => w.parse().map_err(|_| err("W is not a number"))?,
+                    None => DELAYED_WINDOW,
+                };
+                if window == 0 {
+                    return Err(err("W must be at least 1"));
+                }
                 if parts.next().is_some() {
                     return Err(err("trailing text"));
                 }
-                Ok(Policy::Delayed { k })
+                Ok(Policy::Delayed { k, window })
             }
             "tbf" => {
                 let rate = parse_quantity(parts.next().ok_or(err("missing RATE"))?).ok_or(err("bad RATE"))?;
@@ -362,15 +380,24 @@ pub struct Delayed {
     delay: u64,
     fifo: VecDeque<Outgoing>,
     latest: Option<SliceNumber>,
-    in_flight: Option<SliceNumber>,
+    /// Fragments handed out and not yet reported sent (at most `window`, in slice order).
+    in_flight: VecDeque<SliceNumber>,
+    window: usize,
     draining: bool,
 }
 
 impl Delayed {
-    /// `k`: sources per builder per slot (at least 1; 0 is treated as 1).
+    /// `k`: sources per builder per slot (at least 1; 0 is treated as 1); one fragment
+    /// in flight at a time.
     pub fn new(ctx: ShaperContext, k: u32) -> Self {
+        Self::with_window(ctx, k, 1)
+    }
+
+    /// As [`Delayed::new`] with up to `window` fragments in flight (0 is treated as 1).
+    pub fn with_window(ctx: ShaperContext, k: u32, window: u32) -> Self {
         let delay = u64::from(ctx.source / k.max(1));
-        Self { ctx, delay, fifo: VecDeque::new(), latest: None, in_flight: None, draining: false }
+        let window = window.max(1) as usize;
+        Self { ctx, delay, fifo: VecDeque::new(), latest: None, in_flight: VecDeque::new(), window, draining: false }
     }
 
     /// This source's delay in slices (`source div k`).
@@ -385,8 +412,8 @@ impl Shaper for Delayed {
         self.fifo.push_back(frag);
     }
     fn handle_sent(&mut self, _now: Instant, slice: SliceNumber) {
-        if self.in_flight == Some(slice) {
-            self.in_flight = None;
+        if let Some(i) = self.in_flight.iter().position(|&s| s == slice) {
+            self.in_flight.remove(i);
         }
     }
     fn handle_slot_end(&mut self, _now: Instant, slice: SliceNumber) {
@@ -396,8 +423,8 @@ impl Shaper for Delayed {
         self.draining = true;
     }
     fn poll_transmit(&mut self, _now: Instant) -> Option<Transmit> {
-        if self.in_flight.is_some() {
-            return None; // falling behind: the previous fragment still occupies the link
+        if self.in_flight.len() >= self.window {
+            return None; // falling behind: the previous fragments still occupy the link
         }
         let front = *self.fifo.front()?;
         let latest = self.latest.unwrap_or(front.slice);
@@ -406,7 +433,7 @@ impl Shaper for Delayed {
             return None;
         }
         self.fifo.pop_front();
-        self.in_flight = Some(front.slice);
+        self.in_flight.push_back(front.slice);
         Some(whole(builder_for(front.slice, self.ctx.n_builders), front))
     }
     fn poll_timeout(&self) -> Option<Instant> {
@@ -765,7 +792,11 @@ mod tests {
     #[test]
     fn parse_policies() {
         assert_eq!("direct".parse::<Policy>(), Ok(Policy::Direct));
-        assert_eq!("delayed:8".parse::<Policy>(), Ok(Policy::Delayed { k: 8 }));
+        assert_eq!("delayed:8".parse::<Policy>(), Ok(Policy::Delayed { k: 8, window: DELAYED_WINDOW }));
+        assert_eq!("delayed:8:4".parse::<Policy>(), Ok(Policy::Delayed { k: 8, window: 4 }));
+        for p in [Policy::Delayed { k: 8, window: 4 }, Policy::Delayed { k: 3, window: DELAYED_WINDOW }] {
+            assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
+        }
         assert_eq!(
             "tbf:40Mbit".parse::<Policy>(),
             Ok(Policy::TokenBucket { rate_bytes_per_s: 5_000_000, burst_bytes: 9000 })
@@ -774,9 +805,21 @@ mod tests {
             "tbf:2MB:64k".parse::<Policy>(),
             Ok(Policy::TokenBucket { rate_bytes_per_s: 2_000_000, burst_bytes: 64_000 })
         );
-        for bad in
-            ["", "delayed", "delayed:0", "delayed:x", "tbf", "tbf:0", "tbf:-5", "fast", "direct:1", "tbf:1M:2k:3"]
-        {
+        for bad in [
+            "",
+            "delayed",
+            "delayed:0",
+            "delayed:x",
+            "delayed:8:0",
+            "delayed:8:x",
+            "delayed:8:2:1",
+            "tbf",
+            "tbf:0",
+            "tbf:-5",
+            "fast",
+            "direct:1",
+            "tbf:1M:2k:3",
+        ] {
             assert!(bad.parse::<Policy>().is_err(), "{bad} should be rejected");
         }
         let p = Policy::TokenBucket { rate_bytes_per_s: 7, burst_bytes: 9000 };
@@ -834,6 +877,40 @@ mod tests {
         assert_eq!(s.queued(), 0);
         // Builder 0 received 300 bytes: 100 of burst, 200 at 1000 B/s.
         assert_eq!(now, Instant::from_nanos(200_000_000));
+    }
+
+    #[test]
+    fn a_delayed_source_behind_hands_out_its_window_at_once() {
+        let mut s = Delayed::with_window(ctx(17, 10), 8, 3); // delay 2
+        let t = Instant::ZERO;
+        for slice in 0..3 {
+            s.handle_fragment(t, Outgoing { slice, len: 1 });
+        }
+        // On schedule: slice 0 is due, and the window does not send anything early.
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 0);
+        assert_eq!(s.poll_transmit(t), None);
+        // Slice 0 overruns three slots: 1, 2 and 3 are due and go together, to their own
+        // builders, while 0 is still being written; 4 waits for a place in the window.
+        for slice in 3..7 {
+            s.handle_fragment(t, Outgoing { slice, len: 1 });
+        }
+        let out: Vec<_> = std::iter::from_fn(|| s.poll_transmit(t)).map(|tx| (tx.slice, tx.dest)).collect();
+        assert_eq!(out, [(1, 1), (2, 2)]);
+        // Reports out of order: each frees its own place.
+        s.handle_sent(t, 2);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 3);
+        assert_eq!(s.poll_transmit(t), None);
+        s.handle_sent(t, 0);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 4);
+        // Slice 5 is not due before slice 7's slot, whatever the window.
+        s.handle_sent(t, 1);
+        s.handle_sent(t, 3);
+        assert_eq!(s.poll_transmit(t), None);
+        assert_eq!(s.queued(), 2);
+        // A report for a slice not in flight (already released) changes nothing.
+        s.handle_sent(t, 1);
+        s.handle_slot_end(t, 7);
+        assert_eq!(s.poll_transmit(t).unwrap().slice, 5);
     }
 
     #[test]
@@ -962,10 +1039,11 @@ mod tests {
         /// Barrel-shifter steady state (domain.md section 3): every source sends at most one
         /// fragment per slot, source i queues i div k fragments, and no builder receives
         /// from more than k sources in one slot.
+        /// A window changes nothing on schedule: one fragment becomes due per slot.
         #[test]
-        fn barrel_shifter_steady_state(n in 1u32..120, k in 1u32..20, extra_builders in 0u32..5, slots in 1u64..40) {
+        fn barrel_shifter_steady_state(n in 1u32..120, k in 1u32..20, extra_builders in 0u32..5, slots in 1u64..40, window in 1u32..5) {
             let m = n.div_ceil(k) + extra_builders;
-            let mut shapers: Vec<Delayed> = (0..n).map(|i| Delayed::new(ctx(i, m), k)).collect();
+            let mut shapers: Vec<Delayed> = (0..n).map(|i| Delayed::with_window(ctx(i, m), k, window)).collect();
             let max_delay = u64::from((n - 1) / k);
             for slot in 0..(max_delay + slots) {
                 let now = Instant::from_nanos((slot + 1) * SLOT);
@@ -990,25 +1068,29 @@ mod tests {
             }
         }
 
-        /// With arbitrary transport completion delays, Delayed still sends every fragment
-        /// exactly once, in order, one at a time.
+        /// With arbitrary transport completion delays (completing out of order, too),
+        /// Delayed still sends every fragment exactly once, in order, never more than its
+        /// window at a time, and never before its slot.
         #[test]
-        fn delayed_overrun_sends_each_once_in_order(source in 0u32..50, k in 1u32..10, lags in proptest::collection::vec(0u8..4, 1..60)) {
-            let mut s = Delayed::new(ctx(source, 7), k);
+        fn delayed_overrun_sends_each_once_in_order(source in 0u32..50, k in 1u32..10, window in 1u32..5, lags in proptest::collection::vec(0u8..4, 1..60)) {
+            let mut s = Delayed::with_window(ctx(source, 7), k, window);
             let mut sent = Vec::new();
-            let mut in_flight: Option<(SliceNumber, u8)> = None;
+            let mut in_flight: Vec<(SliceNumber, u8)> = Vec::new();
             let n = lags.len() as u64;
             for slot in 0..n + 200 {
                 let now = Instant::from_nanos(slot * SLOT);
                 if slot < n { s.handle_fragment(now, Outgoing { slice: slot, len: 1 }); }
                 if slot == n { s.handle_drain(now); }
-                if let Some((slice, left)) = in_flight {
-                    if left == 0 { s.handle_sent(now, slice); in_flight = None; } else { in_flight = Some((slice, left - 1)); }
+                let mut writing = Vec::new();
+                for (slice, left) in in_flight.drain(..) {
+                    if left == 0 { s.handle_sent(now, slice); } else { writing.push((slice, left - 1)); }
                 }
-                if let Some(t) = s.poll_transmit(now) {
-                    prop_assert!(in_flight.is_none());
+                in_flight = writing;
+                while let Some(t) = s.poll_transmit(now) {
+                    prop_assert!(in_flight.len() < window as usize, "{} in flight, window {}", in_flight.len(), window);
+                    prop_assert!(slot >= n || t.slice + s.delay_slices() <= slot, "slice {} before its slot {}", t.slice, slot);
                     sent.push(t.slice);
-                    in_flight = Some((t.slice, lags[t.slice as usize]));
+                    in_flight.push((t.slice, lags[t.slice as usize]));
                 }
             }
             prop_assert_eq!(sent, (0..n).collect::<Vec<_>>());

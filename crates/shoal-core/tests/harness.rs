@@ -647,7 +647,7 @@ impl Pair {
 fn policy() -> impl Strategy<Value = Policy> {
     prop_oneof![
         Just(Policy::Direct),
-        (1u32..4).prop_map(|k| Policy::Delayed { k }),
+        (1u32..4).prop_map(|k| Policy::Delayed { k, window: 1 }),
         (20_000u64..2_000_000, 40u64..5_000)
             .prop_map(|(rate, burst)| Policy::TokenBucket { rate_bytes_per_s: rate, burst_bytes: burst }),
     ]
@@ -811,7 +811,7 @@ proptest! {
         s.n_builders = s.n_builders.max(2);
         s.rate = vec![1_000_000_000; s.n_builders as usize];
         s.rate[0] = 0;
-        s.policy = Policy::Delayed { k };
+        s.policy = Policy::Delayed { k, window: 1 };
         s.stall_limit_slices = stall;
         s.drain_timeout = Duration::from_millis(50);
         s.max_active = 3;
