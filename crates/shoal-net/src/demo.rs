@@ -9,8 +9,9 @@ use std::time::Duration as StdDuration;
 use hdrhistogram::Histogram;
 use shoal_core::SourceId;
 use shoal_core::ledger::{BuilderTally, Ledger, SourceTally};
+use shoal_core::loghist::LogHistogram;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::builder::{BuilderReport, new_histogram, run_builder};
 use crate::clock::WallClock;
@@ -34,6 +35,19 @@ pub struct DelayStats {
 }
 
 impl DelayStats {
+    /// From a [`LogHistogram`] (to a bucket's width, 12.5 %; the maximum is its bucket's
+    /// upper bound).
+    pub fn from_log(h: &LogHistogram) -> Self {
+        let quantile = |u: f64| h.inverse_cdf(u).unwrap_or(0.0).round() as u64;
+        Self {
+            count: h.count(),
+            mean_us: h.mean().unwrap_or(0.0),
+            p50_us: quantile(0.5),
+            p99_us: quantile(0.99),
+            max_us: quantile(1.0),
+        }
+    }
+
     pub fn from_histogram(h: &Histogram<u64>) -> Self {
         if h.is_empty() {
             return Self::default();
@@ -77,6 +91,11 @@ pub struct RunSummary {
     pub mbytes_per_s: f64,
     pub network_delay: DelayStats,
     pub shaping_delay: DelayStats,
+    /// The sources' time from handing a fragment to its link to the link's report that
+    /// the kernel took it: a full socket buffer (a builder reading slowly) or a process
+    /// short of CPU. With delayed transmission it is what a source that is behind needs
+    /// per fragment to catch up.
+    pub send_completion: DelayStats,
     pub rejected_connections: BTreeMap<String, u64>,
     pub late_slice_ends: u64,
     /// The latest slice end (ms late) and when it was (s into the run), over every node.
@@ -238,8 +257,18 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let (mut late_slice_ends, mut slices_skipped, mut dropped_over_memory) = (0, 0, 0);
     let mut worst_late = (0u64, 0u64);
     let mut clb: Option<shoal_core::km3net::dataqueue::DataQueueReport> = None;
+    let mut send_completion = LogHistogram::default();
     for n in nodes {
         let r = n.await??;
+        send_completion.merge(&r.send_completion_us);
+        debug!(
+            sources = ?r.tallies.keys().collect::<Vec<_>>(),
+            send_completion = ?DelayStats::from_log(&r.send_completion_us),
+            late_slice_ends = r.late_slice_ends,
+            worst_late_ms = r.worst_late_ns / 1_000_000,
+            dropped_over_memory = r.dropped_over_memory,
+            "source node report"
+        );
         if let Some(c) = &r.clb {
             clb.get_or_insert_with(Default::default).merge(c);
         }
@@ -286,6 +315,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     summary.worst_late_ms = worst_late.0 as f64 / 1e6;
     summary.worst_late_at_s = worst_late.1 as f64 / 1e9;
     summary.dropped_over_memory = dropped_over_memory;
+    summary.send_completion = DelayStats::from_log(&send_completion);
     summary.memory_budget_mb = plan.memory.budget >> 20;
     summary.memory_planned_mb = plan.memory.total() >> 20;
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
@@ -357,6 +387,7 @@ fn summarize(
         mbytes_per_s: if span_s > 0.0 { bytes as f64 / span_s / 1e6 } else { 0.0 },
         network_delay: DelayStats::from_histogram(&net),
         shaping_delay: DelayStats::from_histogram(&shaping),
+        send_completion: DelayStats::default(),
         rejected_connections: rejected,
         late_slice_ends,
         worst_late_ms: 0.0,

@@ -93,6 +93,7 @@ pub fn table(s: &RunSummary) -> String {
         ("data", format!("{:.1} MB at {:.1} MB/s", s.bytes_received as f64 / 1e6, s.mbytes_per_s)),
         ("network delay", delays(&s.network_delay)),
         ("shaping delay", delays(&s.shaping_delay)),
+        ("send completion", delays(&s.send_completion)),
         (
             "late / dropped",
             format!(

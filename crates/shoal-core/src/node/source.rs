@@ -196,6 +196,12 @@ pub struct SourceNodeReport {
     /// far apart software sources start sending (shoal-sim `wake` draws from it).
     #[cfg_attr(feature = "serde", serde(default))]
     pub slice_end_lag_us: crate::loghist::LogHistogram,
+    /// Fragments written: the time from the last piece handed to the transport to the
+    /// transport's report that it was written (µs). Long times mean a full socket buffer
+    /// (the builder reads slowly) or a driver starved of CPU between the two; with
+    /// delayed transmission each of them holds back the source's next fragment.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub send_completion_us: crate::loghist::LogHistogram,
     /// Slices not produced because the node reached their end more than
     /// [`SourceNodeConfig::max_lag`] late (per node, not per source).
     #[cfg_attr(feature = "serde", serde(default))]
@@ -254,6 +260,8 @@ struct PendingFrame {
     dropped: bool,
     /// Bytes of this frame handed to the transport so far.
     handed: u64,
+    /// When its last piece was handed out (for [`SourceNodeReport::send_completion_us`]).
+    handed_at: Instant,
 }
 
 impl PendingFrame {
@@ -611,7 +619,15 @@ impl SourceNode {
             crate::checksum::crc32c(&frag.payload),
         ));
         self.held_bytes += len;
-        let f = PendingFrame { header, flags, payload: frag.payload, dest: None, dropped: false, handed: 0 };
+        let f = PendingFrame {
+            header,
+            flags,
+            payload: frag.payload,
+            dest: None,
+            dropped: false,
+            handed: 0,
+            handed_at: Instant::ZERO,
+        };
         self.late_frames.push_back((i, slice, f));
         // Produced after the drain began: the drain waits for it like any queued frame.
         self.check_closed(now);
@@ -974,7 +990,8 @@ impl SourceNode {
         };
         let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
         let header = Bytes::copy_from_slice(&frame::encode_header_with_crc(&header, payload_len, crc));
-        let f = PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0 };
+        let f =
+            PendingFrame { header, flags, payload, dest: None, dropped: false, handed: 0, handed_at: Instant::ZERO };
         let len = f.len();
         self.held_bytes += len;
         let h = &mut self.hosted[i];
@@ -1030,6 +1047,7 @@ impl SourceNode {
         };
         if tx.last {
             h.stall = Some((tx.slice, now + self.stall_limit));
+            f.handed_at = now;
         }
         if self.cfg.record_transmits {
             let rec = TransmitRecord { at: now, source: h.id, dest: tx.dest, slice: tx.slice, bytes: tx.len };
@@ -1058,6 +1076,7 @@ impl SourceNode {
         self.held_bytes -= f.len();
         if sent {
             h.sent_to[dest as usize] += 1;
+            self.report.send_completion_us.record(now.as_nanos().saturating_sub(f.handed_at.as_nanos()) / 1_000);
         } else {
             h.tally.send_failed += 1;
             self.totals.dropped += 1;
@@ -1375,6 +1394,42 @@ mod tests {
         node.handle_timeout(t3, &Fixed(60));
         let tx = drain(&mut node, t3);
         assert_eq!(tx.iter().map(|x| x.slice).collect::<Vec<_>>(), [1]);
+    }
+
+    /// How far behind its slot a `delayed:1:W` source is after 1 s in which the transport
+    /// reports each frame written 15 ms (1.5 slots) after it was handed out: the most slots
+    /// between a fragment's slot and its hand-out, and the fragments still queued.
+    fn lag_with_slow_reports(policy: &str) -> (u64, usize) {
+        let mut c = cfg(vec![0], 4, policy);
+        c.stall_limit_slices = 1000; // the reports alone release the schedule
+        let mut node = SourceNode::new(c, Instant::ZERO);
+        let mut reports: VecDeque<(Instant, SliceNumber)> = VecDeque::new();
+        let mut worst = 0;
+        for ms in 1..=1000u64 {
+            let now = Instant::from_nanos(ms * MS);
+            while reports.front().is_some_and(|&(at, _)| at <= now) {
+                let (_, slice) = reports.pop_front().unwrap();
+                node.handle_sent(now, 0, slice);
+            }
+            node.handle_timeout(now, &Fixed(60));
+            for t in drain(&mut node, now) {
+                // Slice s ends at (s + 1) slots; delayed:1 gives source 0 no delay.
+                worst = worst.max((ms / 10).saturating_sub(t.slice + 1));
+                reports.push_back((now + Duration::from_millis(15), t.slice));
+            }
+        }
+        (worst, node.queued())
+    }
+
+    #[test]
+    fn a_window_lets_a_source_keep_up_when_each_write_outlasts_its_slot() {
+        // One fragment at a time, 15 ms each, against one slice every 10 ms: the source
+        // falls a third of a slot further behind with every slice.
+        let (worst, queued) = lag_with_slow_reports("delayed:1");
+        assert!(worst >= 30 && queued >= 30, "one in flight: {worst} slots behind, {queued} queued");
+        // Two in flight: twice the rate the transport's latency allows, so it keeps pace.
+        let (worst, queued) = lag_with_slow_reports("delayed:1:2");
+        assert!(worst <= 2 && queued <= 2, "window 2: {worst} slots behind, {queued} queued");
     }
 
     #[test]
