@@ -194,6 +194,9 @@ pub fn table(s: &RunSummary) -> String {
     }
     if let Some(w) = wall_clock_cuts(s) {
         let _ = writeln!(o, "  warning: {w}");
+        if let Some(h) = window_hint(&s.policy, s.slice_ms, &s.send_completion) {
+            let _ = writeln!(o, "  hint: {h}");
+        }
     }
     if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
         let _ = writeln!(
@@ -249,6 +252,23 @@ fn wall_clock_cuts(s: &RunSummary) -> Option<String> {
     Some(text)
 }
 
+/// For a barrel shifter with one fragment in flight whose sources fell behind: how fast a
+/// source behind can catch up is one fragment per round trip through its link, and when
+/// that round trip is a good part of a slot (a busy process), a window lets it hand out
+/// more at a time.
+fn window_hint(policy: &str, slice_ms: u64, send_completion: &DelayStats) -> Option<String> {
+    let Ok(shoal_core::shaping::Policy::Delayed { k, window: 1 }) = policy.parse() else { return None };
+    let slot_us = slice_ms as f64 * 1e3;
+    (send_completion.count > 0 && send_completion.mean_us >= slot_us / 4.0).then(|| {
+        format!(
+            "with `delayed:{k}` a source behind its slots sends one fragment per round trip to its link, and that \
+             round trip took {} on average against {slice_ms}-ms slices: `delayed:{k}:2` lets a source behind \
+             hand out two at a time (docs/configuration.md, `run.policy`)",
+            us(send_completion.mean_us)
+        )
+    })
+}
+
 /// Sources and how many slices lacked each, as runs of consecutive ids with the same
 /// count (the sources of one process usually go missing together), most slices first.
 fn source_groups(missing: &std::collections::BTreeMap<u32, u64>) -> Vec<(String, u64)> {
@@ -266,6 +286,18 @@ fn source_groups(missing: &std::collections::BTreeMap<u32, u64>) -> Vec<(String,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slow_round_trip_under_a_one_fragment_barrel_shifter_suggests_a_window() {
+        let completion = |mean_us: f64| DelayStats { count: 10, mean_us, ..DelayStats::default() };
+        let hint = window_hint("delayed:8", 10, &completion(12_000.0)).expect("a hint");
+        assert!(hint.contains("`delayed:8:2`") && hint.contains("12.00 ms"), "{hint}");
+        // A quick round trip, a window already, another policy, nothing measured: no hint.
+        assert_eq!(window_hint("delayed:8", 10, &completion(2_000.0)), None);
+        assert_eq!(window_hint("delayed:8:2", 10, &completion(12_000.0)), None);
+        assert_eq!(window_hint("direct", 10, &completion(12_000.0)), None);
+        assert_eq!(window_hint("delayed:8", 10, &DelayStats::default()), None);
+    }
 
     #[test]
     fn sources_missing_together_are_named_as_one_range() {
