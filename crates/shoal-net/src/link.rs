@@ -13,13 +13,6 @@
 //! For pull runs ([`LinkOptions`]) a link also greets the peer after every connect (one
 //! hello per hosted source, so the builder knows where to send requests) and reads the
 //! peer's requests from the same connection.
-//!
-//! [`Link::send_now`] is the owner's short cut for a whole frame: when nothing is queued
-//! and the connection is up, the owner writes the frame itself, without a round trip
-//! through the link task and back (two task wake-ups, each waiting its turn in the
-//! runtime's run queue, which on a busy process is milliseconds). What the socket does
-//! not take goes to the link task as usual. A data source with one fragment in flight
-//! (barrel shifting) can only catch up as fast as that round trip.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -84,15 +77,8 @@ pub struct Link {
     pub id: u32,
     tx: mpsc::UnboundedSender<Chunk>,
     queued: Arc<AtomicU64>,
-    direct: Direct,
     pub task: tokio::task::JoinHandle<()>,
 }
-
-/// The connection's socket for [`Link::send_now`] (a second descriptor of it, in the same
-/// non-blocking mode): set by the link task while it is connected, cleared before it
-/// reconnects or closes. The owner writes through it only while nothing is queued, so the
-/// link task has nothing to write then, and the two never interleave on the wire.
-type Direct = Arc<std::sync::Mutex<Option<std::net::TcpStream>>>;
 
 /// What a pull source's link adds: hellos after each connect, and the requests read back.
 #[derive(Clone, Debug, Default)]
@@ -186,10 +172,8 @@ impl Link {
     ) -> Link {
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicU64::new(0));
-        let direct = Direct::default();
-        let task =
-            tokio::spawn(run(id, addr, clock, backoff, rx, queued.clone(), direct.clone(), reports, closing, options));
-        Link { id, tx, queued, direct, task }
+        let task = tokio::spawn(run(id, addr, clock, backoff, rx, queued.clone(), reports, closing, options));
+        Link { id, tx, queued, task }
     }
 
     /// Bytes enqueued and not yet written.
@@ -204,38 +188,6 @@ impl Link {
         if self.tx.send(chunk).is_err() {
             // The task has ended (it only does so after `close`); nothing will be written.
             self.queued.fetch_sub(len, Ordering::Relaxed);
-        }
-    }
-
-    /// Writes `chunk`, a whole frame, at once from the caller when nothing is queued and
-    /// the connection is up, its header stamped with `now` as the send time. Returns true
-    /// when the kernel took all of it: the caller has its report now and the link sends
-    /// none. Otherwise the chunk, or the part the socket did not take, goes to the link
-    /// task as with [`Link::send`], which reports it as usual (a failed connection
-    /// included). Pieces of frames always take the queue: a frame cut short by a failure
-    /// must not go on with its rest on the next connection.
-    pub fn send_now(&self, chunk: Chunk, now: shoal_core::Instant) -> bool {
-        if !(chunk.first && chunk.last) || self.queued.load(Ordering::Acquire) != 0 {
-            self.send(chunk);
-            return false;
-        }
-        let written = match self.direct.try_lock() {
-            Ok(socket) => match socket.as_ref() {
-                Some(socket) => write_frame_now(socket, &chunk, now),
-                None => Written::Nothing,
-            },
-            Err(_) => Written::Nothing,
-        };
-        match written {
-            Written::All => true,
-            Written::Nothing => {
-                self.send(chunk);
-                false
-            }
-            Written::Part(rest) => {
-                self.send(rest);
-                false
-            }
         }
     }
 
@@ -313,61 +265,6 @@ struct Connection {
     peer: PeerEnd,
 }
 
-/// What [`Link::send_now`] got into the socket.
-enum Written {
-    All,
-    Nothing,
-    /// The rest of the frame, for the link task: its header is stamped already.
-    Part(Chunk),
-}
-
-/// Writes a whole frame into a non-blocking socket until it is written or the socket
-/// takes no more (or fails: the link task meets the failure on its next write and does
-/// what a failure needs).
-fn write_frame_now(socket: &std::net::TcpStream, chunk: &Chunk, now: shoal_core::Instant) -> Written {
-    use std::io::Write;
-    let mut header = [0u8; HEADER_LEN];
-    let head: &[u8] = if chunk.head.len() == HEADER_LEN {
-        header.copy_from_slice(&chunk.head);
-        set_send_time(&mut header, now);
-        &header
-    } else {
-        &chunk.head
-    };
-    let total = chunk.len();
-    let mut written = 0;
-    while written < total {
-        let parts = [
-            IoSlice::new(&head[written.min(head.len())..]),
-            IoSlice::new(&chunk.body[written.saturating_sub(head.len())..]),
-        ];
-        match (&*socket).write_vectored(&parts) {
-            Ok(0) => break,
-            Ok(n) => written += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => break,
-        }
-    }
-    if written == total {
-        return Written::All;
-    }
-    if written == 0 {
-        return Written::Nothing;
-    }
-    let (head, body) = if written < head.len() {
-        (Bytes::copy_from_slice(&head[written..]), chunk.body.clone())
-    } else {
-        (Bytes::new(), chunk.body.slice(written - head.len()..))
-    };
-    Written::Part(Chunk { source: chunk.source, slice: chunk.slice, first: false, last: chunk.last, head, body })
-}
-
-/// A second descriptor of the connection's socket, for [`Link::send_now`].
-fn direct_socket(write: &OwnedWriteHalf) -> Option<std::net::TcpStream> {
-    let socket: &TcpStream = write.as_ref();
-    socket2::SockRef::from(socket).try_clone().ok().map(std::net::TcpStream::from)
-}
-
 #[allow(clippy::too_many_arguments)]
 async fn run(
     id: u32,
@@ -376,23 +273,17 @@ async fn run(
     backoff: Backoff,
     mut rx: mpsc::UnboundedReceiver<Chunk>,
     queued: Arc<AtomicU64>,
-    direct: Direct,
     reports: mpsc::UnboundedSender<LinkReport>,
     closing: CancellationToken,
     options: LinkOptions,
 ) {
     let mut stream: Option<Connection> = None;
     let paths = options.paths.clone();
-    // Pull links read requests from their connection and greet on every connect: the
-    // owner's short cut is for the plain data links.
-    let shares_socket = options.hello.is_empty() && options.requests.is_none();
-    let connection = |(write, peer): (OwnedWriteHalf, PeerEnd)| {
-        if shares_socket {
-            *direct.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = direct_socket(&write);
-        }
-        Connection { registered: paths.as_ref().map(|p| p.register(write.as_ref())), write, peer }
+    let connection = |(write, peer): (OwnedWriteHalf, PeerEnd)| Connection {
+        registered: paths.as_ref().map(|p| p.register(write.as_ref())),
+        write,
+        peer,
     };
-    let unshare = || *direct.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
@@ -487,7 +378,6 @@ async fn run(
             if let Some(p) = &paths {
                 p.count_link_failure();
             }
-            unshare();
             stream = None;
             // The chunk the write stopped in fails (with the rest of its frame); those
             // behind it go on the next connection.
@@ -499,7 +389,6 @@ async fn run(
             }
         }
     }
-    unshare();
     if let Some(mut c) = stream {
         // The counters are read one last time while the socket is open.
         c.registered = None;
@@ -714,82 +603,6 @@ mod tests {
         out.push(Chunk { last: false, body: Bytes::new(), head: split.head.clone(), ..split });
         out.push(Chunk { source: 3, slice: 9, first: false, last: true, head: Bytes::new(), body: split.body });
         out
-    }
-
-    /// A link whose connection is up and idle: its first frame (slice 0) went through the
-    /// task and was reported. Returns the peer's end too.
-    async fn idle_link() -> (Link, mpsc::UnboundedReceiver<LinkReport>, TcpStream) {
-        let (listener, link, mut reports) = link_to_a_listener(LinkOptions::default()).await;
-        link.send(whole_frame(0, Bytes::from(vec![0u8; 100])));
-        let (peer, _) = listener.accept().await.unwrap();
-        assert_eq!(reports.recv().await, Some(LinkReport::Sent { link: 0, source: 3, slice: 0 }));
-        (link, reports, peer)
-    }
-
-    /// Closes the link and returns every frame the peer read (slice, payload, send time)
-    /// and every report that came.
-    async fn close_and_read(
-        link: Link,
-        mut reports: mpsc::UnboundedReceiver<LinkReport>,
-        mut peer: TcpStream,
-    ) -> (Vec<(u64, Bytes, shoal_core::Instant)>, Vec<LinkReport>) {
-        let task = link.close();
-        let mut got = Vec::new();
-        peer.read_to_end(&mut got).await.unwrap();
-        task.await.unwrap();
-        let mut dec = shoal_core::frame::StreamDecoder::new(64 << 20);
-        dec.extend(&got);
-        let mut frames = Vec::new();
-        while let Some(f) = dec.next_frame().unwrap() {
-            frames.push((f.header.slice, f.payload, f.header.send_time));
-        }
-        let mut fates = Vec::new();
-        while let Some(r) = reports.recv().await {
-            fates.push(r);
-        }
-        (frames, fates)
-    }
-
-    #[tokio::test]
-    async fn a_frame_written_now_on_an_idle_link_is_stamped_and_needs_no_report() {
-        let (link, reports, peer) = idle_link().await;
-        let now = shoal_core::Instant::from_nanos(987_654_321);
-        assert!(link.send_now(whole_frame(1, Bytes::from(vec![1u8; 100])), now));
-        // Behind a queued chunk (the task has not run since: one thread), a frame waits its
-        // turn in the queue; so do pieces of frames.
-        link.send(whole_frame(2, Bytes::from(vec![2u8; 100])));
-        assert!(!link.send_now(whole_frame(3, Bytes::from(vec![3u8; 100])), now));
-        let mut pieces = chunks().into_iter().skip(3);
-        let (head, body) = (pieces.next().unwrap(), pieces.next().unwrap());
-        assert!(!link.send_now(head, now) && !link.send_now(body, now));
-        let (frames, fates) = close_and_read(link, reports, peer).await;
-        let slices: Vec<u64> = frames.iter().map(|f| f.0).collect();
-        assert_eq!(slices, [0, 1, 2, 3, 9]);
-        assert_eq!(frames[1].1, vec![1u8; 100]);
-        assert_eq!(frames[1].2, now);
-        let reported: Vec<u64> = fates
-            .iter()
-            .map(|r| match r {
-                LinkReport::Sent { slice, .. } => *slice,
-                LinkReport::Failed { slice, .. } => panic!("slice {slice} failed"),
-            })
-            .collect();
-        assert_eq!(reported, [2, 3, 9], "the frame written at once has no report");
-    }
-
-    #[tokio::test]
-    async fn what_the_socket_does_not_take_at_once_the_link_writes_after() {
-        let (link, reports, peer) = idle_link().await;
-        // Nobody reads yet, and 32 MiB is more than loopback's socket buffers hold.
-        let big = Bytes::from((0..32u32 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
-        let now = shoal_core::Instant::from_nanos(42);
-        assert!(!link.send_now(whole_frame(1, big.clone()), now));
-        assert!(link.queued_bytes() > 0 && link.queued_bytes() < big.len() as u64, "a part went at once");
-        let (frames, fates) = close_and_read(link, reports, peer).await;
-        assert_eq!(frames.len(), 2);
-        assert!(frames[1].1 == big, "the frame arrives whole, in order");
-        assert_eq!(frames[1].2, now, "stamped once, when its first byte went");
-        assert_eq!(fates, [LinkReport::Sent { link: 0, source: 3, slice: 1 }]);
     }
 
     #[tokio::test]

@@ -345,15 +345,10 @@ enum DataLink {
 }
 
 impl DataLink {
-    /// Hands `chunk` to the link; true when it was written at once ([`Link::send_now`]):
-    /// no report will follow.
-    fn send(&self, chunk: Chunk, now: Instant) -> bool {
+    fn send(&self, chunk: Chunk) {
         match self {
-            DataLink::Tcp(l) => l.send_now(chunk, now),
-            DataLink::Udp(l) => {
-                l.send(chunk);
-                false
-            }
+            DataLink::Tcp(l) => l.send(chunk),
+            DataLink::Udp(l) => l.send(chunk),
         }
     }
 
@@ -382,10 +377,7 @@ impl LinkTask {
 
 fn pump(node: &mut SourceNode, links: &Links, now: Instant, live: &Live, seen: &mut SourceTotals) {
     while let Some(t) = node.poll_transmit(now) {
-        let (source, slice, last) = (t.source, t.slice, t.last);
-        if links.to(source, t.dest as usize).send(chunk(t), now) && last {
-            node.handle_sent(now, source, slice);
-        }
+        links.to(t.source, t.dest as usize).send(chunk(t));
     }
     while let Some(e) = node.poll_event() {
         match e {
