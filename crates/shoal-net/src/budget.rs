@@ -79,6 +79,23 @@ fn prefetch_limit(cfg: &Config, hosting: &Hosting, fragment_bytes: u64, node_lim
     if ahead == 0 || limit < slice.saturating_mul(2) { 0 } else { limit }
 }
 
+/// What the datagram senders of this process's source nodes keep for NACKs at most: every
+/// hosted source's data of the longest age kept (`udp.start_retransmit_age_ms` for a
+/// stream's first seconds, else `udp.retransmit_age_ms`) plus the slice being sent, each
+/// stream within `udp.retransmit_mb`. 0 over TCP or without sources. With a replay pool
+/// the payloads are shared and this is an upper bound.
+fn udp_retransmit_bytes(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> u64 {
+    if !matches!(cfg.transport(), Ok(crate::config::Transport::Udp)) {
+        return 0;
+    }
+    let sources: u64 = hosting.source_nodes.iter().sum();
+    let slice_ms = cfg.run.slice_ms.max(1);
+    let age_ms = cfg.udp.retransmit_age_ms.max(cfg.udp.start_retransmit_age_ms);
+    let slices = age_ms.div_ceil(slice_ms) + 1;
+    let per_stream_cap = (cfg.udp.retransmit_mb << 20).saturating_mul(u64::from(cfg.run.builders));
+    sources.saturating_mul(fragment_bytes.saturating_mul(slices).min(per_stream_cap))
+}
+
 /// A process's memory plan: the budget's division, and the part of each source node's
 /// share that holds slices computed ahead (the rest bounds its backlog).
 #[derive(Clone, Debug)]
@@ -95,6 +112,10 @@ fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand 
     }
     if hosting.local_connections > 0 {
         fixed.push(("connection buffers", hosting.local_connections * PER_CONNECTION_BYTES));
+    }
+    let retransmit = udp_retransmit_bytes(cfg, hosting, fragment_bytes);
+    if retransmit > 0 {
+        fixed.push(("UDP retransmit buffers", retransmit));
     }
     MemoryDemand {
         budget: budget_bytes(cfg),
@@ -195,4 +216,31 @@ pub fn describe(plan: &ProcessPlan) -> String {
     let plan = &plan.memory;
     let shares = plan.shares.iter().map(|(n, b)| format!("{n} ({})", mib(*b))).collect::<Vec<_>>().join(", ");
     format!("memory budget {}: {shares}; {} planned", mib(plan.budget), mib(plan.total()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosting(nodes: Vec<u64>) -> Hosting {
+        Hosting { source_nodes: nodes, ..Hosting::default() }
+    }
+
+    #[test]
+    fn datagram_sources_plan_what_they_keep_for_nacks() {
+        let mut cfg = Config::from_toml_str("[run]\nbuilders = 10\ntransport = \"udp\"\n").unwrap();
+        // 2 s of 10-ms slices kept at a stream's start, plus the slice being sent.
+        assert_eq!(udp_retransmit_bytes(&cfg, &hosting(vec![4, 4]), 30_000), 8 * 30_000 * 201);
+        // Each stream keeps at most udp.retransmit_mb.
+        cfg.udp.retransmit_mb = 1;
+        assert_eq!(udp_retransmit_bytes(&cfg, &hosting(vec![4]), 1 << 20), 4 * 10 * (1 << 20));
+        // Nothing without sources, and nothing over TCP.
+        assert_eq!(udp_retransmit_bytes(&cfg, &hosting(vec![]), 30_000), 0);
+        cfg.run.transport = "tcp".into();
+        assert_eq!(udp_retransmit_bytes(&cfg, &hosting(vec![4]), 30_000), 0);
+        // In the plan, as its own share.
+        cfg.run.transport = "udp".into();
+        let d = demand(&cfg, &hosting(vec![4]), 30_000);
+        assert!(d.fixed.iter().any(|&(name, bytes)| name == "UDP retransmit buffers" && bytes == 4 * 30_000 * 201));
+    }
 }
