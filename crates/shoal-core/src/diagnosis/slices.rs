@@ -78,8 +78,9 @@ pub const SOURCES_LATE: &str = "sources_late";
 
 /// What to do about [`SOURCES_LATE`].
 pub const SOURCES_LATE_ACTION: &str = "the sources were sending but fell behind by more than the builders wait \
-     (builder.wall_timeout_ms, builder.max_active): look at the sources' hosts (CPU, their links); a longer \
-     guard holds more in the builders' memory";
+     (builder.wall_timeout_ms, builder.max_active): look at the sources' hosts (CPU, their links); under \
+     delayed:K a source behind sends one fragment per round trip to its link, and delayed:K:2 lets it catch \
+     up faster on a busy host; a longer guard holds more in the builders' memory";
 
 /// A process of the run and what it hosts.
 #[derive(Clone, Debug, PartialEq, Eq)]
