@@ -34,6 +34,10 @@ pub struct Live {
     pub filter_busy_ns: AtomicU64,
     /// Fragments the burst rate cutoff replaced by an empty marker (sources).
     pub fragments_cut_off: AtomicU64,
+    /// Source nodes: fragments reported written, and the sum of their send completions
+    /// (µs, from handing a fragment to its link to the link's report).
+    pub send_completions: AtomicU64,
+    pub send_completion_us: AtomicU64,
     /// What the outgoing data links see of the network (failures, retransmissions).
     pub paths: std::sync::Arc<crate::paths::NetPaths>,
     /// The writer's disk refused a write: what arrives since is not stored (0 or 1).

@@ -93,6 +93,14 @@ pub struct NodeStats {
     /// Fragments the burst rate cutoff replaced by empty markers (sources).
     #[serde(default)]
     pub fragments_cut_off: u64,
+    /// Source processes: fragments reported written and the sum of their send
+    /// completions (µs, from handing a fragment to its link to the link's report; their
+    /// ratio over an interval is the mean, which a source behind with delayed
+    /// transmission needs per fragment to catch up).
+    #[serde(default)]
+    pub send_completions: u64,
+    #[serde(default)]
+    pub send_completion_us: u64,
     /// The outgoing data links: connections lost, TCP segments sent and sent again,
     /// links stalled in retransmission timeouts now, datagrams sent and sent again on a
     /// NACK.
@@ -618,6 +626,8 @@ fn snapshot(
         filter_busy_ns: Live::get(&live.filter_busy_ns),
         fragments_refused_by_budget: Live::get(&live.fragments_refused_by_budget),
         fragments_cut_off: Live::get(&live.fragments_cut_off),
+        send_completions: Live::get(&live.send_completions),
+        send_completion_us: Live::get(&live.send_completion_us),
         link_failures: paths.link_failures,
         tcp_segments_out: paths.tcp_segments_out,
         tcp_retransmitted: paths.tcp_retransmitted,
@@ -688,6 +698,16 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
             "shoal_node_fragments_cut_off",
             "Fragments the burst rate cutoff replaced by empty markers",
             Live::get(&live.fragments_cut_off),
+        ),
+        (
+            "shoal_node_send_completions",
+            "Fragments this process's sources handed to their links and had reported written",
+            Live::get(&live.send_completions),
+        ),
+        (
+            "shoal_node_send_completion_us",
+            "Sum of those fragments' times from hand-out to the link's report, us (over send_completions: the mean)",
+            Live::get(&live.send_completion_us),
         ),
         (
             "shoal_node_link_failures",

@@ -397,6 +397,8 @@ fn sync_live(node: &SourceNode, live: &Live, seen: &mut SourceTotals) {
     Live::add(&live.fragments_produced, t.produced - seen.produced);
     Live::add(&live.fragments_dropped_at_source, t.dropped - seen.dropped);
     Live::add(&live.fragments_cut_off, t.cut_off - seen.cut_off);
+    Live::add(&live.send_completions, t.send_completions - seen.send_completions);
+    Live::add(&live.send_completion_us, t.send_completion_us - seen.send_completion_us);
     *seen = t;
 }
 

@@ -248,6 +248,10 @@ pub struct SourceTotals {
     pub dropped: u64,
     /// Replaced by an empty marker by the burst rate cutoff (delivered, data gone).
     pub cut_off: u64,
+    /// Fragments reported written, and the sum of their send completions (µs; see
+    /// [`SourceNodeReport::send_completion_us`]): their ratio over an interval is the mean.
+    pub send_completions: u64,
+    pub send_completion_us: u64,
 }
 
 #[derive(Debug)]
@@ -1076,7 +1080,10 @@ impl SourceNode {
         self.held_bytes -= f.len();
         if sent {
             h.sent_to[dest as usize] += 1;
-            self.report.send_completion_us.record(now.as_nanos().saturating_sub(f.handed_at.as_nanos()) / 1_000);
+            let completion_us = now.as_nanos().saturating_sub(f.handed_at.as_nanos()) / 1_000;
+            self.report.send_completion_us.record(completion_us);
+            self.totals.send_completions += 1;
+            self.totals.send_completion_us += completion_us;
         } else {
             h.tally.send_failed += 1;
             self.totals.dropped += 1;
@@ -1418,6 +1425,8 @@ mod tests {
                 reports.push_back((now + Duration::from_millis(15), t.slice));
             }
         }
+        let t = node.totals();
+        assert_eq!(t.send_completion_us, t.send_completions * 15_000, "every report 15 ms after its hand-out");
         (worst, node.queued())
     }
 
