@@ -88,11 +88,11 @@ fn udp_retransmit_bytes(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) ->
     if !matches!(cfg.transport(), Ok(crate::config::Transport::Udp)) {
         return 0;
     }
+    let udp = cfg.udp_config();
     let sources: u64 = hosting.source_nodes.iter().sum();
-    let slice_ms = cfg.run.slice_ms.max(1);
-    let age_ms = cfg.udp.retransmit_age_ms.max(cfg.udp.start_retransmit_age_ms);
-    let slices = age_ms.div_ceil(slice_ms) + 1;
-    let per_stream_cap = (cfg.udp.retransmit_mb << 20).saturating_mul(u64::from(cfg.run.builders));
+    let age_ms = udp.retransmit_age.max(udp.start_retransmit_age).as_millis() as u64;
+    let slices = age_ms.div_ceil(cfg.run.slice_ms.max(1)) + 1;
+    let per_stream_cap = udp.retransmit_bytes.saturating_mul(u64::from(cfg.run.builders));
     sources.saturating_mul(fragment_bytes.saturating_mul(slices).min(per_stream_cap))
 }
 
