@@ -136,6 +136,14 @@ fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand 
 /// says what the process would host with `n` sources in the run (to find the largest `n`
 /// that fits).
 pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<ProcessPlan, ConfigError> {
+    let budget = budget_bytes(cfg);
+    if cfg.run.prefault_mb.saturating_mul(1 << 20) > budget {
+        return Err(ConfigError::Invalid(format!(
+            "run.prefault_mb = {} is more than this process's memory budget ({} MiB, run.memory_mb)",
+            cfg.run.prefault_mb,
+            budget >> 20
+        )));
+    }
     let frag = fragment_bytes(cfg)?;
     let with_sources = |n: u32| {
         let mut c = cfg.clone();
@@ -242,5 +250,16 @@ mod tests {
         cfg.run.transport = "udp".into();
         let d = demand(&cfg, &hosting(vec![4]), 30_000);
         assert!(d.fixed.iter().any(|&(name, bytes)| name == "UDP retransmit buffers" && bytes == 4 * 30_000 * 201));
+    }
+
+    #[test]
+    fn a_prefault_over_the_budget_is_refused() {
+        let cfg = |prefault: u64| {
+            Config::from_toml_str(&format!("[run]\nmemory_mb = 8192\nprefault_mb = {prefault}\n")).unwrap()
+        };
+        let hosting = |_| Hosting { source_nodes: vec![5], builders: 3, writer: true, ..Hosting::default() };
+        plan(&cfg(8192), hosting).expect("within the budget");
+        let e = plan(&cfg(8193), hosting).unwrap_err().to_string();
+        assert!(e.contains("run.prefault_mb = 8193") && e.contains("8192 MiB"), "{e}");
     }
 }

@@ -276,6 +276,10 @@ pub struct RunConfig {
     /// bound is a share of it; a configuration that cannot run within it is refused at
     /// start with what would fit (`crate::budget`).
     pub memory_mb: u64,
+    /// Memory this process maps before its run and keeps, MiB (0: none; at most the
+    /// budget): the run's buffers then land in pages already mapped instead of faulting
+    /// their working set in while the data flow (`shoal_net::memory::prefault`).
+    pub prefault_mb: u64,
 }
 
 impl Default for RunConfig {
@@ -293,6 +297,7 @@ impl Default for RunConfig {
             transport: "tcp".into(),
             start_slice: None,
             memory_mb: 0,
+            prefault_mb: 0,
         }
     }
 }

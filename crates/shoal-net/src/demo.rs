@@ -112,6 +112,15 @@ pub struct RunSummary {
     /// The process's memory budget and what its queues' bounds add up to, MiB.
     pub memory_budget_mb: u64,
     pub memory_planned_mb: u64,
+    /// Memory mapped before the run (`run.prefault_mb`), MiB, and the seconds it took.
+    #[serde(default)]
+    pub prefaulted_mb: u64,
+    #[serde(default)]
+    pub prefault_s: f64,
+    /// Pages the kernel mapped on first touch during the run (minor faults, after the
+    /// prefault): the working set growing while the data flowed.
+    #[serde(default)]
+    pub page_faults: u64,
     pub events: u64,
     pub ledger: LedgerSummary,
     pub writer: WriterReport,
@@ -207,6 +216,9 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let plan = crate::budget::plan(&cfg, |n| embedded_hosting(n, builders, fd_limit))?;
     crate::budget::apply(&mut cfg, &plan);
     info!("{}", crate::budget::describe(&plan));
+    // Before the run's first slice is chosen below, so that it does not eat the start's lead.
+    let prefaulted = crate::memory::prefault_configured(cfg.run.prefault_mb);
+    let faults_at_start = crate::memory::minor_faults();
 
     let writer_listener = crate::listen::bind(LOOPBACK_ANY)?;
     cfg.run.writer_addr = writer_listener.local_addr()?.to_string();
@@ -318,6 +330,11 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     summary.send_completion = DelayStats::from_log(&send_completion);
     summary.memory_budget_mb = plan.memory.budget >> 20;
     summary.memory_planned_mb = plan.memory.total() >> 20;
+    summary.page_faults = crate::memory::minor_faults().saturating_sub(faults_at_start);
+    if let Some(p) = prefaulted {
+        summary.prefaulted_mb = p.bytes >> 20;
+        summary.prefault_s = p.took.as_secs_f64();
+    }
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
     if let Err(e) = std::fs::write(&path, serde_json::to_vec_pretty(&summary)?) {
@@ -396,6 +413,9 @@ fn summarize(
         dropped_over_memory: 0,
         memory_budget_mb: 0,
         memory_planned_mb: 0,
+        prefaulted_mb: 0,
+        prefault_s: 0.0,
+        page_faults: 0,
         events: builder_reports.iter().map(|b| b.events).sum(),
         ledger: LedgerSummary::new(&ledger),
         writer,

@@ -439,6 +439,9 @@ pub fn apply_memory_plan(cfg: &mut Config, role: Role) -> Result<(), crate::conf
     let plan = crate::budget::plan(cfg, |n| crate::budget::hosting_for_role(cfg, role, n))?;
     crate::budget::apply(cfg, &plan);
     info!("{}", crate::budget::describe(&plan));
+    // When the process is configured, as a DAQ allocates its buffers: a controlled node
+    // is configured before run control starts a run.
+    crate::memory::prefault_configured(cfg.run.prefault_mb);
     Ok(())
 }
 

@@ -139,10 +139,14 @@ pub fn table(s: &RunSummary) -> String {
         (
             "memory",
             format!(
-                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB{}",
+                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB{}{}",
                 s.peak_rss_mb,
                 s.memory_budget_mb,
                 s.memory_planned_mb,
+                match s.prefaulted_mb {
+                    0 => String::new(),
+                    mb => format!("; {mb} MiB mapped before the run in {:.1} s", s.prefault_s),
+                },
                 match s.dropped_over_memory {
                     0 => String::new(),
                     n => format!("; {n} fragments dropped at sources over their share"),
@@ -197,6 +201,10 @@ pub fn table(s: &RunSummary) -> String {
         if let Some(h) = window_hint(&s.policy, s.slice_ms, &s.send_completion) {
             let _ = writeln!(o, "  hint: {h}");
         }
+    }
+    let behind = s.late_slice_ends > 0 || s.slices_incomplete > 0;
+    if let Some(h) = prefault_hint(behind, s.page_faults, s.prefaulted_mb, s.memory_budget_mb) {
+        let _ = writeln!(o, "  hint: {h}");
     }
     if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
         let _ = writeln!(
@@ -269,6 +277,24 @@ fn window_hint(policy: &str, slice_ms: u64, send_completion: &DelayStats) -> Opt
     })
 }
 
+/// When a run that fell behind mapped a good part of its memory while the data flowed
+/// (more than a GiB of page faults), mapping it before the run frees that CPU.
+fn prefault_hint(behind: bool, page_faults: u64, prefaulted_mb: u64, budget_mb: u64) -> Option<String> {
+    const PAGE: u64 = 4096;
+    let faulted = page_faults * PAGE;
+    (behind && prefaulted_mb == 0 && faulted > 1 << 30).then(|| {
+        // What the run faulted in, in whole GiB, within the budget.
+        let gib_in_mb = faulted.div_ceil(1 << 30) << 10;
+        let mb = if budget_mb > 0 { gib_in_mb.min(budget_mb) } else { gib_in_mb };
+        format!(
+            "the kernel mapped {:.1} GiB of this process's memory page by page while the data flowed ({} page \
+             faults); `[run] prefault_mb = {mb}` maps it before the run (docs/configuration.md, `run.prefault_mb`)",
+            faulted as f64 / f64::from(1u32 << 30),
+            page_faults
+        )
+    })
+}
+
 /// Sources and how many slices lacked each, as runs of consecutive ids with the same
 /// count (the sources of one process usually go missing together), most slices first.
 fn source_groups(missing: &std::collections::BTreeMap<u32, u64>) -> Vec<(String, u64)> {
@@ -297,6 +323,19 @@ mod tests {
         assert_eq!(window_hint("delayed:8:2", 10, &completion(12_000.0)), None);
         assert_eq!(window_hint("direct", 10, &completion(12_000.0)), None);
         assert_eq!(window_hint("delayed:8", 10, &DelayStats::default()), None);
+    }
+
+    #[test]
+    fn a_run_behind_that_faulted_its_memory_in_suggests_a_prefault() {
+        // 1.3 M faults of 4 kB: 5.0 GiB, rounded up to whole GiB.
+        let hint = prefault_hint(true, 1_300_000, 0, 12_000).expect("a hint");
+        assert!(hint.contains("`[run] prefault_mb = 5120`") && hint.contains("5.0 GiB"), "{hint}");
+        // Within the budget.
+        assert!(prefault_hint(true, 1_300_000, 0, 3000).expect("a hint").contains("prefault_mb = 3000`"));
+        // On time, a prefault already, or under a GiB of faults: no hint.
+        assert_eq!(prefault_hint(false, 1_300_000, 0, 12_000), None);
+        assert_eq!(prefault_hint(true, 1_300_000, 4096, 12_000), None);
+        assert_eq!(prefault_hint(true, 200_000, 0, 12_000), None);
     }
 
     #[test]

@@ -57,3 +57,34 @@ fn an_overloaded_demo_ends_by_itself_within_its_memory_budget() {
     let warnings = stderr.lines().filter(|l| l.contains("WARN")).count();
     assert!(warnings < 50, "{warnings} warnings:\n{stderr}");
 }
+
+#[test]
+fn a_prefault_is_mapped_before_the_run_and_stays_within_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |prefault_mb: u64| {
+        let cfg = dir.path().join(format!("prefault-{prefault_mb}.toml"));
+        std::fs::write(&cfg, format!("[run]\nmemory_mb = 4096\nprefault_mb = {prefault_mb}\n")).unwrap();
+        shoal()
+            .args(["demo", "--seconds", "1", "--json", "--config"])
+            .arg(&cfg)
+            .arg("--out")
+            .arg(dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = run(256);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s["prefaulted_mb"], 256, "{s}");
+    assert!(s["prefault_s"].as_f64().unwrap() > 0.0);
+    // The mapped memory stays with the process (MB of the peak against MiB).
+    assert!(s["peak_rss_mb"].as_f64().unwrap() * 1e6 >= 256.0 * f64::from(1 << 20), "{}", s["peak_rss_mb"]);
+    assert!(s["page_faults"].as_u64().is_some());
+    assert_eq!(s["ledger"]["balanced"], true, "{}", s["ledger"]);
+    // More than the budget: refused before anything runs.
+    let out = run(4097);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("run.prefault_mb = 4097 is more than this process's memory budget (4096 MiB"), "{stderr}");
+}
