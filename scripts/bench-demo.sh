@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Throughput of the embedded chain at full ANTARES shape (300 sources x 100 builders,
-# delayed:8) beside the physical references measured in the same run:
+# delayed:8; the live generator also as it completes: delayed:8:2 with the run's memory
+# mapped before it, run.prefault_mb) beside the physical references measured in the same run:
 #   - the nominal detector rate (300 boards x 3 MB/s = 900 MB/s);
 #   - iperf3 over loopback, one TCP stream and 8 parallel streams, on this machine now.
 # Each figure is the median of REPS runs. Prints a Markdown table for docs/benchmarks.md.
@@ -33,10 +34,14 @@ live_cfg="$tmp/live.toml"
 printf '[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
 pool_cfg="$tmp/pool.toml"
 printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n' >"$pool_cfg"
+live_pf_cfg="$tmp/live-prefault.toml"
+printf '[run]\nprefault_mb = 4096\n[builder]\nmemory_budget_mb = 64\n' >"$live_pf_cfg"
 nofilter_cfg="$tmp/nofilter.toml"
 printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n[builder.filter]\nname = "none"\n' >"$nofilter_cfg"
-demo() { # extra args -> "MBps complete_pct late_slice_ends"
-  "$SHOAL" demo --seconds "$SECS" --sources 300 --builders 100 --policy delayed:8 \
+demo() { # policy, extra args -> "MBps complete_pct unaccounted"
+  local policy=$1
+  shift
+  "$SHOAL" demo --seconds "$SECS" --sources 300 --builders 100 --policy "$policy" \
     --out "$tmp/out" --json "$@" 2>"$tmp/stderr" |
     jq -r '[.mbytes_per_s, (100 * .slices_complete / (.slices_complete + .slices_incomplete)), .ledger.unaccounted] | @tsv'
 }
@@ -45,17 +50,20 @@ check() { # the run's summary came and its ledger balanced, or stop with why
   [ -n "${mb:-}" ] || { echo "shoal demo failed in run $1:"; tail -5 "$tmp/stderr"; exit 1; }
   [ "$un" = 0 ] || { echo "ledger unbalanced in run $1"; exit 1; }
 }
-declare -a i1 i8 live pool livec poolc nof nofc
+declare -a i1 i8 live pool livec poolc nof nofc livepf livepfc
 for r in $(seq "$REPS"); do
   i1+=("$(iperf 1)")
   i8+=("$(iperf 8)")
-  mb=""; read -r mb pct un < <(demo --config "$live_cfg") || true
+  mb=""; read -r mb pct un < <(demo delayed:8 --config "$live_cfg") || true
   check "$r"
   live+=("$mb"); livec+=("$pct")
-  mb=""; read -r mb pct un < <(demo --config "$pool_cfg") || true
+  mb=""; read -r mb pct un < <(demo delayed:8:2 --config "$live_pf_cfg") || true
+  check "$r"
+  livepf+=("$mb"); livepfc+=("$pct")
+  mb=""; read -r mb pct un < <(demo delayed:8 --config "$pool_cfg") || true
   check "$r"
   pool+=("$mb"); poolc+=("$pct")
-  mb=""; read -r mb pct un < <(demo --config "$nofilter_cfg") || true
+  mb=""; read -r mb pct un < <(demo delayed:8 --config "$nofilter_cfg") || true
   check "$r"
   nof+=("$mb"); nofc+=("$pct")
 done
@@ -66,6 +74,7 @@ printf '| nominal ANTARES 10-string rate (300 x 3 MB/s) | 900 | - |\n'
 printf '| iperf3 loopback, 1 TCP stream | %.0f | - |\n' "$(m "${i1[@]}")"
 printf '| iperf3 loopback, 8 TCP streams | %.0f | - |\n' "$(m "${i8[@]}")"
 printf '| shoal demo 300x100 delayed:8, live generator | %.0f | %.1f%% |\n' "$(m "${live[@]}")" "$(m "${livec[@]}")"
+printf '| shoal demo 300x100 delayed:8:2, live generator, prefault_mb 4096 | %.0f | %.1f%% |\n' "$(m "${livepf[@]}")" "$(m "${livepfc[@]}")"
 printf '| shoal demo 300x100 delayed:8, replay pool (no generator cost) | %.0f | %.1f%% |\n' "$(m "${pool[@]}")" "$(m "${poolc[@]}")"
 printf '| shoal demo 300x100 delayed:8, replay pool, filter none (transport + assembly only) | %.0f | %.1f%% |\n' "$(m "${nof[@]}")" "$(m "${nofc[@]}")"
 echo
