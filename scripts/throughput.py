@@ -12,9 +12,12 @@ builder and one client per builder with one stream per source (`-P sources`), wr
 blocks of the fragment size. Goodput is payload bytes received per second of receiving
 (shoal: first to last arrival at the builders; iperf3: its receiver sum).
 
-usage: scripts/throughput.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick]
+usage: scripts/throughput.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick] [--sizes B,B]
+         [--topologies MxN,MxN] [--prefault MB]
 Writes OUT_DIR/throughput.{csv,md,png}. Medians of N repeats (default 3). Exit 1 if a
-shoal run loses or leaves unaccounted any fragment.
+shoal run loses or leaves unaccounted any fragment. With --prefault every shoal run is
+followed by the same run with `run.prefault_mb = MB` (the process's memory mapped before
+the run; docs/configuration.md), both beside the same iperf3 figure (extra columns).
 """
 import csv
 import json
@@ -44,10 +47,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def shoal_run(shoal, sources, builders, size, policy="direct"):
+def shoal_run(shoal, sources, builders, size, policy="direct", prefault_mb=0):
     slices = max(200, min(MAX_SLICES, TARGET_BYTES // (size * sources)))
-    r = saturated_demo.run(shoal, saturated_demo.config(sources, builders, size, slices, policy,
-                                                        builder_budget_mb=min(4096, 8000 // builders)))
+    cfg = saturated_demo.config(sources, builders, size, slices, policy, builder_budget_mb=min(4096, 8000 // builders))
+    if prefault_mb:
+        cfg = cfg.replace("[run]\n", f"[run]\nprefault_mb = {prefault_mb}\n", 1)
+    r = saturated_demo.run(shoal, cfg)
     return r["mbytes_per_s"], saturated_demo.accounted(r), r["peak_rss_mb"]
 
 
@@ -100,30 +105,47 @@ def main():
     sizes, topologies = SIZES, TOPOLOGIES
     if "--quick" in sys.argv:
         sizes, topologies = [16_000, 1_000_000], [(1, 1), (3, 1)]
+    if "--sizes" in sys.argv:
+        sizes = [int(x) for x in sys.argv[sys.argv.index("--sizes") + 1].split(",")]
+    if "--topologies" in sys.argv:
+        topologies = [tuple(int(v) for v in t.split("x")) for t in sys.argv[sys.argv.index("--topologies") + 1].split(",")]
+    prefault = int(sys.argv[sys.argv.index("--prefault") + 1]) if "--prefault" in sys.argv else 0
     os.makedirs(out_dir, exist_ok=True)
     rows, bad = [], 0
     for (m, n) in topologies:
         for size in sizes:
-            shoal_mb, iperf_mb, rss = [], [], []
+            shoal_mb, iperf_mb, rss, pf_mb = [], [], [], []
             for _ in range(repeats):
                 mb, ok, peak = shoal_run(shoal, m, n, size)
                 bad += not ok
                 shoal_mb.append(mb)
                 rss.append(peak)
+                if prefault:
+                    mb, ok, _ = shoal_run(shoal, m, n, size, prefault_mb=prefault)
+                    bad += not ok
+                    pf_mb.append(mb)
                 iperf_mb.append(iperf_run(m, n, size))
             s, i = statistics.median(shoal_mb), statistics.median(iperf_mb)
-            rows.append({"topology": f"{m}x{n}", "size": size, "shoal_mb_s": round(s, 1),
-                         "iperf3_mb_s": round(i, 1), "ratio": round(s / i, 3), "shoal_peak_rss_mb": round(max(rss))})
-            print(f"{m}x{n} {size:>9} B  shoal {s:8.1f} MB/s  iperf3 {i:8.1f} MB/s  ratio {s / i:.2f}", flush=True)
+            row = {"topology": f"{m}x{n}", "size": size, "shoal_mb_s": round(s, 1),
+                   "iperf3_mb_s": round(i, 1), "ratio": round(s / i, 3), "shoal_peak_rss_mb": round(max(rss))}
+            line = f"{m}x{n} {size:>9} B  shoal {s:8.1f} MB/s  iperf3 {i:8.1f} MB/s  ratio {s / i:.2f}"
+            if prefault:
+                p = statistics.median(pf_mb)
+                row.update({"shoal_prefault_mb_s": round(p, 1), "ratio_prefault": round(p / i, 3)})
+                line += f"  with prefault_mb {prefault}: {p:8.1f} MB/s  ratio {p / i:.2f}"
+            rows.append(row)
+            print(line, flush=True)
     with open(os.path.join(out_dir, "throughput.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     with open(os.path.join(out_dir, "throughput.md"), "w") as f:
-        f.write("| topology | fragment (B) | shoal (MB/s) | iperf3 (MB/s) | shoal / iperf3 | shoal peak RSS (MB) |\n")
-        f.write("| --- | ---: | ---: | ---: | ---: | ---: |\n")
+        extra = f" shoal, prefault_mb {prefault} (MB/s) | its ratio |" if prefault else ""
+        f.write(f"| topology | fragment (B) | shoal (MB/s) | iperf3 (MB/s) | shoal / iperf3 | shoal peak RSS (MB) |{extra}\n")
+        f.write("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if prefault else "") + "\n")
         for r in rows:
-            f.write(f"| {r['topology']} | {r['size']:,} | {r['shoal_mb_s']:,.0f} | {r['iperf3_mb_s']:,.0f} | {r['ratio']:.2f} | {r['shoal_peak_rss_mb']:,} |\n")
+            cells = f" {r['shoal_prefault_mb_s']:,.0f} | {r['ratio_prefault']:.2f} |" if prefault else ""
+            f.write(f"| {r['topology']} | {r['size']:,} | {r['shoal_mb_s']:,.0f} | {r['iperf3_mb_s']:,.0f} | {r['ratio']:.2f} | {r['shoal_peak_rss_mb']:,} |{cells}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
