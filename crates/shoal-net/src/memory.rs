@@ -163,6 +163,16 @@ mod tests {
     }
 
     #[test]
+    fn minor_faults_are_read_after_the_command_name() {
+        // A command name may hold spaces and parentheses; minflt is the 10th field.
+        let line = "4242 (tokio (rt) worker) S 1 4242 4242 0 -1 4194560 123456 0 7 0 55 66 0 0 20 0 9 0";
+        assert_eq!(super::minflt_of(line), 123456);
+        assert_eq!(super::minflt_of("garbage"), 0);
+        // The process has mapped its own memory by now (a thread may reuse a cached stack).
+        assert!(super::minor_faults() > 0);
+    }
+
+    #[test]
     fn the_kernel_takes_the_setting() {
         // Run in a child of the test process would be purer; the flag only changes how
         // later page faults are served, which no other test depends on.

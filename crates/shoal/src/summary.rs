@@ -139,10 +139,11 @@ pub fn table(s: &RunSummary) -> String {
         (
             "memory",
             format!(
-                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB{}{}",
+                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB; {} page faults in the run{}{}",
                 s.peak_rss_mb,
                 s.memory_budget_mb,
                 s.memory_planned_mb,
+                s.page_faults,
                 match s.prefaulted_mb {
                     0 => String::new(),
                     mb => format!("; {mb} MiB mapped before the run in {:.1} s", s.prefault_s),
