@@ -9,10 +9,10 @@
 //! (docs/benchmarks.md, "Huge pages"). [`disable_huge_pages`] turns them off for the
 //! process, before it allocates in earnest.
 //!
-//! Even in 4-kB pages, a run's first seconds fault its working set in page by page: the
-//! live full-shape demo (300 x 100) took 1.3-1.5 million page faults, most of them while
-//! its memory grew to 4-5 GB, each a trap, a cleared page and a charge to the cgroup, at a
-//! time when the run has no CPU to spare. [`prefault`] (`[run] prefault_mb`) takes that
+//! Even in 4-kB pages, a run faults its working set in page by page: a 15-s live
+//! full-shape demo (300 x 100) took 1.4-2.5 million page faults, about one per page of its
+//! peak resident memory (5-8 GB), each a trap, a cleared page and a charge to the cgroup,
+//! while the run had no CPU to spare (docs/benchmarks.md, "Memory mapped before the run"). [`prefault`] (`[run] prefault_mb`) takes that
 //! memory before the run, as a DAQ allocates its buffer pools when it is configured: it
 //! tells mimalloc to keep what is freed, touches the memory through the allocator and
 //! frees it, so that the run's buffers land in pages already mapped.
@@ -151,7 +151,8 @@ fn populate(buf: &mut [std::mem::MaybeUninit<u8>]) {
 mod tests {
     /// The option's index is mimalloc version 3's (whose default delay is 1000 ms): a
     /// libmimalloc-sys that builds another version fails here instead of setting another
-    /// option. These tests run on the system allocator, so nothing here sets it.
+    /// option. These tests run on the system allocator, so nothing here sets it (nor may
+    /// `MIMALLOC_PURGE_DELAY` in the environment).
     #[test]
     #[allow(unsafe_code)]
     fn the_purge_delay_option_is_mimalloc_3s() {
