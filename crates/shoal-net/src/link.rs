@@ -91,7 +91,7 @@ pub struct LinkOptions {
     /// Where requests read from the connection go, with the link's id; `None`: the link
     /// does not read.
     pub requests: Option<mpsc::UnboundedSender<(u32, PullRequestFrame)>>,
-    /// At the end, wait until the peer has closed its side too ([`PeerEnd`]) before the
+    /// At the end, wait until the peer has closed its side too (`PeerEnd`) before the
     /// task ends: a source's data links.
     pub wait_for_peer_close: bool,
 }

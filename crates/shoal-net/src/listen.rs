@@ -6,7 +6,7 @@
 //! data into its own socket buffer and closes, and the data never reaches the builder.
 //! Data ports ask for the kernel's most (`net.core.somaxconn`, 4,096 by default).
 //!
-//! A builder that holds free-running sources back ([`crate::hold`]) leaves their data in
+//! A builder that holds free-running sources back (`crate::hold`) leaves their data in
 //! the kernel, and the kernel's TCP memory is one pool for every socket of the host
 //! (`net.ipv4.tcp_mem`). Thousands of held connections, each with the default receive
 //! buffer, fill it: the kernel then drops what arrives on the connection the builder waits
