@@ -85,6 +85,7 @@ def test_taps_publish_events_and_raw_slices(shoal_bin, tmp_path):
         value = lambda name: float(next(v for k, v in metrics.items() if k.startswith(name + "{")))  # noqa: E731
         assert value("shoal_node_tap_published_total") > 0, metrics
         assert value("shoal_node_saver_bytes") > 0, metrics
+        assert value("shoal_node_page_faults_total") > 0, metrics
         c.run_command("STOP", "READY")
         s = c.status()
         run = s["history"][0]["run"]

@@ -734,6 +734,12 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
             "Time the writer's disk thread spent writing, ns",
             Live::get(&live.storage_busy_ns),
         ),
+        (
+            "shoal_node_page_faults",
+            "Pages the kernel mapped into this process on first touch (minor faults since it started): a rate during a \
+             run is its working set growing (run.prefault_mb maps it before)",
+            crate::memory::minor_faults(),
+        ),
         ("shoal_node_tap_published", "Monitoring tap messages published (SHL_EVT, SHL_RAW)", tap.published),
         (
             "shoal_node_tap_dropped",
