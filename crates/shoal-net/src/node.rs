@@ -434,7 +434,7 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<(Config, Confi
 }
 
 /// Divides this process's memory budget for its role (or refuses the configuration with
-/// what would fit) and logs the plan.
+/// what would fit), logs the plan and maps `run.prefault_mb`.
 pub fn apply_memory_plan(cfg: &mut Config, role: Role) -> Result<(), crate::config::ConfigError> {
     let plan = crate::budget::plan(cfg, |n| crate::budget::hosting_for_role(cfg, role, n))?;
     crate::budget::apply(cfg, &plan);
