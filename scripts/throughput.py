@@ -12,9 +12,15 @@ builder and one client per builder with one stream per source (`-P sources`), wr
 blocks of the fragment size. Goodput is payload bytes received per second of receiving
 (shoal: first to last arrival at the builders; iperf3: its receiver sum).
 
+Each shoal run moves about as many bytes as the iperf3 beside it moves in its 2 seconds
+(6 GB, `--gb` to change; at most 1,000,000 slices), so both figures are averages over
+about the same time: a run of a few tenths of a second is mostly its start (connections
+opening, windows growing, the first buffers faulted in), and until 2026-11-29 the runs were
+1.5 GB, 0.2-0.5 s at 64 kB and up (docs/benchmarks.md, "Runs as long as iperf3's").
+
 usage: scripts/throughput.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick] [--sizes B,B]
-         [--topologies MxN,MxN] [--prefault MB]
-Writes OUT_DIR/throughput.{csv,md,png}. Medians of N repeats (default 3). Exit 1 if a
+         [--topologies MxN,MxN] [--prefault MB] [--gb GB]
+Writes OUT_DIR/throughput.{csv,md,png} (with each point's median shoal run length, s). Medians of N repeats (default 3). Exit 1 if a
 shoal run loses or leaves unaccounted any fragment. With --prefault every shoal run is
 followed by the same run with `run.prefault_mb = MB` (the process's memory mapped before
 the run; docs/configuration.md), both beside the same iperf3 figure (extra columns).
@@ -33,9 +39,10 @@ import saturated_demo  # noqa: E402
 
 SIZES = [1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000]
 TOPOLOGIES = [(1, 1), (3, 1), (1, 3), (6, 1), (8, 8)]
-# Bytes per shoal run (all sources together) and most slices: about a second or two each.
-TARGET_BYTES = 1_500_000_000
-MAX_SLICES = 100_000
+# Bytes per shoal run (all sources together) and most slices: about iperf3's 2 seconds at
+# the rates of 64 kB and up on this machine, 1-2 s of 4-kB fragments.
+TARGET_BYTES = 6_000_000_000
+MAX_SLICES = 1_000_000
 IPERF_SECONDS = 2
 # iperf3 writes at most 1 MiB per call; larger fragments are compared with 1 MiB writes.
 IPERF_MAX_BLOCK = 1 << 20
@@ -47,13 +54,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def shoal_run(shoal, sources, builders, size, policy="direct", prefault_mb=0):
-    slices = max(200, min(MAX_SLICES, TARGET_BYTES // (size * sources)))
+def shoal_run(shoal, sources, builders, size, policy="direct", prefault_mb=0, target_bytes=TARGET_BYTES):
+    """(MB/s, every fragment accounted, peak RSS MB, seconds from first to last arrival)."""
+    slices = max(200, min(MAX_SLICES, target_bytes // (size * sources)))
     cfg = saturated_demo.config(sources, builders, size, slices, policy, builder_budget_mb=min(4096, 8000 // builders))
     if prefault_mb:
         cfg = cfg.replace("[run]\n", f"[run]\nprefault_mb = {prefault_mb}\n", 1)
     r = saturated_demo.run(shoal, cfg)
-    return r["mbytes_per_s"], saturated_demo.accounted(r), r["peak_rss_mb"]
+    seconds = r["bytes_received"] / (r["mbytes_per_s"] * 1e6)
+    return r["mbytes_per_s"], saturated_demo.accounted(r), r["peak_rss_mb"], seconds
 
 
 def iperf_run(sources, builders, size):
@@ -110,24 +119,27 @@ def main():
     if "--topologies" in sys.argv:
         topologies = [tuple(int(v) for v in t.split("x")) for t in sys.argv[sys.argv.index("--topologies") + 1].split(",")]
     prefault = int(sys.argv[sys.argv.index("--prefault") + 1]) if "--prefault" in sys.argv else 0
+    target = int(float(sys.argv[sys.argv.index("--gb") + 1]) * 1e9) if "--gb" in sys.argv else TARGET_BYTES
     os.makedirs(out_dir, exist_ok=True)
     rows, bad = [], 0
     for (m, n) in topologies:
         for size in sizes:
-            shoal_mb, iperf_mb, rss, pf_mb = [], [], [], []
+            shoal_mb, iperf_mb, rss, pf_mb, secs = [], [], [], [], []
             for _ in range(repeats):
-                mb, ok, peak = shoal_run(shoal, m, n, size)
+                mb, ok, peak, took = shoal_run(shoal, m, n, size, target_bytes=target)
                 bad += not ok
                 shoal_mb.append(mb)
                 rss.append(peak)
+                secs.append(took)
                 if prefault:
-                    mb, ok, _ = shoal_run(shoal, m, n, size, prefault_mb=prefault)
+                    mb, ok, _, _ = shoal_run(shoal, m, n, size, prefault_mb=prefault, target_bytes=target)
                     bad += not ok
                     pf_mb.append(mb)
                 iperf_mb.append(iperf_run(m, n, size))
             s, i = statistics.median(shoal_mb), statistics.median(iperf_mb)
             row = {"topology": f"{m}x{n}", "size": size, "shoal_mb_s": round(s, 1),
-                   "iperf3_mb_s": round(i, 1), "ratio": round(s / i, 3), "shoal_peak_rss_mb": round(max(rss))}
+                   "iperf3_mb_s": round(i, 1), "ratio": round(s / i, 3), "shoal_peak_rss_mb": round(max(rss)),
+                   "shoal_run_s": round(statistics.median(secs), 2)}
             line = f"{m}x{n} {size:>9} B  shoal {s:8.1f} MB/s  iperf3 {i:8.1f} MB/s  ratio {s / i:.2f}"
             if prefault:
                 p = statistics.median(pf_mb)
@@ -141,11 +153,11 @@ def main():
         w.writerows(rows)
     with open(os.path.join(out_dir, "throughput.md"), "w") as f:
         extra = f" shoal, prefault_mb {prefault} (MB/s) | its ratio |" if prefault else ""
-        f.write(f"| topology | fragment (B) | shoal (MB/s) | iperf3 (MB/s) | shoal / iperf3 | shoal peak RSS (MB) |{extra}\n")
-        f.write("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if prefault else "") + "\n")
+        f.write(f"| topology | fragment (B) | shoal (MB/s) | iperf3 (MB/s) | shoal / iperf3 | shoal peak RSS (MB) | shoal run (s) |{extra}\n")
+        f.write("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if prefault else "") + "\n")
         for r in rows:
             cells = f" {r['shoal_prefault_mb_s']:,.0f} | {r['ratio_prefault']:.2f} |" if prefault else ""
-            f.write(f"| {r['topology']} | {r['size']:,} | {r['shoal_mb_s']:,.0f} | {r['iperf3_mb_s']:,.0f} | {r['ratio']:.2f} | {r['shoal_peak_rss_mb']:,} |{cells}\n")
+            f.write(f"| {r['topology']} | {r['size']:,} | {r['shoal_mb_s']:,.0f} | {r['iperf3_mb_s']:,.0f} | {r['ratio']:.2f} | {r['shoal_peak_rss_mb']:,} | {r['shoal_run_s']:.2f} |{cells}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

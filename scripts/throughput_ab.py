@@ -39,7 +39,7 @@ def main():
             iperf = []
             for _ in range(repeats):
                 for b in bins:
-                    mb, ok, _ = tp.shoal_run(b, m, n, size)
+                    mb, ok, _, _ = tp.shoal_run(b, m, n, size)
                     bad += not ok
                     got[b].append(mb)
                 iperf.append(tp.iperf_run(m, n, size))
