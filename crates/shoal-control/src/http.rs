@@ -101,7 +101,7 @@ async fn prometheus_targets(State(s): State<AppState>) -> impl IntoResponse {
     Json(prometheus_target_groups(&s.shared.snapshot()))
 }
 
-/// The target groups of [`prometheus_targets`]. A process bound to every address
+/// The target groups of `prometheus_targets`. A process bound to every address
 /// (`0.0.0.0:PORT`) is reached at its host's name from the cluster file.
 pub fn prometheus_target_groups(st: &crate::status::ClusterStatus) -> Vec<serde_json::Value> {
     let reachable = |addr: &str, host: &str| match addr.strip_prefix("0.0.0.0:").or_else(|| addr.strip_prefix("[::]:"))

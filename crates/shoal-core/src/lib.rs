@@ -11,7 +11,7 @@
 //!   [`frame::decode`], [`frame::StreamDecoder`] for TCP byte streams).
 //! - [`event`]: selected events and the `EVENTS` payload codec (builder to writer).
 //! - [`hit`]: the 6-byte hit record and the waveform record carried in frame payloads.
-//! - [`slice`]: slice numbers, the slice clock and the slice-to-builder rule.
+//! - [`slice`](mod@slice): slice numbers, the slice clock and the slice-to-builder rule.
 //! - [`shaping`]: traffic-shaping policies behind the [`shaping::Shaper`] trait
 //!   (`Direct`, `Delayed { k, window }` barrel shifter, `TokenBucket`, credit-based `Pull`), plus
 //!   [`shaping::BurstCutoff`].

@@ -22,7 +22,7 @@
 //!   [`ShoalStatus::Panic`];
 //! - thread-safety is stated per function; the handle itself is `Send + Sync`.
 //!
-//! The shared-memory slice consumer ([`consumer`]: `shoal_consumer_*`, `shoal_slice_*`)
+//! The shared-memory slice consumer (`consumer`: `shoal_consumer_*`, `shoal_slice_*`)
 //! is in the same library: attach to a builder's slice ring and read slices in place.
 
 mod consumer;

@@ -8,7 +8,7 @@
 //! report = src.report   # the end-of-run report (the context manager closed the source)
 //! ```
 //!
-//! Main type: [`Source`], a [`shoal_net::sdk::SourceHandle`] inside. The module's rules:
+//! Main type: `Source`, a [`shoal_net::sdk::SourceHandle`] inside. The module's rules:
 //! - any object with the buffer protocol is taken (bytes, bytearray, memoryview, numpy
 //!   arrays of any dtype, C-contiguous); buffers of [`HOLD_FROM`] bytes or more are held
 //!   without a copy until their fragment is sent, smaller ones are copied (cheaper than

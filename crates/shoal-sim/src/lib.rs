@@ -11,7 +11,7 @@
 //!   token bucket), switches forward by destination; [`net::SharedCpu`]: software nodes
 //!   taking packets in on shared cores (off by default).
 //! - [`tcp`]: a NewReno TCP model, with Linux's RACK, tail-loss probes and (in
-//!   [`tcp::sack`]) SACK recovery as options; [`udp`]: datagrams split into IP fragments.
+//!   [`tcp::sack`]) SACK recovery as options; UDP (in [`sim`]): datagrams split into IP fragments.
 //! - [`wake::WakeLatency`]: how late software sources wake after a slice ends (off for
 //!   hardware boards).
 //!

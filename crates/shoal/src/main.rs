@@ -258,7 +258,7 @@ struct DemoArgs {
     /// Number of builders.
     #[arg(long)]
     builders: Option<u32>,
-    /// Traffic shaping: direct, delayed:K, tbf:RATE[:BURST] (e.g. tbf:40Mbit) or pull:CREDITS[:cap=N][:rate=RATE] (credit-based pull, answers optionally paced).
+    /// Traffic shaping: `direct`, `delayed:K[:W]` (barrel shifting, W fragments in flight for a source behind), `tbf:RATE[:BURST]` (e.g. `tbf:40Mbit`) or `pull:CREDITS[:cap=N][:rate=RATE]` (credit-based pull, answers optionally paced).
     #[arg(long)]
     policy: Option<String>,
     /// Data transport: tcp, or udp (datagrams with selective retransmission, `[udp]`).

@@ -124,7 +124,7 @@ pub struct IncompleteSlice {
     pub reason: String,
     pub missing: Vec<SourceId>,
     pub dropped: Vec<SourceId>,
-    /// Sources beyond [`MAX_LISTED_SOURCES`] in `missing` and `dropped` together.
+    /// Sources beyond `MAX_LISTED_SOURCES` (64) in `missing` and `dropped` together.
     #[cfg_attr(feature = "serde", serde(default))]
     pub unlisted_sources: u32,
     /// Of `missing`, the sources whose fragment came after the slice was processed: they

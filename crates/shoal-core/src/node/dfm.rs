@@ -124,7 +124,7 @@ enum Phase {
     Assigning,
 }
 
-/// The data-flow manager. See the [module documentation](self).
+/// The data-flow manager. How it assigns: the documentation of its module, `shoal-core/src/node/dfm.rs`.
 #[derive(Debug)]
 pub struct DataFlowManager {
     cfg: DfmConfig,

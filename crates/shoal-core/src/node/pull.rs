@@ -67,7 +67,7 @@ struct OpenSlice {
     given_up: u32,
 }
 
-/// The builder's pull decisions. See the [module documentation](self).
+/// The builder's pull decisions. How it decides: the documentation of its module, `shoal-core/src/node/pull.rs`.
 #[derive(Debug)]
 pub struct PullRequester {
     cfg: PullConfig,

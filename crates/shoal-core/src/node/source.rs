@@ -66,7 +66,7 @@ pub struct SourceNodeConfig {
     /// Keep a log of every piece handed to the transport (parity tests, studies).
     pub record_transmits: bool,
     /// Saturation (benchmarks): slices are produced as soon as the transport has taken
-    /// enough of the earlier ones ([`SATURATION_SLICES`] and [`SATURATION_BYTES`] per
+    /// enough of the earlier ones (`SATURATION_SLICES` and `SATURATION_BYTES` per
     /// source), not when the slice clock says, so the data path, not the generator, sets
     /// the rate. Slice numbers then run ahead of the clock; policies that send by the
     /// clock (delayed transmission's slots) still wait for it, rate shapers (token
