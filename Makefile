@@ -82,9 +82,11 @@ prom-test: deps
 	  cd deploy/prometheus && promtool check config prometheus.yml && promtool test rules shoal.rules.test.yml; \
 	else echo "note: promtool missing (Debian prometheus, installed when root): rules not tested"; fi
 
+# rustdoc's link check too: a link to a private or missing item is an error, as clippy's are.
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --locked --no-deps --workspace
 
 # The Python filter tests (crates/shoal-shm/tests/pyfilter.rs) run workers on the venv's
 # Python (numpy).
