@@ -204,7 +204,7 @@ pub fn table(s: &RunSummary) -> String {
         }
     }
     let behind = s.late_slice_ends > 0 || s.slices_incomplete > 0;
-    if let Some(h) = prefault_hint(behind, s.page_faults, s.prefaulted_mb, s.memory_budget_mb) {
+    if let Some(h) = prefault_hint(behind, s.page_faults, s.peak_rss_mb, s.prefaulted_mb, s.memory_budget_mb) {
         let _ = writeln!(o, "  hint: {h}");
     }
     if s.late_slice_ends > 0 && s.slices_incomplete > 0 && s.generated_live {
@@ -279,13 +279,24 @@ fn window_hint(policy: &str, slice_ms: u64, send_completion: &DelayStats) -> Opt
 }
 
 /// When a run that fell behind mapped a good part of its memory while the data flowed
-/// (more than a GiB of page faults), mapping it before the run frees that CPU.
-fn prefault_hint(behind: bool, page_faults: u64, prefaulted_mb: u64, budget_mb: u64) -> Option<String> {
+/// (more than a GiB of page faults), mapping it before the run frees that CPU. The size
+/// is what was faulted or the process's peak (`peak_rss_mb`, MB; 0 unknown), the smaller:
+/// the allocator gives freed memory back to the kernel and faults it in again, which a
+/// prefault stops, so a run can fault more than it ever holds.
+fn prefault_hint(
+    behind: bool,
+    page_faults: u64,
+    peak_rss_mb: f64,
+    prefaulted_mb: u64,
+    budget_mb: u64,
+) -> Option<String> {
     const PAGE: u64 = 4096;
     let faulted = page_faults * PAGE;
     (behind && prefaulted_mb == 0 && faulted > 1 << 30).then(|| {
-        // What the run faulted in, in whole GiB, within the budget.
-        let gib_in_mb = faulted.div_ceil(1 << 30) << 10;
+        let peak = (peak_rss_mb * 1e6) as u64;
+        let working = if peak > 0 { faulted.min(peak) } else { faulted };
+        // In whole GiB, within the budget.
+        let gib_in_mb = working.div_ceil(1 << 30) << 10;
         let mb = if budget_mb > 0 { gib_in_mb.min(budget_mb) } else { gib_in_mb };
         format!(
             "the kernel mapped {:.1} GiB of this process's memory page by page while the data flowed ({} page \
@@ -329,14 +340,18 @@ mod tests {
     #[test]
     fn a_run_behind_that_faulted_its_memory_in_suggests_a_prefault() {
         // 1.3 M faults of 4 kB: 5.0 GiB, rounded up to whole GiB.
-        let hint = prefault_hint(true, 1_300_000, 0, 12_000).expect("a hint");
+        let hint = prefault_hint(true, 1_300_000, 0.0, 0, 12_000).expect("a hint");
         assert!(hint.contains("`[run] prefault_mb = 5120`") && hint.contains("5.0 GiB"), "{hint}");
+        // Faulted more than the process ever held (memory given back and faulted again):
+        // its peak, 3.2 GB, is what to map.
+        let hint = prefault_hint(true, 1_300_000, 3_200.0, 0, 12_000).expect("a hint");
+        assert!(hint.contains("`[run] prefault_mb = 3072`") && hint.contains("5.0 GiB"), "{hint}");
         // Within the budget.
-        assert!(prefault_hint(true, 1_300_000, 0, 3000).expect("a hint").contains("prefault_mb = 3000`"));
+        assert!(prefault_hint(true, 1_300_000, 0.0, 0, 3000).expect("a hint").contains("prefault_mb = 3000`"));
         // On time, a prefault already, or under a GiB of faults: no hint.
-        assert_eq!(prefault_hint(false, 1_300_000, 0, 12_000), None);
-        assert_eq!(prefault_hint(true, 1_300_000, 4096, 12_000), None);
-        assert_eq!(prefault_hint(true, 200_000, 0, 12_000), None);
+        assert_eq!(prefault_hint(false, 1_300_000, 0.0, 0, 12_000), None);
+        assert_eq!(prefault_hint(true, 1_300_000, 0.0, 4096, 12_000), None);
+        assert_eq!(prefault_hint(true, 200_000, 0.0, 0, 12_000), None);
     }
 
     #[test]
