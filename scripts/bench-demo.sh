@@ -28,8 +28,9 @@ iperf() { # streams -> MB/s
 }
 
 # 100 builders in one process: each builder's default 512 MiB would make the plan 50 GiB,
-# which the memory budget refuses (half of this machine); 64 MiB each holds a slice's
-# 300 fragments many times over.
+# over the memory budget (half of this machine). 64 MiB each holds a slice's 300 fragments
+# many times over and is what every earlier row ran with (left unset, the demo would give
+# each builder a share of its budget: 48 MiB on a 24-GiB machine).
 live_cfg="$tmp/live.toml"
 printf '[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
 pool_cfg="$tmp/pool.toml"

@@ -132,6 +132,36 @@ fn demand(cfg: &Config, hosting: &Hosting, fragment_bytes: u64) -> MemoryDemand 
     }
 }
 
+/// The builders' memory (`builder.memory_budget_mb`, MiB) for a process that hosts several
+/// builders (the embedded demo) when the configured one does not fit the process's budget:
+/// half of what the budget leaves once everything else has its share (the sources their
+/// least backlog), in equal parts, so that the other half stays for the sources. `None`
+/// when the configured value fits, when the process hosts one builder (a builder process
+/// of its own keeps what it was given), or when the share would not hold a builder's two
+/// slices: the run is then refused as before, with its reasons.
+pub fn shared_builder_memory_mb(cfg: &Config, hosting: &Hosting) -> Result<Option<u64>, ConfigError> {
+    if hosting.builders < 2 {
+        return Ok(None);
+    }
+    let frag = fragment_bytes(cfg)?;
+    let plan_with = |mb: u64| {
+        let mut d = demand(cfg, hosting, frag);
+        d.builder_memory = mb << 20;
+        d.plan()
+    };
+    if !matches!(plan_with(cfg.builder.memory_budget_mb), Err(Refusal::OverBudget { .. })) {
+        return Ok(None);
+    }
+    // The most each builder could take with the sources at their least backlog (the
+    // builders' memory only ever adds to what the process needs).
+    let not_over = |mb: u64| !matches!(plan_with(mb), Err(Refusal::OverBudget { .. }));
+    let Some(most) = largest_fitting(cfg.builder.memory_budget_mb, not_over) else {
+        return Ok(None);
+    };
+    let share = (most / 2).max(1);
+    Ok(plan_with(share).is_ok().then_some(share))
+}
+
 /// Plans the process's memory, or refuses with why and what would fit. `hosting_for(n)`
 /// says what the process would host with `n` sources in the run (to find the largest `n`
 /// that fits).
@@ -250,6 +280,42 @@ mod tests {
         cfg.run.transport = "udp".into();
         let d = demand(&cfg, &hosting(vec![4]), 30_000);
         assert!(d.fixed.iter().any(|&(name, bytes)| name == "UDP retransmit buffers" && bytes == 4 * 30_000 * 201));
+    }
+
+    fn with_sources(cfg: &Config, hosting: &Hosting) -> Result<MemoryPlan, Refusal> {
+        demand(cfg, hosting, fragment_bytes(cfg).unwrap()).plan()
+    }
+
+    #[test]
+    fn builders_sharing_a_process_take_half_of_what_their_budget_leaves() {
+        // The full ANTARES shape in one process of 12 GiB: 100 builders at 512 MiB do not fit.
+        let mut cfg = Config::from_toml_str("[run]\nmemory_mb = 12288\nsources = 300\nbuilders = 100\n").unwrap();
+        cfg.share_saver_history();
+        let embedded = crate::demo::embedded_hosting(300, 100, 20_000);
+        let share = shared_builder_memory_mb(&cfg, &embedded).unwrap().expect("a share");
+        // Half of the most they could take: the plan fits with it, not with twice it plus
+        // a little (the most), and each builder still holds two slices of 300 fragments.
+        let with = |mb: u64| {
+            let mut c = cfg.clone();
+            c.builder.memory_budget_mb = mb;
+            plan(&c, |n| crate::demo::embedded_hosting(n, 100, 20_000))
+        };
+        assert!(with(share).is_ok() && with(2 * share).is_ok());
+        assert!(with(2 * share + 2).is_err());
+        let fragment = fragment_bytes(&cfg).unwrap();
+        assert!(share << 20 >= 2 * 300 * fragment, "{share} MiB");
+        // What fits already, and a builder process of its own, are left as they are.
+        let mut fits = cfg.clone();
+        fits.builder.memory_budget_mb = share;
+        assert_eq!(shared_builder_memory_mb(&fits, &embedded).unwrap(), None);
+        let alone = Hosting { builders: 1, writer: false, ..Hosting::default() };
+        assert_eq!(shared_builder_memory_mb(&cfg, &alone).unwrap(), None);
+        // A share that cannot hold two slices is no share: the run stays refused.
+        let mut big = cfg.clone();
+        big.run.sources = 3_000;
+        let hosting = crate::demo::embedded_hosting(3_000, 100, 20_000);
+        assert!(matches!(with_sources(&big, &hosting), Err(Refusal::OverBudget { .. })));
+        assert_eq!(shared_builder_memory_mb(&big, &hosting).unwrap(), None);
     }
 
     #[test]

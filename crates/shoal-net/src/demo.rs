@@ -194,6 +194,16 @@ pub fn embedded_hosting(sources: u32, builders: u32, fd_limit: u64) -> crate::bu
     crate::budget::Hosting { source_nodes, builders: u64::from(builders), writer: true, local_connections }
 }
 
+/// `builder.memory_budget_mb` for this run's builders sharing this process
+/// ([`crate::budget::shared_builder_memory_mb`]), when the configured value does not fit;
+/// planned as [`run_embedded`] plans, with the burst savers' history shared.
+pub fn shared_builder_memory_mb(cfg: &Config) -> Result<Option<u64>, crate::config::ConfigError> {
+    let mut cfg = cfg.clone();
+    cfg.share_saver_history();
+    let hosting = embedded_hosting(cfg.run.sources, cfg.run.builders, raise_fd_limit());
+    crate::budget::shared_builder_memory_mb(&cfg, &hosting)
+}
+
 /// Raises the soft open-file limit to the hard limit; returns the limit in force.
 pub fn raise_fd_limit() -> u64 {
     rlimit::increase_nofile_limit(u64::MAX).unwrap_or(1024)

@@ -325,6 +325,14 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     })
 }
 
+/// Whether the configuration file at `path` sets `[section] key` itself (not the default).
+fn config_sets(path: Option<&PathBuf>, section: &str, key: &str) -> anyhow::Result<bool> {
+    let Some(path) = path else { return Ok(false) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let table: toml::Table = text.parse().with_context(|| format!("parsing {}", path.display()))?;
+    Ok(table.get(section).and_then(|s| s.get(key)).is_some())
+}
+
 fn ctrl_c_token() -> CancellationToken {
     let token = CancellationToken::new();
     let t = token.clone();
@@ -460,6 +468,19 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     cfg.validate()?;
+    // The demo's builders share this process. Unless the configuration says what each may
+    // hold, they share what its memory budget leaves, so that a newcomer's
+    // `--sources 300 --builders 100` runs instead of being refused for 100 x 512 MiB.
+    if !config_sets(args.config.as_ref(), "builder", "memory_budget_mb")?
+        && let Some(mb) = shoal_net::demo::shared_builder_memory_mb(&cfg)?
+    {
+        eprintln!(
+            "{} builders share this process: builder.memory_budget_mb = {mb} each instead of {} (half of what \
+             run.memory_mb leaves them); set it in a --config to choose",
+            cfg.run.builders, cfg.builder.memory_budget_mb
+        );
+        cfg.builder.memory_budget_mb = mb;
+    }
 
     let cancel = ctrl_c_token();
     let total_slices = (cfg.run.seconds * 1000.0 / cfg.run.slice_ms as f64).ceil() as u64;

@@ -1,7 +1,8 @@
 //! The process memory budget, through `shoal demo` as a new user runs it: a run too big
 //! for any builder is refused at start with what would fit; a run too big for the
 //! machine's CPU (3,000 physics sources on 2 cores) ends on its own with its memory inside
-//! the budget and every fragment accounted.
+//! the budget and every fragment accounted; the demo's builders share its budget when
+//! their default would not fit, unless the configuration sets theirs.
 
 use std::process::Command;
 
@@ -87,4 +88,39 @@ fn a_prefault_is_mapped_before_the_run_and_stays_within_the_budget() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("run.prefault_mb = 4097 is more than this process's memory budget (4096 MiB"), "{stderr}");
+}
+
+#[test]
+fn the_demos_builders_share_its_budget_unless_the_configuration_sets_theirs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |builder_table: &str| {
+        let cfg = dir.path().join("shared.toml");
+        std::fs::write(&cfg, format!("[run]\nmemory_mb = 2048\n{builder_table}")).unwrap();
+        shoal()
+            .args(["demo", "--sources", "8", "--builders", "8", "--seconds", "0.3", "--json", "--config"])
+            .arg(&cfg)
+            .arg("--out")
+            .arg(dir.path())
+            .output()
+            .unwrap()
+    };
+    // 8 builders at the default 512 MiB would need 4 GiB of the 2 GiB: they share it.
+    let out = run("");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let each: u64 = stderr
+        .split("8 builders share this process: builder.memory_budget_mb = ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no share in {stderr}"));
+    assert!(each > 0 && 8 * each <= 1024, "{each} MiB each: at most half of the 2 GiB");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(s["memory_planned_mb"].as_u64().unwrap() <= 2048, "{s}");
+    assert_eq!(s["ledger"]["balanced"], true, "{}", s["ledger"]);
+    // Set in the configuration, even to the default: kept, and refused as before.
+    let out = run("[builder]\nmemory_budget_mb = 512\n");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("refused at start, memory") && !stderr.contains("share this process"), "{stderr}");
 }
