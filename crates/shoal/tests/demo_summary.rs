@@ -2,7 +2,7 @@
 //! wall-clock guard is shorter than the delay some sources add on purpose processes every
 //! slice without them, and the summary names those sources and says they were sending.
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn slices_cut_at_the_wall_clock_guard_name_the_sources_that_were_behind() {
@@ -11,7 +11,7 @@ fn slices_cut_at_the_wall_clock_guard_name_the_sources_that_were_behind() {
     // delayed:8 sends sources 8-15 one slice (10 ms) after sources 0-7: a 1-ms guard
     // processes each slice before their fragments come.
     std::fs::write(&cfg, "[builder]\nwall_timeout_ms = 1\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+    let out = common::shoal()
         .args(["demo", "--sources", "16", "--builders", "2", "--policy", "delayed:8", "--seconds", "1", "--config"])
         .arg(&cfg)
         .arg("--out")
@@ -45,11 +45,7 @@ fn slices_cut_at_the_wall_clock_guard_name_the_sources_that_were_behind() {
     let on_time = groups.iter().filter(|(ids, _)| ids.start() < &8).map(|(_, n)| *n).max().unwrap_or(0);
     assert!(*most > on_time, "{groups:?} from {warning}");
     // Their fragments came after the slices were processed: they were sending.
-    let later: u64 = warning
-        .split("In ")
-        .nth(1)
-        .and_then(|w| w.split(' ').next())
-        .and_then(|n| n.parse().ok())
+    let later = common::number_after(warning, "In ")
         .unwrap_or_else(|| panic!("no count of slices whose fragments came later: {warning}"));
     assert!(later > 0 && warning.contains("every missing fragment came later"), "{warning}");
 }

@@ -4,11 +4,9 @@
 //! the budget and every fragment accounted; the demo's builders share its budget when
 //! their default would not fit, unless the configuration sets theirs.
 
-use std::process::Command;
+mod common;
 
-fn shoal() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_shoal"))
-}
+use common::shoal;
 
 #[test]
 fn a_run_no_builder_can_hold_is_refused_at_start_with_what_fits() {
@@ -20,12 +18,7 @@ fn a_run_no_builder_can_hold_is_refused_at_start_with_what_fits() {
     assert!(stderr.contains("refused at start, memory"), "{stderr}");
     assert!(stderr.contains("builder.memory_budget_mb"), "{stderr}");
     // What fits, as a number of sources that is itself accepted.
-    let fit: u32 = stderr
-        .split("at most ")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no 'at most N sources' in {stderr}"));
+    let fit = common::number_after(&stderr, "at most ").unwrap_or_else(|| panic!("no 'at most N sources' in {stderr}"));
     assert!((1000..100_000).contains(&fit), "{stderr}");
     // Nothing ran: no output file.
     assert!(!dir.path().join("run000001.events.parquet").exists());
@@ -108,11 +101,7 @@ fn the_demos_builders_share_its_budget_unless_the_configuration_sets_theirs() {
     let out = run("");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let each: u64 = stderr
-        .split("8 builders share this process: builder.memory_budget_mb = ")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .and_then(|n| n.parse().ok())
+    let each = common::number_after(&stderr, "8 builders share this process: builder.memory_budget_mb = ")
         .unwrap_or_else(|| panic!("no share in {stderr}"));
     assert!(each > 0 && 8 * each <= 1024, "{each} MiB each: at most half of the 2 GiB");
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -38,6 +38,12 @@ impl Drop for Mounted {
     }
 }
 
+/// The whole number written right after the first `prefix` in `text` (up to the next
+/// space), as a message states it: "at most 4096 sources", "In 12 of them".
+pub fn number_after(text: &str, prefix: &str) -> Option<u64> {
+    text.split(prefix).nth(1)?.split(' ').next()?.parse().ok()
+}
+
 pub fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
