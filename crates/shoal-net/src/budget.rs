@@ -282,7 +282,7 @@ mod tests {
         assert!(d.fixed.iter().any(|&(name, bytes)| name == "UDP retransmit buffers" && bytes == 4 * 30_000 * 201));
     }
 
-    fn with_sources(cfg: &Config, hosting: &Hosting) -> Result<MemoryPlan, Refusal> {
+    fn plan_of(cfg: &Config, hosting: &Hosting) -> Result<MemoryPlan, Refusal> {
         demand(cfg, hosting, fragment_bytes(cfg).unwrap()).plan()
     }
 
@@ -314,7 +314,7 @@ mod tests {
         let mut big = cfg.clone();
         big.run.sources = 3_000;
         let hosting = crate::demo::embedded_hosting(3_000, 100, 20_000);
-        assert!(matches!(with_sources(&big, &hosting), Err(Refusal::OverBudget { .. })));
+        assert!(matches!(plan_of(&big, &hosting), Err(Refusal::OverBudget { .. })));
         assert_eq!(shared_builder_memory_mb(&big, &hosting).unwrap(), None);
     }
 
