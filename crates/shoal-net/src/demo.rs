@@ -112,6 +112,9 @@ pub struct RunSummary {
     /// The process's memory budget and what its queues' bounds add up to, MiB.
     pub memory_budget_mb: u64,
     pub memory_planned_mb: u64,
+    /// Each builder's memory (`builder.memory_budget_mb`, or the demo's share), MiB.
+    #[serde(default)]
+    pub builder_memory_mb: u64,
     /// Memory mapped before the run (`run.prefault_mb`), MiB, and the seconds it took.
     #[serde(default)]
     pub prefaulted_mb: u64,
@@ -340,6 +343,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     summary.send_completion = DelayStats::from_log(&send_completion);
     summary.memory_budget_mb = plan.memory.budget >> 20;
     summary.memory_planned_mb = plan.memory.total() >> 20;
+    summary.builder_memory_mb = cfg.builder.memory_budget_mb;
     summary.page_faults = crate::memory::minor_faults().saturating_sub(faults_at_start);
     if let Some(p) = prefaulted {
         summary.prefaulted_mb = p.bytes >> 20;
@@ -423,6 +427,7 @@ fn summarize(
         dropped_over_memory: 0,
         memory_budget_mb: 0,
         memory_planned_mb: 0,
+        builder_memory_mb: 0,
         prefaulted_mb: 0,
         prefault_s: 0.0,
         page_faults: 0,

@@ -139,10 +139,13 @@ pub fn table(s: &RunSummary) -> String {
         (
             "memory",
             format!(
-                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB; {} page faults in the run{}{}",
+                "peak resident {:.0} MB; budget {} MiB, queue bounds {} MiB (builders {} x {} MiB); {} page faults in \
+                 the run{}{}",
                 s.peak_rss_mb,
                 s.memory_budget_mb,
                 s.memory_planned_mb,
+                s.builders,
+                s.builder_memory_mb,
                 s.page_faults,
                 match s.prefaulted_mb {
                     0 => String::new(),

@@ -106,6 +106,7 @@ fn the_demos_builders_share_its_budget_unless_the_configuration_sets_theirs() {
     assert!(each > 0 && 8 * each <= 1024, "{each} MiB each: at most half of the 2 GiB");
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(s["memory_planned_mb"].as_u64().unwrap() <= 2048, "{s}");
+    assert_eq!(s["builder_memory_mb"], each, "the summary keeps the share");
     assert_eq!(s["ledger"]["balanced"], true, "{}", s["ledger"]);
     // Set in the configuration, even to the default: kept, and refused as before.
     let out = run("[builder]\nmemory_budget_mb = 512\n");
