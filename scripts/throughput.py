@@ -16,7 +16,7 @@ Each shoal run moves about as many bytes as the iperf3 beside it moves in its 2 
 (6 GB, `--gb` to change; at most 1,000,000 slices), so both figures are averages over
 about the same time: a run of a few tenths of a second is mostly its start (connections
 opening, windows growing, the first buffers faulted in), and until 2026-11-29 the runs were
-1.5 GB, 0.2-0.5 s at 64 kB and up (docs/benchmarks.md, "Runs as long as iperf3's").
+1.5 GB, 0.2-0.4 s at 17 of 20 points from 64 kB up (at most 1.3 s) (docs/benchmarks.md, "Runs as long as iperf3's").
 
 usage: scripts/throughput.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick] [--sizes B,B]
          [--topologies MxN,MxN] [--prefault MB] [--gb GB]

@@ -325,6 +325,23 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     })
 }
 
+/// The demo's builders share this process. Unless the configuration file says what each
+/// may hold, they share what its memory budget leaves (said on stderr), so that a
+/// newcomer's `--sources 300 --builders 100` runs instead of being refused for 100 x 512 MiB.
+fn share_builder_memory(cfg: &mut Config, config: Option<&PathBuf>) -> anyhow::Result<()> {
+    if !config_sets(config, "builder", "memory_budget_mb")?
+        && let Some(mb) = shoal_net::demo::shared_builder_memory_mb(cfg)?
+    {
+        eprintln!(
+            "{} builders share this process: builder.memory_budget_mb = {mb} each instead of {} (half of what \
+             run.memory_mb leaves them); set it in a --config to choose",
+            cfg.run.builders, cfg.builder.memory_budget_mb
+        );
+        cfg.builder.memory_budget_mb = mb;
+    }
+    Ok(())
+}
+
 /// Whether the configuration file at `path` sets `[section] key` itself (not the default).
 fn config_sets(path: Option<&PathBuf>, section: &str, key: &str) -> anyhow::Result<bool> {
     let Some(path) = path else { return Ok(false) };
@@ -468,19 +485,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     cfg.validate()?;
-    // The demo's builders share this process. Unless the configuration says what each may
-    // hold, they share what its memory budget leaves, so that a newcomer's
-    // `--sources 300 --builders 100` runs instead of being refused for 100 x 512 MiB.
-    if !config_sets(args.config.as_ref(), "builder", "memory_budget_mb")?
-        && let Some(mb) = shoal_net::demo::shared_builder_memory_mb(&cfg)?
-    {
-        eprintln!(
-            "{} builders share this process: builder.memory_budget_mb = {mb} each instead of {} (half of what \
-             run.memory_mb leaves them); set it in a --config to choose",
-            cfg.run.builders, cfg.builder.memory_budget_mb
-        );
-        cfg.builder.memory_budget_mb = mb;
-    }
+    share_builder_memory(&mut cfg, args.config.as_ref())?;
 
     let cancel = ctrl_c_token();
     let total_slices = (cfg.run.seconds * 1000.0 / cfg.run.slice_ms as f64).ceil() as u64;
