@@ -15,10 +15,17 @@ import urllib.error
 import urllib.request
 
 
+# Ports handed out in this test process: nothing listens on them until the processes a test
+# starts bind them, so without this two calls could return the same port. They did: a cluster
+# file got one port for a builder and the writer, and the builder could not start.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on, outside the kernel's ephemeral range: a port from
-    that range (what binding port 0 gives) can be taken by an outgoing connection before the
-    process the test starts binds it. Random, so tests running at once rarely collide."""
+    """A loopback port nothing listens on (TCP or UDP) and not handed out before, outside
+    the kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
+    taken by an outgoing connection before the process the test starts binds it. Random,
+    so tests running at once rarely collide (as tests/common's `free_port` in Rust)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             lo, hi = (int(v) for v in f.read().split())
@@ -27,12 +34,16 @@ def free_port() -> int:
     first, last = (10000, lo - 1) if lo > 11000 else (hi + 1, 65535)
     for _ in range(10000):
         port = random.randint(first, last)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                t.bind(("127.0.0.1", port))
+                u.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError(f"no free port in {first}-{last}")
 
 
