@@ -30,15 +30,17 @@ iperf() { # streams -> MB/s
 # 100 builders in one process: each builder's default 512 MiB would make the plan 50 GiB,
 # over the memory budget (half of this machine). 64 MiB each holds a slice's 300 fragments
 # many times over and is what every earlier row ran with (left unset, the demo would give
-# each builder a share of its budget: 48 MiB on a 24-GiB machine).
+# each builder a share of its budget: 48 MiB on a 24-GiB machine). Nothing is mapped before
+# the run except where the row says so (left unset, the demo would map 6 s of the offered
+# data: shoal_net::budget::auto_prefault_mb).
 live_cfg="$tmp/live.toml"
-printf '[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
+printf '[run]\nprefault_mb = 0\n[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
 pool_cfg="$tmp/pool.toml"
-printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n' >"$pool_cfg"
+printf '[run]\nprefault_mb = 0\n[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n' >"$pool_cfg"
 live_pf_cfg="$tmp/live-prefault.toml"
 printf '[run]\nprefault_mb = 4096\n[builder]\nmemory_budget_mb = 64\n' >"$live_pf_cfg"
 nofilter_cfg="$tmp/nofilter.toml"
-printf '[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n[builder.filter]\nname = "none"\n' >"$nofilter_cfg"
+printf '[run]\nprefault_mb = 0\n[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n[builder.filter]\nname = "none"\n' >"$nofilter_cfg"
 demo() { # policy, extra args -> "MBps complete_pct unaccounted"
   local policy=$1
   shift

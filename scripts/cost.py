@@ -63,7 +63,7 @@ def run_once(shoal, policy, a, tmp):
     cfg = os.path.join(tmp, "cost.toml")
     with open(cfg, "w") as f:
         f.write(
-            "[run]\nslice_ms = 10\n"
+            "[run]\nslice_ms = 10\nprefault_mb = 0\n"
             f"[source]\nreplay_pool = 16\ngenerator = \"fixed\"\nfixed_bytes = {a.fragment}\n"
             "[builder]\nmemory_budget_mb = 64\n[builder.filter]\nname = \"none\"\n"
         )

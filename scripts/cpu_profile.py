@@ -95,8 +95,8 @@ def main():
     cfg = os.path.join(tmp, "cfg.toml")
     with open(cfg, "w") as f:
         # 100 builders in one process: 64 MiB each (the default 512 would be refused by
-        # the memory budget, as in scripts/bench-demo.sh).
-        f.write("[builder]\nmemory_budget_mb = 64\n")
+        # the memory budget, as in scripts/bench-demo.sh); nothing mapped before the run.
+        f.write("[run]\nprefault_mb = 0\n[builder]\nmemory_budget_mb = 64\n")
         if "--live" not in sys.argv:
             f.write("[source]\nreplay_pool = 16\n")
     perf_data = os.path.join(tmp, "perf.data")

@@ -162,6 +162,47 @@ pub fn shared_builder_memory_mb(cfg: &Config, hosting: &Hosting) -> Result<Optio
     Ok(plan_with(share).is_ok().then_some(share))
 }
 
+/// Seconds of its offered data that `shoal demo` maps before the run when nothing sets
+/// `run.prefault_mb` ([`auto_prefault_mb`]). Live demos on time with nothing mapped peaked
+/// at 3.2-5.7 s of what their sources delivered (2026-11-29: 300 x 100 2.7-2.9 GB at
+/// 862-874 MB/s, 200 x 60 2.4 GB at 579, 100 x 30 1.7 GB at 292); with memory mapped the
+/// allocator keeps what it frees, and the full shape peaked at 4.2-4.9 GB. The estimate of
+/// the offered rate ([`offered_bytes_per_s`]) is about a tenth under what the full shape
+/// delivers; 6 s of it is 4.3 GiB there, where 4 GiB kept every slice in 9 of 10 runs on a
+/// busy day and 6 GiB in 7 of 7 (docs/benchmarks.md, "Memory mapped before the run"). A
+/// run behind holds more, and more again: the mapping is there so that faulting its
+/// memory in does not put it behind in the first place.
+pub const AUTO_PREFAULT_SECONDS: u64 = 6;
+/// No automatic prefault below this: a smaller working set faulted in costs a run little
+/// (the summary's hint waits for a GiB of faults too).
+pub const AUTO_PREFAULT_MIN_MB: u64 = 1024;
+
+/// What the configured sources offer, bytes per second: the sample's mean fragment
+/// ([`fragment_bytes`]) from every source every slice. `None` where there is no rate to
+/// know: saturating sources produce what the transport takes, and an input socket's
+/// data comes from outside.
+pub fn offered_bytes_per_s(cfg: &Config) -> Result<Option<u64>, ConfigError> {
+    if cfg.source.saturate || !cfg.source.input.is_empty() || cfg.run.slice_ms == 0 {
+        return Ok(None);
+    }
+    let per_slice = fragment_bytes(cfg)?.saturating_mul(u64::from(cfg.run.sources));
+    Ok(Some(per_slice.saturating_mul(1000) / cfg.run.slice_ms))
+}
+
+/// The `run.prefault_mb` that `shoal demo` takes when nothing sets it:
+/// [`AUTO_PREFAULT_SECONDS`] of the offered data, at most half the budget (the plan's
+/// queues keep the other half), `None` under [`AUTO_PREFAULT_MIN_MB`] or where the rate is
+/// not known ([`offered_bytes_per_s`]).
+pub fn auto_prefault_mb(cfg: &Config) -> Result<Option<u64>, ConfigError> {
+    let Some(rate) = offered_bytes_per_s(cfg)? else { return Ok(None) };
+    Ok(prefault_for(rate, budget_bytes(cfg)))
+}
+
+fn prefault_for(offered_bytes_per_s: u64, budget: u64) -> Option<u64> {
+    let mb = (offered_bytes_per_s.saturating_mul(AUTO_PREFAULT_SECONDS) >> 20).min((budget / 2) >> 20);
+    (mb >= AUTO_PREFAULT_MIN_MB).then_some(mb)
+}
+
 /// Plans the process's memory, or refuses with why and what would fit. `hosting_for(n)`
 /// says what the process would host with `n` sources in the run (to find the largest `n`
 /// that fits).
@@ -316,6 +357,35 @@ mod tests {
         let hosting = crate::demo::embedded_hosting(3_000, 100, 20_000);
         assert!(matches!(plan_of(&big, &hosting), Err(Refusal::OverBudget { .. })));
         assert_eq!(shared_builder_memory_mb(&big, &hosting).unwrap(), None);
+    }
+
+    #[test]
+    fn the_demo_maps_seconds_of_its_offered_data_within_half_its_budget() {
+        const GB: u64 = 1 << 30;
+        const S: u64 = AUTO_PREFAULT_SECONDS;
+        // 870 MB/s (the live full shape) in a 12-GiB budget: S seconds of it, under half.
+        assert_eq!(prefault_for(870_000_000, 12 * GB), Some((870_000_000 * S) >> 20));
+        // 2 GB/s: half the budget.
+        assert_eq!(prefault_for(2_000_000_000, 12 * GB), Some(6 * 1024));
+        // 13 MB/s (make demo): nothing; the least, and just under it.
+        assert_eq!(prefault_for(13_000_000, 12 * GB), None);
+        assert_eq!(prefault_for(GB / S + 1, 12 * GB), Some(1024));
+        assert_eq!(prefault_for(GB / S - 1024, 12 * GB), None);
+        // A small machine: half of 1.5 GiB is under the least.
+        assert_eq!(prefault_for(870_000_000, 3 * GB / 2), None);
+        // From the configuration: 300 sources of about 30 kB every 10 ms; none saturating
+        // or reading an input socket.
+        let cfg = Config::from_toml_str("[run]\nmemory_mb = 12288\nsources = 300\nbuilders = 100\n").unwrap();
+        let rate = offered_bytes_per_s(&cfg).unwrap().expect("a rate");
+        assert_eq!(rate, fragment_bytes(&cfg).unwrap() * 300 * 100);
+        assert!((500_000_000..1_500_000_000).contains(&rate), "{rate}");
+        assert_eq!(auto_prefault_mb(&cfg).unwrap(), Some((rate * S) >> 20));
+        let mut saturated = cfg.clone();
+        saturated.source.saturate = true;
+        assert_eq!(auto_prefault_mb(&saturated).unwrap(), None);
+        let mut input = cfg.clone();
+        input.source.input = "unix:/tmp/in.sock".into();
+        assert_eq!(auto_prefault_mb(&input).unwrap(), None);
     }
 
     #[test]

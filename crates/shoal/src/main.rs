@@ -273,6 +273,11 @@ struct DemoArgs {
     /// Start from this configuration file instead of the defaults.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Memory in MiB to map before the run (`run.prefault_mb`; 0: none). Unset here and in
+    /// the --config file, the demo maps 6 s of what its sources offer when that is a GiB or
+    /// more (at most half the memory budget) and says so.
+    #[arg(long, value_name = "MIB")]
+    prefault_mb: Option<u64>,
     /// Exit with status 3 if fewer than this fraction of slices is complete (e.g. 0.99).
     #[arg(long)]
     min_complete: Option<f64>,
@@ -338,6 +343,33 @@ fn share_builder_memory(cfg: &mut Config, config: Option<&PathBuf>) -> anyhow::R
             cfg.run.builders, cfg.builder.memory_budget_mb
         );
         cfg.builder.memory_budget_mb = mb;
+    }
+    Ok(())
+}
+
+/// `run.prefault_mb` for the demo: `--prefault-mb`, else the file's, else
+/// [`shoal_net::budget::auto_prefault_mb`] (6 s of the offered data), said on stderr: a
+/// newcomer's `shoal demo --sources 300 --builders 100` otherwise faults its working set in
+/// page by page while the data flow, and falls behind (docs/benchmarks.md, "Memory mapped
+/// before the run").
+fn choose_prefault(cfg: &mut Config, config: Option<&PathBuf>, flag: Option<u64>) -> anyhow::Result<()> {
+    if let Some(mb) = flag {
+        cfg.run.prefault_mb = mb;
+        return Ok(());
+    }
+    if config_sets(config, "run", "prefault_mb")? {
+        return Ok(());
+    }
+    if let Some(mb) = shoal_net::budget::auto_prefault_mb(cfg)? {
+        let rate = shoal_net::budget::offered_bytes_per_s(cfg)?.unwrap_or(0);
+        eprintln!(
+            "{} sources offer about {:.0} MB/s: run.prefault_mb = {mb} maps {} s of it before the run, so that \
+             the run does not fault its memory in page by page; --prefault-mb (0: none) or the --config to choose",
+            cfg.run.sources,
+            rate as f64 / 1e6,
+            shoal_net::budget::AUTO_PREFAULT_SECONDS
+        );
+        cfg.run.prefault_mb = mb;
     }
     Ok(())
 }
@@ -486,6 +518,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     };
     cfg.validate()?;
     share_builder_memory(&mut cfg, args.config.as_ref())?;
+    choose_prefault(&mut cfg, args.config.as_ref(), args.prefault_mb)?;
 
     let cancel = ctrl_c_token();
     let total_slices = (cfg.run.seconds * 1000.0 / cfg.run.slice_ms as f64).ceil() as u64;

@@ -283,9 +283,10 @@ fn window_hint(policy: &str, slice_ms: u64, send_completion: &DelayStats) -> Opt
 
 /// When a run that fell behind mapped a good part of its memory while the data flowed
 /// (more than a GiB of page faults), mapping it before the run frees that CPU. The size
-/// is what was faulted or the process's peak (`peak_rss_mb`, MB; 0 unknown), the smaller:
-/// the allocator gives freed memory back to the kernel and faults it in again, which a
-/// prefault stops, so a run can fault more than it ever holds.
+/// is what was mapped before and faulted after, or the process's peak (`peak_rss_mb`, MB;
+/// 0 unknown), the smaller: the allocator gives freed memory back to the kernel and faults
+/// it in again, which a prefault stops, so a run can fault more than it ever holds. No
+/// hint where that is no more than was mapped already.
 fn prefault_hint(
     behind: bool,
     page_faults: u64,
@@ -295,15 +296,24 @@ fn prefault_hint(
 ) -> Option<String> {
     const PAGE: u64 = 4096;
     let faulted = page_faults * PAGE;
-    (behind && prefaulted_mb == 0 && faulted > 1 << 30).then(|| {
-        let peak = (peak_rss_mb * 1e6) as u64;
-        let working = if peak > 0 { faulted.min(peak) } else { faulted };
-        // In whole GiB, within the budget.
-        let gib_in_mb = working.div_ceil(1 << 30) << 10;
-        let mb = if budget_mb > 0 { gib_in_mb.min(budget_mb) } else { gib_in_mb };
+    if !behind || faulted <= 1 << 30 {
+        return None;
+    }
+    let mapped = (prefaulted_mb << 20) + faulted;
+    let peak = (peak_rss_mb * 1e6) as u64;
+    let working = if peak > 0 { mapped.min(peak) } else { mapped };
+    // In whole GiB, within the budget.
+    let gib_in_mb = working.div_ceil(1 << 30) << 10;
+    let mb = if budget_mb > 0 { gib_in_mb.min(budget_mb) } else { gib_in_mb };
+    let before = match prefaulted_mb {
+        0 => String::new(),
+        p => format!(" after the {p} MiB mapped before it"),
+    };
+    (mb > prefaulted_mb).then(|| {
         format!(
             "the kernel mapped {:.1} GiB of this process's memory page by page while the data flowed ({} page \
-             faults); `[run] prefault_mb = {mb}` maps it before the run (docs/configuration.md, `run.prefault_mb`)",
+             faults{before}); `[run] prefault_mb = {mb}` (`shoal demo --prefault-mb {mb}`) maps it before the run \
+             (docs/configuration.md, `run.prefault_mb`)",
             faulted as f64 / f64::from(1u32 << 30),
             page_faults
         )
@@ -351,9 +361,13 @@ mod tests {
         assert!(hint.contains("`[run] prefault_mb = 3072`") && hint.contains("5.0 GiB"), "{hint}");
         // Within the budget.
         assert!(prefault_hint(true, 1_300_000, 0.0, 0, 3000).expect("a hint").contains("prefault_mb = 3000`"));
-        // On time, a prefault already, or under a GiB of faults: no hint.
+        // On time, or under a GiB of faults: no hint.
         assert_eq!(prefault_hint(false, 1_300_000, 0.0, 0, 12_000), None);
-        assert_eq!(prefault_hint(true, 1_300_000, 0.0, 4096, 12_000), None);
+        // Mapped before and faulted more: what both came to, up to the peak.
+        let hint = prefault_hint(true, 1_300_000, 6_000.0, 4096, 12_000).expect("a hint");
+        assert!(hint.contains("`[run] prefault_mb = 6144`") && hint.contains("after the 4096 MiB"), "{hint}");
+        // Mapped as much as the peak already: nothing more to map.
+        assert_eq!(prefault_hint(true, 300_000, 6_400.0, 6144, 12_000), None);
         assert_eq!(prefault_hint(true, 200_000, 0.0, 0, 12_000), None);
     }
 

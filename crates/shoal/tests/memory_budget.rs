@@ -114,3 +114,45 @@ fn the_demos_builders_share_its_budget_unless_the_configuration_sets_theirs() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("refused at start, memory") && !stderr.contains("share this process"), "{stderr}");
 }
+
+#[test]
+fn the_demo_maps_seconds_of_its_offered_data_unless_told_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 sources of 100-kB fragments every millisecond offer 400 MB/s: 6 s of it is more
+    // than half the 2-GiB budget, so the demo maps half.
+    let run = |extra_toml: &str, args: &[&str]| {
+        let cfg = dir.path().join("offered.toml");
+        std::fs::write(
+            &cfg,
+            format!("[run]\nmemory_mb = 2048\n{extra_toml}[source]\ngenerator = \"fixed\"\nfixed_bytes = 100000\n"),
+        )
+        .unwrap();
+        let out = shoal()
+            .args(["demo", "--sources", "4", "--builders", "2", "--slice-ms", "1", "--seconds", "0.2", "--json"])
+            .args(args)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--out")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(s["ledger"]["balanced"], true, "{}", s["ledger"]);
+        (s["prefaulted_mb"].as_u64().unwrap(), stderr)
+    };
+    let (mapped, stderr) = run("", &[]);
+    assert_eq!(mapped, 1024, "{stderr}");
+    let said = common::number_after(&stderr, "run.prefault_mb = ").unwrap_or_else(|| panic!("not said: {stderr}"));
+    assert_eq!(said, 1024);
+    let offered = common::number_after(&stderr, "4 sources offer about ").expect("the rate");
+    assert!((390..=410).contains(&offered), "{stderr}");
+    // The flag, and the file even at 0, choose instead; nothing is said.
+    for (toml, args) in [("", &["--prefault-mb", "0"][..]), ("", &["--prefault-mb", "300"]), ("prefault_mb = 0\n", &[])]
+    {
+        let (mapped, stderr) = run(toml, args);
+        assert_eq!(mapped, if args.contains(&"300") { 300 } else { 0 }, "{stderr}");
+        assert!(!stderr.contains("sources offer about"), "{stderr}");
+    }
+}
