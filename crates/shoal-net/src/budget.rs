@@ -164,9 +164,9 @@ pub fn shared_builder_memory_mb(cfg: &Config, hosting: &Hosting) -> Result<Optio
 
 /// Seconds of its offered data that `shoal demo` maps before the run when nothing sets
 /// `run.prefault_mb` ([`auto_prefault_mb`]). Live demos on time with nothing mapped peaked
-/// at 3.2-5.7 s of what their sources delivered (2026-11-29: 300 x 100 2.7-2.9 GB at
-/// 862-874 MB/s, 200 x 60 2.4 GB at 579, 100 x 30 1.7 GB at 292); with memory mapped the
-/// allocator keeps what it frees, and the full shape peaked at 4.2-4.9 GB. The estimate of
+/// at 3.1-5.7 s of what their sources delivered (2026-11-29: 300 x 100 2.7-3.4 GB at
+/// 861-881 MB/s, 200 x 60 2.4 GB at 579, 100 x 30 1.7 GB at 292); with memory mapped the
+/// allocator keeps what it frees, and the full shape peaked at 4.6-4.9 GB. The estimate of
 /// the offered rate ([`offered_bytes_per_s`]) is about a tenth under what the full shape
 /// delivers; 6 s of it is 4.3 GiB there, where 4 GiB kept every slice in 9 of 10 runs on a
 /// busy day and 6 GiB in 7 of 7 (docs/benchmarks.md, "Memory mapped before the run"). A
