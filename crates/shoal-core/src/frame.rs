@@ -436,8 +436,14 @@ impl StreamDecoder {
             Some(h) => h,
             None => {
                 // Reject garbage as soon as the magic is visible, not only after 56 bytes.
+                // Under 4 bytes it is not yet: refused then, it was named too short, where
+                // the same bytes decoded whole are a stream cut short (checked against
+                // `decode` by shoal-fuzz's `frame_reads`).
                 let visible = self.buf.len().min(4);
                 if self.buf[..visible] != MAGIC[..visible] {
+                    if visible < MAGIC.len() {
+                        return Ok(None);
+                    }
                     return decode_header(&self.buf, self.max_payload).map(|_| None);
                 }
                 if self.buf.len() < HEADER_LEN {
@@ -761,6 +767,13 @@ mod tests {
         t.extend(&a[..30]);
         assert_eq!(t.next_frame(), Ok(None));
         assert_eq!(t.finish(), Err(FrameError::Truncated(30)));
+
+        // Garbage named once its four bytes are in, whatever the reads.
+        let mut s = StreamDecoder::new(DEFAULT_MAX_PAYLOAD);
+        s.extend(b"GE");
+        assert_eq!(s.next_frame(), Ok(None));
+        s.extend(b"T /");
+        assert_eq!(s.next_frame(), Err(FrameError::BadMagic(*b"GET ")));
     }
 
     fn arb_header() -> impl Strategy<Value = FrameHeader> {
