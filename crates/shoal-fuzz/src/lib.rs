@@ -30,6 +30,157 @@ pub fn frame_stream(data: &[u8]) {
     let _ = shoal_core::frame::decode_header(data, MAX_PAYLOAD);
 }
 
+/// Largest payload [`frame_reads`] accepts: above the 16-kB size from which a frame gets a
+/// read buffer of its own, so that the fuzzer's frames take both of the decoder's paths.
+pub const READS_MAX_PAYLOAD: u32 = 1 << 18;
+
+/// A builder connection's bytes read as the builder reads them (`shoal_net`'s
+/// `FrameReader`): room made before each read (`StreamDecoder::prepare_read`), reads of
+/// the sizes the input chooses into that room as tokio's `read_buf` makes them, the buffer
+/// given back while the connection waits (`release_idle`). The frames are built from the
+/// input with valid checksums (small and large, some with a bit flipped, the stream perhaps
+/// cut short), so that the fuzzer reaches every path of the decoder's buffers; whatever
+/// they are, the decoder must return what decoding the whole stream at once returns
+/// ([`check_builder_reads`]).
+pub fn frame_reads(data: &[u8]) {
+    let (stream, reads) = stream_and_reads(data);
+    if let Err(e) = check_builder_reads(&stream, &reads, READS_MAX_PAYLOAD) {
+        panic!("{e}");
+    }
+}
+
+/// The stream and the read sizes that the input describes: up to 8 frames of 3 bytes each
+/// (size, fill, and a bit to flip when the third is 240 or more: which one from the next
+/// two bytes), a byte that cuts the stream short when it is 128 or more, then one read size
+/// per byte (1 + b * b bytes).
+pub fn stream_and_reads(data: &[u8]) -> (Vec<u8>, Vec<usize>) {
+    use shoal_core::frame::{FrameHeader, encode};
+    let mut bytes = data.iter().copied();
+    let mut stream = Vec::new();
+    for slice in 0..8u64 {
+        let (Some(size), Some(fill), Some(flip)) = (bytes.next(), bytes.next(), bytes.next()) else { break };
+        let len = match size {
+            0..192 => usize::from(size) * 13,
+            _ => (16 << 10) + usize::from(size - 192) * 3_907,
+        };
+        let payload: Vec<u8> = (0..len).map(|i| fill.wrapping_add((i % 251) as u8)).collect();
+        let header = FrameHeader {
+            flags: shoal_core::frame::Flags::OPAQUE,
+            source: u32::from(fill),
+            hit_count: 0,
+            slice,
+            slice_start: Instant::from_nanos(slice * 10_000_000),
+            send_time: Instant::ZERO,
+            payload_len: len as u32,
+        };
+        let mut frame = encode(&header, &payload).to_vec();
+        if flip >= 240 {
+            let at = usize::from(bytes.next().unwrap_or(0)) << 8 | usize::from(bytes.next().unwrap_or(0));
+            let at = at % frame.len();
+            frame[at] ^= 1 << (flip & 7);
+        }
+        stream.extend_from_slice(&frame);
+    }
+    if let Some(cut) = bytes.next().filter(|&c| c >= 128) {
+        stream.truncate(stream.len().saturating_sub(usize::from(cut - 128) * 17));
+    }
+    let reads = bytes.map(|b| 1 + usize::from(b) * usize::from(b)).collect();
+    (stream, reads)
+}
+
+/// How a stream of frames ended.
+#[derive(Debug, PartialEq)]
+pub enum StreamEnd {
+    /// At a frame boundary.
+    Clean,
+    /// Inside a frame, this many bytes after the last whole one.
+    Truncated(usize),
+    /// Refused.
+    Refused(shoal_core::frame::FrameError),
+}
+
+/// Reads `stream` through a `StreamDecoder` as a builder's connection does, `reads` giving
+/// the size of each read (cycled; 4,096 if empty; 64 kB after 10,000 reads), and compares the frames and the end with
+/// decoding the whole stream at once (`frame::decode`, frame after frame). `Err` says how
+/// they differ.
+pub fn check_builder_reads(stream: &[u8], reads: &[usize], max_payload: u32) -> Result<(), String> {
+    use shoal_core::frame::{FrameError, StreamDecoder, decode};
+    let mut whole = Vec::new();
+    let mut rest = stream;
+    let whole_end = loop {
+        if rest.is_empty() {
+            break StreamEnd::Clean;
+        }
+        match decode(rest, max_payload) {
+            Ok((frame, used)) => {
+                whole.push(frame);
+                rest = &rest[used..];
+            }
+            Err(FrameError::TooShort { .. }) => break StreamEnd::Truncated(rest.len()),
+            Err(e) => break StreamEnd::Refused(e),
+        }
+    };
+
+    let mut d = StreamDecoder::new(max_payload);
+    let mut read = Vec::new();
+    let (mut at, mut next_read) = (0, 0);
+    let read_end = 'conn: loop {
+        loop {
+            match d.next_frame() {
+                Ok(Some(frame)) => read.push(frame),
+                Ok(None) => break,
+                Err(e) => break 'conn StreamEnd::Refused(e),
+            }
+        }
+        if at == stream.len() {
+            break match d.finish() {
+                Ok(()) => StreamEnd::Clean,
+                Err(FrameError::Truncated(n)) => StreamEnd::Truncated(n),
+                Err(e) => StreamEnd::Refused(e),
+            };
+        }
+        d.release_idle();
+        d.prepare_read();
+        // tokio's `read_buf` reads into the room there is, making 64 bytes where there is none.
+        let buf = d.buffer_mut();
+        if buf.capacity() == buf.len() {
+            buf.reserve(64);
+        }
+        // After MANY_READS reads, 64 kB at a time: a 2-MB stream read a byte at a time
+        // would take a fuzzer's run from microseconds to tens of milliseconds.
+        const MANY_READS: usize = 10_000;
+        let want = match reads.get(next_read % reads.len().max(1)) {
+            _ if next_read >= MANY_READS => 1 << 16,
+            Some(&n) => n.max(1),
+            None => 4096,
+        };
+        next_read += 1;
+        let n = want.min(buf.capacity() - buf.len()).min(stream.len() - at);
+        let capacity = buf.capacity();
+        buf.extend_from_slice(&stream[at..at + n]);
+        if buf.capacity() != capacity {
+            return Err(format!("a read of {n} bytes grew the buffer from {capacity} to {}", buf.capacity()));
+        }
+        at += n;
+    };
+    if read.len() != whole.len() {
+        return Err(format!(
+            "{} frames read, {} decoded whole; ends {read_end:?} and {whole_end:?}",
+            read.len(),
+            whole.len()
+        ));
+    }
+    for (i, (r, w)) in read.iter().zip(&whole).enumerate() {
+        if r != w {
+            return Err(format!("frame {i} differs: read {:?}, whole {:?}", r.header, w.header));
+        }
+    }
+    if read_end != whole_end {
+        return Err(format!("the stream read ended {read_end:?}, decoded whole {whole_end:?}"));
+    }
+    Ok(())
+}
+
 /// Datagrams at a `shoal probe-switch` receiver, cut at lengths taken from the bytes: each
 /// decoded, the calibration, data and END ones collected with arrival times taken from the
 /// bytes too, then the flood analysed and classified as the receiver does.
@@ -248,8 +399,9 @@ pub fn jdaq(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 11] = [
+pub const TARGETS: [(&str, Target); 12] = [
     ("frame_stream", frame_stream),
+    ("frame_reads", frame_reads),
     ("events", events),
     ("datagrams", datagrams),
     ("controlhost", controlhost),
