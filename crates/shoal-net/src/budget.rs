@@ -190,16 +190,18 @@ pub fn offered_bytes_per_s(cfg: &Config) -> Result<Option<u64>, ConfigError> {
 }
 
 /// The `run.prefault_mb` that `shoal demo` takes when nothing sets it:
-/// [`AUTO_PREFAULT_SECONDS`] of the offered data, at most half the budget (the plan's
-/// queues keep the other half), `None` under [`AUTO_PREFAULT_MIN_MB`] or where the rate is
-/// not known ([`offered_bytes_per_s`]).
+/// [`AUTO_PREFAULT_SECONDS`] of the offered data (a shorter run's whole data), at most half
+/// the budget (the plan's queues keep the other half), `None` under
+/// [`AUTO_PREFAULT_MIN_MB`] or where the rate is not known ([`offered_bytes_per_s`]).
 pub fn auto_prefault_mb(cfg: &Config) -> Result<Option<u64>, ConfigError> {
     let Some(rate) = offered_bytes_per_s(cfg)? else { return Ok(None) };
-    Ok(prefault_for(rate, budget_bytes(cfg)))
+    Ok(prefault_for(rate, cfg.run.seconds, budget_bytes(cfg)))
 }
 
-fn prefault_for(offered_bytes_per_s: u64, budget: u64) -> Option<u64> {
-    let mb = (offered_bytes_per_s.saturating_mul(AUTO_PREFAULT_SECONDS) >> 20).min((budget / 2) >> 20);
+fn prefault_for(offered_bytes_per_s: u64, run_seconds: f64, budget: u64) -> Option<u64> {
+    let seconds = run_seconds.clamp(0.0, AUTO_PREFAULT_SECONDS as f64);
+    let bytes = (offered_bytes_per_s as f64 * seconds) as u64;
+    let mb = (bytes >> 20).min((budget / 2) >> 20);
     (mb >= AUTO_PREFAULT_MIN_MB).then_some(mb)
 }
 
@@ -363,16 +365,21 @@ mod tests {
     fn the_demo_maps_seconds_of_its_offered_data_within_half_its_budget() {
         const GB: u64 = 1 << 30;
         const S: u64 = AUTO_PREFAULT_SECONDS;
-        // 870 MB/s (the live full shape) in a 12-GiB budget: S seconds of it, under half.
-        assert_eq!(prefault_for(870_000_000, 12 * GB), Some((870_000_000 * S) >> 20));
+        // 870 MB/s (the live full shape) in a 12-GiB budget: S seconds of it, under half,
+        // for a run of S seconds or longer.
+        assert_eq!(prefault_for(870_000_000, 15.0, 12 * GB), Some((870_000_000 * S) >> 20));
+        assert_eq!(prefault_for(870_000_000, S as f64, 12 * GB), Some((870_000_000 * S) >> 20));
+        // A shorter run: its whole data; a second of it is under the least.
+        assert_eq!(prefault_for(870_000_000, 3.0, 12 * GB), Some((870_000_000 * 3) >> 20));
+        assert_eq!(prefault_for(870_000_000, 1.0, 12 * GB), None);
         // 2 GB/s: half the budget.
-        assert_eq!(prefault_for(2_000_000_000, 12 * GB), Some(6 * 1024));
+        assert_eq!(prefault_for(2_000_000_000, 15.0, 12 * GB), Some(6 * 1024));
         // 13 MB/s (make demo): nothing; the least, and just under it.
-        assert_eq!(prefault_for(13_000_000, 12 * GB), None);
-        assert_eq!(prefault_for(GB / S + 1, 12 * GB), Some(1024));
-        assert_eq!(prefault_for(GB / S - 1024, 12 * GB), None);
+        assert_eq!(prefault_for(13_000_000, 10.0, 12 * GB), None);
+        assert_eq!(prefault_for(GB / S + 1, 15.0, 12 * GB), Some(1024));
+        assert_eq!(prefault_for(GB / S - 1024, 15.0, 12 * GB), None);
         // A small machine: half of 1.5 GiB is under the least.
-        assert_eq!(prefault_for(870_000_000, 3 * GB / 2), None);
+        assert_eq!(prefault_for(870_000_000, 15.0, 3 * GB / 2), None);
         // From the configuration: 300 sources of about 30 kB every 10 ms; none saturating
         // or reading an input socket.
         let cfg = Config::from_toml_str("[run]\nmemory_mb = 12288\nsources = 300\nbuilders = 100\n").unwrap();

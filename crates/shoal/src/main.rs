@@ -274,8 +274,8 @@ struct DemoArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// Memory in MiB to map before the run (`run.prefault_mb`; 0: none). Unset here and in
-    /// the --config file, the demo maps 6 s of what its sources offer when that is a GiB or
-    /// more (at most half the memory budget) and says so.
+    /// the --config file, the demo maps 6 s of what its sources offer (a shorter run's whole
+    /// data) when that is a GiB or more (at most half the memory budget) and says so.
     #[arg(long, value_name = "MIB")]
     prefault_mb: Option<u64>,
     /// Exit with status 3 if fewer than this fraction of slices is complete (e.g. 0.99).
@@ -363,11 +363,11 @@ fn choose_prefault(cfg: &mut Config, config: Option<&PathBuf>, flag: Option<u64>
     if let Some(mb) = shoal_net::budget::auto_prefault_mb(cfg)? {
         let rate = shoal_net::budget::offered_bytes_per_s(cfg)?.unwrap_or(0);
         eprintln!(
-            "{} sources offer about {:.0} MB/s: run.prefault_mb = {mb} maps {} s of it before the run, so that \
+            "{} sources offer about {:.0} MB/s: run.prefault_mb = {mb} maps {:.1} s of it before the run, so that \
              the run does not fault its memory in page by page; --prefault-mb (0: none) or the --config to choose",
             cfg.run.sources,
             rate as f64 / 1e6,
-            shoal_net::budget::AUTO_PREFAULT_SECONDS
+            (mb << 20) as f64 / rate.max(1) as f64
         );
         cfg.run.prefault_mb = mb;
     }
