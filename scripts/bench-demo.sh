@@ -32,7 +32,7 @@ iperf() { # streams -> MB/s
 # many times over and is what every earlier row ran with (left unset, the demo would give
 # each builder a share of its budget: 48 MiB on a 24-GiB machine). Nothing is mapped before
 # the run except where the row says so (left unset, the demo would map 6 s of the offered
-# data: shoal_net::budget::auto_prefault_mb).
+# data: shoal_net::budget::auto_prefault).
 live_cfg="$tmp/live.toml"
 printf '[run]\nprefault_mb = 0\n[builder]\nmemory_budget_mb = 64\n' >"$live_cfg"
 pool_cfg="$tmp/pool.toml"

@@ -52,7 +52,8 @@ pub fn frame_reads(data: &[u8]) {
 /// The stream and the read sizes that the input describes: up to 8 frames of 3 bytes each
 /// (size, fill, and a bit to flip when the third is 240 or more: which one from the next
 /// two bytes), a byte that cuts the stream short when it is 128 or more, then one read size
-/// per byte (1 + b * b bytes).
+/// per byte (1 + b * b bytes). Payloads run from empty to 262,525 bytes: the largest size
+/// is over [`READS_MAX_PAYLOAD`], so a refused length is in the mix too.
 pub fn stream_and_reads(data: &[u8]) -> (Vec<u8>, Vec<usize>) {
     use shoal_core::frame::{FrameHeader, encode};
     let mut bytes = data.iter().copied();
@@ -100,8 +101,9 @@ pub enum StreamEnd {
 }
 
 /// Reads `stream` through a `StreamDecoder` as a builder's connection does, `reads` giving
-/// the size of each read (cycled; 4,096 if empty; 64 kB after 10,000 reads), and compares the frames and the end with
-/// decoding the whole stream at once (`frame::decode`, frame after frame). `Err` says how
+/// the size of each read (cycled; 4,096 if empty; 64 kB after 10,000 reads), and compares
+/// the frames and the end with decoding the whole stream at once (`frame::decode`, frame
+/// after frame). `Err` says how
 /// they differ.
 pub fn check_builder_reads(stream: &[u8], reads: &[usize], max_payload: u32) -> Result<(), String> {
     use shoal_core::frame::{FrameError, StreamDecoder, decode};

@@ -19,8 +19,9 @@ fn garbage_shorter_than_the_magic_waits_to_be_named() {
 
 #[test]
 fn large_and_small_frames_through_reads_of_every_size() {
-    // Frames of 0, 2.5 kB, 16 kB and 264 kB (sizes 0, 191, 192, 255 in the target's
-    // encoding), none flipped, the stream whole, read 1 + b * b bytes at a time.
+    // Frames of 0, 2.5 kB, 16 kB and 262 kB (sizes 0, 191, 192, 255 in the target's
+    // encoding; the last over the 256-kB limit, refused alike both ways), none flipped,
+    // the stream whole, read 1 + b * b bytes at a time.
     let mut input = vec![0, 1, 0, 191, 2, 0, 192, 3, 0, 255, 4, 0, 0];
     for b in [8u8, 64, 128, 255, 200, 30] {
         input.push(b);

@@ -163,7 +163,7 @@ pub fn shared_builder_memory_mb(cfg: &Config, hosting: &Hosting) -> Result<Optio
 }
 
 /// Seconds of its offered data that `shoal demo` maps before the run when nothing sets
-/// `run.prefault_mb` ([`auto_prefault_mb`]). Live demos on time with nothing mapped peaked
+/// `run.prefault_mb` ([`auto_prefault`]). Live demos on time with nothing mapped peaked
 /// at 3.1-5.7 s of what their sources delivered (2026-11-29: 300 x 100 2.7-3.4 GB at
 /// 861-881 MB/s, 200 x 60 2.4 GB at 579, 100 x 30 1.7 GB at 292); with memory mapped the
 /// allocator keeps what it frees, and the full shape peaked at 4.6-4.9 GB. The estimate of
@@ -189,13 +189,22 @@ pub fn offered_bytes_per_s(cfg: &Config) -> Result<Option<u64>, ConfigError> {
     Ok(Some(per_slice.saturating_mul(1000) / cfg.run.slice_ms))
 }
 
+/// What [`auto_prefault`] chose, and from what rate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AutoPrefault {
+    /// The `run.prefault_mb` to map.
+    pub mb: u64,
+    /// [`offered_bytes_per_s`], which it was sized from.
+    pub offered_bytes_per_s: u64,
+}
+
 /// The `run.prefault_mb` that `shoal demo` takes when nothing sets it:
 /// [`AUTO_PREFAULT_SECONDS`] of the offered data (a shorter run's whole data), at most half
 /// the budget (the plan's queues keep the other half), `None` under
 /// [`AUTO_PREFAULT_MIN_MB`] or where the rate is not known ([`offered_bytes_per_s`]).
-pub fn auto_prefault_mb(cfg: &Config) -> Result<Option<u64>, ConfigError> {
+pub fn auto_prefault(cfg: &Config) -> Result<Option<AutoPrefault>, ConfigError> {
     let Some(rate) = offered_bytes_per_s(cfg)? else { return Ok(None) };
-    Ok(prefault_for(rate, cfg.run.seconds, budget_bytes(cfg)))
+    Ok(prefault_for(rate, cfg.run.seconds, budget_bytes(cfg)).map(|mb| AutoPrefault { mb, offered_bytes_per_s: rate }))
 }
 
 fn prefault_for(offered_bytes_per_s: u64, run_seconds: f64, budget: u64) -> Option<u64> {
@@ -386,13 +395,16 @@ mod tests {
         let rate = offered_bytes_per_s(&cfg).unwrap().expect("a rate");
         assert_eq!(rate, fragment_bytes(&cfg).unwrap() * 300 * 100);
         assert!((500_000_000..1_500_000_000).contains(&rate), "{rate}");
-        assert_eq!(auto_prefault_mb(&cfg).unwrap(), Some((rate * S) >> 20));
+        assert_eq!(
+            auto_prefault(&cfg).unwrap(),
+            Some(AutoPrefault { mb: (rate * S) >> 20, offered_bytes_per_s: rate })
+        );
         let mut saturated = cfg.clone();
         saturated.source.saturate = true;
-        assert_eq!(auto_prefault_mb(&saturated).unwrap(), None);
+        assert_eq!(auto_prefault(&saturated).unwrap(), None);
         let mut input = cfg.clone();
         input.source.input = "unix:/tmp/in.sock".into();
-        assert_eq!(auto_prefault_mb(&input).unwrap(), None);
+        assert_eq!(auto_prefault(&input).unwrap(), None);
     }
 
     #[test]

@@ -348,7 +348,7 @@ fn share_builder_memory(cfg: &mut Config, config: Option<&PathBuf>) -> anyhow::R
 }
 
 /// `run.prefault_mb` for the demo: `--prefault-mb`, else the file's, else
-/// [`shoal_net::budget::auto_prefault_mb`] (6 s of the offered data), said on stderr: a
+/// [`shoal_net::budget::auto_prefault`] (6 s of the offered data), said on stderr: a
 /// newcomer's `shoal demo --sources 300 --builders 100` otherwise faults its working set in
 /// page by page while the data flow, and falls behind (docs/benchmarks.md, "Memory mapped
 /// before the run").
@@ -360,8 +360,8 @@ fn choose_prefault(cfg: &mut Config, config: Option<&PathBuf>, flag: Option<u64>
     if config_sets(config, "run", "prefault_mb")? {
         return Ok(());
     }
-    if let Some(mb) = shoal_net::budget::auto_prefault_mb(cfg)? {
-        let rate = shoal_net::budget::offered_bytes_per_s(cfg)?.unwrap_or(0);
+    if let Some(auto) = shoal_net::budget::auto_prefault(cfg)? {
+        let (mb, rate) = (auto.mb, auto.offered_bytes_per_s);
         eprintln!(
             "{} sources offer about {:.0} MB/s: run.prefault_mb = {mb} maps {:.1} s of it before the run, so that \
              the run does not fault its memory in page by page; --prefault-mb (0: none) or the --config to choose",
