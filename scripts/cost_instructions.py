@@ -39,7 +39,7 @@ import saturated_demo  # noqa: E402
 
 # (stage, substrings of "file:function [object]" that put a function in it), first match wins.
 STAGES = [
-    ("CRC32C", ["crc_fast::"]),
+    ("CRC32C", ["crc_fast::", "crc32c::"]),  # crc_fast since 2026-11-27, the crc32c crate before
     ("copies and fills (libc)", ["memmove", "memcpy", "memset", "memcmp"]),
     ("allocator (mimalloc)", ["mimalloc", "mi_free", "_mi_", "mi_theap"]),
     ("frame encode and decode", ["shoal_core::frame::"]),
@@ -134,8 +134,9 @@ def main():
     names = [os.path.relpath(r["binary"]) for r in results]
     print("| stage | " + " | ".join(names) + " |")
     print("| --- |" + " ---: |" * len(results))
-    stages = list(results[0]["stages"])
-    stages += [s for r in results[1:] for s in r["stages"] if s not in stages]
+    stages = []
+    for r in results:
+        stages += [s for s in r["stages"] if s not in stages]
     for s in stages:
         print(f"| {s} | " + " | ".join(f"{r['stages'].get(s, 0):,.0f}" for r in results) + " |")
     print("| **all** | " + " | ".join(f"**{r['total']:,.0f}**" for r in results) + " |")
