@@ -4,7 +4,9 @@
 
 use shoal_core::budget::{MemoryDemand, MemoryPlan, Refusal, largest_fitting, mib};
 use shoal_core::frame::HEADER_LEN;
+use shoal_core::runstate::Role;
 use shoal_core::slice::SliceNumber;
+use tracing::info;
 
 use crate::config::{Config, ConfigError};
 
@@ -66,16 +68,17 @@ pub fn fragment_bytes(cfg: &Config) -> Result<u64, ConfigError> {
     Ok(HEADER_LEN as u64 + bytes / n.max(1))
 }
 
-/// What each source node may hold computed ahead ([`crate::prefetch`]), out of its share
+/// What each source node may hold computed ahead ([`crate::source::prefetch`]), out of its share
 /// of the budget (`node_limit`): its sources' slices for `source.generate_ahead_ms`, twice
-/// over for bursts, at most a quarter of its share and [`crate::prefetch::MAX_BYTES`]; 0
+/// over for bursts, at most a quarter of its share and [`crate::source::prefetch::MAX_BYTES`]; 0
 /// (computed at the slice end) when that is less than two slices, where a tight budget
 /// leaves no room to be ahead.
 fn prefetch_limit(cfg: &Config, hosting: &Hosting, fragment_bytes: u64, node_limit: u64) -> u64 {
-    let ahead = crate::prefetch::ahead_slices(cfg).unwrap_or(0);
+    let ahead = crate::source::prefetch::ahead_slices(cfg).unwrap_or(0);
     let largest = hosting.source_nodes.iter().copied().max().unwrap_or(0);
     let slice = largest.saturating_mul(fragment_bytes);
-    let limit = slice.saturating_mul(ahead).saturating_mul(2).min(crate::prefetch::MAX_BYTES).min(node_limit / 4);
+    let limit =
+        slice.saturating_mul(ahead).saturating_mul(2).min(crate::source::prefetch::MAX_BYTES).min(node_limit / 4);
     if ahead == 0 || limit < slice.saturating_mul(2) { 0 } else { limit }
 }
 
@@ -280,8 +283,7 @@ pub fn plan(cfg: &Config, hosting_for: impl Fn(u32) -> Hosting) -> Result<Proces
 }
 
 /// What `shoal node --role ROLE` hosts.
-pub fn hosting_for_role(cfg: &Config, role: crate::node::Role, sources: u32) -> Hosting {
-    use crate::node::Role;
+pub fn hosting_for_role(cfg: &Config, role: Role, sources: u32) -> Hosting {
     match role {
         Role::Source => {
             let n = if cfg.source.ids.is_empty() { u64::from(sources) } else { cfg.source.ids.len() as u64 };
@@ -291,6 +293,40 @@ pub fn hosting_for_role(cfg: &Config, role: crate::node::Role, sources: u32) -> 
         Role::Writer => Hosting { writer: true, ..Hosting::default() },
         Role::Dfm => Hosting::default(),
     }
+}
+
+/// How many sources share one process (and so one connection per builder) so that all
+/// connections of an embedded run fit under the open-file limit (two descriptors per
+/// loopback connection, both ends in this process).
+pub fn sources_per_node(sources: u32, builders: u32, fd_limit: u64) -> usize {
+    let budget = (fd_limit.saturating_sub(256) * 8 / 10).max(64);
+    let needed = 2 * u64::from(sources) * u64::from(builders);
+    needed.div_ceil(budget).clamp(1, u64::from(sources.max(1))) as usize
+}
+
+/// What an embedded run of `sources` sources hosts: every source node, every builder and
+/// the writer, and both ends of every connection.
+pub fn embedded_hosting(sources: u32, builders: u32, fd_limit: u64) -> Hosting {
+    let per_node = sources_per_node(sources, builders, fd_limit) as u64;
+    let sources = u64::from(sources);
+    let mut source_nodes = vec![per_node; (sources / per_node) as usize];
+    if sources % per_node > 0 {
+        source_nodes.push(sources % per_node);
+    }
+    let local_connections = 2 * source_nodes.len() as u64 * u64::from(builders);
+    Hosting { source_nodes, builders: u64::from(builders), writer: true, local_connections }
+}
+
+/// Divides this process's memory budget for its role (or refuses the configuration with
+/// what would fit), logs the plan and maps `run.prefault_mb`.
+pub fn apply_memory_plan(cfg: &mut Config, role: Role) -> Result<(), ConfigError> {
+    let plan = plan(cfg, |n| hosting_for_role(cfg, role, n))?;
+    apply(cfg, &plan);
+    info!("{}", describe(&plan));
+    // When the process is configured, as a DAQ allocates its buffers: a controlled node
+    // is configured before run control starts a run.
+    crate::memory::prefault_configured(cfg.run.prefault_mb);
+    Ok(())
 }
 
 /// Applies a plan to the configuration: each source node holds at most its share.
@@ -343,14 +379,14 @@ mod tests {
         // The full ANTARES shape in one process of 12 GiB: 100 builders at 512 MiB do not fit.
         let mut cfg = Config::from_toml_str("[run]\nmemory_mb = 12288\nsources = 300\nbuilders = 100\n").unwrap();
         cfg.share_saver_history();
-        let embedded = crate::demo::embedded_hosting(300, 100, 20_000);
+        let embedded = embedded_hosting(300, 100, 20_000);
         let share = shared_builder_memory_mb(&cfg, &embedded).unwrap().expect("a share");
         // Half of the most they could take: the plan fits with it, not with twice it plus
         // a little (the most), and each builder still holds two slices of 300 fragments.
         let with = |mb: u64| {
             let mut c = cfg.clone();
             c.builder.memory_budget_mb = mb;
-            plan(&c, |n| crate::demo::embedded_hosting(n, 100, 20_000))
+            plan(&c, |n| embedded_hosting(n, 100, 20_000))
         };
         assert!(with(share).is_ok() && with(2 * share).is_ok());
         assert!(with(2 * share + 2).is_err());
@@ -365,7 +401,7 @@ mod tests {
         // A share that cannot hold two slices is no share: the run stays refused.
         let mut big = cfg.clone();
         big.run.sources = 3_000;
-        let hosting = crate::demo::embedded_hosting(3_000, 100, 20_000);
+        let hosting = embedded_hosting(3_000, 100, 20_000);
         assert!(matches!(plan_of(&big, &hosting), Err(Refusal::OverBudget { .. })));
         assert_eq!(shared_builder_memory_mb(&big, &hosting).unwrap(), None);
     }

@@ -340,7 +340,7 @@ pub struct SourceConfig {
     /// of falling behind without end. 0: never skip.
     pub max_lag_ms: u64,
     /// How far ahead of its slice ends a source node computes its fragments, on a thread of
-    /// its own (ms; `crate::prefetch`): a slice costly to generate (a burst) is ready at
+    /// its own (ms; `crate::source::prefetch`): a slice costly to generate (a burst) is ready at
     /// its end instead of holding the runtime. 0: computed at each slice end, in the
     /// source's task.
     pub generate_ahead_ms: u64,
@@ -353,7 +353,7 @@ pub struct SourceConfig {
     #[serde(skip)]
     pub held_limit_bytes: Option<u64>,
     /// Most payload a source node holds computed ahead of its slice ends (set at start
-    /// from the memory budget: `crate::prefetch`; not a file setting).
+    /// from the memory budget: `crate::source::prefetch`; not a file setting).
     #[serde(skip)]
     pub prefetch_limit_bytes: Option<u64>,
     /// Burst rate cutoff: during a burst send only the first/last few slices.
@@ -518,7 +518,7 @@ pub enum ReceivePath {
     /// tokio's readiness-based sockets: a reader task per connection.
     #[default]
     Epoll,
-    /// io_uring submissions on one thread of their own ([`crate::uring`]).
+    /// io_uring submissions on one thread of their own ([`crate::transport::uring`]).
     IoUring,
 }
 

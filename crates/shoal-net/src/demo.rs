@@ -6,61 +6,23 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
-use hdrhistogram::Histogram;
 use shoal_core::SourceId;
 use shoal_core::ledger::{BuilderTally, Ledger, SourceTally};
 use shoal_core::loghist::LogHistogram;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::builder::{BuilderReport, new_histogram, run_builder};
+use crate::builder::{BuilderReport, run_builder};
 use crate::clock::WallClock;
 use crate::config::Config;
 use crate::dfm::{DfmReport, run_dfm};
 use crate::live::Live;
+use crate::report::{DelayStats, new_histogram};
 use crate::source::run_source_node;
 use crate::writer::{WriterReport, run_writer};
 
 const LOOPBACK_ANY: std::net::SocketAddr =
     std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0));
-
-/// Delay statistics in microseconds.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct DelayStats {
-    pub count: u64,
-    pub mean_us: f64,
-    pub p50_us: u64,
-    pub p99_us: u64,
-    pub max_us: u64,
-}
-
-impl DelayStats {
-    /// From a [`LogHistogram`] (to a bucket's width, 12.5 %; the maximum is its bucket's
-    /// upper bound).
-    pub fn from_log(h: &LogHistogram) -> Self {
-        let quantile = |u: f64| h.inverse_cdf(u).unwrap_or(0.0).round() as u64;
-        Self {
-            count: h.count(),
-            mean_us: h.mean().unwrap_or(0.0),
-            p50_us: quantile(0.5),
-            p99_us: quantile(0.99),
-            max_us: quantile(1.0),
-        }
-    }
-
-    pub fn from_histogram(h: &Histogram<u64>) -> Self {
-        if h.is_empty() {
-            return Self::default();
-        }
-        Self {
-            count: h.len(),
-            mean_us: h.mean(),
-            p50_us: h.value_at_quantile(0.5),
-            p99_us: h.value_at_quantile(0.99),
-            max_us: h.max(),
-        }
-    }
-}
 
 /// The outcome of a run, printed by `shoal demo` and written as `run{N:06}.summary.json`.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -135,7 +97,7 @@ pub struct RunSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub clb: Option<shoal_core::km3net::dataqueue::DataQueueReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub km3net: Option<crate::km3out::Km3OutReport>,
+    pub km3net: Option<crate::builder::km3out::Km3OutReport>,
     pub summary_path: PathBuf,
     /// This process's peak resident memory (VmHWM), MB.
     pub peak_rss_mb: f64,
@@ -175,35 +137,13 @@ impl LedgerSummary {
     }
 }
 
-/// How many sources share one process (and so one connection per builder) so that all
-/// connections of an embedded run fit under the open-file limit (two descriptors per
-/// loopback connection, both ends in this process).
-pub fn sources_per_node(sources: u32, builders: u32, fd_limit: u64) -> usize {
-    let budget = (fd_limit.saturating_sub(256) * 8 / 10).max(64);
-    let needed = 2 * u64::from(sources) * u64::from(builders);
-    needed.div_ceil(budget).clamp(1, u64::from(sources.max(1))) as usize
-}
-
-/// What an embedded run of `sources` sources hosts: every source node, every builder and
-/// the writer, and both ends of every connection.
-pub fn embedded_hosting(sources: u32, builders: u32, fd_limit: u64) -> crate::budget::Hosting {
-    let per_node = sources_per_node(sources, builders, fd_limit) as u64;
-    let sources = u64::from(sources);
-    let mut source_nodes = vec![per_node; (sources / per_node) as usize];
-    if sources % per_node > 0 {
-        source_nodes.push(sources % per_node);
-    }
-    let local_connections = 2 * source_nodes.len() as u64 * u64::from(builders);
-    crate::budget::Hosting { source_nodes, builders: u64::from(builders), writer: true, local_connections }
-}
-
 /// `builder.memory_budget_mb` for this run's builders sharing this process
 /// ([`crate::budget::shared_builder_memory_mb`]), when the configured value does not fit;
 /// planned as [`run_embedded`] plans, with the burst savers' history shared.
 pub fn shared_builder_memory_mb(cfg: &Config) -> Result<Option<u64>, crate::config::ConfigError> {
     let mut cfg = cfg.clone();
     cfg.share_saver_history();
-    let hosting = embedded_hosting(cfg.run.sources, cfg.run.builders, raise_fd_limit());
+    let hosting = crate::budget::embedded_hosting(cfg.run.sources, cfg.run.builders, raise_fd_limit());
     crate::budget::shared_builder_memory_mb(&cfg, &hosting)
 }
 
@@ -222,18 +162,20 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     let fd_limit = raise_fd_limit();
     // An input socket (`source.input`) feeds one node: every source in it.
     let per_node = match cfg.input()? {
-        crate::config::InputKind::Generator => sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit),
+        crate::config::InputKind::Generator => {
+            crate::budget::sources_per_node(cfg.run.sources, cfg.run.builders, fd_limit)
+        }
         _ => cfg.hosted_sources().len().max(1),
     };
     let builders = cfg.run.builders;
-    let plan = crate::budget::plan(&cfg, |n| embedded_hosting(n, builders, fd_limit))?;
+    let plan = crate::budget::plan(&cfg, |n| crate::budget::embedded_hosting(n, builders, fd_limit))?;
     crate::budget::apply(&mut cfg, &plan);
     info!("{}", crate::budget::describe(&plan));
     // Before the run's first slice is chosen below, so that it does not eat the start's lead.
     let prefaulted = crate::memory::prefault_configured(cfg.run.prefault_mb);
     let faults_at_start = crate::memory::minor_faults();
 
-    let writer_listener = crate::listen::bind(LOOPBACK_ANY)?;
+    let writer_listener = crate::transport::listen::bind(LOOPBACK_ANY)?;
     cfg.run.writer_addr = writer_listener.local_addr()?.to_string();
     let mut builder_listeners = Vec::new();
     cfg.run.builder_addrs.clear();
@@ -252,7 +194,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     // Pull: the data-flow manager, on a port of its own.
     let dfm_listener = match cfg.policy()?.pull() {
         Some(_) => {
-            let l = crate::listen::bind(LOOPBACK_ANY)?;
+            let l = crate::transport::listen::bind(LOOPBACK_ANY)?;
             cfg.run.dfm_addr = l.local_addr()?.to_string();
             Some(l)
         }
@@ -393,7 +335,7 @@ fn summarize(
     let span_s = if last > first { (last - first) as f64 * 1e-9 } else { 0.0 };
     let ledger = Ledger::combine(tallies, &btallies);
     let km3net = builder_reports.iter().filter_map(|b| b.km3net.as_ref()).fold(None, |acc, k| {
-        let mut acc: crate::km3out::Km3OutReport = acc.unwrap_or_default();
+        let mut acc: crate::builder::km3out::Km3OutReport = acc.unwrap_or_default();
         acc.merge(k);
         Some(acc)
     });

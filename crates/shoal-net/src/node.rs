@@ -35,9 +35,9 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::Config;
-use crate::demo::DelayStats;
 use crate::live::Live;
 use crate::rcagent::{Inbound, RC_REPORT, RC_STATS, RcAgent};
+use crate::report::DelayStats;
 
 pub use shoal_core::runstate::Role;
 
@@ -168,7 +168,7 @@ fn builder_detail(r: &crate::builder::BuilderReport) -> serde_json::Value {
     if let Some(map) = detail.as_object_mut() {
         map.insert(
             "network_delay_steady_counts".into(),
-            serde_json::json!(crate::builder::recorded_counts(&r.net_delay_steady_us)),
+            serde_json::json!(crate::report::recorded_counts(&r.net_delay_steady_us)),
         );
     }
     detail
@@ -428,21 +428,9 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<(Config, Confi
         }
     }
     cfg.validate()?;
-    apply_memory_plan(&mut cfg, opts.role)?;
+    crate::budget::apply_memory_plan(&mut cfg, opts.role)?;
     let hosted_sources = if opts.role == Role::Source { cfg.hosted_sources() } else { Vec::new() };
     Ok((cfg, Configured { digest, hosted_sources }))
-}
-
-/// Divides this process's memory budget for its role (or refuses the configuration with
-/// what would fit), logs the plan and maps `run.prefault_mb`.
-pub fn apply_memory_plan(cfg: &mut Config, role: Role) -> Result<(), crate::config::ConfigError> {
-    let plan = crate::budget::plan(cfg, |n| crate::budget::hosting_for_role(cfg, role, n))?;
-    crate::budget::apply(cfg, &plan);
-    info!("{}", crate::budget::describe(&plan));
-    // When the process is configured, as a DAQ allocates its buffers: a controlled node
-    // is configured before run control starts a run.
-    crate::memory::prefault_configured(cfg.run.prefault_mb);
-    Ok(())
 }
 
 async fn start_data(
@@ -505,7 +493,8 @@ async fn start_data(
         }
         Role::Writer => {
             let addr = cfg.writer_listen()?;
-            let listener = crate::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
+            let listener =
+                crate::transport::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
             let c = cancel.clone();
             tokio::spawn(async move {
                 match crate::writer::run_writer_with(cfg, listener, c, live).await {
@@ -521,8 +510,8 @@ async fn start_data(
         }
         Role::Dfm => {
             let addr = cfg.dfm_addr()?;
-            let listener =
-                crate::listen::bind(addr).with_context(|| format!("binding the data-flow manager port {addr}"))?;
+            let listener = crate::transport::listen::bind(addr)
+                .with_context(|| format!("binding the data-flow manager port {addr}"))?;
             let c = cancel.clone();
             tokio::spawn(async move {
                 match crate::dfm::run_dfm(cfg, listener, clock, live, c).await {

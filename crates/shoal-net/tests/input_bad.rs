@@ -18,8 +18,8 @@ use shoal_core::ingest::{Submission, When};
 use shoal_core::ledger::Ledger;
 use shoal_net::builder::run_builder;
 use shoal_net::config::Config;
-use shoal_net::ingest::{InputTask, shared_ingest};
 use shoal_net::sdk::SourceHandle;
+use shoal_net::source::ingest::{InputTask, shared_ingest};
 use shoal_net::writer::run_writer;
 
 const SLICE_NS: u64 = 10_000_000;
@@ -174,7 +174,7 @@ async fn bad_unix_clients_are_counted_and_cost_the_good_one_nothing() {
 
 /// Waits (bounded) until `cond` holds on the ingest's report.
 fn wait_for(
-    ingest: &shoal_net::ingest::SharedIngest,
+    ingest: &shoal_net::source::ingest::SharedIngest,
     what: &str,
     cond: impl Fn(&shoal_core::ingest::IngestReport) -> bool,
 ) {

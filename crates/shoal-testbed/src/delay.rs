@@ -31,10 +31,7 @@ use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 
 use crate::nfqueue::NfQueue;
-use crate::plan::Plan;
-
-/// The netfilter queue every delay line binds (one per namespace, so one number will do).
-pub const QUEUE_NUM: u16 = 0;
+use crate::plan::{Plan, QUEUE_NUM};
 
 /// Packets the kernel may hold for one delay line before it drops (a 1 ms delay at 100
 /// kpps holds 100).

@@ -130,6 +130,10 @@ const BER_CLASSES: [(u32, u32, u32); 5] =
 /// nft's `numgen random mod` range for probabilities (parts per billion).
 const PPB: f64 = 1e9;
 
+/// The netfilter queue every delay line ([`crate::delay`]) binds (one per namespace, so
+/// one number will do).
+pub const QUEUE_NUM: u16 = 0;
+
 /// The nft table of the injected loss in a switch namespace.
 pub const LOSS_TABLE: &str = "shoal_loss";
 
@@ -450,7 +454,7 @@ impl Plan {
                 "sysctl -qw net.bridge.bridge-nf-call-iptables=1
 ",
             );
-            let _ = writeln!(s, "iptables -w -A FORWARD -j NFQUEUE --queue-num {}", crate::delay::QUEUE_NUM);
+            let _ = writeln!(s, "iptables -w -A FORWARD -j NFQUEUE --queue-num {}", QUEUE_NUM);
         }
         s
     }

@@ -517,7 +517,7 @@ struct PooledHistogram {
 impl PooledHistogram {
     fn add(&mut self, counts: &serde_json::Value) {
         let Some(pairs) = counts.as_array() else { return };
-        let h = self.hist.get_or_insert_with(shoal_net::builder::new_histogram);
+        let h = self.hist.get_or_insert_with(shoal_net::report::new_histogram);
         for pair in pairs {
             if let (Some(v), Some(n)) = (pair[0].as_u64(), pair[1].as_u64()) {
                 // Within the builders' own bounds, so it cannot fail; skip what could.
@@ -711,7 +711,7 @@ fn run_on(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shoal_net::builder::{new_histogram, recorded_counts};
+    use shoal_net::report::{new_histogram, recorded_counts};
 
     #[test]
     fn builders_delays_pool_into_one_p99_not_the_worst_of_theirs() {

@@ -707,7 +707,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         cfg.source.input = input;
     }
     cfg.validate()?;
-    shoal_net::node::apply_memory_plan(&mut cfg, role)?;
+    shoal_net::budget::apply_memory_plan(&mut cfg, role)?;
     let clock = WallClock::new();
     let live = Arc::new(Live::default());
     let cancel = ctrl_c_token();
@@ -732,14 +732,15 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         Role::Writer => {
             let addr = cfg.writer_listen()?;
-            let listener = shoal_net::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
+            let listener =
+                shoal_net::transport::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
             let r = shoal_net::writer::run_writer(cfg.clone(), listener, cancel).await?;
             (format!("run{run:06}.writer.json"), serde_json::to_string_pretty(&r)?)
         }
         Role::Dfm => {
             let addr = cfg.dfm_addr()?;
-            let listener =
-                shoal_net::listen::bind(addr).with_context(|| format!("binding the data-flow manager port {addr}"))?;
+            let listener = shoal_net::transport::listen::bind(addr)
+                .with_context(|| format!("binding the data-flow manager port {addr}"))?;
             let r = shoal_net::dfm::run_dfm(cfg.clone(), listener, clock, live, cancel).await?;
             (format!("run{run:06}.dfm.json"), serde_json::to_string_pretty(&r)?)
         }

@@ -2,7 +2,8 @@
 
 use std::fmt::Write;
 
-use shoal_net::demo::{DelayStats, RunSummary};
+use shoal_net::demo::RunSummary;
+use shoal_net::report::DelayStats;
 
 fn us(v: f64) -> String {
     if v >= 1e6 {

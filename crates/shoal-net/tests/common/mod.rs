@@ -34,7 +34,7 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
 /// Binds a writer and the builders on ephemeral ports and fills their addresses in.
 /// The writer's listener and each builder's data port (with its UDP socket for the
 /// datagram transport), on ports the kernel picks.
-pub async fn bind_all(cfg: &mut Config) -> (TcpListener, Vec<shoal_net::listen::DataPort>) {
+pub async fn bind_all(cfg: &mut Config) -> (TcpListener, Vec<shoal_net::transport::listen::DataPort>) {
     let w = TcpListener::bind("127.0.0.1:0").await.unwrap();
     cfg.run.writer_addr = w.local_addr().unwrap().to_string();
     let mut bs = Vec::new();

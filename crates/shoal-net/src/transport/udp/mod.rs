@@ -1,6 +1,6 @@
 //! The datagram transport on UDP sockets (`run.transport = "udp"`): shoal-core's
 //! [`DatagramSender`] behind a source's [`UdpLink`] (one per builder, the same owner API as
-//! a TCP [`crate::link::Link`]) and its [`BuilderEndpoint`] behind a builder's
+//! a TCP [`crate::transport::link::Link`]) and its [`BuilderEndpoint`] behind a builder's
 //! [`receive`] task. Every decision (cutting, sequence numbers, NACKs, retransmissions,
 //! what is lost or damaged) is the core's; this module moves datagrams and time.
 //!
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
-use crate::link::{Chunk, LinkOptions, LinkReport, PullRequestFrame};
+use crate::transport::link::{Chunk, LinkOptions, LinkReport, PullRequestFrame};
 
 pub mod batch;
 

@@ -4,7 +4,7 @@
 //!
 //! The accept loop stays on the process's tokio runtime and hands each accepted socket
 //! over ([`UringReceiver::submit`]) with the task that serves it. That task sees the socket
-//! as a [`UringStream`]: [`crate::framed::FrameReader`] reads frames from it like from a
+//! as a [`UringStream`]: [`crate::transport::framed::FrameReader`] reads frames from it like from a
 //! tokio socket, and the builder's pull requests are written back on it. Frames leave the
 //! thread through the same channel as on the epoll path, so everything downstream is
 //! shared.
@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_uring::buf::BoundedBuf;
 use tracing::warn;
 
-use crate::framed::ReadSource;
+use crate::transport::framed::ReadSource;
 
 /// What serves one connection on the io_uring thread.
 pub type ConnectionTask = Box<dyn FnOnce(UringStream) -> Pin<Box<dyn Future<Output = ()>>> + Send>;
@@ -124,13 +124,13 @@ impl ReadSource for UringStream {
 impl UringStream {
     /// Writes queued control frames until the queue closes, `ended` is cancelled or a
     /// write fails, then shuts the sending side (the io_uring twin of
-    /// `builder::write_queued_until`).
+    /// `write_queue::write_queued_until`).
     pub async fn write_queued(
         self,
         mut rx: mpsc::UnboundedReceiver<Bytes>,
         ended: tokio_util::sync::CancellationToken,
     ) {
-        while let Some(b) = crate::builder::next_queued(&mut rx, &ended).await {
+        while let Some(b) = crate::transport::write_queue::next_queued(&mut rx, &ended).await {
             let (result, _) = self.0.write_all(b).await;
             if result.is_err() {
                 return;

@@ -20,7 +20,7 @@
 //! [`SourceHandle::open`] starts the same source loop `shoal node --role source` runs
 //! (shaping, TCP or UDP links to every builder, pull, the ledger's tallies) on a thread of
 //! its own with a small tokio runtime; `submit` hands fragments to its ingest
-//! ([`crate::ingest`]) from any thread. With `source.input` set, the input socket runs
+//! ([`crate::source::ingest`]) from any thread. With `source.input` set, the input socket runs
 //! beside the API.
 
 use std::path::Path;
@@ -34,9 +34,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError};
-use crate::ingest::{InputTask, SharedIngest};
 use crate::live::Live;
 use crate::source::SourceReport;
+use crate::source::ingest::{InputTask, SharedIngest};
 
 /// Why the SDK could not do what was asked.
 #[derive(Debug, thiserror::Error)]
@@ -67,14 +67,14 @@ impl SourceHandle {
     /// run's builders, policy, transport and `[source]`, whose `input_*` settings apply).
     pub fn open(mut cfg: Config) -> Result<Self, SdkError> {
         cfg.validate()?;
-        crate::node::apply_memory_plan(&mut cfg, crate::node::Role::Source)?;
+        crate::budget::apply_memory_plan(&mut cfg, shoal_core::runstate::Role::Source)?;
         let clock = WallClock::new();
         let first = match cfg.run.start_slice {
             Some(s) => s,
             None => cfg.slice_clock()?.first_on_a_second_after(clock.now()),
         };
         cfg.run.start_slice = Some(first);
-        let ingest = crate::ingest::shared_ingest(&cfg, first)?;
+        let ingest = crate::source::ingest::shared_ingest(&cfg, first)?;
         let input = InputTask::start(&cfg.input()?, &cfg, ingest.clone())?;
         let cancel = CancellationToken::new();
         let (i, c) = (ingest.clone(), cancel.clone());

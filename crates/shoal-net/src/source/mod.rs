@@ -8,6 +8,10 @@
 //! what that costs (the queue limit, drops at the source, the stall limit) is the node's
 //! decision.
 
+pub mod ingest;
+pub mod prefetch;
+pub mod sdk;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration as StdDuration;
@@ -25,11 +29,11 @@ use tracing::{info, warn};
 
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, Transport};
-use crate::ingest::SharedIngest;
-use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
-use crate::prefetch::{self, Prefetch};
-use crate::udp::UdpLink;
+use crate::source::ingest::SharedIngest;
+use crate::transport::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
+use crate::transport::udp::UdpLink;
+use prefetch::Prefetch;
 use shoal_core::datagram::SenderStats;
 
 /// What a source process reports at the end (the node's report).
@@ -57,12 +61,12 @@ pub async fn run_source_node(
         .unwrap_or_else(|| cfg.slice_clock().map(|c| c.first_on_a_second_after(clock.now())).unwrap_or_default());
     cfg.run.start_slice = Some(first);
     if let crate::config::InputKind::Unix(path) = &kind {
-        crate::ingest::check_unix_path(path)?;
+        crate::source::ingest::check_unix_path(path)?;
     }
-    let ingest = crate::ingest::shared_ingest(&cfg, first)?;
-    let input = crate::ingest::InputTask::start(&kind, &cfg, ingest.clone())?;
+    let ingest = crate::source::ingest::shared_ingest(&cfg, first)?;
+    let input = crate::source::ingest::InputTask::start(&kind, &cfg, ingest.clone())?;
     let mut r = run_source_with(&cfg, clock, live, cancel, false, Some(ingest)).await;
-    let clb = input.and_then(crate::ingest::InputTask::stop);
+    let clb = input.and_then(crate::source::ingest::InputTask::stop);
     if let Ok(report) = &mut r {
         report.clb = clb;
     }
@@ -111,7 +115,7 @@ pub async fn run_source_with(
     let closing = CancellationToken::new();
     // Pull: each link greets its builder for every hosted source and reads its requests.
     let (request_tx, mut requests) = mpsc::unbounded_channel();
-    // Every data link waits for its builder's close before it ends (`crate::link`'s
+    // Every data link waits for its builder's close before it ends (`crate::transport::link`'s
     // `PeerEnd`): nothing is left for the kernel to deliver after this process is gone.
     let mut options =
         LinkOptions { paths: Some(live.paths.clone()), wait_for_peer_close: true, ..LinkOptions::default() };
@@ -160,7 +164,7 @@ pub async fn run_source_with(
 
     let sources = node_cfg.sources.clone();
     let mut node = SourceNode::new(node_cfg, clock.now());
-    // Slices computed ahead, off the runtime's workers (crate::prefetch); or, with
+    // Slices computed ahead, off the runtime's workers (crate::source::prefetch); or, with
     // `source.generate_ahead_ms = 0`, in this task at each slice end.
     let limit = cfg.source.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES);
     let workload = match (&ingest, prefetch::ahead_slices(cfg)?) {
@@ -176,7 +180,7 @@ pub async fn run_source_with(
         policy = %node.config().policy, "source node started");
 
     // Shaping waits are often under a millisecond: tokio's timer would round them up.
-    let timer = crate::timer::FineTimer::new()
+    let timer = crate::transport::timer::FineTimer::new()
         .map_err(|e| ConfigError::Invalid(format!("creating the source's timer (timerfd): {e}")))?;
     while !node.is_closed() {
         let now = clock.now();

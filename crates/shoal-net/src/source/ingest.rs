@@ -297,7 +297,7 @@ impl InputTask {
             }
             InputKind::Clb(addr) => {
                 // A DOM's timeslice comes in a burst of packets: a large receive buffer.
-                let socket = crate::udp::std_socket(*addr, cfg.udp_socket_buffer())
+                let socket = crate::transport::udp::std_socket(*addr, cfg.udp_socket_buffer())
                     .map_err(|e| ConfigError::Invalid(format!("source.input: binding udp {addr}: {e}")))?;
                 let udp_addr = socket.local_addr().ok();
                 let clb = ClbInput::new(cfg, &ingest)?;
@@ -699,7 +699,7 @@ impl ClbInput {
 
     fn publish_report(&self, local: Option<std::net::SocketAddr>) -> DataQueueReport {
         let mut r = self.queue.report().clone();
-        r.dropped_by_kernel = local.and_then(crate::udp::kernel_drops).unwrap_or(0);
+        r.dropped_by_kernel = local.and_then(crate::transport::udp::kernel_drops).unwrap_or(0);
         *self.report.lock().unwrap_or_else(|p| p.into_inner()) = r.clone();
         r
     }

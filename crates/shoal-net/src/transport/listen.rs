@@ -6,7 +6,7 @@
 //! data into its own socket buffer and closes, and the data never reaches the builder.
 //! Data ports ask for the kernel's most (`net.core.somaxconn`, 4,096 by default).
 //!
-//! A builder that holds free-running sources back (`crate::hold`) leaves their data in
+//! A builder that holds free-running sources back (`crate::builder::hold`) leaves their data in
 //! the kernel, and the kernel's TCP memory is one pool for every socket of the host
 //! (`net.ipv4.tcp_mem`). Thousands of held connections, each with the default receive
 //! buffer, fill it: the kernel then drops what arrives on the connection the builder waits
@@ -66,7 +66,7 @@ pub const PAIR_ATTEMPTS: usize = 64;
 /// taken makes it try another port ([`PAIR_ATTEMPTS`]); with a fixed port it is an error.
 pub fn bind_data_port(addr: SocketAddr, udp_buffer: Option<usize>) -> std::io::Result<DataPort> {
     bind_pair(addr, udp_buffer.is_some(), |at| {
-        let s = crate::udp::std_socket(at, udp_buffer.unwrap_or_default())?;
+        let s = crate::transport::udp::std_socket(at, udp_buffer.unwrap_or_default())?;
         s.set_nonblocking(true)?;
         Ok(s)
     })

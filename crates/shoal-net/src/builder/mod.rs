@@ -4,11 +4,11 @@
 //!
 //! Beside the filter, the burst saver (shoal-core's `BurstSaver`) keeps the last seconds
 //! of built slices and the late fragments; what it saves goes through the builder's spool
-//! ([`crate::spool`]: local disk first, then the writer). Alerts arrive through
+//! ([`crate::builder::spool`]: local disk first, then the writer). Alerts arrive through
 //! [`Live::alerts`].
 //!
 //! Receiving never waits for filtering: completed slices go to the filter thread through a
-//! queue ([`crate::filter_queue`], a batch per round of the assembler's loop) bounded in
+//! queue ([`crate::builder::filter_queue`], a batch per round of the assembler's loop) bounded in
 //! *bytes* by the assembler's memory budget (the filter releases bytes as it finishes a
 //! batch; above the budget new fragments are dropped and counted) and in slices
 //! (`builder.filter_queue_slices`; beyond, a slice goes unfiltered, counted). A
@@ -19,6 +19,11 @@
 //! slices it holds after every connect, reading assignments, returning credits and a
 //! heartbeat with its memory in use), and writes its fragment requests back on the
 //! connection of the source that greeted it.
+
+pub mod filter_queue;
+mod hold;
+pub mod km3out;
+pub mod spool;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,34 +41,22 @@ use shoal_core::slice::SliceClock;
 use shoal_core::slice::SliceNumber;
 use shoal_core::{Instant, SourceId};
 use shoal_trigger::{FragmentData, SliceData, encode_events};
-use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpStream, UdpSocket};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::builder::filter_queue::{FilterQueue, FilterQueueRx};
+use crate::builder::hold::{ConnectionGate, Held, ReadGate, WindowEdge};
+use crate::builder::spool::{SpoolConfig, SpoolReport, SpoolWork};
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError, ReceivePath, Transport};
-use crate::demo::DelayStats;
-use crate::filter_queue::{FilterQueue, FilterQueueRx};
-use crate::framed::{FrameReader, ReadEnd};
-use crate::hold::{ConnectionGate, Held, ReadGate, WindowEdge};
-use crate::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
 use crate::live::Live;
-use crate::spool::{SpoolConfig, SpoolReport, SpoolWork};
-use crate::udp::{Received, UdpReceiveReport};
-
-/// Delay histograms are kept in microseconds, up to one hour.
-pub fn new_histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds")
-}
-
-/// A histogram as its recorded values, `[value, count]`, lowest first: what
-/// [`Histogram::record_n`] takes back (a run's builders pooled exactly).
-pub fn recorded_counts(h: &Histogram<u64>) -> Vec<[u64; 2]> {
-    h.iter_recorded().map(|v| [v.value_iterated_to(), v.count_at_value()]).collect()
-}
+use crate::report::{DelayStats, new_histogram};
+use crate::transport::framed::{FrameReader, ReadEnd};
+use crate::transport::link::{Backoff, Chunk, Link, LinkOptions, LinkReport};
+use crate::transport::udp::{Received, UdpReceiveReport};
+use crate::transport::write_queue::{write_queued, write_queued_until};
 
 /// What a builder reports at the end: the node's report plus what only the process knows
 /// (delay histograms, connections, the filter's work).
@@ -90,7 +83,7 @@ pub struct BuilderReport {
     /// state; the simulator's `network_delay_steady_*` leave out the same slices).
     pub network_delay_steady: DelayStats,
     /// The same as a histogram. A cluster node's report adds its recorded values
-    /// ([`recorded_counts`]) as `network_delay_steady_counts`, so that a run's builders can
+    /// ([`crate::report::recorded_counts`]) as `network_delay_steady_counts`, so that a run's builders can
     /// be pooled exactly (the testbed's p99 over all fragments; a p99 of p99s is not one).
     #[serde(skip)]
     pub net_delay_steady_us: Histogram<u64>,
@@ -149,7 +142,7 @@ pub struct BuilderReport {
     pub tap: Option<crate::tap::TapStats>,
     /// KM3NeT mode: timeslices, frames and messages published, DAQ file bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub km3net: Option<crate::km3out::Km3OutReport>,
+    pub km3net: Option<crate::builder::km3out::Km3OutReport>,
     /// `builder.consumers`: slices published to shared-memory consumers, and what each
     /// consumer was offered, skipped and lost to overruns.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -183,7 +176,7 @@ impl Saving {
             slice_clock,
             ship_bytes_per_s: (cfg.saver.ship_mb_per_s * 1e6) as u64,
         };
-        let thread = crate::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled);
+        let thread = crate::builder::spool::spawn(spool_cfg, writer_link.clone(), spool_rx, spooled);
         let saver = BurstSaver::new(cfg.saver_config(), id, slice_clock);
         (Self { saver, spool: spool_tx, live: live.clone() }, thread)
     }
@@ -215,7 +208,7 @@ enum Incoming {
     Frame {
         frame: Frame,
         arrival: Instant,
-        /// Free-running sources: the connection's gate, if it may be held ([`crate::hold`]).
+        /// Free-running sources: the connection's gate, if it may be held ([`crate::builder::hold`]).
         gate: Option<Arc<ReadGate>>,
     },
     Rejected {
@@ -277,38 +270,6 @@ impl ToBuilder {
             }
         };
         sent.is_ok()
-    }
-}
-
-/// Writes queued control frames to one connection until the queue closes or a write fails.
-pub(crate) async fn write_queued(w: OwnedWriteHalf, rx: mpsc::UnboundedReceiver<Bytes>) {
-    write_queued_until(w, rx, CancellationToken::new()).await
-}
-
-/// [`write_queued`] that also closes once `ended` is cancelled (after what is queued by
-/// then): a source connection whose reader has seen the source's end. The source waits for
-/// this close before its process may end (`crate::link`'s `PeerEnd`); in pull the request
-/// queue's other ends live on in the routes until the run is over.
-pub(crate) async fn write_queued_until(
-    mut w: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
-    ended: CancellationToken,
-) {
-    while let Some(b) = next_queued(&mut rx, &ended).await {
-        if w.write_all(&b).await.is_err() {
-            return;
-        }
-    }
-    let _ = w.shutdown().await;
-}
-
-/// The next control frame to write on a source connection: `None` once the queue has
-/// closed, or once `ended` is cancelled and nothing is left queued.
-pub(crate) async fn next_queued(rx: &mut mpsc::UnboundedReceiver<Bytes>, ended: &CancellationToken) -> Option<Bytes> {
-    tokio::select! {
-        biased;
-        b = rx.recv() => b,
-        _ = ended.cancelled() => rx.try_recv().ok(),
     }
 }
 
@@ -399,8 +360,8 @@ async fn read_connection(
     let (requests, requests_rx) = mpsc::unbounded_channel();
     let ended = CancellationToken::new();
     tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
-    let reader =
-        FrameReader::new(read, peer, max_payload, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
+    let reader = FrameReader::new(read, peer, max_payload, cancel)
+        .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
     serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
     ended.cancel();
 }
@@ -414,14 +375,14 @@ fn uring_connection(
     tx: ToBuilder,
     cancel: CancellationToken,
     place: tokio::sync::OwnedSemaphorePermit,
-) -> crate::uring::ConnectionTask {
+) -> crate::transport::uring::ConnectionTask {
     Box::new(move |stream| {
         Box::pin(async move {
             let (requests, requests_rx) = mpsc::unbounded_channel();
             let ended = CancellationToken::new();
             tokio_uring::spawn(stream.clone().write_queued(requests_rx, ended.clone()));
             let reader = FrameReader::new(stream, peer, max_payload, cancel)
-                .first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
+                .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
             serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
             ended.cancel();
             drop(place);
@@ -432,8 +393,8 @@ fn uring_connection(
 /// Validates one connection's frames and passes them on, those of one read in one message;
 /// source hellos register the connection for pull requests (`requests`). Waits at `gate`
 /// while the builder holds the connection's fragments back (free-running sources too far
-/// ahead: [`crate::hold`]).
-async fn serve_frames<R: crate::framed::ReadSource>(
+/// ahead: [`crate::builder::hold`]).
+async fn serve_frames<R: crate::transport::framed::ReadSource>(
     mut reader: FrameReader<R>,
     requests: mpsc::UnboundedSender<Bytes>,
     clock: WallClock,
@@ -494,7 +455,7 @@ async fn serve_frames<R: crate::framed::ReadSource>(
 
 /// A frame on a data port checked: `Some(source)` for a source's hello (pull), `None` for
 /// a fragment to take in, or the end of the connection for anything else.
-fn check_frame<R: crate::framed::ReadSource>(
+fn check_frame<R: crate::transport::framed::ReadSource>(
     reader: &FrameReader<R>,
     frame: &Frame,
 ) -> Result<Option<SourceId>, ReadEnd> {
@@ -529,9 +490,9 @@ fn check_frame<R: crate::framed::ReadSource>(
 #[allow(clippy::too_many_arguments)]
 async fn accept_connections(
     listener: tokio::net::TcpListener,
-    limit: crate::listen::ConnectionLimit,
+    limit: crate::transport::listen::ConnectionLimit,
     to: ToBuilder,
-    uring: Option<crate::uring::UringReceiver>,
+    uring: Option<crate::transport::uring::UringReceiver>,
     max_payload: u32,
     clock: WallClock,
     edge: Option<Arc<WindowEdge>>,
@@ -558,14 +519,14 @@ async fn accept_connections(
             let _ = tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
         }
     };
-    crate::listen::accept_loop(listener, "data", limit, cancel.clone(), serve, rejected).await
+    crate::transport::listen::accept_loop(listener, "data", limit, cancel.clone(), serve, rejected).await
 }
 
 /// Binds a builder's data port at `addr`: the TCP listener and, for the datagram
-/// transport, its UDP socket on the same port ([`crate::listen::bind_data_port`]).
-pub fn bind_port(cfg: &Config, addr: std::net::SocketAddr) -> anyhow::Result<crate::listen::DataPort> {
+/// transport, its UDP socket on the same port ([`crate::transport::listen::bind_data_port`]).
+pub fn bind_port(cfg: &Config, addr: std::net::SocketAddr) -> anyhow::Result<crate::transport::listen::DataPort> {
     let udp = matches!(cfg.transport()?, Transport::Udp).then(|| cfg.udp_socket_buffer());
-    Ok(crate::listen::bind_data_port(addr, udp)?)
+    Ok(crate::transport::listen::bind_data_port(addr, udp)?)
 }
 
 /// Runs a builder on an already bound listener until every source has ended its stream
@@ -573,12 +534,12 @@ pub fn bind_port(cfg: &Config, addr: std::net::SocketAddr) -> anyhow::Result<cra
 pub async fn run_builder(
     cfg: Config,
     id: u32,
-    port: impl Into<crate::listen::DataPort>,
+    port: impl Into<crate::transport::listen::DataPort>,
     clock: WallClock,
     live: Arc<Live>,
     cancel: CancellationToken,
 ) -> Result<BuilderReport, ConfigError> {
-    let crate::listen::DataPort { tcp: listener, udp: bound_udp } = port.into();
+    let crate::transport::listen::DataPort { tcp: listener, udp: bound_udp } = port.into();
     let slice_clock = cfg.slice_clock()?;
     let writer_addr = cfg.writer_addr()?;
     let least_per_slice = StdDuration::from_millis(cfg.builder.fault_filter_ms_per_slice);
@@ -590,11 +551,12 @@ pub async fn run_builder(
     // Free-running sources are held back by their connections, not pushed out incomplete.
     let edge = (cfg.source.saturate && matches!(cfg.transport()?, Transport::Tcp)).then(WindowEdge::new);
     // Held connections keep their data in the kernel's TCP memory, which all of them
-    // share: many of them get smaller buffers (`crate::listen::KernelShare`).
+    // share: many of them get smaller buffers (`crate::transport::listen::KernelShare`).
     if edge.is_some()
-        && let Some(size) = crate::listen::held_receive_buffer(cfg.builder.held_receive_buffer, n_sources.into())
+        && let Some(size) =
+            crate::transport::listen::held_receive_buffer(cfg.builder.held_receive_buffer, n_sources.into())
     {
-        match crate::listen::set_receive_buffer(&listener, size) {
+        match crate::transport::listen::set_receive_buffer(&listener, size) {
             Ok(()) => info!(builder = id, n_sources, receive_buffer = size, "data connections' receive buffer"),
             Err(e) => warn!(builder = id, error = %e, "setting the data port's receive buffer"),
         }
@@ -626,11 +588,11 @@ pub async fn run_builder(
     // client) end with it, also when it is aborted: a killed process leaves no listener or
     // connection open behind it.
     let _end_tasks = readers.clone().drop_guard();
-    let limit = crate::listen::ConnectionLimit::new(n_sources as usize);
+    let limit = crate::transport::listen::ConnectionLimit::new(n_sources as usize);
     let uring = match cfg.builder.receive {
         ReceivePath::Epoll => None,
         ReceivePath::IoUring => Some(
-            crate::uring::UringReceiver::start()
+            crate::transport::uring::UringReceiver::start()
                 .map_err(|e| ConfigError::Invalid(format!("builder.receive = \"io_uring\": {e}")))?,
         ),
     };
@@ -685,8 +647,9 @@ pub async fn run_builder(
     });
     // Bounded in bytes by the assembler's memory budget and in slices here: a filter
     // slower than the load must not build a backlog of small slices without end.
-    let (mut out_tx, out_rx) =
-        crate::filter_queue::filter_queue::<SliceOutcome<FragmentData>>(cfg.builder.filter_queue_slices as usize);
+    let (mut out_tx, out_rx) = crate::builder::filter_queue::filter_queue::<SliceOutcome<FragmentData>>(
+        cfg.builder.filter_queue_slices as usize,
+    );
     let mut not_filtered = Unfiltered::default();
     let (released_tx, mut released_rx) = mpsc::unbounded_channel::<u64>();
     let job = FilterJob {
@@ -701,7 +664,7 @@ pub async fn run_builder(
         least_per_slice,
         abandon: Arc::default(),
         store_slices: cfg.builder.store_slices,
-        km3: crate::km3out::Km3Out::new(&cfg, id)?,
+        km3: crate::builder::km3out::Km3Out::new(&cfg, id)?,
         publisher: slice_publisher(&cfg.builder.consumers, cfg.run.run_number, id)?,
     };
     let filter_thread = FilterThread::start(job);
@@ -924,10 +887,10 @@ fn start_udp(
 ) -> Result<tokio::task::JoinHandle<UdpReceiveReport>, ConfigError> {
     let sock = match bound {
         Some(s) => UdpSocket::from_std(s),
-        None => crate::udp::socket(addr, cfg.udp_socket_buffer()),
+        None => crate::transport::udp::socket(addr, cfg.udp_socket_buffer()),
     }
     .map_err(|e| ConfigError::Invalid(format!("binding UDP {addr}: {e}")))?;
-    Ok(tokio::spawn(crate::udp::receive(
+    Ok(tokio::spawn(crate::transport::udp::receive(
         sock,
         cfg.udp_config(),
         cfg.run.run_number as u32,
@@ -1366,7 +1329,7 @@ struct FilterJob {
     /// `builder.store_slices`: every fragment of every processed slice to the writer.
     store_slices: bool,
     /// KM3NeT mode: superframes in, the DataFilter's outputs out.
-    km3: Option<crate::km3out::Km3Out>,
+    km3: Option<crate::builder::km3out::Km3Out>,
     /// `builder.consumers`: every filtered slice into the shared-memory ring.
     publisher: Option<shoal_shm::SlicePublisher>,
 }
@@ -1594,7 +1557,7 @@ fn filter_loop(job: FilterJob) -> FilterThreadReport {
         events: em.events,
         busy_s: busy.as_secs_f64(),
         abandoned,
-        km3net: km3.map(crate::km3out::Km3Out::finish),
+        km3net: km3.map(crate::builder::km3out::Km3Out::finish),
         failed_slices,
         timeout_slices: tally.timeout,
         malformed_events,
@@ -1609,7 +1572,7 @@ struct FilterThreadReport {
     busy_s: f64,
     /// Slices left in the queue at the end of the drain.
     abandoned: Vec<u64>,
-    km3net: Option<crate::km3out::Km3OutReport>,
+    km3net: Option<crate::builder::km3out::Km3OutReport>,
     failed_slices: u64,
     timeout_slices: u64,
     malformed_events: u64,

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::clock::WallClock;
-use crate::framed::{FrameReader, ReadEnd};
+use crate::transport::framed::{FrameReader, ReadEnd};
 
 /// A piece of one frame to write: `head` (a part of the header) then `body` (a part of the
 /// payload), either possibly empty. Payloads are never copied into a frame buffer.
@@ -102,7 +102,7 @@ pub struct LinkOptions {
 /// A source that ends its process with data still in its socket leaves the kernel to
 /// deliver it. The kernel gives up on such an orphaned connection after a few probes of a
 /// closed window (`net.ipv4.tcp_orphan_retries`, a minute or two), sends nothing to say so,
-/// and the data never arrives: a builder holding the connection back (`crate::hold`) or
+/// and the data never arrives: a builder holding the connection back (`crate::builder::hold`) or
 /// slower than the sources for a minute would lose it unseen. So a source's link waits
 /// until its builder has read its end of stream and closed, bounded by the source's drain
 /// time.

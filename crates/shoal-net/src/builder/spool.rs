@@ -30,7 +30,7 @@ use shoal_trigger::FragmentData;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::link::{Chunk, Link};
+use crate::transport::link::{Chunk, Link};
 
 /// Shipping pauses while the writer link holds more than this.
 pub const SHIP_QUEUE_BYTES: u64 = 4 << 20;

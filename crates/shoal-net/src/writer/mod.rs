@@ -22,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Config;
-use crate::framed::{FrameReader, ReadEnd};
 use crate::live::Live;
+use crate::transport::framed::{FrameReader, ReadEnd};
 
 /// What the writer reports at the end (also written as `run{N:06}.writer.json`).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -313,8 +313,8 @@ async fn read_connection(
     tx: mpsc::Sender<Vec<Incoming>>,
     cancel: CancellationToken,
 ) {
-    let mut reader =
-        FrameReader::new(stream, peer, 256 << 20, cancel).first_frame_within(crate::listen::FIRST_FRAME_WITHIN);
+    let mut reader = FrameReader::new(stream, peer, 256 << 20, cancel)
+        .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
     let end = loop {
         let mut next = match reader.next().await {
             Ok(f) => Some(f),
@@ -605,7 +605,7 @@ pub async fn run_writer_with(
     let (tx, mut rx) = mpsc::channel::<Vec<Incoming>>(1024);
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
-    let limit = crate::listen::ConnectionLimit::new(n_builders);
+    let limit = crate::transport::listen::ConnectionLimit::new(n_builders);
     let accept = tokio::spawn(async move {
         let serve = |stream, peer, place| {
             let (tx, c) = (tx.clone(), accept_cancel.clone());
@@ -620,7 +620,7 @@ pub async fn run_writer_with(
                 let _ = tx.send(vec![Incoming::Rejected { reason: "connection_limit" }]).await;
             }
         };
-        crate::listen::accept_loop(listener, "writer", limit, accept_cancel.clone(), serve, rejected).await
+        crate::transport::listen::accept_loop(listener, "writer", limit, accept_cancel.clone(), serve, rejected).await
     });
 
     // Parquet encoding on its own thread.

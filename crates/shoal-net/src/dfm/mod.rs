@@ -25,11 +25,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::builder::write_queued;
 use crate::clock::WallClock;
 use crate::config::{Config, ConfigError};
-use crate::framed::{FrameReader, ReadEnd};
 use crate::live::Live;
+use crate::transport::framed::{FrameReader, ReadEnd};
+use crate::transport::write_queue::write_queued;
 
 /// What the manager reports at the end.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 /// A byte stream a [`FrameReader`] reads from: a tokio socket (epoll), or an io_uring one
-/// ([`crate::uring`]).
+/// ([`crate::transport::uring`]).
 pub trait ReadSource {
     /// Waits until a read would find bytes (or the end of the stream), without a buffer:
     /// the read buffer is taken only then, so that a connection waiting holds none.
