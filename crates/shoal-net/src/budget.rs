@@ -172,7 +172,7 @@ pub fn shared_builder_memory_mb(cfg: &Config, hosting: &Hosting) -> Result<Optio
 /// allocator keeps what it frees, and the full shape peaked at 4.6-4.9 GB. The estimate of
 /// the offered rate ([`offered_bytes_per_s`]) is about a tenth under what the full shape
 /// delivers; 6 s of it is 4.3 GiB there, where 4 GiB kept every slice in 9 of 10 runs on a
-/// busy day and 6 GiB in 7 of 7 (docs/benchmarks.md, "Memory mapped before the run"). A
+/// busy day and 6 GiB in 7 of 7 (docs/bench/history.md, "Memory mapped before the run"). A
 /// run behind holds more, and more again: the mapping is there so that faulting its
 /// memory in does not put it behind in the first place.
 pub const AUTO_PREFAULT_SECONDS: u64 = 6;

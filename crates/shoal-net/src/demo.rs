@@ -12,7 +12,7 @@ use shoal_core::loghist::LogHistogram;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::builder::{BuilderReport, run_builder};
+use crate::builder::{BuilderReport, BuilderSettings, run_builder};
 use crate::clock::WallClock;
 use crate::config::Config;
 use crate::dfm::{DfmReport, run_dfm};
@@ -174,42 +174,21 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     // Before the run's first slice is chosen below, so that it does not eat the start's lead.
     let prefaulted = crate::memory::prefault_configured(cfg.run.prefault_mb);
     let faults_at_start = crate::memory::minor_faults();
+    let ports = Ports::bind(&mut cfg, clock)?;
 
-    let writer_listener = crate::transport::listen::bind(LOOPBACK_ANY)?;
-    cfg.run.writer_addr = writer_listener.local_addr()?.to_string();
-    let mut builder_listeners = Vec::new();
-    cfg.run.builder_addrs.clear();
-    for _ in 0..cfg.run.builders {
-        let l = crate::builder::bind_port(&cfg, LOOPBACK_ANY)?;
-        cfg.run.builder_addrs.push(l.local_addr()?.to_string());
-        builder_listeners.push(l);
-    }
-
-    // Every source node of the run starts with the same slice, a little ahead of now so
-    // that all of them are up by then.
-    if cfg.run.start_slice.is_none() {
-        let slice_clock = cfg.slice_clock()?;
-        cfg.run.start_slice = Some(slice_clock.slice_at(clock.now() + shoal_core::Duration::from_millis(200)) + 1);
-    }
-    // Pull: the data-flow manager, on a port of its own.
-    let dfm_listener = match cfg.policy()?.pull() {
-        Some(_) => {
-            let l = crate::transport::listen::bind(LOOPBACK_ANY)?;
-            cfg.run.dfm_addr = l.local_addr()?.to_string();
-            Some(l)
-        }
-        None => None,
-    };
     let dfm_cancel = CancellationToken::new();
-    let dfm = dfm_listener.map(|l| tokio::spawn(run_dfm(cfg.clone(), l, clock, live.clone(), dfm_cancel.clone())));
+    let dfm = ports.dfm.map(|l| tokio::spawn(run_dfm(cfg.clone(), l, clock, live.clone(), dfm_cancel.clone())));
     let writer_cancel = CancellationToken::new();
-    let writer = tokio::spawn(run_writer(cfg.clone(), writer_listener, writer_cancel.clone()));
+    let writer = tokio::spawn(run_writer(cfg.clone(), ports.writer, writer_cancel.clone()));
     let builder_cancel = CancellationToken::new();
-    let builders: Vec<_> = builder_listeners
+    let builders: Vec<_> = ports
+        .builders
         .into_iter()
         .enumerate()
         .map(|(id, l)| {
-            tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock, live.clone(), builder_cancel.clone()))
+            let (settings, live, cancel) =
+                (BuilderSettings::from_config(&cfg, id as u32), live.clone(), builder_cancel.clone());
+            tokio::spawn(async move { run_builder(settings?, l, clock, live, cancel).await })
         })
         .collect();
     let ids = cfg.hosted_sources();
@@ -219,47 +198,18 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         .collect();
     info!(nodes = nodes.len(), per_node, fd_limit, "embedded run started");
 
-    let mut tallies: BTreeMap<SourceId, SourceTally> = BTreeMap::new();
-    let mut slices_produced = 0;
-    let (mut late_slice_ends, mut slices_skipped, mut dropped_over_memory) = (0, 0, 0);
-    let mut worst_late = (0u64, 0u64);
-    let mut clb: Option<shoal_core::km3net::dataqueue::DataQueueReport> = None;
-    let mut send_completion = LogHistogram::default();
-    for n in nodes {
-        let r = n.await??;
-        send_completion.merge(&r.send_completion_us);
-        debug!(
-            sources = ?r.tallies.keys().collect::<Vec<_>>(),
-            send_completion = ?DelayStats::from_log(&r.send_completion_us),
-            late_slice_ends = r.late_slice_ends,
-            worst_late_ms = r.worst_late_ns / 1_000_000,
-            dropped_over_memory = r.dropped_over_memory,
-            "source node report"
-        );
-        if let Some(c) = &r.clb {
-            clb.get_or_insert_with(Default::default).merge(c);
-        }
-        slices_produced = slices_produced.max(r.slices);
-        late_slice_ends += r.late_slice_ends;
-        worst_late = worst_late.max((r.worst_late_ns, r.worst_late_into_run_ns));
-        slices_skipped = slices_skipped.max(r.slices_skipped);
-        dropped_over_memory += r.dropped_over_memory;
-        tallies.extend(r.tallies);
-    }
+    let sources = SourcesDone::collect(nodes).await?;
     // Sources are done and their links closed; builders finish when every source's end of
     // stream has arrived. A guard in case a stream end was lost:
     let guard = StdDuration::from_millis(cfg.builder.drain_timeout_ms + cfg.builder.wall_timeout_ms);
-    let bc = builder_cancel.clone();
-    let guard_task = tokio::spawn(async move {
-        tokio::time::sleep(guard).await;
-        warn!("builders did not finish in time; stopping them");
-        bc.cancel();
-    });
-    let mut builder_reports = Vec::new();
-    for b in builders {
-        builder_reports.push(b.await??);
-    }
-    guard_task.abort();
+    let builder_reports = within(guard, &builder_cancel, "builders did not finish in time; stopping them", async {
+        let mut reports = Vec::new();
+        for b in builders {
+            reports.push(b.await??);
+        }
+        anyhow::Ok(reports)
+    })
+    .await?;
     // The manager is done once every slice is processed; if a builder's last credits never
     // came back, it stops with the builders.
     dfm_cancel.cancel();
@@ -267,22 +217,15 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         Some(t) => Some(t.await??),
         None => None,
     };
-    let wc = writer_cancel.clone();
-    let guard_task = tokio::spawn(async move {
-        tokio::time::sleep(StdDuration::from_secs(30)).await;
-        wc.cancel();
-    });
-    let writer = writer.await??;
-    guard_task.abort();
+    let writer = within(StdDuration::from_secs(30), &writer_cancel, "the writer did not finish in time", async {
+        anyhow::Ok(writer.await??)
+    })
+    .await?;
 
-    let mut summary = summarize(&cfg, per_node, slices_produced, late_slice_ends, &tallies, builder_reports, writer);
+    let SourcesDone { tallies, slices_produced, late_slice_ends, .. } = &sources;
+    let mut summary = summarize(&cfg, per_node, *slices_produced, *late_slice_ends, tallies, builder_reports, writer);
+    sources.fill(&mut summary);
     summary.dfm = dfm;
-    summary.clb = clb;
-    summary.slices_skipped = slices_skipped;
-    summary.worst_late_ms = worst_late.0 as f64 / 1e6;
-    summary.worst_late_at_s = worst_late.1 as f64 / 1e9;
-    summary.dropped_over_memory = dropped_over_memory;
-    summary.send_completion = DelayStats::from_log(&send_completion);
     summary.memory_budget_mb = plan.memory.budget >> 20;
     summary.memory_planned_mb = plan.memory.total() >> 20;
     summary.builder_memory_mb = cfg.builder.memory_budget_mb;
@@ -291,14 +234,131 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         summary.prefaulted_mb = p.bytes >> 20;
         summary.prefault_s = p.took.as_secs_f64();
     }
+    write_summary(&cfg, &mut summary)?;
+    Ok(summary)
+}
+
+/// The embedded run's ports on loopback, their addresses written into the configuration
+/// every role then derives its settings from; and the run's first slice, a little ahead
+/// of now so that every source node is up by then.
+struct Ports {
+    writer: tokio::net::TcpListener,
+    builders: Vec<crate::transport::listen::DataPort>,
+    /// Pull: the data-flow manager, on a port of its own.
+    dfm: Option<tokio::net::TcpListener>,
+}
+
+impl Ports {
+    fn bind(cfg: &mut Config, clock: WallClock) -> anyhow::Result<Self> {
+        let writer = crate::transport::listen::bind(LOOPBACK_ANY)?;
+        cfg.run.writer_addr = writer.local_addr()?.to_string();
+        let mut builders = Vec::new();
+        cfg.run.builder_addrs.clear();
+        for _ in 0..cfg.run.builders {
+            let l = crate::builder::bind_port(cfg, LOOPBACK_ANY)?;
+            cfg.run.builder_addrs.push(l.local_addr()?.to_string());
+            builders.push(l);
+        }
+        if cfg.run.start_slice.is_none() {
+            let slice_clock = cfg.slice_clock()?;
+            let ahead = clock.now() + shoal_core::Duration::from_millis(200);
+            cfg.run.start_slice = Some(slice_clock.slice_at(ahead) + 1);
+        }
+        let dfm = match cfg.policy()?.pull() {
+            Some(_) => {
+                let l = crate::transport::listen::bind(LOOPBACK_ANY)?;
+                cfg.run.dfm_addr = l.local_addr()?.to_string();
+                Some(l)
+            }
+            None => None,
+        };
+        Ok(Self { writer, builders, dfm })
+    }
+}
+
+/// What the source nodes reported, added up.
+#[derive(Default)]
+struct SourcesDone {
+    tallies: BTreeMap<SourceId, SourceTally>,
+    slices_produced: u64,
+    late_slice_ends: u64,
+    slices_skipped: u64,
+    dropped_over_memory: u64,
+    /// The worst slice end's lateness and when in the run it came (ns).
+    worst_late: (u64, u64),
+    clb: Option<shoal_core::km3net::dataqueue::DataQueueReport>,
+    send_completion: LogHistogram,
+}
+
+impl SourcesDone {
+    async fn collect(
+        nodes: Vec<tokio::task::JoinHandle<Result<crate::source::SourceReport, crate::config::ConfigError>>>,
+    ) -> anyhow::Result<Self> {
+        let mut done = Self::default();
+        for n in nodes {
+            let r = n.await??;
+            done.send_completion.merge(&r.send_completion_us);
+            debug!(
+                sources = ?r.tallies.keys().collect::<Vec<_>>(),
+                send_completion = ?DelayStats::from_log(&r.send_completion_us),
+                late_slice_ends = r.late_slice_ends,
+                worst_late_ms = r.worst_late_ns / 1_000_000,
+                dropped_over_memory = r.dropped_over_memory,
+                "source node report"
+            );
+            if let Some(c) = &r.clb {
+                done.clb.get_or_insert_with(Default::default).merge(c);
+            }
+            done.slices_produced = done.slices_produced.max(r.slices);
+            done.late_slice_ends += r.late_slice_ends;
+            done.worst_late = done.worst_late.max((r.worst_late_ns, r.worst_late_into_run_ns));
+            done.slices_skipped = done.slices_skipped.max(r.slices_skipped);
+            done.dropped_over_memory += r.dropped_over_memory;
+            done.tallies.extend(r.tallies);
+        }
+        Ok(done)
+    }
+
+    /// What only the sources know, into the run's summary.
+    fn fill(self, summary: &mut RunSummary) {
+        summary.clb = self.clb;
+        summary.slices_skipped = self.slices_skipped;
+        summary.worst_late_ms = self.worst_late.0 as f64 / 1e6;
+        summary.worst_late_at_s = self.worst_late.1 as f64 / 1e9;
+        summary.dropped_over_memory = self.dropped_over_memory;
+        summary.send_completion = DelayStats::from_log(&self.send_completion);
+    }
+}
+
+/// `work`, with `cancel` cancelled (and `why` logged) if it takes longer than `guard`: the
+/// roles it waits for then stop and drain.
+async fn within<T>(
+    guard: StdDuration,
+    cancel: &CancellationToken,
+    why: &'static str,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let c = cancel.clone();
+    let guard_task = tokio::spawn(async move {
+        tokio::time::sleep(guard).await;
+        warn!("{why}");
+        c.cancel();
+    });
+    let out = work.await;
+    guard_task.abort();
+    out
+}
+
+/// The run's summary as `runNNNNNN.summary.json` beside its output. The run happened: a
+/// summary that cannot be written is said on the terminal, not an error.
+fn write_summary(cfg: &Config, summary: &mut RunSummary) -> anyhow::Result<()> {
     let path = cfg.writer.out_dir.join(format!("run{:06}.summary.json", cfg.run.run_number));
     summary.summary_path = path.clone();
-    if let Err(e) = std::fs::write(&path, serde_json::to_vec_pretty(&summary)?) {
-        // The run happened; say so on the terminal even when its file cannot be written.
+    if let Err(e) = std::fs::write(&path, serde_json::to_vec_pretty(&*summary)?) {
         warn!(path = %path.display(), error = %e, "cannot write the run's summary");
         summary.summary_path = PathBuf::from(format!("not written: {e}"));
     }
-    Ok(summary)
+    Ok(())
 }
 
 fn summarize(

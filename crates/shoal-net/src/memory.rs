@@ -6,13 +6,13 @@
 //! was a 2-MiB page the kernel cleared first: on the fixed-fragment workload of
 //! `scripts/cost.py` (30 x 10, 30-kB fragments, 10-ms slices) two thirds of all the CPU
 //! was `clear_page_erms`, and the fragment cost 124 us of CPU with them, 57 us without
-//! (docs/benchmarks.md, "Huge pages"). [`disable_huge_pages`] turns them off for the
+//! (docs/bench/history.md, "Huge pages"). [`disable_huge_pages`] turns them off for the
 //! process, before it allocates in earnest.
 //!
 //! Even in 4-kB pages, a run faults its working set in page by page: a 15-s live
 //! full-shape demo (300 x 100) took 1.4-2.5 million page faults, about one per page of its
 //! peak resident memory (5-8 GB), each a trap, a cleared page and a charge to the cgroup,
-//! while the run had no CPU to spare (docs/benchmarks.md, "Memory mapped before the run").
+//! while the run had no CPU to spare (docs/bench/history.md, "Memory mapped before the run").
 //! [`prefault`] (`[run] prefault_mb`) takes that memory before the run, as a DAQ
 //! allocates its buffer pools when it is configured: it
 //! tells mimalloc to keep what is freed, touches the memory through the allocator and

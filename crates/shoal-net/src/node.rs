@@ -476,7 +476,12 @@ async fn start_data(
             let id = cfg.builder.id;
             let c = cancel.clone();
             tokio::spawn(async move {
-                match crate::builder::run_builder(cfg, id, listener, clock, live, c).await {
+                let settings = crate::builder::BuilderSettings::from_config(&cfg, id);
+                let ran = match settings {
+                    Ok(settings) => crate::builder::run_builder(settings, listener, clock, live, c).await,
+                    Err(e) => Err(e),
+                };
+                match ran {
                     Ok(r) => NodeReport {
                         builder: Some((r.node.id, r.node.tally.clone())),
                         slices_complete: r.node.slices_complete,

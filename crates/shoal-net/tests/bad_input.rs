@@ -23,7 +23,13 @@ async fn run_with_intruder(name: &str, bad: Vec<u8>) -> (shoal_net::builder::Bui
     let (wl, mut bls) = bind_all(&mut cfg).await;
     let addr = bls[0].local_addr().unwrap();
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.remove(0),
+        clock(),
+        live(),
+        never(),
+    ));
     let intruder = tokio::spawn(async move {
         let mut s = TcpStream::connect(addr).await.unwrap();
         // The builder may close on us mid-write; that is the point.
@@ -103,7 +109,13 @@ async fn bad_datagrams_are_counted_and_ignored() {
     let (wl, mut bls) = bind_all(&mut cfg).await;
     let addr = bls[0].local_addr().unwrap();
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.remove(0),
+        clock(),
+        live(),
+        never(),
+    ));
     let run = cfg.run.run_number as u32;
     let data = |run: u32, source: u32, builder: u32| {
         let h =
@@ -288,7 +300,13 @@ async fn a_connection_flood_on_the_data_port_stops_at_its_limit() {
     let addr = bls[0].local_addr().unwrap();
     let live = live();
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.remove(0), clock(), live.clone(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.remove(0),
+        clock(),
+        live.clone(),
+        never(),
+    ));
     let stop = never();
     let sources = tokio::spawn(run_source_node(cfg.clone(), vec![0, 1], clock(), live.clone(), stop.clone()));
     // The source's connection is in (data arrives) before the flood.

@@ -86,7 +86,13 @@ async fn bad_unix_clients_are_counted_and_cost_the_good_one_nothing() {
     let sock = out.join("in.sock");
     cfg.source.input = format!("unix:{}", sock.display());
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.into_iter().next().unwrap(), clock(), live(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.into_iter().next().unwrap(),
+        clock(),
+        live(),
+        never(),
+    ));
     let source = tokio::spawn(shoal_net::source::run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()));
     let first = cfg.run.start_slice.unwrap();
 
@@ -236,7 +242,13 @@ async fn a_handle_dropped_without_close_ends_the_run_accounted() {
     let mut cfg = config(&out);
     let (wl, bls) = bind_all(&mut cfg).await;
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, bls.into_iter().next().unwrap(), clock(), live(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.into_iter().next().unwrap(),
+        clock(),
+        live(),
+        never(),
+    ));
     let c = cfg.clone();
     tokio::task::spawn_blocking(move || {
         let handle = SourceHandle::open(c).unwrap();

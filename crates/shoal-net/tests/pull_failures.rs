@@ -79,7 +79,15 @@ async fn start_with(name: &str, policy: &str, told_late: Option<Arc<Live>>) -> C
     let builders = bls
         .into_iter()
         .enumerate()
-        .map(|(id, l)| tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock, live.clone(), never())))
+        .map(|(id, l)| {
+            tokio::spawn(run_builder(
+                shoal_net::builder::BuilderSettings::from_config(&cfg, id as u32).unwrap(),
+                l,
+                clock,
+                live.clone(),
+                never(),
+            ))
+        })
         .collect();
     let ids = cfg.hosted_sources();
     let sources = tokio::spawn(run_source_node(cfg.clone(), ids, clock, live.clone(), never()));

@@ -59,7 +59,15 @@ async fn sdk_and_unix_input_fragments_arrive_byte_for_byte_and_are_accounted() {
     let builders: Vec<_> = bls
         .into_iter()
         .enumerate()
-        .map(|(id, l)| tokio::spawn(run_builder(cfg.clone(), id as u32, l, clock(), live(), never())))
+        .map(|(id, l)| {
+            tokio::spawn(run_builder(
+                shoal_net::builder::BuilderSettings::from_config(&cfg, id as u32).unwrap(),
+                l,
+                clock(),
+                live(),
+                never(),
+            ))
+        })
         .collect();
 
     // Source 2: a readout client writing the input framing to a unix socket.
@@ -175,7 +183,13 @@ async fn data_after_its_slice_went_out_is_sent_late_and_counted() {
     let (wl, bls) = bind_all(&mut cfg).await;
     let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
     let l = bls.into_iter().next().unwrap();
-    let builder = tokio::spawn(run_builder(cfg.clone(), 0, l, clock(), live(), never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        l,
+        clock(),
+        live(),
+        never(),
+    ));
     let handle = SourceHandle::open(cfg.clone()).unwrap();
     let first = handle.first_slice();
     assert_eq!(handle.submit(0, When::Slice(first + 2), Bytes::from_static(b"on time")), Ok(Placed::OnTime(first + 2)));

@@ -350,7 +350,7 @@ fn share_builder_memory(cfg: &mut Config, config: Option<&PathBuf>) -> anyhow::R
 /// `run.prefault_mb` for the demo: `--prefault-mb`, else the file's, else
 /// [`shoal_net::budget::auto_prefault`] (6 s of the offered data), said on stderr: a
 /// newcomer's `shoal demo --sources 300 --builders 100` otherwise faults its working set in
-/// page by page while the data flow, and falls behind (docs/benchmarks.md, "Memory mapped
+/// page by page while the data flow, and falls behind (docs/bench/history.md, "Memory mapped
 /// before the run").
 fn choose_prefault(cfg: &mut Config, config: Option<&PathBuf>, flag: Option<u64>) -> anyhow::Result<()> {
     if let Some(mb) = flag {
@@ -403,7 +403,7 @@ fn main() -> ExitCode {
     // The command runs as a task on the runtime's workers, not on this thread under
     // `block_on`: a builder's loop woken by its readers' tasks then runs on a worker, where
     // the wake-up is a push to that worker's queue rather than a futex call to wake this
-    // thread (docs/benchmarks.md "The node's loop on a worker"). The workers get the main
+    // thread (docs/bench/history.md "The node's loop on a worker"). The workers get the main
     // thread's 8-MiB stack (tokio's default is 2 MiB), which the commands had before.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .thread_stack_size(8 << 20)
@@ -727,7 +727,14 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             let listener =
                 shoal_net::builder::bind_port(&cfg, addr).with_context(|| format!("binding builder port {addr}"))?;
             let id = cfg.builder.id;
-            let r = shoal_net::builder::run_builder(cfg.clone(), id, listener, clock, live, cancel).await?;
+            let r = shoal_net::builder::run_builder(
+                shoal_net::builder::BuilderSettings::from_config(&cfg, id)?,
+                listener,
+                clock,
+                live,
+                cancel,
+            )
+            .await?;
             (format!("run{run:06}.builder{id}.json"), serde_json::to_string_pretty(&r)?)
         }
         Role::Writer => {

@@ -114,7 +114,13 @@ async fn runtime(policy: &str) -> Run {
         .into_iter()
         .enumerate()
         .map(|(id, l)| {
-            tokio::spawn(shoal_net::builder::run_builder(cfg.clone(), id as u32, l, clock, live.clone(), never.clone()))
+            tokio::spawn(shoal_net::builder::run_builder(
+                shoal_net::builder::BuilderSettings::from_config(&cfg, id as u32).unwrap(),
+                l,
+                clock,
+                live.clone(),
+                never.clone(),
+            ))
         })
         .collect();
     // One node per source, as the simulator gives every board its own host.

@@ -5,7 +5,7 @@
 //! Why batches: a saturated builder can process 200,000 small slices a second, and a
 //! hand-off per slice (a futex wake of the filter thread, then a wake of the assembler
 //! for each slice's bytes released) cost more than the filtering. Measured in
-//! docs/benchmarks.md ("Slices to the filter in batches"). The filter thread takes every
+//! docs/bench/history.md ("Slices to the filter in batches"). The filter thread takes every
 //! batch queued when it wakes ([`FilterQueueRx::next_batch`]) and gives the bytes of all
 //! of them back at once.
 //!

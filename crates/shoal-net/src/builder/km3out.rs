@@ -72,6 +72,45 @@ struct Frames {
     frames: Vec<(SourceId, Bytes, JdaqFrame)>,
 }
 
+/// What the KM3NeT stage runs with, derived from the configuration at start (the detector
+/// file read once).
+#[derive(Clone, Debug)]
+pub struct Km3Settings {
+    det_id: i32,
+    run: i32,
+    first_slice: Option<u64>,
+    slice_clock: SliceClock,
+    params: DataFilterParams,
+    doms: Vec<u32>,
+    directions: HashMap<u32, Vec<[f64; 3]>>,
+    l2_ct_min: f64,
+    publish: Vec<&'static str>,
+    files: Option<(PathBuf, u64)>,
+}
+
+impl Km3Settings {
+    /// `None` when KM3NeT mode is off.
+    pub fn from_config(cfg: &Config) -> Result<Option<Self>, ConfigError> {
+        let k = &cfg.km3net;
+        if !k.is_on() {
+            return Ok(None);
+        }
+        let publish = crate::config::KM3NET_TAGS.iter().copied().filter(|t| k.publish.iter().any(|p| p == t)).collect();
+        Ok(Some(Self {
+            det_id: k.det_id,
+            run: cfg.run.run_number as i32,
+            first_slice: cfg.run.start_slice,
+            slice_clock: cfg.slice_clock()?,
+            params: k.params(),
+            doms: k.dom_ids()?,
+            directions: if k.publish.iter().any(|t| t == "IO_TSL2") { k.pmt_directions()? } else { HashMap::new() },
+            l2_ct_min: k.l2_ct_min,
+            publish,
+            files: k.files.then(|| (cfg.writer.out_dir.clone(), cfg.run.run_number)),
+        }))
+    }
+}
+
 /// The KM3NeT stage of one builder's filter thread.
 pub struct Km3Out {
     builder: u32,
@@ -93,29 +132,26 @@ pub struct Km3Out {
 }
 
 impl Km3Out {
-    /// The stage for builder `builder`, or `None` when KM3NeT mode is off.
-    pub fn new(cfg: &Config, builder: u32) -> Result<Option<Self>, ConfigError> {
-        let k = &cfg.km3net;
-        if !k.is_on() {
-            return Ok(None);
-        }
-        let publish = crate::config::KM3NET_TAGS.iter().copied().filter(|t| k.publish.iter().any(|p| p == t)).collect();
-        Ok(Some(Self {
+    /// The stage for builder `builder`.
+    pub fn new(s: Km3Settings, builder: u32) -> Self {
+        let Km3Settings { det_id, run, first_slice, slice_clock, params, doms, directions, l2_ct_min, publish, files } =
+            s;
+        Self {
             builder,
-            det_id: k.det_id,
-            run: cfg.run.run_number as i32,
-            first_slice: cfg.run.start_slice,
-            slice_clock: cfg.slice_clock()?,
-            params: k.params(),
-            doms: k.dom_ids()?,
-            directions: if k.publish.iter().any(|t| t == "IO_TSL2") { k.pmt_directions()? } else { HashMap::new() },
-            l2_ct_min: k.l2_ct_min,
+            det_id,
+            run,
+            first_slice,
+            slice_clock,
+            params,
+            doms,
+            directions,
+            l2_ct_min,
             publish,
-            files: k.files.then(|| (cfg.writer.out_dir.clone(), cfg.run.run_number)),
+            files,
             open: HashMap::new(),
             trigger_counter: 0,
             report: Km3OutReport::default(),
-        }))
+        }
     }
 
     /// The slice's superframes decoded, and their hits as the filter's fragments.

@@ -19,6 +19,8 @@ use bytes::Bytes;
 use shoal_core::frame::Flags;
 use shoal_core::node::{DataFlowManager, DfmConfig, DfmEvent, DfmStats};
 use shoal_core::pullmsg::PullMessage;
+use shoal_core::shaping::PullConfig;
+use shoal_core::slice::{SliceClock, SliceNumber};
 use shoal_core::{BuilderId, Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -95,6 +97,40 @@ async fn read_builder(
     let _ = tx.send(FromBuilder::Closed { conn, rejected });
 }
 
+/// The data-flow manager's settings, derived once from the [`Config`] where the role
+/// starts.
+#[derive(Clone, Debug)]
+pub struct DfmSettings {
+    pub pull: PullConfig,
+    pub slice_clock: SliceClock,
+    /// The run's first slice (none: the first on a second after the start).
+    pub start_slice: Option<SliceNumber>,
+    /// The run's length in slices (none: until run control's end slice).
+    pub slices: Option<u64>,
+    pub builders: u32,
+    /// A builder is skipped at three quarters of its memory budget, before its assembler
+    /// has to drop.
+    pub memory_limit: u64,
+    /// `run.policy` as written, for the log.
+    pub policy: String,
+}
+
+impl DfmSettings {
+    pub fn from_config(cfg: &Config) -> Result<Self, ConfigError> {
+        let pull =
+            cfg.policy()?.pull().ok_or_else(|| ConfigError::Invalid("run.policy is not a pull policy".into()))?;
+        Ok(Self {
+            pull,
+            slice_clock: cfg.slice_clock()?,
+            start_slice: cfg.run.start_slice,
+            slices: cfg.slices()?,
+            builders: cfg.run.builders,
+            memory_limit: (cfg.builder.memory_budget_mb << 20) / 4 * 3,
+            policy: cfg.run.policy.clone(),
+        })
+    }
+}
+
 /// Runs the manager on a bound listener until every slice of the run is assigned and
 /// processed (the end slice from the configuration's run length, or from run control's
 /// `live.end_slice`), or `cancel`.
@@ -105,17 +141,15 @@ pub async fn run_dfm(
     live: Arc<Live>,
     cancel: CancellationToken,
 ) -> Result<DfmReport, ConfigError> {
-    let pull = cfg.policy()?.pull().ok_or_else(|| ConfigError::Invalid("run.policy is not a pull policy".into()))?;
-    let slice_clock = cfg.slice_clock()?;
+    let s = DfmSettings::from_config(&cfg)?;
     let now = clock.now();
-    let first = cfg.run.start_slice.unwrap_or_else(|| slice_clock.first_on_a_second_after(now));
-    let mut dcfg = DfmConfig::new(pull, slice_clock, first, cfg.run.builders);
-    dcfg.end_slice = cfg.slices()?.map(|n| first + n);
-    // Skipped at three quarters of its budget, before its assembler has to drop.
-    dcfg.memory_limit = (cfg.builder.memory_budget_mb << 20) / 4 * 3;
+    let first = s.start_slice.unwrap_or_else(|| s.slice_clock.first_on_a_second_after(now));
+    let mut dcfg = DfmConfig::new(s.pull, s.slice_clock, first, s.builders);
+    dcfg.end_slice = s.slices.map(|n| first + n);
+    dcfg.memory_limit = s.memory_limit;
     dcfg.silence_timeout = Duration::from_secs(2);
     let mut dfm = DataFlowManager::new(dcfg, now);
-    info!(first_slice = first, end_slice = ?dcfg.end_slice, builders = cfg.run.builders, policy = %cfg.run.policy,
+    info!(first_slice = first, end_slice = ?dcfg.end_slice, builders = s.builders, policy = %s.policy,
         "data-flow manager started");
 
     let (tx, mut rx) = mpsc::unbounded_channel();

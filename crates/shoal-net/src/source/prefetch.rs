@@ -23,7 +23,7 @@
 //! `ahead`) can be computed, and each side wakes the other only when it waits. Waking the
 //! thread at every fragment the node took, and the node at every fragment computed, cost
 //! the live full-shape demo (75 such threads) 2.4-3.1 futex calls a fragment, where a
-//! replay-pool run makes 0.03; now 0.3-0.9 (docs/benchmarks.md, "The generator draws in
+//! replay-pool run makes 0.03; now 0.3-0.9 (docs/bench/history.md, "The generator draws in
 //! time order").
 
 use std::collections::HashMap;

@@ -125,15 +125,15 @@ struct OpenEventFile {
 }
 
 impl EventFiles {
-    fn new(cfg: &Config) -> Result<Self, shoal_store::StoreError> {
-        let run = cfg.run.run_number;
-        let dir = cfg.writer.out_dir.clone();
-        let checkpoint_ns = (cfg.writer.checkpoint_s.max(0.0) * 1e9) as u64;
+    fn new(s: &WriterSettings) -> Result<Self, shoal_store::StoreError> {
+        let run = s.run;
+        let dir = s.out_dir.clone();
+        let checkpoint_ns = s.checkpoint_ns;
         let manifest = dir.join(format!("run{run:06}.events.manifest.jsonl"));
         let mut files = Self {
             run,
             dir,
-            keep_existing: cfg.writer.keep_existing,
+            keep_existing: s.keep_existing,
             checkpoint_ns,
             manifest,
             open: None,
@@ -573,6 +573,32 @@ pub fn unused_path(dir: &std::path::Path, stem: &str, ext: &str) -> std::path::P
     (2u32..).map(|k| dir.join(format!("{stem}.part{k}.{ext}"))).find(|p| !p.exists()).expect("some part number is free")
 }
 
+/// The writer's settings, derived once from the [`Config`] where the role starts.
+#[derive(Clone, Debug)]
+pub struct WriterSettings {
+    pub run: u64,
+    /// Builders whose end of stream the writer waits for.
+    pub builders: usize,
+    pub out_dir: PathBuf,
+    /// Keep the files of this run already there (a restarted writer under run control).
+    pub keep_existing: bool,
+    /// A new events file every so much data time (0: one file).
+    pub checkpoint_ns: u64,
+}
+
+impl WriterSettings {
+    pub fn from_config(cfg: &Config) -> Self {
+        let w = &cfg.writer;
+        Self {
+            run: cfg.run.run_number,
+            builders: cfg.run.builders as usize,
+            out_dir: w.out_dir.clone(),
+            keep_existing: w.keep_existing,
+            checkpoint_ns: (w.checkpoint_s.max(0.0) * 1e9) as u64,
+        }
+    }
+}
+
 /// Runs the writer on a bound listener until every builder has ended its stream (or
 /// `cancel`), then closes the files.
 pub async fn run_writer(cfg: Config, listener: TcpListener, cancel: CancellationToken) -> anyhow::Result<WriterReport> {
@@ -587,20 +613,20 @@ pub async fn run_writer_with(
     cancel: CancellationToken,
     live: Arc<Live>,
 ) -> anyhow::Result<WriterReport> {
-    let run = cfg.run.run_number;
-    let n_builders = cfg.run.builders as usize;
-    std::fs::create_dir_all(&cfg.writer.out_dir)?;
-    let dir = &cfg.writer.out_dir;
+    let s = WriterSettings::from_config(&cfg);
+    let (run, n_builders) = (s.run, s.builders);
+    std::fs::create_dir_all(&s.out_dir)?;
+    let dir = &s.out_dir;
     // Under run control a run number is never reused: a file of this run is from an
     // earlier incarnation of this writer (restarted after a crash) and is kept.
-    let name = |stem: &str, ext: &str| match cfg.writer.keep_existing {
+    let name = |stem: &str, ext: &str| match s.keep_existing {
         true => unused_path(dir, &format!("run{run:06}.{stem}"), ext),
         false => dir.join(format!("run{run:06}.{stem}.{ext}")),
     };
     let summary_path = name("writer", "json");
-    let files = EventFiles::new(&cfg)?;
+    let files = EventFiles::new(&s)?;
     let path = files.first_path.clone();
-    let mut lost_with_previous = if cfg.writer.keep_existing { find_previous(dir, run, &path) } else { None };
+    let mut lost_with_previous = if s.keep_existing { find_previous(dir, run, &path) } else { None };
 
     let (tx, mut rx) = mpsc::channel::<Vec<Incoming>>(1024);
     let readers = CancellationToken::new();
@@ -784,7 +810,7 @@ mod tests {
         cfg.writer.out_dir = dir.clone();
         cfg.writer.keep_existing = true;
         cfg.writer.checkpoint_s = 1.0;
-        let mut files = EventFiles::new(&cfg).unwrap();
+        let mut files = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
         // 100-ms slices over 2.5 s of data: files of slices 10-19, 20-29, 30-34.
         for slice in 10..35u64 {
             files.write(0, slice, slice * 100_000_000, &[]).unwrap();
@@ -796,7 +822,7 @@ mod tests {
         let spans: Vec<(u64, u64)> = closed.iter().map(|c| (c.first_slice, c.last_slice)).collect();
         assert_eq!(spans, [(10, 19), (20, 29)]);
         // The writer started again: a fourth part, and the third found unclosed.
-        let mut again = EventFiles::new(&cfg).unwrap();
+        let mut again = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
         assert_eq!(again.first_path, dir.join("run000003.events.part4.parquet"));
         let lost = find_previous(&dir, 3, &again.first_path).expect("the open file is found");
         assert_eq!(lost.unclosed_files, [dir.join("run000003.events.part3.parquet")]);
@@ -805,7 +831,7 @@ mod tests {
         assert_eq!((total.events, closed.len()), (0, 1));
         // Outside run control (no restart to continue from): no manifest left from before.
         cfg.writer.keep_existing = false;
-        let mut fresh = EventFiles::new(&cfg).unwrap();
+        let mut fresh = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
         assert!(!dir.join("run000003.events.manifest.jsonl").exists());
         drop(fresh.finish().unwrap());
         std::fs::remove_dir_all(&dir).unwrap();

@@ -158,7 +158,7 @@ async fn run_link(
 ) -> SenderStats {
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
-    let mut sock = match socket(unspecified, buffer_bytes)
+    let sock = match socket(unspecified, buffer_bytes)
         .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN))
     {
         Ok(s) => s,
@@ -172,151 +172,219 @@ async fn run_link(
             return SenderStats::default();
         }
     };
-    let mut senders: BTreeMap<SourceId, DatagramSender> = BTreeMap::new();
-    // Pull: each hosted source's stream greets the builder (a SYNC before any data, so the
-    // builder learns where to send requests), again with a doubling interval up to 1 s
-    // until the builder has sent anything for that source (the greeting may be lost).
-    let mut ungreeted: BTreeMap<SourceId, (shoal_core::Instant, shoal_core::Duration)> = BTreeMap::new();
-    if options.requests.is_some() {
-        let now = clock.now();
-        for &source in &options.hello {
-            senders.insert(source, DatagramSender::new(cfg, run, source, builder));
-            ungreeted.insert(source, (now, shoal_core::Duration::from_millis(20)));
-        }
-    }
-    let mut requests_read = 0u64;
-    // The frame each source is handing over: its length, and whether it ends the stream.
-    let mut current: HashMap<SourceId, (u32, bool)> = HashMap::new();
+    let mut link = DatagramLink::new(builder, addr, cfg, run, sock, reports, options, clock.now());
     let mut buf = vec![0u8; RECV_BUF];
-    let mut outgoing: Vec<Bytes> = Vec::new();
-    // What the socket did (datagrams it refused are lost; NACKs recover them), and
-    // datagrams from the builder's address that were no NACK or acknowledgement of this
-    // link's streams.
-    let mut sent = batch::SendOutcome::default();
-    let mut refused = 0u64;
     let mut open = true;
     loop {
-        let now = clock.now();
-        for (source, (at, every)) in ungreeted.iter_mut() {
+        link.transmit(clock.now()).await;
+        if !open && link.senders.values().all(DatagramSender::is_finished) {
+            break;
+        }
+        let wake =
+            link.next_wake().unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1));
+        tokio::select! {
+            c = rx.recv(), if open => match c {
+                Some(c) => link.on_chunk(clock.now(), c),
+                None => open = false,
+            },
+            r = link.sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r {
+                link.on_datagram(clock.now(), &buf[..n], from);
+            },
+            _ = tokio::time::sleep_until(clock.deadline(wake)) => {}
+        }
+    }
+    link.finish()
+}
+
+/// A source's datagram link while it runs: a stream per hosted source, the frames being
+/// handed over, what the socket did.
+struct DatagramLink {
+    builder: u32,
+    addr: SocketAddr,
+    cfg: UdpConfig,
+    run: u32,
+    sock: BatchSocket,
+    reports: mpsc::UnboundedSender<LinkReport>,
+    options: LinkOptions,
+    senders: BTreeMap<SourceId, DatagramSender>,
+    /// Pull: each hosted source's stream greets the builder (a SYNC before any data, so
+    /// the builder learns where to send requests), again with a doubling interval up to
+    /// 1 s until the builder has sent anything for that source (the greeting may be lost).
+    ungreeted: BTreeMap<SourceId, (shoal_core::Instant, shoal_core::Duration)>,
+    requests_read: u64,
+    /// The frame each source is handing over: its length, and whether it ends the stream.
+    current: HashMap<SourceId, (u32, bool)>,
+    outgoing: Vec<Bytes>,
+    /// What the socket did (datagrams it refused are lost; NACKs recover them).
+    sent: batch::SendOutcome,
+    /// Datagrams from the builder's address that were no NACK or acknowledgement of this
+    /// link's streams.
+    refused: u64,
+}
+
+impl DatagramLink {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        builder: u32,
+        addr: SocketAddr,
+        cfg: UdpConfig,
+        run: u32,
+        sock: BatchSocket,
+        reports: mpsc::UnboundedSender<LinkReport>,
+        options: LinkOptions,
+        now: shoal_core::Instant,
+    ) -> Self {
+        let mut senders = BTreeMap::new();
+        let mut ungreeted = BTreeMap::new();
+        if options.requests.is_some() {
+            for &source in &options.hello {
+                senders.insert(source, DatagramSender::new(cfg, run, source, builder));
+                ungreeted.insert(source, (now, shoal_core::Duration::from_millis(20)));
+            }
+        }
+        Self {
+            builder,
+            addr,
+            cfg,
+            run,
+            sock,
+            reports,
+            options,
+            senders,
+            ungreeted,
+            requests_read: 0,
+            current: HashMap::new(),
+            outgoing: Vec::new(),
+            sent: batch::SendOutcome::default(),
+            refused: 0,
+        }
+    }
+
+    /// The greetings due, the streams' timeouts, and every stream's datagrams sent.
+    async fn transmit(&mut self, now: shoal_core::Instant) {
+        for (source, (at, every)) in self.ungreeted.iter_mut() {
             if *at <= now
-                && let Some(s) = senders.get_mut(source)
+                && let Some(s) = self.senders.get_mut(source)
             {
                 s.handle_greet(now);
                 *at = now + *every;
                 *every = (*every * 2).min(shoal_core::Duration::from_secs(1));
             }
         }
-        for s in senders.values_mut() {
+        for s in self.senders.values_mut() {
             if s.poll_timeout().is_some_and(|t| t <= now) {
                 s.handle_timeout(now);
             }
-            outgoing.clear();
-            outgoing.extend(std::iter::from_fn(|| s.poll_transmit()));
-            if !outgoing.is_empty() {
-                if let Some(p) = &options.paths {
-                    p.count_datagrams_sent(outgoing.len() as u64);
+            self.outgoing.clear();
+            self.outgoing.extend(std::iter::from_fn(|| s.poll_transmit()));
+            if self.outgoing.is_empty() {
+                continue;
+            }
+            if let Some(p) = &self.options.paths {
+                p.count_datagrams_sent(self.outgoing.len() as u64);
+            }
+            let o = self.sock.send_all(self.addr, &self.outgoing).await;
+            if o.refused > 0 {
+                debug!(builder = self.builder, refused = o.refused, "datagrams not sent");
+            }
+            self.sent.datagrams += o.datagrams;
+            self.sent.calls += o.calls;
+            self.sent.refused += o.refused;
+        }
+    }
+
+    fn next_wake(&self) -> Option<shoal_core::Instant> {
+        let timeouts = self.senders.values().filter_map(DatagramSender::poll_timeout);
+        timeouts.chain(self.ungreeted.values().map(|g| g.0)).min()
+    }
+
+    /// A chunk from the node: into its source's stream, each part as soon as it is here
+    /// (the shaper's pace is the datagrams' pace).
+    fn on_chunk(&mut self, now: shoal_core::Instant, c: Chunk) {
+        let (cfg, run, builder) = (self.cfg, self.run, self.builder);
+        let sender = self.senders.entry(c.source).or_insert_with(|| DatagramSender::new(cfg, run, c.source, builder));
+        let mut head = c.head;
+        if c.first {
+            // The frame's length and kind are in its header, which the first chunk holds
+            // whole; its send time is stamped now.
+            let mut stamped = BytesMut::from(&head[..]);
+            self.current.remove(&c.source);
+            match frame::decode_header(&stamped, u32::MAX) {
+                Ok(h) => {
+                    set_send_time(&mut stamped[..HEADER_LEN], now);
+                    let len = HEADER_LEN as u64 + u64::from(h.payload_len);
+                    let end = h.flags.contains(Flags::END_OF_STREAM);
+                    self.current.insert(c.source, (u32::try_from(len).unwrap_or(u32::MAX), end));
                 }
-                let o = sock.send_all(addr, &outgoing).await;
-                if o.refused > 0 {
-                    debug!(builder, refused = o.refused, "datagrams not sent");
+                Err(e) => warn!(builder, source = c.source, error = %e, "a frame with no valid header is not sent"),
+            }
+            head = stamped.freeze();
+        }
+        if let Some(&(len, false)) = self.current.get(&c.source) {
+            sender.handle_frame_part(now, c.slice, len, &head);
+            sender.handle_frame_part(now, c.slice, len, &c.body);
+        }
+        if c.last {
+            if self.current.remove(&c.source).is_some_and(|(_, end)| end) {
+                sender.handle_end(now);
+            }
+            let _ = self.reports.send(LinkReport::Sent { link: builder, source: c.source, slice: c.slice });
+        }
+    }
+
+    /// A datagram from the builder: a pull request, or a NACK or acknowledgement of one
+    /// of this link's streams; anything else is counted and dropped.
+    fn on_datagram(&mut self, now: shoal_core::Instant, bytes: &[u8], from: SocketAddr) {
+        let d = match Datagram::decode(&Bytes::copy_from_slice(bytes)) {
+            Ok(d) if from == self.addr && self.senders.contains_key(&d.header.source) => d,
+            _ => {
+                self.refused += 1;
+                return;
+            }
+        };
+        self.ungreeted.remove(&d.header.source);
+        match (&d.header.kind, &self.options.requests) {
+            (Kind::Request, Some(requests)) if d.header.run == self.run && d.header.builder == self.builder => {
+                self.requests_read += 1;
+                let _ =
+                    requests.send((self.builder, PullRequestFrame { source: d.header.source, slice: d.header.slice }));
+            }
+            _ => {
+                let s = self.senders.get_mut(&d.header.source).expect("checked");
+                let before = s.stats().retransmitted;
+                s.handle_datagram(now, &d);
+                // A NACK's datagrams, sent again: the path lost them.
+                if let Some(p) = &self.options.paths {
+                    p.count_datagrams_resent(s.stats().retransmitted - before);
                 }
-                sent.datagrams += o.datagrams;
-                sent.calls += o.calls;
-                sent.refused += o.refused;
             }
         }
-        if !open && senders.values().all(DatagramSender::is_finished) {
-            break;
-        }
-        let wake =
-            senders.values().filter_map(DatagramSender::poll_timeout).chain(ungreeted.values().map(|g| g.0)).min();
-        tokio::select! {
-            c = rx.recv(), if open => match c {
-                Some(c) => {
-                    let now = clock.now();
-                    let sender = senders
-                        .entry(c.source)
-                        .or_insert_with(|| DatagramSender::new(cfg, run, c.source, builder));
-                    let mut head = c.head;
-                    if c.first {
-                        // The frame's length and kind are in its header, which the first
-                        // chunk holds whole; its send time is stamped now.
-                        let mut stamped = BytesMut::from(&head[..]);
-                        current.remove(&c.source);
-                        match frame::decode_header(&stamped, u32::MAX) {
-                            Ok(h) => {
-                                set_send_time(&mut stamped[..HEADER_LEN], now);
-                                let len = HEADER_LEN as u64 + u64::from(h.payload_len);
-                                let end = h.flags.contains(Flags::END_OF_STREAM);
-                                current.insert(c.source, (u32::try_from(len).unwrap_or(u32::MAX), end));
-                            }
-                            Err(e) => warn!(builder, source = c.source, error = %e, "a frame with no valid header is not sent"),
-                        }
-                        head = stamped.freeze();
-                    }
-                    // Each part leaves as soon as it is here: the shaper's pace is the
-                    // datagrams' pace.
-                    if let Some(&(len, false)) = current.get(&c.source) {
-                        sender.handle_frame_part(now, c.slice, len, &head);
-                        sender.handle_frame_part(now, c.slice, len, &c.body);
-                    }
-                    if c.last {
-                        if current.remove(&c.source).is_some_and(|(_, end)| end) {
-                            sender.handle_end(now);
-                        }
-                        let _ = reports.send(LinkReport::Sent { link: builder, source: c.source, slice: c.slice });
-                    }
-                }
-                None => open = false,
-            },
-            r = sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r {
-                let now = clock.now();
-                match Datagram::decode(&Bytes::copy_from_slice(&buf[..n])) {
-                    Ok(d) if from == addr && senders.contains_key(&d.header.source) => {
-                        ungreeted.remove(&d.header.source);
-                        match (&d.header.kind, &options.requests) {
-                            (Kind::Request, Some(requests)) if d.header.run == run && d.header.builder == builder => {
-                                requests_read += 1;
-                                let _ = requests.send((builder, PullRequestFrame { source: d.header.source, slice: d.header.slice }));
-                            }
-                            _ => {
-                                let s = senders.get_mut(&d.header.source).expect("checked");
-                                let before = s.stats().retransmitted;
-                                s.handle_datagram(now, &d);
-                                // A NACK's datagrams, sent again: the path lost them.
-                                if let Some(p) = &options.paths {
-                                    p.count_datagrams_resent(s.stats().retransmitted - before);
-                                }
-                            }
-                        }
-                    }
-                    _ => refused += 1,
-                }
-            },
-            _ = tokio::time::sleep_until(clock.deadline(wake.unwrap_or(shoal_core::Instant::MAX).min(clock.now() + shoal_core::Duration::from_secs(1)))) => {}
-        }
     }
-    let mut total = SenderStats::default();
-    for s in senders.values() {
-        total.merge(s.stats());
+
+    /// Every stream's totals, logged.
+    fn finish(self) -> SenderStats {
+        let mut total = SenderStats::default();
+        for s in self.senders.values() {
+            total.merge(s.stats());
+        }
+        let ends_unacknowledged = self.senders.values().filter(|s| !s.end_acknowledged()).count();
+        info!(
+            builder = self.builder,
+            frames = total.frames,
+            datagrams = total.datagrams,
+            nacks = total.nacks,
+            retransmitted = total.retransmitted,
+            unanswerable = total.unanswerable,
+            send_calls = self.sent.calls,
+            send_errors = self.sent.refused,
+            gso_segments = self.sock.max_gso_segments(),
+            refused = self.refused,
+            requests_read = self.requests_read,
+            ends_unacknowledged,
+            "UDP link finished"
+        );
+        total
     }
-    let ends_unacknowledged = senders.values().filter(|s| !s.end_acknowledged()).count();
-    info!(
-        builder,
-        frames = total.frames,
-        datagrams = total.datagrams,
-        nacks = total.nacks,
-        retransmitted = total.retransmitted,
-        unanswerable = total.unanswerable,
-        send_calls = sent.calls,
-        send_errors = sent.refused,
-        gso_segments = sock.max_gso_segments(),
-        refused,
-        requests_read,
-        ends_unacknowledged,
-        "UDP link finished"
-    );
-    total
 }
 
 /// What a builder's datagram endpoint saw.
