@@ -9,7 +9,7 @@
 //!   causality cluster trigger with optional direction scan, and event building with
 //!   snapshot windows, merged overlapping triggers, trigger bits and overlay counts (see
 //!   [`muon`]; its direction scan, over cells of directions before directions, in
-//!   [`scan`]).
+//!   [`scan`]; the track geometry both test hits with, in [`track`]).
 //! - `l1` ([`L1Multiplicity`]): local coincidences (two hits on different channels of one
 //!   source within `coincidence_ns`) and a multiplicity trigger (L1 hits on at least
 //!   `min_sources` distinct sources within `cluster_ns`); an event keeps every hit within
@@ -27,6 +27,7 @@ mod l1;
 pub mod muon;
 pub mod plugin;
 pub mod scan;
+pub mod track;
 
 pub use l1::{L1Config, L1Multiplicity};
 pub use muon::{MuonConfig, MuonFilter};

@@ -32,7 +32,7 @@
 
 use shoal_detector::physics::C_LIGHT;
 
-use crate::muon::{CliqueScratch, MuonConfig, TriggerHit, causal_along, distance, distinct_modules, prune_to_clique};
+use crate::track::{CliqueScratch, Road, TriggerHit, causal_along, distance, distinct_modules, prune_to_clique};
 
 /// Directions evaluated together.
 pub const LANES: usize = 8;
@@ -162,12 +162,12 @@ fn nearest(centres: &[[f64; 3]], d: [f64; 3]) -> usize {
 
 impl DirectionScan {
     /// The scan over `grid` (any set of unit vectors), with cells around the directions of
-    /// [`crate::muon::direction_grid`] at three, nine, ... times `step_deg` up to 90 degrees.
+    /// [`crate::track::direction_grid`] at three, nine, ... times `step_deg` up to 90 degrees.
     pub fn new(grid: &[[f64; 3]], step_deg: f64) -> Self {
         let mut coarse: Vec<Vec<[f64; 3]>> = Vec::new();
         let mut step = step_deg.clamp(0.5, 90.0) * 3.0;
         while step <= 90.0 {
-            coarse.push(crate::muon::direction_grid(step));
+            coarse.push(crate::track::direction_grid(step));
             step *= 3.0;
         }
         // Each grid direction's path: its nearest centre at every level, coarsest first;
@@ -227,7 +227,7 @@ impl DirectionScan {
     }
 
     /// Whether `members` (indices into `hits`) are confirmed by some direction of the grid.
-    pub fn confirms(&self, hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, s: &mut ScanScratch) -> bool {
+    pub fn confirms(&self, hits: &[TriggerHit], members: &[usize], cfg: &Road, s: &mut ScanScratch) -> bool {
         let Some(top) = self.levels.last() else { return false };
         let width = cfg.road_time_ns();
         let m = &mut s.members;
@@ -606,12 +606,12 @@ fn dense_counted_portable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::muon::{direction_grid, tan_cherenkov};
+    use crate::track::{DEFAULT_SCAN_STEP_DEG, direction_grid, tan_cherenkov};
     use proptest::prelude::*;
 
     /// The scan as it was: every direction of the flat grid in turn, sorted window, then
     /// the clique.
-    fn flat_scan(hits: &[TriggerHit], members: &[usize], cfg: &MuonConfig, grid: &[[f64; 3]]) -> bool {
+    fn flat_scan(hits: &[TriggerHit], members: &[usize], cfg: &Road, grid: &[[f64; 3]]) -> bool {
         let width = cfg.road_time_ns();
         let mut m = Members::default();
         for &i in members {
@@ -718,13 +718,13 @@ mod tests {
 
     #[test]
     fn a_track_is_confirmed_and_its_hits_spread_in_time_are_not() {
-        let cfg = MuonConfig { direction_scan: true, ..Default::default() };
+        let cfg = Road::default();
         let dir = {
             let (th, ph) = (0.7f64, 2.1f64);
             [th.sin() * ph.cos(), th.sin() * ph.sin(), th.cos()]
         };
-        let grid = direction_grid(cfg.scan_step_deg);
-        let scan = DirectionScan::new(&grid, cfg.scan_step_deg);
+        let grid = direction_grid(DEFAULT_SCAN_STEP_DEG);
+        let scan = DirectionScan::new(&grid, DEFAULT_SCAN_STEP_DEG);
         let mut s = ScanScratch::default();
         // A few members (the pair count) and more than it takes (the sorted window).
         for n in [8, PAIR_COUNT_MAX_MEMBERS + 40] {
@@ -854,7 +854,7 @@ mod tests {
             let u = unit(theta, phi);
             let bg: Vec<(f64, [f64; 3])> = background.iter().map(|&(t, x, y, z)| (t, [x, y, z])).collect();
             let hits = track(d, on_track, &bg, &jitter);
-            let cfg = MuonConfig { road_width_m: road, ..Default::default() };
+            let cfg = Road { road_width_m: road, ..Default::default() };
             let mut clique: Vec<usize> = (0..hits.len()).collect();
             let related = |a: usize, b: usize| causal_along(&hits[a], &hits[b], d, cfg.road_width_m, cfg.t_extra_ns);
             prune_to_clique(&mut clique, related, &mut CliqueScratch::default());
@@ -893,7 +893,7 @@ mod tests {
             let dir = [theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()];
             let bg: Vec<(f64, [f64; 3])> = background.iter().map(|&(t, x, y, z)| (t, [x, y, z])).collect();
             let hits = track(dir, on_track, &bg, &jitter);
-            let cfg = MuonConfig { direction_scan: true, min_hits, min_modules: min_hits, road_width_m: road, scan_step_deg: step, ..Default::default() };
+            let cfg = Road { min_hits, min_modules: min_hits, road_width_m: road, ..Default::default() };
             let grid = direction_grid(step);
             let scan = DirectionScan::new(&grid, step);
             let all: Vec<usize> = (0..hits.len()).collect();
@@ -916,7 +916,7 @@ mod tests {
             let dir = [theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()];
             let bg: Vec<(f64, [f64; 3])> = background.iter().map(|&(t, x, y, z)| (t, [x, y, z])).collect();
             let hits = track(dir, on_track, &bg, &jitter);
-            let cfg = MuonConfig { direction_scan: true, min_hits, min_modules: min_hits, scan_step_deg: step, ..Default::default() };
+            let cfg = Road { min_hits, min_modules: min_hits, ..Default::default() };
             let grid = direction_grid(step);
             let scan = DirectionScan::new(&grid, step);
             let all: Vec<usize> = (0..hits.len()).collect();
