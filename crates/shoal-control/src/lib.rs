@@ -188,22 +188,7 @@ async fn await_subscription(sender: &mut ChClient, listener: &mut ChClient) -> a
 }
 
 pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
-    let mut file = ClusterFile::load(&args.cluster)?;
-    if let Some(h) = args.http {
-        file.cluster.http = h;
-    }
-    if let Some(d) = args.state_dir {
-        file.cluster.state_dir = d;
-    }
-    if let Some(d) = args.dispatcher {
-        file.cluster.dispatcher = d;
-    }
-    if let Some(s) = args.seconds {
-        if !(s.is_finite() && s > 0.0) {
-            anyhow::bail!("--seconds must be positive");
-        }
-        file.cluster.seconds = s;
-    }
+    let file = cluster_file(&args)?;
     let dispatcher = file.dispatcher_addr()?;
     let state_dir = file.cluster.state_dir.clone();
     let logs = state_dir.join("logs");
@@ -227,7 +212,80 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         });
     }
 
-    let shared = Shared::new(ClusterStatus {
+    let shared = Shared::new(initial_status(&file, &state_dir));
+    let dispatcher_child = start_dispatcher(&file, &binary, &logs, &shared)?;
+    wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
+    let mut listener_client = ChClient::connect(dispatcher).await?;
+    let mut client = ChClient::connect(dispatcher).await?;
+    client.set_nickname("runcontrol").await?;
+    control::subscribe_listener(&mut listener_client).await?;
+    await_subscription(&mut client, &mut listener_client).await?;
+
+    let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
+    // One clock for the controller and its listener: the listener stamps the clock probes'
+    // answers, the controller their questions.
+    let clock = shoal_net::clock::WallClock::new();
+    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone(), clock));
+
+    let launched = launch_all(&file, &binary, &logs, &shared)?;
+    let relaunch = Relaunch {
+        file: file.clone(),
+        binary: binary.clone(),
+        logs: logs.clone(),
+        shared: shared.clone(),
+        limit: file.cluster.restarts,
+    };
+    let exits = watch_exits(launched, incoming_tx, relaunch);
+
+    let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx, clock)?;
+    controller.discover().await?;
+
+    let http_cancel = CancellationToken::new();
+    let (cmd_tx, cmd_rx) = mpsc::channel::<ClusterCommand>(1);
+    serve_ui(&file, &shared, cmd_tx, &state_dir, dispatcher, &http_cancel).await?;
+
+    let mut ok = if args.interactive {
+        follow_commands(&mut controller, cmd_rx, &interrupted).await?
+    } else {
+        run_once(&mut controller, file.cluster.seconds, &interrupted).await?
+    };
+
+    // Everyone was told OFF; give them a moment to exit, then make sure.
+    exits.finish(Duration::from_secs(10)).await;
+    listen_task.abort();
+    if let Some(d) = dispatcher_child {
+        d.cancel();
+        let _ = d.task.await;
+    }
+    http_cancel.cancel();
+    ok &= print_last_run(&shared, &state_dir, args.json)?;
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// The cluster file with the command line's overrides.
+fn cluster_file(args: &RunOptions) -> anyhow::Result<ClusterFile> {
+    let mut file = ClusterFile::load(&args.cluster)?;
+    if let Some(h) = &args.http {
+        file.cluster.http = h.clone();
+    }
+    if let Some(d) = &args.state_dir {
+        file.cluster.state_dir = d.clone();
+    }
+    if let Some(d) = &args.dispatcher {
+        file.cluster.dispatcher = d.clone();
+    }
+    if let Some(s) = args.seconds {
+        if !(s.is_finite() && s > 0.0) {
+            anyhow::bail!("--seconds must be positive");
+        }
+        file.cluster.seconds = s;
+    }
+    Ok(file)
+}
+
+/// What the UI shows before anything answers: every process of the file, state unknown.
+fn initial_status(file: &ClusterFile, state_dir: &std::path::Path) -> ClusterStatus {
+    ClusterStatus {
         cluster: file.cluster.name.clone(),
         processes: file
             .processes
@@ -250,46 +308,52 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
                 clock: None,
             })
             .collect(),
-        history: control::load_history(&state_dir, 50),
+        history: control::load_history(state_dir, 50),
         dispatcher_metrics: (file.cluster.start_dispatcher && file.cluster.dispatcher_http != "off")
             .then(|| file.cluster.dispatcher_http.clone()),
         ..Default::default()
-    });
-    let mut dispatcher_child = None;
-    if file.cluster.start_dispatcher {
-        let args = vec![
-            "dispatcher".into(),
-            "--listen".into(),
-            dispatcher.to_string(),
-            "--http".into(),
-            file.cluster.dispatcher_http.clone(),
-            "--exit-with-parent".into(),
-        ];
-        let first = spawn_logged(&binary, &args, &logs.join("dispatcher.log"), false)?;
-        dispatcher_child = Some(keep_dispatcher(
-            first,
-            binary.clone(),
-            args,
-            logs.join("dispatcher.log"),
-            file.cluster.restarts,
-            KeepWatch { shared: shared.clone(), addr: dispatcher },
-        ));
     }
-    wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
-    let mut listener_client = ChClient::connect(dispatcher).await?;
-    let mut client = ChClient::connect(dispatcher).await?;
-    client.set_nickname("runcontrol").await?;
-    control::subscribe_listener(&mut listener_client).await?;
-    await_subscription(&mut client, &mut listener_client).await?;
+}
 
-    let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
-    // One clock for the controller and its listener: the listener stamps the clock probes'
-    // answers, the controller their questions.
-    let clock = shoal_net::clock::WallClock::new();
-    let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone(), clock));
+/// The dispatcher as a child of run control, restarted if it dies, when the file asks
+/// run control to start it.
+fn start_dispatcher(
+    file: &ClusterFile,
+    binary: &std::path::Path,
+    logs: &std::path::Path,
+    shared: &std::sync::Arc<Shared>,
+) -> anyhow::Result<Option<KeptDispatcher>> {
+    if !file.cluster.start_dispatcher {
+        return Ok(None);
+    }
+    let dispatcher = file.dispatcher_addr()?;
+    let args = vec![
+        "dispatcher".into(),
+        "--listen".into(),
+        dispatcher.to_string(),
+        "--http".into(),
+        file.cluster.dispatcher_http.clone(),
+        "--exit-with-parent".into(),
+    ];
+    let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false)?;
+    Ok(Some(keep_dispatcher(
+        first,
+        binary.to_path_buf(),
+        args,
+        logs.join("dispatcher.log"),
+        file.cluster.restarts,
+        KeepWatch { shared: shared.clone(), addr: dispatcher },
+    )))
+}
 
-    // Launch, writer first (the order does not matter for correctness: nothing flows
-    // before START).
+/// Launches every process the file's launch kinds start, writer first (the order does
+/// not matter for correctness: nothing flows before START).
+fn launch_all(
+    file: &ClusterFile,
+    binary: &std::path::Path,
+    logs: &std::path::Path,
+    shared: &std::sync::Arc<Shared>,
+) -> anyhow::Result<Vec<Launched>> {
     let mut launched = Vec::new();
     let mut specs: Vec<&ProcessSpec> = file.processes.iter().collect();
     specs.sort_by_key(|p| match p.role {
@@ -299,7 +363,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         Role::Source => 3,
     });
     for spec in specs {
-        if let Some(child) = launch(spec, &file, &binary, &logs, false)? {
+        if let Some(child) = launch(spec, file, binary, logs, false)? {
             let pid = child.id();
             shared.update(|s| {
                 if let Some(p) = s.process_mut(&spec.name) {
@@ -310,106 +374,105 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         }
     }
     shared.update(|s| s.note(format!("launched {} processes; logs in {}", launched.len(), logs.display())));
-    let relaunch = Relaunch {
-        file: file.clone(),
-        binary: binary.clone(),
-        logs: logs.clone(),
-        shared: shared.clone(),
-        limit: file.cluster.restarts,
-    };
-    let exits = watch_exits(launched, incoming_tx, relaunch);
+    Ok(launched)
+}
 
-    let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx, clock)?;
-    controller.discover().await?;
-
-    let http_cancel = CancellationToken::new();
-    let (cmd_tx, mut cmd_rx) = mpsc::channel::<ClusterCommand>(1);
-    if file.cluster.http != "off" {
-        let addr: std::net::SocketAddr =
-            file.cluster.http.parse().with_context(|| format!("cluster.http {:?}", file.cluster.http))?;
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the UI port {addr}"))?;
-        let local = l.local_addr()?;
-        // Scripts (and the tests) read this line to find the UI.
-        println!("run control UI: http://{local}/");
-        tokio::spawn(http::serve(
-            l,
-            shared.clone(),
-            cmd_tx.clone(),
-            state_dir.clone(),
-            dispatcher,
-            http_cancel.clone(),
-        ));
+/// The web UI and HTTP API, unless `cluster.http = "off"`.
+async fn serve_ui(
+    file: &ClusterFile,
+    shared: &std::sync::Arc<Shared>,
+    cmd_tx: mpsc::Sender<ClusterCommand>,
+    state_dir: &std::path::Path,
+    dispatcher: std::net::SocketAddr,
+    cancel: &CancellationToken,
+) -> anyhow::Result<()> {
+    if file.cluster.http == "off" {
+        return Ok(());
     }
+    let addr: std::net::SocketAddr =
+        file.cluster.http.parse().with_context(|| format!("cluster.http {:?}", file.cluster.http))?;
+    let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the UI port {addr}"))?;
+    let local = l.local_addr()?;
+    // Scripts (and the tests) read this line to find the UI.
+    println!("run control UI: http://{local}/");
+    tokio::spawn(http::serve(l, shared.clone(), cmd_tx, state_dir.to_path_buf(), dispatcher, cancel.clone()));
+    Ok(())
+}
 
+/// `--interactive`: the UI's and API's commands, one at a time, until OFF (or Ctrl-C,
+/// which is OFF). Whether OFF went through.
+async fn follow_commands(
+    controller: &mut Controller,
+    mut cmd_rx: mpsc::Receiver<ClusterCommand>,
+    interrupted: &CancellationToken,
+) -> anyhow::Result<bool> {
+    loop {
+        let next = controller
+            .follow_until(async {
+                tokio::select! {
+                    c = cmd_rx.recv() => c,
+                    _ = interrupted.cancelled() => None,
+                }
+            })
+            .await?;
+        let command = next.unwrap_or(ClusterCommand::Off);
+        let result = controller.execute(command).await;
+        if let Err(e) = &result {
+            eprintln!("{command}: {e:#}");
+        }
+        if command == ClusterCommand::Off {
+            return Ok(result.is_ok());
+        }
+    }
+}
+
+/// One run: INIT, CONFIGURE, START, `seconds` of data taking (or Ctrl-C), OFF. Whether
+/// every command went through.
+async fn run_once(controller: &mut Controller, seconds: f64, interrupted: &CancellationToken) -> anyhow::Result<bool> {
     let mut ok = true;
-    if args.interactive {
-        loop {
-            let next = controller
-                .follow_until(async {
-                    tokio::select! {
-                        c = cmd_rx.recv() => c,
-                        _ = interrupted.cancelled() => None,
-                    }
-                })
-                .await?;
-            let command = next.unwrap_or(ClusterCommand::Off);
-            let result = controller.execute(command).await;
-            if let Err(e) = &result {
-                eprintln!("{command}: {e:#}");
-            }
-            if command == ClusterCommand::Off {
-                ok &= result.is_ok();
-                break;
-            }
-        }
-    } else {
-        for command in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
-            if let Err(e) = controller.execute(command).await {
-                eprintln!("{command}: {e:#}");
-                ok = false;
-                break;
-            }
-        }
-        if ok {
-            let seconds = file.cluster.seconds;
-            eprintln!("running for {seconds} s (Ctrl-C stops earlier)");
-            controller
-                .follow_until(async {
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}
-                        _ = interrupted.cancelled() => {}
-                    }
-                })
-                .await?;
-        }
-        if let Err(e) = controller.execute(ClusterCommand::Off).await {
-            eprintln!("OFF: {e:#}");
+    for command in [ClusterCommand::Init, ClusterCommand::Configure, ClusterCommand::Start] {
+        if let Err(e) = controller.execute(command).await {
+            eprintln!("{command}: {e:#}");
             ok = false;
+            break;
         }
     }
-
-    // Everyone was told OFF; give them a moment to exit, then make sure.
-    exits.finish(Duration::from_secs(10)).await;
-    listen_task.abort();
-    if let Some(d) = dispatcher_child {
-        d.cancel();
-        let _ = d.task.await;
+    if ok {
+        eprintln!("running for {seconds} s (Ctrl-C stops earlier)");
+        controller
+            .follow_until(async {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}
+                    _ = interrupted.cancelled() => {}
+                }
+            })
+            .await?;
     }
-    http_cancel.cancel();
+    if let Err(e) = controller.execute(ClusterCommand::Off).await {
+        eprintln!("OFF: {e:#}");
+        ok = false;
+    }
+    Ok(ok)
+}
+
+/// The last run's summary (or its JSON), and the processes left inactive. Whether its
+/// ledger balanced (true without a run).
+fn print_last_run(shared: &std::sync::Arc<Shared>, state_dir: &std::path::Path, json: bool) -> anyhow::Result<bool> {
     let status = shared.snapshot();
+    let mut balanced = true;
     if let Some(last) = status.history.first() {
-        if args.json {
+        if json {
             println!("{}", serde_json::to_string_pretty(last)?);
         } else {
-            print!("{}", brief_table(last, &state_dir));
+            print!("{}", brief_table(last, state_dir));
         }
-        ok &= last.balanced;
+        balanced = last.balanced;
     }
     let inactive: Vec<&str> = status.processes.iter().filter(|p| !p.active).map(|p| p.name.as_str()).collect();
     if !inactive.is_empty() {
         eprintln!("inactive processes: {}", inactive.join(", "));
     }
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(2) })
+    Ok(balanced)
 }
 
 /// The last run in words, like `shoal demo`'s summary.

@@ -409,6 +409,72 @@ impl World {
         let slice_len = Duration::from_nanos((sc.traffic.slice_ms * 1e6) as u64);
         let slice_clock = SliceClock::try_new(slice_len).ok_or("traffic.slice_ms is too small")?;
         let n_slices = ((sc.traffic.load_s * 1e9) as u64 / slice_len.as_nanos() as u64).max(1);
+        let pull = policy.pull();
+        let (net, source_hosts, builder_hosts, dfm_host) =
+            Self::build_network(sc, n_sources, n_builders, pull.is_some());
+        let tcp = sc.traffic.transport == "tcp";
+        let conns = if tcp { Self::tcp_connections(sc, &source_hosts, &builder_hosts) } else { Vec::new() };
+        let sources = Self::source_apps(sc, &opts, policy, slice_clock, n_slices, n_builders, &source_hosts);
+        let (builders, dfm) = Self::builder_apps(sc, n_sources, slice_clock, n_slices, pull, &builder_hosts, dfm_host);
+        let source_of_host = source_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
+        let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
+        // The runtime's default budgets.
+        let udp_cfg = UdpConfig { max_nacks: sc.traffic.udp_max_nacks, ..UdpConfig::default() };
+        Ok(World {
+            sc: sc.clone(),
+            q: EventQueue::new(),
+            net,
+            workload: CountingWorkload {
+                inner: sc.traffic.workload(n_sources, sc.seed)?,
+                bursts: RefCell::new(HashMap::new()),
+            },
+            slice_clock,
+            n_slices,
+            n_builders,
+            tcp,
+            sources,
+            builders,
+            conns,
+            builder_of_host,
+            records: vec![FragRecord::default(); (n_slices * u64::from(n_sources)) as usize],
+            next_dgram: 0,
+            udp_dgrams: HashMap::new(),
+            udp_progress: HashMap::new(),
+            udp_ip_sent: 0,
+            udp_frags_sent: 0,
+            to_pump: Vec::new(),
+            segs: Vec::new(),
+            dfm,
+            source_of_host,
+            control_packets: 0,
+            clocks: (!sc.clocks.is_zero()).then(|| sc.clocks.source_clocks(n_sources, sc.seed)),
+            wake_latency: crate::wake::WakeLatency::new(
+                n_sources,
+                sc.traffic.wake_phase_us,
+                sc.traffic.wake_jitter_us,
+                sc.traffic.wake_lag_us.clone(),
+                sc.seed,
+            ),
+            nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
+                cfg: udp_cfg,
+                senders: HashMap::new(),
+                endpoints: (0..n_builders).map(|b| (BuilderEndpoint::new(udp_cfg, 1, b, n_sources), None)).collect(),
+                zeros: Vec::new(),
+                datagrams: 0,
+            }),
+        })
+    }
+
+    /// The network of the scenario's topology: a switch per sector of boards on the
+    /// shore cable to the central switch, the builders (and pull's data-flow manager) on
+    /// the central switch. Returns the network and its source, builder and manager hosts.
+    fn build_network(
+        sc: &Scenario,
+        n_sources: u32,
+        n_builders: u32,
+        pull: bool,
+    ) -> (Network<Body>, Vec<crate::net::NodeId>, Vec<crate::net::NodeId>, Option<crate::net::NodeId>) {
+        let t = &sc.topology;
         let mut net = Network::new(sc.seed ^ 0x5eed);
         // The testbed's tbf bucket: 250 us at the rate, never below two full frames.
         let bucket = |rate: f64| {
@@ -459,9 +525,8 @@ impl World {
                 source_hosts.push(h);
             }
         }
-        let pull = policy.pull();
         // The data-flow manager's host sits on the central switch like a builder.
-        let dfm_host = pull.map(|_| {
+        let dfm_host = pull.then(|| {
             let h = net.add_host();
             net.link(
                 h,
@@ -489,6 +554,15 @@ impl World {
             );
         }
 
+        (net, source_hosts, builder_hosts, dfm_host)
+    }
+
+    /// A TCP connection from every source to every builder.
+    fn tcp_connections(
+        sc: &Scenario,
+        source_hosts: &[crate::net::NodeId],
+        builder_hosts: &[crate::net::NodeId],
+    ) -> Vec<Conn> {
         let tcp_cfg = TcpConfig {
             mss: sc.tcp.mss,
             initial_window: sc.tcp.initial_window,
@@ -500,11 +574,10 @@ impl World {
             tick: (sc.tcp.kernel_hz > 0).then(|| Duration::from_nanos(1_000_000_000 / u64::from(sc.tcp.kernel_hz))),
             ..TcpConfig::default()
         };
-        let tcp = sc.traffic.transport == "tcp";
         let mut conns = Vec::new();
-        if tcp {
-            for s in 0..n_sources {
-                for b in 0..n_builders {
+        {
+            for s in 0..source_hosts.len() as u32 {
+                for b in 0..builder_hosts.len() as u32 {
                     conns.push(Conn {
                         source: s,
                         builder: b,
@@ -521,8 +594,22 @@ impl World {
                 }
             }
         }
+        conns
+    }
+
+    /// One source node per source, each on its board's host.
+    fn source_apps(
+        sc: &Scenario,
+        opts: &RunOptions,
+        policy: Policy,
+        slice_clock: SliceClock,
+        n_slices: u64,
+        n_builders: u32,
+        source_hosts: &[crate::net::NodeId],
+    ) -> Vec<SourceApp> {
+        let n_sources = source_hosts.len() as u32;
         let tr = &sc.traffic;
-        let sources = (0..n_sources)
+        (0..n_sources)
             .map(|s| {
                 let mut c = SourceNodeConfig::new(vec![s], n_builders, policy, slice_clock);
                 c.first_slice = Some(0);
@@ -541,7 +628,20 @@ impl World {
                     queued: false,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// One builder node per builder host, and pull's data-flow manager.
+    fn builder_apps(
+        sc: &Scenario,
+        n_sources: u32,
+        slice_clock: SliceClock,
+        n_slices: u64,
+        pull: Option<shoal_core::shaping::PullConfig>,
+        builder_hosts: &[crate::net::NodeId],
+        dfm_host: Option<crate::net::NodeId>,
+    ) -> (Vec<BuilderApp>, Option<DfmApp>) {
+        let n_builders = builder_hosts.len() as u32;
         let asm_cfg = AssemblerConfig {
             n_sources,
             max_active: sc.builder.max_active,
@@ -571,53 +671,7 @@ impl World {
             }
             DfmApp { host, node, wake: None }
         });
-        let source_of_host = source_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
-        let builder_of_host = builder_hosts.iter().enumerate().map(|(i, &h)| (h, i as u32)).collect();
-        // The runtime's default budgets.
-        let udp_cfg = UdpConfig { max_nacks: sc.traffic.udp_max_nacks, ..UdpConfig::default() };
-        Ok(World {
-            sc: sc.clone(),
-            q: EventQueue::new(),
-            net,
-            workload: CountingWorkload {
-                inner: sc.traffic.workload(n_sources, sc.seed)?,
-                bursts: RefCell::new(HashMap::new()),
-            },
-            slice_clock,
-            n_slices,
-            n_builders,
-            tcp,
-            sources,
-            builders,
-            conns,
-            builder_of_host,
-            records: vec![FragRecord::default(); (n_slices * u64::from(n_sources)) as usize],
-            next_dgram: 0,
-            udp_dgrams: HashMap::new(),
-            udp_progress: HashMap::new(),
-            udp_ip_sent: 0,
-            udp_frags_sent: 0,
-            to_pump: Vec::new(),
-            segs: Vec::new(),
-            dfm,
-            source_of_host,
-            control_packets: 0,
-            clocks: (!sc.clocks.is_zero()).then(|| sc.clocks.source_clocks(n_sources, sc.seed)),
-            wake_latency: crate::wake::WakeLatency::new(
-                n_sources,
-                sc.traffic.wake_phase_us,
-                sc.traffic.wake_jitter_us,
-                sc.traffic.wake_lag_us.clone(),
-                sc.seed,
-            ),
-            nack: (!tcp && sc.traffic.udp_nack).then(|| Nack {
-                cfg: udp_cfg,
-                senders: HashMap::new(),
-                endpoints: (0..n_builders).map(|b| (BuilderEndpoint::new(udp_cfg, 1, b, n_sources), None)).collect(),
-                zeros: Vec::new(),
-                datagrams: 0,
-            }),
-        })
+        (builders, dfm)
     }
 
     fn record(&mut self, source: u32, slice: SliceNumber) -> &mut FragRecord {
@@ -1271,54 +1325,7 @@ impl World {
         let builders: BTreeMap<u32, _> = reports.iter().map(|r| (r.id, r.tally.clone())).collect();
         let ledger = Ledger::combine(&sources, &builders);
 
-        let mut net_delays: Vec<u64> = Vec::new();
-        let mut steady: Vec<u64> = Vec::new();
-        let mut steady_by_builder: Vec<Vec<u64>> = vec![Vec::new(); self.builders.len()];
-        let mut shaping: Vec<u64> = Vec::new();
-        let steady_from = shoal_core::node::steady_from(0, self.slice_clock);
-        for r in &self.records {
-            if r.sent_ns > 0 {
-                // A source whose clock is ahead sends before the slice's true end.
-                shaping.push(r.sent_ns.saturating_sub(r.ready_ns));
-                if r.arrived_ns > 0 {
-                    net_delays.push(r.arrived_ns - r.sent_ns);
-                    if r.slice >= steady_from {
-                        steady.push(r.arrived_ns - r.sent_ns);
-                        if let Some(v) = steady_by_builder.get_mut(r.builder as usize) {
-                            v.push(r.arrived_ns - r.sent_ns);
-                        }
-                    }
-                }
-            }
-        }
-        let stats = |v: &mut Vec<u64>| -> (f64, f64, f64) {
-            if v.is_empty() {
-                return (0.0, 0.0, 0.0);
-            }
-            v.sort_unstable();
-            let avg = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
-            let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
-            (avg / 1e3, p99 as f64 / 1e3, *v.last().expect("non-empty") as f64 / 1e3)
-        };
-        let (na, np, nm) = stats(&mut net_delays);
-        let (steady_avg, steady_p99, steady_max) = stats(&mut steady);
-        let steady_p99_worst_builder = steady_by_builder.iter_mut().map(|v| stats(v).1).fold(0.0, f64::max);
-        let (sa, sp, sm) = stats(&mut shaping);
-        // Per slice (a record for every source and slice): its last arrival, or None once
-        // a fragment of it never arrived.
-        let mut last_arrival: BTreeMap<SliceNumber, Option<u64>> = BTreeMap::new();
-        for r in &self.records {
-            let e = last_arrival.entry(r.slice).or_insert(Some(0));
-            *e = match (*e, r.arrived_ns) {
-                (Some(t), a) if a > 0 => Some(t.max(a)),
-                _ => None,
-            };
-        }
-        let mut slice_delays: Vec<u64> = last_arrival
-            .iter()
-            .filter_map(|(&slice, &t)| Some(t?.saturating_sub(self.slice_clock.end_of(slice).as_nanos())))
-            .collect();
-        let (slice_avg, slice_p99, _) = stats(&mut slice_delays);
+        let d = self.delays();
         let (mut segs, mut retx, mut tos, mut probes) = (0, 0, 0, 0);
         for c in &self.conns {
             segs += c.tx.stats.segments;
@@ -1328,14 +1335,7 @@ impl World {
         }
         let arrived = self.records.iter().filter(|r| r.arrived_ns > 0).count() as u64;
         let udp_lost = if self.tcp { 0 } else { self.udp_frags_sent - arrived.min(self.udp_frags_sent) };
-        let mut burst_hist = vec![0u64; self.sources.len() + 1];
-        let bursts = self.workload.bursts.borrow();
-        for slice in 0..self.n_slices {
-            burst_hist[bursts.get(&slice).copied().unwrap_or(0) as usize] += 1;
-        }
-        let n = self.sources.len() as f64;
-        let burst_mean =
-            burst_hist.iter().enumerate().map(|(k, &c)| k as f64 * c as f64).sum::<f64>() / self.n_slices as f64 / n;
+        let (burst_hist, burst_mean) = self.burst_histogram();
         let summary = SimSummary {
             name: self.sc.name.clone(),
             seed: self.sc.seed,
@@ -1351,18 +1351,18 @@ impl World {
             },
             fragments_produced: self.records.len() as u64,
             fragments_arrived: arrived,
-            network_delay_avg_us: na,
-            network_delay_steady_avg_us: steady_avg,
-            network_delay_steady_p99_us: steady_p99,
-            network_delay_steady_max_us: steady_max,
-            network_delay_steady_p99_worst_builder_us: steady_p99_worst_builder,
-            network_delay_p99_us: np,
-            network_delay_max_us: nm,
-            shaping_delay_avg_us: sa,
-            shaping_delay_p99_us: sp,
-            shaping_delay_max_us: sm,
-            slice_delay_avg_us: slice_avg,
-            slice_delay_p99_us: slice_p99,
+            network_delay_avg_us: d.net.0,
+            network_delay_steady_avg_us: d.steady.0,
+            network_delay_steady_p99_us: d.steady.1,
+            network_delay_steady_max_us: d.steady.2,
+            network_delay_steady_p99_worst_builder_us: d.steady_p99_worst_builder,
+            network_delay_p99_us: d.net.1,
+            network_delay_max_us: d.net.2,
+            shaping_delay_avg_us: d.shaping.0,
+            shaping_delay_p99_us: d.shaping.1,
+            shaping_delay_max_us: d.shaping.2,
+            slice_delay_avg_us: d.slice.0,
+            slice_delay_p99_us: d.slice.1,
             tcp_segments: segs,
             tcp_retransmitted: retx,
             tcp_retransmit_fraction: if segs > 0 { retx as f64 / segs as f64 } else { 0.0 },
@@ -1412,7 +1412,84 @@ impl World {
             events: self.q.processed(),
             wall_s,
         };
-        drop(bursts);
         SimResult { summary, records: self.records, transmits, builders: reports }
     }
+    /// The run's delays from its fragment records: network (all, and steady from the
+    /// warm-up on, also per builder), shaping, and each slice's last arrival after its end.
+    fn delays(&self) -> Delays {
+        let mut net_delays: Vec<u64> = Vec::new();
+        let mut steady: Vec<u64> = Vec::new();
+        let mut steady_by_builder: Vec<Vec<u64>> = vec![Vec::new(); self.builders.len()];
+        let mut shaping: Vec<u64> = Vec::new();
+        let steady_from = shoal_core::node::steady_from(0, self.slice_clock);
+        for r in &self.records {
+            if r.sent_ns > 0 {
+                // A source whose clock is ahead sends before the slice's true end.
+                shaping.push(r.sent_ns.saturating_sub(r.ready_ns));
+                if r.arrived_ns > 0 {
+                    net_delays.push(r.arrived_ns - r.sent_ns);
+                    if r.slice >= steady_from {
+                        steady.push(r.arrived_ns - r.sent_ns);
+                        if let Some(v) = steady_by_builder.get_mut(r.builder as usize) {
+                            v.push(r.arrived_ns - r.sent_ns);
+                        }
+                    }
+                }
+            }
+        }
+        // Per slice (a record for every source and slice): its last arrival, or None once
+        // a fragment of it never arrived.
+        let mut last_arrival: BTreeMap<SliceNumber, Option<u64>> = BTreeMap::new();
+        for r in &self.records {
+            let e = last_arrival.entry(r.slice).or_insert(Some(0));
+            *e = match (*e, r.arrived_ns) {
+                (Some(t), a) if a > 0 => Some(t.max(a)),
+                _ => None,
+            };
+        }
+        let mut slice_delays: Vec<u64> = last_arrival
+            .iter()
+            .filter_map(|(&slice, &t)| Some(t?.saturating_sub(self.slice_clock.end_of(slice).as_nanos())))
+            .collect();
+        Delays {
+            net: delay_stats(&mut net_delays),
+            steady: delay_stats(&mut steady),
+            steady_p99_worst_builder: steady_by_builder.iter_mut().map(|v| delay_stats(v).1).fold(0.0, f64::max),
+            shaping: delay_stats(&mut shaping),
+            slice: delay_stats(&mut slice_delays),
+        }
+    }
+
+    /// How many slices had k sources in a burst, for every k, and the mean fraction.
+    fn burst_histogram(&self) -> (Vec<u64>, f64) {
+        let mut burst_hist = vec![0u64; self.sources.len() + 1];
+        let bursts = self.workload.bursts.borrow();
+        for slice in 0..self.n_slices {
+            burst_hist[bursts.get(&slice).copied().unwrap_or(0) as usize] += 1;
+        }
+        let n = self.sources.len() as f64;
+        let burst_mean =
+            burst_hist.iter().enumerate().map(|(k, &c)| k as f64 * c as f64).sum::<f64>() / self.n_slices as f64 / n;
+        (burst_hist, burst_mean)
+    }
+}
+
+/// Delay statistics of a run in microseconds: (mean, p99, max).
+struct Delays {
+    net: (f64, f64, f64),
+    steady: (f64, f64, f64),
+    steady_p99_worst_builder: f64,
+    shaping: (f64, f64, f64),
+    slice: (f64, f64, f64),
+}
+
+/// (mean, p99, max) of nanosecond delays, in microseconds; sorts `v`.
+fn delay_stats(v: &mut [u64]) -> (f64, f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    v.sort_unstable();
+    let avg = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
+    let p99 = v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1];
+    (avg / 1e3, p99 as f64 / 1e3, *v.last().expect("non-empty") as f64 / 1e3)
 }

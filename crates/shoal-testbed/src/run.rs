@@ -542,97 +542,13 @@ fn run_on(
     cluster_path: &Path,
     seconds: f64,
 ) -> anyhow::Result<TestbedSummary> {
-    let ctl = plan.host(HostRole::Control).expect("the plan has a control host");
-    let at_setup = Counters::read(plan)?;
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &ctl.netns])
-        .arg(&opts.shoal)
-        .arg("run")
-        .arg(cluster_path)
-        .arg("--json")
-        // 20 to 50 processes share the machine's cores: one runtime worker each (a host
-        // of its own would have its own core) halves the time they wait for a CPU at 15 x 5
-        // (docs/validation.md). Set in the environment, it is left as it is.
-        .env("TOKIO_WORKER_THREADS", std::env::var("TOKIO_WORKER_THREADS").unwrap_or_else(|_| "1".into()))
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(opts.dir.join("run.json"))?)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running shoal run in the control namespace")?;
-    // Its log goes to run.log; the line that says data taking started is the moment the
-    // counters are read, so connection set-up and configuration are not counted as the
-    // run's (they were: 5 TCP timeouts per run at 15 x 5 came from start-up).
-    let stderr = child.stderr.take().expect("piped");
-    let mut log = std::fs::File::create(opts.dir.join("run.log"))?;
-    let (started_tx, started_rx) = std::sync::mpsc::channel();
-    let logger = std::thread::spawn(move || {
-        use std::io::{BufRead, Write};
-        let mut started_tx = Some(started_tx);
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = writeln!(log, "{line}");
-            if line.starts_with(RUNNING_MARK)
-                && let Some(tx) = started_tx.take()
-            {
-                let _ = tx.send(());
-            }
-        }
-    });
-    // No start (the run failed before it): the set-up counters are the baseline.
-    let at_start = match started_rx.recv() {
-        Ok(()) => Counters::read(plan)?,
-        Err(_) => at_setup.clone(),
-    };
-    let status = child.wait().context("waiting for shoal run")?;
-    let _ = logger.join();
-    let at_end = Counters::read(plan)?;
-    let state = opts.dir.join("state");
-    let last: u64 = std::fs::read_to_string(state.join("last_run"))
-        .ok()
-        .and_then(|t| t.trim().parse().ok())
-        .with_context(|| format!("shoal run left no run ({status}); see {}", opts.dir.join("run.log").display()))?;
-    let record_path = state.join("runs").join(format!("run{last:06}.json"));
-    let record: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(&record_path).with_context(|| format!("reading {}", record_path.display()))?,
-    )?;
+    let (at_setup, at_start, at_end, status) = run_shoal(plan, opts, cluster_path)?;
+    let record = read_record(opts, status)?;
     let ledger: shoal_net::demo::LedgerSummary = serde_json::from_value(record["ledger"].clone())?;
     let reports = record["reports"].as_array().cloned().unwrap_or_default();
-    // Pooled over the builders: all delays, the steady state, the send lag.
-    let (mut net, mut steady, mut lag) = (DelayPool::default(), DelayPool::default(), DelayPool::default());
-    let mut udp = UdpLosses::default();
-    let mut steady_pooled = PooledHistogram::default();
-    for r in reports.iter().filter(|r| r["role"] == "builder") {
-        net.add(&r["network_delay"]);
-        steady.add(&r["detail"]["network_delay_steady"]);
-        steady_pooled.add(&r["detail"]["network_delay_steady_counts"]);
-        lag.add(&r["detail"]["shaping_delay"]);
-        let streams = &r["detail"]["udp"]["streams"];
-        udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
-        udp.recovered += streams["recovered_datagrams"].as_u64().unwrap_or(0);
-        udp.lost += streams["lost_datagrams"].as_u64().unwrap_or(0);
-    }
-    let (mut lag_count, mut lag_sum_ns) = (0u64, 0u64);
-    let mut lag_us: Option<shoal_core::loghist::LogHistogram> = None;
-    for r in reports.iter().filter(|r| r["role"] == "source") {
-        lag_count += r["detail"]["slice_end_lag_count"].as_u64().unwrap_or(0);
-        lag_sum_ns += r["detail"]["slice_end_lag_sum_ns"].as_u64().unwrap_or(0);
-        if let Ok(h) =
-            serde_json::from_value::<shoal_core::loghist::LogHistogram>(r["detail"]["slice_end_lag_us"].clone())
-        {
-            lag_us.get_or_insert_with(Default::default).merge(&h);
-        }
-    }
-    let mut cpu_wait = CpuWait::default();
-    for r in &reports {
-        let Ok(Some(cpu)) = serde_json::from_value::<Option<shoal_net::schedstat::CpuUse>>(r["cpu"].clone()) else {
-            continue;
-        };
-        cpu_wait.processes += 1;
-        cpu_wait.total_s += cpu.wait_s;
-        if cpu.wait_fraction() >= cpu_wait.worst_fraction {
-            cpu_wait.worst_fraction = cpu.wait_fraction();
-            cpu_wait.worst_process = r["name"].as_str().unwrap_or_default().to_string();
-        }
-    }
+    let BuilderPools { net, steady, lag, udp, steady_pooled } = BuilderPools::of(&reports);
+    let (lag_count, lag_sum_ns, lag_us) = source_wake_lag(&reports);
+    let cpu_wait = CpuWait::of(&reports);
     let tcp = at_end.tcp.since(&at_start.tcp);
     let setup_tcp = at_start.tcp.since(&at_setup.tcp);
     let udp_hosts = at_end.udp.since(&at_start.udp);
@@ -706,6 +622,139 @@ fn run_on(
         verdict: Verdict::judge(slices_complete, slices_incomplete, steady.p99_us, tcp.timeouts),
         dir: opts.dir.clone(),
     })
+}
+
+/// Runs `shoal run` on the cluster file in the control namespace, its log to run.log;
+/// the counters at set-up, when data taking started (read the moment the log says so),
+/// and at the end, and how it exited.
+fn run_shoal(
+    plan: &Plan,
+    opts: &TestbedOptions,
+    cluster_path: &Path,
+) -> anyhow::Result<(Counters, Counters, Counters, std::process::ExitStatus)> {
+    let ctl = plan.host(HostRole::Control).expect("the plan has a control host");
+    let at_setup = Counters::read(plan)?;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ctl.netns])
+        .arg(&opts.shoal)
+        .arg("run")
+        .arg(cluster_path)
+        .arg("--json")
+        // 20 to 50 processes share the machine's cores: one runtime worker each (a host
+        // of its own would have its own core) halves the time they wait for a CPU at 15 x 5
+        // (docs/validation.md). Set in the environment, it is left as it is.
+        .env("TOKIO_WORKER_THREADS", std::env::var("TOKIO_WORKER_THREADS").unwrap_or_else(|_| "1".into()))
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(opts.dir.join("run.json"))?)
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running shoal run in the control namespace")?;
+    // Its log goes to run.log; the line that says data taking started is the moment the
+    // counters are read, so connection set-up and configuration are not counted as the
+    // run's (they were: 5 TCP timeouts per run at 15 x 5 came from start-up).
+    let stderr = child.stderr.take().expect("piped");
+    let mut log = std::fs::File::create(opts.dir.join("run.log"))?;
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let logger = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let mut started_tx = Some(started_tx);
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = writeln!(log, "{line}");
+            if line.starts_with(RUNNING_MARK)
+                && let Some(tx) = started_tx.take()
+            {
+                let _ = tx.send(());
+            }
+        }
+    });
+    // No start (the run failed before it): the set-up counters are the baseline.
+    let at_start = match started_rx.recv() {
+        Ok(()) => Counters::read(plan)?,
+        Err(_) => at_setup.clone(),
+    };
+    let status = child.wait().context("waiting for shoal run")?;
+    let _ = logger.join();
+    let at_end = Counters::read(plan)?;
+    Ok((at_setup, at_start, at_end, status))
+}
+
+/// The record of the run `shoal run` left in the testbed's state directory.
+fn read_record(opts: &TestbedOptions, status: std::process::ExitStatus) -> anyhow::Result<serde_json::Value> {
+    let state = opts.dir.join("state");
+    let last: u64 = std::fs::read_to_string(state.join("last_run"))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .with_context(|| format!("shoal run left no run ({status}); see {}", opts.dir.join("run.log").display()))?;
+    let record_path = state.join("runs").join(format!("run{last:06}.json"));
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(&record_path).with_context(|| format!("reading {}", record_path.display()))?,
+    )?;
+    Ok(record)
+}
+
+/// Pooled over the builders' reports: all delays, the steady state, the send lag, the
+/// datagram streams' losses.
+struct BuilderPools {
+    net: DelayPool,
+    steady: DelayPool,
+    lag: DelayPool,
+    udp: UdpLosses,
+    steady_pooled: PooledHistogram,
+}
+
+impl BuilderPools {
+    fn of(reports: &[serde_json::Value]) -> Self {
+        // Pooled over the builders: all delays, the steady state, the send lag.
+        let (mut net, mut steady, mut lag) = (DelayPool::default(), DelayPool::default(), DelayPool::default());
+        let mut udp = UdpLosses::default();
+        let mut steady_pooled = PooledHistogram::default();
+        for r in reports.iter().filter(|r| r["role"] == "builder") {
+            net.add(&r["network_delay"]);
+            steady.add(&r["detail"]["network_delay_steady"]);
+            steady_pooled.add(&r["detail"]["network_delay_steady_counts"]);
+            lag.add(&r["detail"]["shaping_delay"]);
+            let streams = &r["detail"]["udp"]["streams"];
+            udp.datagrams += streams["datagrams"].as_u64().unwrap_or(0);
+            udp.recovered += streams["recovered_datagrams"].as_u64().unwrap_or(0);
+            udp.lost += streams["lost_datagrams"].as_u64().unwrap_or(0);
+        }
+        Self { net, steady, lag, udp, steady_pooled }
+    }
+}
+
+/// The sources' lateness at slice ends: count, sum (ns), and the pooled histogram (us).
+fn source_wake_lag(reports: &[serde_json::Value]) -> (u64, u64, Option<shoal_core::loghist::LogHistogram>) {
+    let (mut lag_count, mut lag_sum_ns) = (0u64, 0u64);
+    let mut lag_us: Option<shoal_core::loghist::LogHistogram> = None;
+    for r in reports.iter().filter(|r| r["role"] == "source") {
+        lag_count += r["detail"]["slice_end_lag_count"].as_u64().unwrap_or(0);
+        lag_sum_ns += r["detail"]["slice_end_lag_sum_ns"].as_u64().unwrap_or(0);
+        if let Ok(h) =
+            serde_json::from_value::<shoal_core::loghist::LogHistogram>(r["detail"]["slice_end_lag_us"].clone())
+        {
+            lag_us.get_or_insert_with(Default::default).merge(&h);
+        }
+    }
+    (lag_count, lag_sum_ns, lag_us)
+}
+
+impl CpuWait {
+    /// How long the run's processes waited for a CPU, and the one that waited most.
+    fn of(reports: &[serde_json::Value]) -> Self {
+        let mut cpu_wait = CpuWait::default();
+        for r in reports {
+            let Ok(Some(cpu)) = serde_json::from_value::<Option<shoal_net::schedstat::CpuUse>>(r["cpu"].clone()) else {
+                continue;
+            };
+            cpu_wait.processes += 1;
+            cpu_wait.total_s += cpu.wait_s;
+            if cpu.wait_fraction() >= cpu_wait.worst_fraction {
+                cpu_wait.worst_fraction = cpu.wait_fraction();
+                cpu_wait.worst_process = r["name"].as_str().unwrap_or_default().to_string();
+            }
+        }
+        cpu_wait
+    }
 }
 
 #[cfg(test)]

@@ -190,189 +190,202 @@ pub fn command(args: ReplayArgs) -> anyhow::Result<ExitCode> {
         groups.entry(r.group).or_default().push(r);
     }
     match kind {
-        1 => {
-            let n_sources = map.index.len() as u32;
-            // The builder node, as a builder process runs it; the driver here is a loop.
-            let mut node: BuilderNode<FragmentData> = BuilderNode::new(BuilderNodeConfig {
-                id: 0,
-                assembler: AssemblerConfig {
-                    n_sources,
-                    max_active: 2,
-                    wall_timeout: Duration::from_secs(3600),
-                    memory_budget: 1 << 34,
-                },
-                slice_clock: SliceClock::new(Duration::from_nanos(slice_ns)),
-            });
-            let mut writer = match &args.out {
-                Some(dir) => {
-                    std::fs::create_dir_all(dir)?;
-                    Some(shoal_store::EventFileWriter::create(dir.join("replay.events.parquet"), 0)?)
-                }
-                None => None,
-            };
-            let mut report = SliceReport {
-                slices: 0,
-                complete: 0,
-                doms: map.index.len(),
-                doms_not_in_detx: map.unknown.len(),
-                hits: 0,
-                l1_hits: 0,
-                l1_fraction: 0.0,
-                trigger_hits: 0,
-                clusters: 0,
-                events: 0,
-                event_hits: 0,
-                vetoed_module_slices: 0,
-                events_file: None,
-            };
-            let now = Instant::ZERO;
-            let mut process = |node: &mut BuilderNode<FragmentData>, report: &mut SliceReport| -> anyhow::Result<()> {
-                while let Some(o) = node.poll_slice() {
-                    report.slices += 1;
-                    report.complete += u64::from(o.is_complete());
-                    let (slice, bytes) = (o.slice, o.bytes);
-                    let data = SliceData {
-                        slice,
-                        slice_start_ns: slice * slice_ns,
-                        slice_ns,
-                        fragments: o.into_filter_input(),
-                    };
-                    let events = filter.process_slice(&data);
-                    report.events += events.len() as u64;
-                    report.event_hits += events.iter().map(|e| e.hits.len() as u64).sum::<u64>();
-                    if let Some(w) = writer.as_mut() {
-                        w.write_slice(0, slice, data.slice_start_ns, &events)?;
-                    }
-                    node.handle_released(bytes);
-                }
-                Ok(())
-            };
-            for (group, recs) in &groups {
-                let slice = u64::from(*group);
-                let by_source = fragments(recs, &map);
-                for source in 0..n_sources {
-                    let hits = by_source.get(&source).map(Vec::as_slice).unwrap_or(&[]);
-                    report.hits += hits.len() as u64;
-                    // Through the wire format, as a builder receives it.
-                    let body = payload(hits);
-                    let header = FrameHeader {
-                        flags: Flags::default(),
-                        source,
-                        hit_count: hits.len() as u32,
-                        slice,
-                        slice_start: Instant::from_nanos(slice * slice_ns),
-                        send_time: Instant::ZERO,
-                        payload_len: body.len() as u32,
-                    };
-                    let wire = frame::encode(&header, &body);
-                    let (f, _) = frame::decode(&wire, u32::MAX >> 1).context("re-decoding a frame")?;
-                    let data = FragmentData {
-                        source,
-                        flags: f.header.flags.bits(),
-                        hit_count: f.header.hit_count,
-                        payload: f.payload,
-                    };
-                    node.handle_frame(now, &f.header, data);
-                }
-                process(&mut node, &mut report)?;
-            }
-            node.handle_drain(now);
-            process(&mut node, &mut report)?;
-            if let Some(w) = writer {
-                let path = w.path().to_path_buf();
-                w.close()?;
-                report.events_file = Some(path.display().to_string());
-            }
-            report.l1_hits = filter.stats.l1_hits;
-            report.l1_fraction = report.l1_hits as f64 / report.hits.max(1) as f64;
-            report.trigger_hits = filter.stats.trigger_hits;
-            report.clusters = filter.stats.clusters;
-            report.vetoed_module_slices = filter.stats.vetoed_modules;
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                println!(
-                    "replayed {} slices ({} complete) of {} DOMs ({} not in the detx): {} hits, {} L1 ({:.1}%), {} clusters, {} events ({} hits)",
-                    report.slices,
-                    report.complete,
-                    report.doms,
-                    report.doms_not_in_detx,
-                    report.hits,
-                    report.l1_hits,
-                    100.0 * report.l1_fraction,
-                    report.clusters,
-                    report.events,
-                    report.event_hits
-                );
-            }
-        }
-        2 => {
-            let mut r = FlagReport {
-                events: 0,
-                events_triggered: 0,
-                snapshot_hits: 0,
-                stored_triggered: 0,
-                our_triggered: 0,
-                both: 0,
-                only_ours: 0,
-                only_stored: 0,
-                recall: 0.0,
-                precision: 0.0,
-                doms_not_in_detx: map.unknown.len(),
-            };
-            for (group, recs) in &groups {
-                let by_source = fragments(recs, &map);
-                let stored: std::collections::HashSet<(u32, u8, u32)> = by_source
-                    .iter()
-                    .flat_map(|(s, v)| v.iter().filter(|(_, f)| *f).map(move |(h, _)| (*s, h.channel, h.time_ns)))
-                    .collect();
-                let data = SliceData {
-                    slice: u64::from(*group),
-                    slice_start_ns: 0,
-                    slice_ns,
-                    fragments: by_source
-                        .iter()
-                        .map(|(s, v)| FragmentData {
-                            source: *s,
-                            flags: 0,
-                            hit_count: v.len() as u32,
-                            payload: payload(v),
-                        })
-                        .collect(),
-                };
-                let events = filter.process_slice(&data);
-                let ours: std::collections::HashSet<(u32, u8, u32)> = events
-                    .iter()
-                    .flat_map(|e| e.hits.iter().filter(|h| h.triggered).map(|h| (h.source, h.channel, h.time_ns)))
-                    .collect();
-                r.events += 1;
-                r.events_triggered += u64::from(!events.is_empty());
-                r.snapshot_hits += recs.len() as u64;
-                r.stored_triggered += stored.len() as u64;
-                r.our_triggered += ours.len() as u64;
-                let both = ours.intersection(&stored).count() as u64;
-                r.both += both;
-                r.only_ours += ours.len() as u64 - both;
-                r.only_stored += stored.len() as u64 - both;
-            }
-            r.recall = r.both as f64 / r.stored_triggered.max(1) as f64;
-            r.precision = r.both as f64 / r.our_triggered.max(1) as f64;
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
-            } else {
-                println!(
-                    "{} events: our trigger fired in {}; triggered hits: stored {}, ours {}, both {} (recall {:.1}%, precision {:.1}%)",
-                    r.events,
-                    r.events_triggered,
-                    r.stored_triggered,
-                    r.our_triggered,
-                    r.both,
-                    100.0 * r.recall,
-                    100.0 * r.precision
-                );
-            }
-        }
+        1 => replay_slices(&args, &map, &mut filter, &groups, slice_ns)?,
+        2 => compare_flags(&args, &map, &mut filter, &groups, slice_ns)?,
         other => bail!("hit table kind {other} (1: time slices, 2: events)"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Time slices (table kind 1): every DOM's hits of a slice through the wire format into a
+/// builder node, each built slice through the filter, its events to a file if asked.
+fn replay_slices(
+    args: &ReplayArgs,
+    map: &DomMap,
+    filter: &mut MuonFilter,
+    groups: &BTreeMap<u32, Vec<Record>>,
+    slice_ns: u64,
+) -> anyhow::Result<()> {
+    let n_sources = map.index.len() as u32;
+    // The builder node, as a builder process runs it; the driver here is a loop.
+    let mut node: BuilderNode<FragmentData> = BuilderNode::new(BuilderNodeConfig {
+        id: 0,
+        assembler: AssemblerConfig {
+            n_sources,
+            max_active: 2,
+            wall_timeout: Duration::from_secs(3600),
+            memory_budget: 1 << 34,
+        },
+        slice_clock: SliceClock::new(Duration::from_nanos(slice_ns)),
+    });
+    let mut writer = match &args.out {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            Some(shoal_store::EventFileWriter::create(dir.join("replay.events.parquet"), 0)?)
+        }
+        None => None,
+    };
+    let mut report = SliceReport {
+        slices: 0,
+        complete: 0,
+        doms: map.index.len(),
+        doms_not_in_detx: map.unknown.len(),
+        hits: 0,
+        l1_hits: 0,
+        l1_fraction: 0.0,
+        trigger_hits: 0,
+        clusters: 0,
+        events: 0,
+        event_hits: 0,
+        vetoed_module_slices: 0,
+        events_file: None,
+    };
+    let now = Instant::ZERO;
+    let mut process = |node: &mut BuilderNode<FragmentData>, report: &mut SliceReport| -> anyhow::Result<()> {
+        while let Some(o) = node.poll_slice() {
+            report.slices += 1;
+            report.complete += u64::from(o.is_complete());
+            let (slice, bytes) = (o.slice, o.bytes);
+            let data =
+                SliceData { slice, slice_start_ns: slice * slice_ns, slice_ns, fragments: o.into_filter_input() };
+            let events = filter.process_slice(&data);
+            report.events += events.len() as u64;
+            report.event_hits += events.iter().map(|e| e.hits.len() as u64).sum::<u64>();
+            if let Some(w) = writer.as_mut() {
+                w.write_slice(0, slice, data.slice_start_ns, &events)?;
+            }
+            node.handle_released(bytes);
+        }
+        Ok(())
+    };
+    for (group, recs) in groups {
+        let slice = u64::from(*group);
+        let by_source = fragments(recs, map);
+        for source in 0..n_sources {
+            let hits = by_source.get(&source).map(Vec::as_slice).unwrap_or(&[]);
+            report.hits += hits.len() as u64;
+            // Through the wire format, as a builder receives it.
+            let body = payload(hits);
+            let header = FrameHeader {
+                flags: Flags::default(),
+                source,
+                hit_count: hits.len() as u32,
+                slice,
+                slice_start: Instant::from_nanos(slice * slice_ns),
+                send_time: Instant::ZERO,
+                payload_len: body.len() as u32,
+            };
+            let wire = frame::encode(&header, &body);
+            let (f, _) = frame::decode(&wire, u32::MAX >> 1).context("re-decoding a frame")?;
+            let data = FragmentData {
+                source,
+                flags: f.header.flags.bits(),
+                hit_count: f.header.hit_count,
+                payload: f.payload,
+            };
+            node.handle_frame(now, &f.header, data);
+        }
+        process(&mut node, &mut report)?;
+    }
+    node.handle_drain(now);
+    process(&mut node, &mut report)?;
+    if let Some(w) = writer {
+        let path = w.path().to_path_buf();
+        w.close()?;
+        report.events_file = Some(path.display().to_string());
+    }
+    report.l1_hits = filter.stats.l1_hits;
+    report.l1_fraction = report.l1_hits as f64 / report.hits.max(1) as f64;
+    report.trigger_hits = filter.stats.trigger_hits;
+    report.clusters = filter.stats.clusters;
+    report.vetoed_module_slices = filter.stats.vetoed_modules;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "replayed {} slices ({} complete) of {} DOMs ({} not in the detx): {} hits, {} L1 ({:.1}%), {} clusters, {} events ({} hits)",
+            report.slices,
+            report.complete,
+            report.doms,
+            report.doms_not_in_detx,
+            report.hits,
+            report.l1_hits,
+            100.0 * report.l1_fraction,
+            report.clusters,
+            report.events,
+            report.event_hits
+        );
+    }
+    Ok(())
+}
+
+/// Events (table kind 2): each event's snapshot hits through the filter, our triggered
+/// hits compared with the ones KM3NeT's trigger flagged.
+fn compare_flags(
+    args: &ReplayArgs,
+    map: &DomMap,
+    filter: &mut MuonFilter,
+    groups: &BTreeMap<u32, Vec<Record>>,
+    slice_ns: u64,
+) -> anyhow::Result<()> {
+    let mut r = FlagReport {
+        events: 0,
+        events_triggered: 0,
+        snapshot_hits: 0,
+        stored_triggered: 0,
+        our_triggered: 0,
+        both: 0,
+        only_ours: 0,
+        only_stored: 0,
+        recall: 0.0,
+        precision: 0.0,
+        doms_not_in_detx: map.unknown.len(),
+    };
+    for (group, recs) in groups {
+        let by_source = fragments(recs, map);
+        let stored: std::collections::HashSet<(u32, u8, u32)> = by_source
+            .iter()
+            .flat_map(|(s, v)| v.iter().filter(|(_, f)| *f).map(move |(h, _)| (*s, h.channel, h.time_ns)))
+            .collect();
+        let data = SliceData {
+            slice: u64::from(*group),
+            slice_start_ns: 0,
+            slice_ns,
+            fragments: by_source
+                .iter()
+                .map(|(s, v)| FragmentData { source: *s, flags: 0, hit_count: v.len() as u32, payload: payload(v) })
+                .collect(),
+        };
+        let events = filter.process_slice(&data);
+        let ours: std::collections::HashSet<(u32, u8, u32)> = events
+            .iter()
+            .flat_map(|e| e.hits.iter().filter(|h| h.triggered).map(|h| (h.source, h.channel, h.time_ns)))
+            .collect();
+        r.events += 1;
+        r.events_triggered += u64::from(!events.is_empty());
+        r.snapshot_hits += recs.len() as u64;
+        r.stored_triggered += stored.len() as u64;
+        r.our_triggered += ours.len() as u64;
+        let both = ours.intersection(&stored).count() as u64;
+        r.both += both;
+        r.only_ours += ours.len() as u64 - both;
+        r.only_stored += stored.len() as u64 - both;
+    }
+    r.recall = r.both as f64 / r.stored_triggered.max(1) as f64;
+    r.precision = r.both as f64 / r.our_triggered.max(1) as f64;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "{} events: our trigger fired in {}; triggered hits: stored {}, ours {}, both {} (recall {:.1}%, precision {:.1}%)",
+            r.events,
+            r.events_triggered,
+            r.stored_triggered,
+            r.our_triggered,
+            r.both,
+            100.0 * r.recall,
+            100.0 * r.precision
+        );
+    }
+    Ok(())
 }

@@ -60,9 +60,19 @@ fn raw(s: &RunSummary) -> String {
 
 pub fn table(s: &RunSummary) -> String {
     let mut o = String::new();
+    let _ = writeln!(o, "shoal demo summary");
+    for (k, v) in rows(s) {
+        let _ = writeln!(o, "  {k:<15} {v}");
+    }
+    warnings(s, &mut o);
+    o
+}
+
+/// The summary's rows: what the run was, what it delivered, where every fragment went.
+fn rows(s: &RunSummary) -> Vec<(&'static str, String)> {
     let total = s.slices_complete + s.slices_incomplete;
     let pct = if total > 0 { 100.0 * s.slices_complete as f64 / total as f64 } else { 0.0 };
-    let rows: Vec<(&str, String)> = vec![
+    vec![
         (
             "run",
             format!(
@@ -159,11 +169,11 @@ pub fn table(s: &RunSummary) -> String {
             ),
         ),
         ("summary", s.summary_path.display().to_string()),
-    ];
-    let _ = writeln!(o, "shoal demo summary");
-    for (k, v) in rows {
-        let _ = writeln!(o, "  {k:<15} {v}");
-    }
+    ]
+}
+
+/// Alerts answered, warnings and hints under the rows: what went wrong and what to try.
+fn warnings(s: &RunSummary, o: &mut String) {
     for a in &s.writer.alerts {
         let _ = writeln!(o, "  {:<15} {}", "alert", a.describe());
     }
@@ -216,10 +226,9 @@ pub fn table(s: &RunSummary) -> String {
             o,
             "  hint: the sources computed their hits during the run, on the cores that also move, assemble and \
              filter them; `[source] replay_pool = 16` replays slices computed once (docs/benchmarks.md, \
-             \"The generator draws in time order\")"
+             \"Full shape\")"
         );
     }
-    o
 }
 
 /// Slices the builders processed at their wall-clock guard, in words: the sources they

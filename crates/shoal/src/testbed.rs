@@ -104,7 +104,7 @@ pub struct ValidateArgs {
     /// The jitter's shape: `exponential` of the record's mean lag, or `measured`, drawn
     /// from the distribution of the record's source wake-up lags where the record has one
     /// (and no phase or jitter is asked). Exponential by default: measured against the
-    /// same testbed runs it agreed less (docs/validation.md, "Counted a third time").
+    /// same testbed runs it agreed less (docs/bench/validation-history.md, "Counted a third time").
     #[arg(long, value_enum, default_value_t = WakeLagModel::Exponential)]
     pub wake_lag: WakeLagModel,
     /// Random packet loss on every switch port toward a host, in percent: an nft rule on
@@ -470,7 +470,37 @@ fn hosts_model(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> Sc
 
 pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     let mut sc = load(&args.scenario)?;
-    let bed = match &args.testbed_record {
+    let bed = testbed_run(&args, &mut sc)?;
+    let same = same_network(&sc, &bed);
+    // Before the wake-up model: the scenario as written (hardware boards in lockstep unless
+    // it sets traffic.wake_*, NewReno unless it sets tcp.rack_tlp). After: the testbed's
+    // software hosts, waking as late as its sources measured, with Linux's loss recovery.
+    let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
+    let hosts = hosts_with_cpu(&same, &args, &bed)?;
+    let sim = shoal_sim::sim::run(&hosts).map_err(anyhow::Error::msg)?.summary;
+    let v = Validation { sc, bed, same, hosts, sim, lockstep };
+    if args.json {
+        print_validation_json(&v, &args)?;
+    } else {
+        print_validation(&v);
+    }
+    Ok(if v.bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
+}
+
+/// One validation: the scenario, the testbed's run, the simulator's network like it, and
+/// the simulator's runs with and without the hosts' wake-up model.
+struct Validation {
+    sc: Scenario,
+    bed: TestbedSummary,
+    same: Scenario,
+    hosts: Scenario,
+    sim: SimSummary,
+    lockstep: SimSummary,
+}
+
+/// The testbed's run: the record given, or a run now (whose length the scenario takes).
+fn testbed_run(args: &ValidateArgs, sc: &mut Scenario) -> anyhow::Result<TestbedSummary> {
+    Ok(match &args.testbed_record {
         Some(path) => {
             let bed = read_record(path)?;
             if bed.name != sc.name {
@@ -487,16 +517,19 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             if let Some(s) = args.seconds {
                 sc.traffic.load_s = s;
             }
-            shoal_testbed::run::run(&sc, &opts)?
+            shoal_testbed::run::run(sc, &opts)?
         }
-    };
-    // The testbed delays the shore links (a delay line in each sector switch) and no
-    // other link: the boards' and builders' microsecond or so is below what a delay line
-    // resolves. The simulator gets the same network: the delay asked for plus how late the
-    // lines let packets go (their median, some 30 us).
+    })
+}
+
+/// The scenario as the testbed ran it: the testbed delays the shore links (a delay line in
+/// each sector switch) and no other link: the boards' and builders' microsecond or so is
+/// below what a delay line resolves. The simulator gets the same network: the delay asked
+/// for plus how late the lines let packets go (their median, some 30 us).
+fn same_network(sc: &Scenario, bed: &TestbedSummary) -> Scenario {
     let mut same = sc.clone();
     same.topology.board_delay_us = 0.0;
-    same.topology.shore_delay_us = emulated_shore_delay_us(&bed);
+    same.topology.shore_delay_us = emulated_shore_delay_us(bed);
     same.topology.builder_delay_us = 0.0;
     same.topology.host_port_loss_ppm = bed.loss_ppm;
     if same.clocks.correct {
@@ -508,11 +541,13 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
     if bed.congestion == Congestion::Cubic {
         eprintln!("note: the simulator models NewReno; the testbed runs cubic");
     }
-    // Before the wake-up model: the scenario as written (hardware boards in lockstep unless
-    // it sets traffic.wake_*, NewReno unless it sets tcp.rack_tlp). After: the testbed's
-    // software hosts, waking as late as its sources measured, with Linux's loss recovery.
-    let lockstep = shoal_sim::sim::run(&same).map_err(anyhow::Error::msg)?.summary;
-    let mut hosts = hosts_model(&same, &args, &bed);
+    same
+}
+
+/// The hosts' model of the simulator, with a CPU charge per packet measured from this
+/// run when `--cpu-per-run`.
+fn hosts_with_cpu(same: &Scenario, args: &ValidateArgs, bed: &TestbedSummary) -> anyhow::Result<Scenario> {
+    let mut hosts = hosts_model(same, args, bed);
     if args.cpu_per_run {
         let cores = match args.cpu_cores {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
@@ -524,45 +559,52 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         uncharged.topology.cpu_wake_us = 0.0;
         let packets = shoal_sim::sim::run(&uncharged).map_err(anyhow::Error::msg)?.summary.packet_arrivals;
         hosts.topology.cpu_cores = cores;
-        hosts.topology.cpu_packet_us = per_run_packet_cost_us(&bed, cores, packets)?;
+        hosts.topology.cpu_packet_us = per_run_packet_cost_us(bed, cores, packets)?;
     }
-    let sim = shoal_sim::sim::run(&hosts).map_err(anyhow::Error::msg)?.summary;
-    let sim_verdict = Verdict::of_simulation(&sim);
-    let lockstep_verdict = Verdict::of_simulation(&lockstep);
-    let rows = comparison(&sim, &bed);
-    let before = comparison(&lockstep, &bed);
+    Ok(hosts)
+}
+
+fn print_validation_json(v: &Validation, args: &ValidateArgs) -> anyhow::Result<()> {
+    let Validation { sc, bed, same, hosts, sim, lockstep } = v;
+    let (rows, before) = (comparison(sim, bed), comparison(lockstep, bed));
+    let (sim_verdict, lockstep_verdict) = (Verdict::of_simulation(sim), Verdict::of_simulation(lockstep));
     let verdicts_agree = sim_verdict == bed.verdict;
-    if args.json {
-        let rows: Vec<_> = rows
-            .iter()
-            .zip(&before)
-            .map(|(&(metric, s, b, tolerance, floor), &(_, l, _, _, _))| {
-                serde_json::json!({"metric": metric, "simulator": s, "simulator_lockstep": l, "testbed": b,
-                    "agree": agree(s, b, tolerance, floor), "agree_lockstep": agree(l, b, tolerance, floor)})
-            })
-            .collect();
-        let out = serde_json::json!({
-            "scenario": sc.name,
-            "congestion": bed.congestion.name(),
-            "testbed_record": args.testbed_record,
-            "simulated_shore_delay_us": same.topology.shore_delay_us,
-            "tcp_model": clap::ValueEnum::to_possible_value(&args.tcp_model).map(|v| v.get_name().to_owned()),
-            "wake_phase_us": hosts.traffic.wake_phase_us,
-            "wake_jitter_us": hosts.traffic.wake_jitter_us,
-            "wake_lag": if hosts.traffic.wake_lag_us.is_some() { "measured" } else { "exponential" },
-            "cpu_cores": hosts.topology.cpu_cores,
-            "cpu_packet_us": hosts.topology.cpu_packet_us,
-            "simulator": sim,
-            "simulator_verdict": sim_verdict,
-            "simulator_lockstep": lockstep,
-            "simulator_lockstep_verdict": lockstep_verdict,
-            "testbed": bed,
-            "rows": rows,
-            "verdicts_agree": verdicts_agree,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) });
-    }
+    let rows: Vec<_> = rows
+        .iter()
+        .zip(&before)
+        .map(|(&(metric, s, b, tolerance, floor), &(_, l, _, _, _))| {
+            serde_json::json!({"metric": metric, "simulator": s, "simulator_lockstep": l, "testbed": b,
+                "agree": agree(s, b, tolerance, floor), "agree_lockstep": agree(l, b, tolerance, floor)})
+        })
+        .collect();
+    let out = serde_json::json!({
+        "scenario": sc.name,
+        "congestion": bed.congestion.name(),
+        "testbed_record": args.testbed_record,
+        "simulated_shore_delay_us": same.topology.shore_delay_us,
+        "tcp_model": clap::ValueEnum::to_possible_value(&args.tcp_model).map(|v| v.get_name().to_owned()),
+        "wake_phase_us": hosts.traffic.wake_phase_us,
+        "wake_jitter_us": hosts.traffic.wake_jitter_us,
+        "wake_lag": if hosts.traffic.wake_lag_us.is_some() { "measured" } else { "exponential" },
+        "cpu_cores": hosts.topology.cpu_cores,
+        "cpu_packet_us": hosts.topology.cpu_packet_us,
+        "simulator": sim,
+        "simulator_verdict": sim_verdict,
+        "simulator_lockstep": lockstep,
+        "simulator_lockstep_verdict": lockstep_verdict,
+        "testbed": bed,
+        "rows": rows,
+        "verdicts_agree": verdicts_agree,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+fn print_validation(v: &Validation) {
+    let Validation { sc, bed, hosts, sim, lockstep, .. } = v;
+    let (rows, before) = (comparison(sim, bed), comparison(lockstep, bed));
+    let (sim_verdict, lockstep_verdict) = (Verdict::of_simulation(sim), Verdict::of_simulation(lockstep));
+    let verdicts_agree = sim_verdict == bed.verdict;
     println!(
         "{} ({} x {}, {}, {}): simulator versus testbed",
         sc.name,
@@ -604,7 +646,7 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
         bed.host_queue_drops,
         bed.drops_by_port
     );
-    println!("testbed shore delay: {}", delay_lines(&bed));
+    println!("testbed shore delay: {}", delay_lines(bed));
     println!(
         "testbed TCP during the run: {} fast retransmits, {} loss probes, {} DSACKs received, {} reorderings, \
          {} spurious timeouts",
@@ -624,7 +666,6 @@ pub fn validate(args: ValidateArgs) -> anyhow::Result<ExitCode> {
             100.0 * bed.cpu_wait.worst_fraction
         );
     }
-    Ok(if bed.ledger.balanced { ExitCode::SUCCESS } else { ExitCode::from(2) })
 }
 
 /// (metric, simulator, testbed, relative tolerance, absolute floor), in the units shown.
