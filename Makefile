@@ -83,7 +83,11 @@ prom-test: deps
 	else echo "note: promtool missing (Debian prometheus, installed when root): rules not tested"; fi
 
 # rustdoc's link check too: a link to a private or missing item is an error, as clippy's are.
+# The shape checks (docs/architecture.md, "The runtime's shape"): no file circle in any
+# crate, no function over 150 lines in crates/*/src.
 lint:
+	$(PYTHON) scripts/check_imports.py
+	$(PYTHON) scripts/check_fn_length.py
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --locked --no-deps --workspace
