@@ -19,7 +19,7 @@ and the end of the run (loading, the summary, the histograms' reports) taken out
 Prints instructions per fragment in all and per stage: the self cost of each function,
 grouped by what it belongs to (the source's node and link, the builder's reader and
 assembler, the frame code, CRC32C, copies, the allocator, tokio, the delay histograms, the
-rest). Repeatable to a fraction of a percent run to run (docs/benchmarks.md "Instructions
+rest). Repeatable to a fraction of a percent run to run (docs/bench/history.md "Instructions
 per fragment"). What it does not count: the kernel (system calls, the socket copies), and
 time: a cache miss is one instruction here. Valgrind runs the process's threads one at a
 time and reports a CPU without AVX-512, so CRC32C runs its SSE path under it; compare

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the embedded full-shape run spends its CPU, per stage, in core-seconds per GB
-(issue 15 part 6; docs/benchmarks.md "CPU per stage").
+(issue 15 part 6; docs/bench/history.md "CPU per stage").
 
 Runs `shoal demo` (300 sources x 100 builders, delayed:8, 10 ms slices, one process over
 loopback TCP, like scripts/bench-demo.sh) under `perf record` (sampling every thread at

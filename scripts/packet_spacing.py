@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Packet spacing leaving a source, from a real capture (issue 15 part 3;
-docs/benchmarks.md "Packet spacing").
+docs/bench/history.md "Packet spacing").
 
 One source sends to one builder (`shoal demo`, fixed 30,000-byte fragments, no filter) in a
 network namespace of its own whose loopback runs at MTU 1500 with segmentation offloads off,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Event-building goodput versus fragment size on loopback, beside iperf3 (issue 15 part 1;
-docs/benchmarks.md "Throughput versus fragment size").
+docs/bench/history.md "Throughput versus fragment size").
 
 The studies measured transfer speed against message size for 1x1, 3x1, 1x3 and 6x1
 sources x builders. Here `shoal demo` runs in saturation (`source.saturate = true`: a
@@ -16,7 +16,7 @@ Each shoal run moves about as many bytes as the iperf3 beside it moves in its 2 
 (6 GB, `--gb` to change; at most 1,000,000 slices), so both figures are averages over
 about the same time: a run of a few tenths of a second is mostly its start (connections
 opening, windows growing, the first buffers faulted in), and until 2026-11-29 the runs were
-1.5 GB, 0.2-0.4 s at 17 of 20 points from 64 kB up (at most 1.3 s) (docs/benchmarks.md, "Runs as long as iperf3's").
+1.5 GB, 0.2-0.4 s at 17 of 20 points from 64 kB up (at most 1.3 s) (docs/bench/history.md, "Runs as long as iperf3's").
 
 usage: scripts/throughput.py SHOAL_BINARY OUT_DIR [--repeats N] [--quick] [--sizes B,B]
          [--topologies MxN,MxN] [--prefault MB] [--gb GB]

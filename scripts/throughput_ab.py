@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Two shoal binaries' goodput side by side at small fragments, beside iperf3 (issue 32,
-goal 2; docs/benchmarks.md "Small fragments with a source holding bytes, not slices").
+goal 2; docs/bench/history.md "Small fragments with a source holding bytes, not slices").
 
 The runs of scripts/throughput.py (saturated `shoal demo`, policy `direct`, no filter, no
 saver; iperf3 with the same streams), for two binaries in turn, REPEATS times per point,

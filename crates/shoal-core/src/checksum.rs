@@ -4,7 +4,7 @@
 //! same way. It is crc-fast's (carry-less multiplication, VPCLMULQDQ where the CPU has it),
 //! which computes the same CRC as the `crc32c` crate about four times faster on this
 //! project's machine: 1-MB payloads 79.5 GB/s against 20.3, 4-kB 47.8 against 12.6
-//! (`cargo bench -p shoal-core --bench checksum`; docs/benchmarks.md "The frame check at
+//! (`cargo bench -p shoal-core --bench checksum`; docs/bench/history.md "The frame check at
 //! four times the speed"). A builder checks every
 //! payload byte it receives, so at full rate the check was a quarter of its receiving
 //! thread.
