@@ -7,7 +7,7 @@ The rows of scripts/bench-demo.sh: `shoal demo --seconds S --sources 300 --build
 before the run; "pool" replays 16 slices computed before the run (`[source] replay_pool =
 16`), "live" computes the hits during the run. Each round runs every row with the first
 binary, then with the second; iperf3 over loopback with 8 streams before the first round
-and after the last. Prints, per row and binary, the median MB/s (bytes the builders
+and after the last. The binaries take turns going first, round by round. Prints, per row and binary, the median MB/s (bytes the builders
 received over first to last arrival) and its range, the runs that kept every slice, and
 the median CPU seconds (the process's user + system time, from wait4) per GB delivered.
 Exit 1 if a run's ledger does not balance or a run fails.
@@ -19,7 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
+import socket
 import tempfile
+import time
 
 ROWS = {
     "pool": "[run]\nprefault_mb = 0\n[source]\nreplay_pool = 16\n[builder]\nmemory_budget_mb = 64\n",
@@ -45,16 +47,22 @@ def demo(binary, config, seconds, out):
 
 
 def iperf3(seconds, streams=8):
-    port = 20000 + os.getpid() % 20000
-    server = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+    """iperf3 over loopback with `streams` streams, MB/s received (NaN if it cannot run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(50):  # bounded: the server is up within a few tries
-            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds),
-                                "-P", str(streams), "-J"], capture_output=True, text=True)
-            if r.returncode == 0:
-                return json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 8e6
-        return float("nan")
+        for _ in range(100):  # bounded: the server listens within a few tries
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds),
+                            "-P", str(streams), "-J"], capture_output=True, text=True)
+        end = json.loads(r.stdout or "{}").get("end", {})
+        return end.get("sum_received", {}).get("bits_per_second", float("nan")) / 8e6
     finally:
         server.kill()
         server.wait()
@@ -77,8 +85,12 @@ def main():
     peers = [iperf3(seconds)]
     got = {(row, b): [] for row in rows for b in bins}
     for r in range(rounds):
+        # The binaries take turns going first: a run after one that freed gigabytes pays
+        # for fresh memory on this VM (docs/bench/history.md, "The issue from start to
+        # close"), so a fixed order would favour the first.
+        order = bins if r % 2 == 0 else bins[::-1]
         for row in rows:
-            for b in bins:
+            for b in order:
                 out = os.path.join(tmp, f"out-{row}-{bins.index(b)}-{r}")
                 os.makedirs(out)
                 s, cpu = demo(b, configs[row], seconds, out)
