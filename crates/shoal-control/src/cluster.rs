@@ -62,6 +62,12 @@ pub struct ClusterSettings {
     /// `[{ rule = "process_hung", after_s = 10 }]` kills a process hung for 10 s so that
     /// run control starts it again and it rejoins the run (processes it launched).
     pub auto_recover: Vec<AutoRecover>,
+    /// Tokens and roles for the HTTP API (docs/security.md). Without it every address in
+    /// the file must be on loopback.
+    pub security: Option<crate::security::SecuritySettings>,
+    /// Run with addresses off loopback that nothing authenticates (a closed network, the
+    /// testbed's namespaces): said at start, on the UI and in every run record.
+    pub insecure: bool,
 }
 
 /// One rule's automatic recovery.
@@ -95,6 +101,8 @@ impl Default for ClusterSettings {
             ssh_options: Vec::new(),
             clock: Default::default(),
             auto_recover: Vec::new(),
+            security: None,
+            insecure: false,
         }
     }
 }
@@ -176,6 +184,7 @@ impl ClusterFile {
             }
         }
         self.dispatcher_addr()?;
+        self.check_listeners()?;
         let mut names = std::collections::BTreeSet::new();
         let run = &self.config.run;
         let mut builders = vec![0u32; run.builders as usize];
@@ -235,6 +244,38 @@ impl ClusterFile {
             bail!("source {s} must be hosted by exactly one process (found {})", sources[s]);
         }
         Ok(())
+    }
+
+    /// Every address of the file on loopback, or security or `insecure` saying otherwise
+    /// ([`crate::security::check_listeners`]).
+    pub fn check_listeners(&self) -> anyhow::Result<()> {
+        let c = &self.cluster;
+        let run = &self.config.run;
+        let mut listeners = vec![("cluster.dispatcher".to_string(), c.dispatcher.clone())];
+        if c.start_dispatcher {
+            listeners.push(("cluster.dispatcher_http".into(), c.dispatcher_http.clone()));
+        }
+        for (i, a) in run.builder_addrs.iter().enumerate() {
+            listeners.push((format!("config.run.builder_addrs[{i}]"), a.clone()));
+        }
+        listeners.push(("config.run.writer_addr".into(), run.writer_addr.clone()));
+        for (setting, listen) in [
+            ("config.builder.listen", &self.config.builder.listen),
+            ("config.writer.listen", &self.config.writer.listen),
+        ] {
+            if let Some(a) = listen {
+                listeners.push((setting.into(), a.clone()));
+            }
+        }
+        if self.config.policy()?.pull().is_some() {
+            listeners.push(("config.run.dfm_addr".into(), run.dfm_addr.clone()));
+        }
+        for p in &self.processes {
+            if let Some(m) = &p.metrics {
+                listeners.push((format!("process {:?} metrics", p.name), m.clone()));
+            }
+        }
+        crate::security::check_listeners(c.security.as_ref(), c.insecure, &c.http, &listeners)
     }
 
     pub fn dispatcher_addr(&self) -> anyhow::Result<SocketAddr> {
@@ -304,5 +345,17 @@ builders = 1
         f.validate().unwrap();
         assert!(err(&base.replace("builders = 1", "builders = 1\npolicy = \"pull:4\"")).contains("dfm"));
         assert!(err(&pull.replace("role = \"dfm\"", "role = \"dfm\"\nids = [0]")).contains("no ids"));
+        // Secure by default: off loopback only with security (the UI) or said insecure.
+        let open_ui = base.replace("name = \"t\"", "name = \"t\"\nhttp = \"0.0.0.0:8080\"");
+        assert!(err(&open_ui).contains("[cluster.security]"), "{}", err(&open_ui));
+        let tokens = open_ui
+            .replace("http = \"0.0.0.0:8080\"", "http = \"0.0.0.0:8080\"\n[cluster.security]\ntokens = \"t.toml\"");
+        let f: ClusterFile = toml::from_str(&tokens).unwrap();
+        f.validate().unwrap();
+        let remote_builder = base.replace("builders = 1", "builders = 1\nbuilder_addrs = [\"192.0.2.7:5601\"]");
+        assert!(err(&remote_builder).contains("builder_addrs[0]"), "{}", err(&remote_builder));
+        let trusted = remote_builder.replace("name = \"t\"", "name = \"t\"\ninsecure = true");
+        let f: ClusterFile = toml::from_str(&trusted).unwrap();
+        f.validate().unwrap();
     }
 }

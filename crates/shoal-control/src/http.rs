@@ -12,13 +12,22 @@
 //! - `GET /api/ws`: WebSocket pushing the status on every change (at most 4 per second).
 //! - `GET /metrics`: Prometheus text for run control itself.
 //! - `GET /`: the web UI (static files compiled into the binary; charts by uPlot).
+//!
+//! Who may call what ([`Guard`], docs/security.md): with `[cluster.security] tokens`, every
+//! `/api/*` and `/metrics` request needs `Authorization: Bearer TOKEN` (the live view: the
+//! WebSocket subprotocol `bearer.TOKEN` beside `shoal.v1`, since a browser cannot set the
+//! header there): a `viewer` may read, an `operator` may also POST. No or an unknown
+//! token: 401; a role that may not: 403. A browser's POST or live view from a page of
+//! another origin is refused (403) whether tokens are on or not. Commands, alerts and
+//! refusals go to the audit log ([`crate::audit`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::extract::{ConnectInfo, Extension, Path, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -27,7 +36,139 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::audit::{Audit, AuditEvent};
+use super::security::{Identity, Refusal, Role, Tokens};
 use super::status::Shared;
+
+/// The HTTP API's door: tokens (none: security off, loopback only), the origins besides
+/// the UI's own allowed to POST, and the audit log.
+pub struct Guard {
+    pub tokens: Option<Tokens>,
+    pub allowed_origins: Vec<String>,
+    pub audit: Arc<Audit>,
+}
+
+/// Who is calling, as the guard found it: the token's holder (none with security off) and
+/// the client's address.
+#[derive(Clone, Debug)]
+struct Caller {
+    identity: Option<Identity>,
+    address: String,
+}
+
+/// The WebSocket subprotocol of the live view; a token rides beside it as `bearer.TOKEN`.
+pub const WS_PROTOCOL: &str = "shoal.v1";
+
+/// A browser page may POST and open the live view only from the UI's own origin (or one
+/// allowed): `Origin` must name the host the request was sent to. Clients that are no
+/// browser send no `Origin` and are judged by their token.
+fn origin_allowed(headers: &HeaderMap, allowed: &[String]) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let own = |scheme: &str| !host.is_empty() && origin == format!("{scheme}://{host}");
+    own("http") || own("https") || allowed.iter().any(|a| a == origin)
+}
+
+/// The token a request presents: `Authorization: Bearer`, or for the live view the
+/// subprotocol `bearer.TOKEN`, as an `Authorization` value.
+fn presented(headers: &HeaderMap, websocket: bool) -> Option<String> {
+    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        return Some(v.to_string());
+    }
+    if !websocket {
+        return None;
+    }
+    let protocols = headers.get(header::SEC_WEBSOCKET_PROTOCOL).and_then(|v| v.to_str().ok())?;
+    protocols.split(',').map(str::trim).find_map(|p| p.strip_prefix("bearer.")).map(|t| format!("Bearer {t}"))
+}
+
+async fn check_caller(
+    State(s): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let path = req.uri().path().to_string();
+    if !(path.starts_with("/api/") || path == "/metrics") {
+        return next.run(req).await;
+    }
+    let writes = !matches!(*req.method(), Method::GET | Method::HEAD);
+    let websocket = path == "/api/ws";
+    let address = peer.to_string();
+    let refused = |r: Refusal, identity: Option<&Identity>| {
+        let kind = if path.starts_with("/api/command/") {
+            "command"
+        } else if path == "/api/alert" {
+            "alert"
+        } else {
+            "request"
+        };
+        s.guard.audit.record(AuditEvent {
+            time: String::new(),
+            kind: kind.into(),
+            what: format!("{} {path}", req.method()),
+            outcome: "refused".into(),
+            reason: r.reason().into(),
+            identity: identity.map(|i| i.name.clone()).unwrap_or_default(),
+            role: identity.map(|i| i.role.to_string()).unwrap_or_default(),
+            address: address.clone(),
+            held_back: 0,
+        });
+        refusal_response(r)
+    };
+    if (writes || websocket) && !origin_allowed(req.headers(), &s.guard.allowed_origins) {
+        return refused(Refusal::Origin, None);
+    }
+    let identity = match &s.guard.tokens {
+        None => None,
+        Some(tokens) => {
+            let need = if writes { Role::Operator } else { Role::Viewer };
+            match tokens.authorize(presented(req.headers(), websocket).as_deref(), need) {
+                Ok(who) => Some(who),
+                Err(r) => {
+                    let who = presented(req.headers(), websocket)
+                        .and_then(|p| p.strip_prefix("Bearer ").and_then(|t| tokens.identify(t.trim())));
+                    return refused(r, who.as_ref());
+                }
+            }
+        }
+    };
+    req.extensions_mut().insert(Caller { identity, address });
+    next.run(req).await
+}
+
+fn refusal_response(r: Refusal) -> Response {
+    match r {
+        Refusal::NoToken | Refusal::BadToken => (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer realm=\"shoal run control\"")],
+            if r == Refusal::NoToken { "a token is needed (Authorization: Bearer TOKEN)" } else { "unknown token" },
+        )
+            .into_response(),
+        Refusal::Role { have, need } => {
+            (StatusCode::FORBIDDEN, format!("a {have} token may not do this; it needs {need}")).into_response()
+        }
+        Refusal::Origin => (StatusCode::FORBIDDEN, "a page of another origin may not do this").into_response(),
+    }
+}
+
+/// Audits what a caller asked and how it ended.
+fn audit_outcome(s: &AppState, caller: &Caller, kind: &str, what: String, status: StatusCode, reason: &str) {
+    let outcome = if status.is_success() { "accepted" } else { "failed" };
+    s.guard.audit.record(AuditEvent {
+        time: String::new(),
+        kind: kind.into(),
+        what,
+        outcome: outcome.into(),
+        reason: if status.is_success() { String::new() } else { reason.into() },
+        identity: caller.identity.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
+        role: caller.identity.as_ref().map(|i| i.role.to_string()).unwrap_or_default(),
+        address: caller.address.clone(),
+        held_back: 0,
+    });
+}
 
 #[derive(Clone)]
 struct AppState {
@@ -38,6 +179,7 @@ struct AppState {
     /// Places for live views (WebSockets): an upgraded connection is no longer the HTTP
     /// server's to limit.
     websockets: Arc<tokio::sync::Semaphore>,
+    guard: Arc<Guard>,
 }
 
 /// Most live views at once (each a task and a descriptor).
@@ -60,32 +202,43 @@ async fn status(State(s): State<AppState>) -> impl IntoResponse {
     Json(s.shared.snapshot())
 }
 
-async fn command(State(s): State<AppState>, Path(name): Path<String>) -> Response {
+async fn command(
+    State(s): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(name): Path<String>,
+) -> Response {
+    let (status, answer) = queue_command(&s, &name);
+    audit_outcome(&s, &caller, "command", name, status, &answer);
+    (status, answer).into_response()
+}
+
+fn queue_command(s: &AppState, name: &str) -> (StatusCode, String) {
     let command = match name.parse::<ClusterCommand>() {
         Ok(c) => c,
-        Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
+        Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()),
     };
     if let Some(busy) = s.shared.snapshot().busy {
-        return (StatusCode::CONFLICT, format!("busy with {busy}")).into_response();
+        return (StatusCode::CONFLICT, format!("busy with {busy}"));
     }
     match s.commands.try_send(command) {
-        Ok(()) => (StatusCode::ACCEPTED, format!("{command} queued")).into_response(),
-        Err(_) => (StatusCode::CONFLICT, "a command is already queued".to_string()).into_response(),
+        Ok(()) => (StatusCode::ACCEPTED, format!("{command} queued")),
+        Err(_) => (StatusCode::CONFLICT, "a command is already queued".to_string()),
     }
 }
 
-async fn alert(State(s): State<AppState>, body: axum::body::Bytes) -> Response {
-    let alert = match shoal_core::alert::Alert::parse(&body) {
-        Ok(a) => a,
-        Err(e) => return (StatusCode::BAD_REQUEST, format!("alert refused: {e}")).into_response(),
+async fn alert(State(s): State<AppState>, Extension(caller): Extension<Caller>, body: axum::body::Bytes) -> Response {
+    let (status, answer) = match shoal_core::alert::Alert::parse(&body) {
+        Err(e) => (StatusCode::BAD_REQUEST, format!("alert refused: {e}")),
+        Ok(alert) => match send_alert(s.dispatcher, &alert).await {
+            Ok(()) => {
+                s.shared.update(|st| st.note(format!("alert sent: {alert}")));
+                (StatusCode::ACCEPTED, format!("alert {} sent", alert.name))
+            }
+            Err(e) => (StatusCode::BAD_GATEWAY, format!("cannot reach the dispatcher: {e}")),
+        },
     };
-    match send_alert(s.dispatcher, &alert).await {
-        Ok(()) => {
-            s.shared.update(|st| st.note(format!("alert sent: {alert}")));
-            (StatusCode::ACCEPTED, format!("alert {} sent", alert.name)).into_response()
-        }
-        Err(e) => (StatusCode::BAD_GATEWAY, format!("cannot reach the dispatcher: {e}")).into_response(),
-    }
+    audit_outcome(&s, &caller, "alert", String::from_utf8_lossy(&body).into_owned(), status, &answer);
+    (status, answer).into_response()
 }
 
 /// Publishes one alert on the dispatcher (a connection of its own, closed after).
@@ -142,6 +295,8 @@ async fn run_record(State(s): State<AppState>, Path(n): Path<u64>) -> Response {
 }
 
 async fn ws(State(s): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
+    // The token, if any, came as a second subprotocol: the one selected is ours.
+    let upgrade = upgrade.protocols([WS_PROTOCOL]);
     let Ok(place) = s.websockets.clone().try_acquire_owned() else {
         return (StatusCode::SERVICE_UNAVAILABLE, format!("at most {MAX_WEBSOCKETS} live views at once"))
             .into_response();
@@ -262,6 +417,19 @@ async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
         "1 while the diagnosis rule finds its problem on the process (docs/monitoring.md); each rule has a series with no process at 0",
         problems,
     );
+    let (counts, failed_writes) = s.guard.audit.counts();
+    let audited = Family::<Vec<(String, String)>, Gauge>::default();
+    for ((kind, outcome), n) in counts {
+        audited.get_or_create(&vec![("kind".into(), kind), ("outcome".into(), outcome)]).set(n as i64);
+    }
+    reg.register(
+        "shoal_runcontrol_audit_events",
+        "Commands, alerts and refused requests of the HTTP API since run control started, by outcome (docs/security.md)",
+        audited,
+    );
+    let unwritten = Gauge::<i64>::default();
+    unwritten.set(failed_writes as i64);
+    reg.register("shoal_runcontrol_audit_unwritten", "Audit events that could not be written to the log", unwritten);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)
@@ -274,8 +442,17 @@ pub async fn serve(
     commands: mpsc::Sender<ClusterCommand>,
     state_dir: std::path::PathBuf,
     dispatcher: std::net::SocketAddr,
+    guard: Guard,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
+    let state = AppState {
+        shared,
+        commands,
+        state_dir,
+        dispatcher,
+        websockets: Arc::new(tokio::sync::Semaphore::new(MAX_WEBSOCKETS)),
+        guard: Arc::new(guard),
+    };
     let app = Router::new()
         .route("/", get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }))
         .route("/ui/app.js", get(|| async { asset("text/javascript", APP_JS) }))
@@ -290,13 +467,8 @@ pub async fn serve(
         .route("/api/ws", get(ws))
         .route("/metrics", get(metrics))
         .route("/api/prometheus/targets", get(prometheus_targets))
-        .with_state(AppState {
-            shared,
-            commands,
-            state_dir,
-            dispatcher,
-            websockets: Arc::new(tokio::sync::Semaphore::new(MAX_WEBSOCKETS)),
-        });
+        .layer(axum::middleware::from_fn_with_state(state.clone(), check_caller))
+        .with_state(state);
     let limits = shoal_dispatcher::httpd::HttpLimits::default();
     let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
     shoal_dispatcher::httpd::serve(listener, app, limits, stats, "run control", cancel).await

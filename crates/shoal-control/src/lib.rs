@@ -22,11 +22,13 @@
 //! from the web UI / HTTP API. Ctrl-C stops a run in progress cleanly and switches
 //! everything off. Each run leaves a record in `<state_dir>/runs/`.
 
+pub mod audit;
 pub mod clocks;
 pub mod cluster;
 pub mod control;
 pub mod diagnose;
 pub mod http;
+pub mod security;
 pub mod status;
 
 use std::path::{Path, PathBuf};
@@ -327,7 +329,7 @@ fn start_dispatcher(
         return Ok(None);
     }
     let dispatcher = file.dispatcher_addr()?;
-    let args = vec![
+    let mut args = vec![
         "dispatcher".into(),
         "--listen".into(),
         dispatcher.to_string(),
@@ -335,6 +337,10 @@ fn start_dispatcher(
         file.cluster.dispatcher_http.clone(),
         "--exit-with-parent".into(),
     ];
+    // The file's check_listeners let a non-loopback dispatcher through only so.
+    if file.cluster.insecure {
+        args.push("--insecure".into());
+    }
     let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false)?;
     Ok(Some(keep_dispatcher(
         first,
@@ -395,8 +401,32 @@ async fn serve_ui(
     let local = l.local_addr()?;
     // Scripts (and the tests) read this line to find the UI.
     println!("run control UI: http://{local}/");
-    tokio::spawn(http::serve(l, shared.clone(), cmd_tx, state_dir.to_path_buf(), dispatcher, cancel.clone()));
+    let guard = guard_of(file)?;
+    match &guard.tokens {
+        Some(_) => {
+            println!("run control UI needs a token (docs/security.md); audit log {}", guard.audit.path().display())
+        }
+        None if file.cluster.insecure => {
+            eprintln!(
+                "warning: cluster.insecure = true: run control's HTTP API takes commands from anyone who reaches {local}"
+            )
+        }
+        None => {}
+    }
+    tokio::spawn(http::serve(l, shared.clone(), cmd_tx, state_dir.to_path_buf(), dispatcher, guard, cancel.clone()));
     Ok(())
+}
+
+/// The HTTP API's guard from `[cluster.security]`: its tokens, the origins it allows, and
+/// the audit log in the state directory.
+fn guard_of(file: &ClusterFile) -> anyhow::Result<http::Guard> {
+    let security = file.cluster.security.clone().unwrap_or_default();
+    let tokens = match &security.tokens {
+        Some(path) => Some(security::Tokens::new(security::TokenFile::load(path)?)),
+        None => None,
+    };
+    let audit = std::sync::Arc::new(audit::Audit::new(&file.cluster.state_dir));
+    Ok(http::Guard { tokens, allowed_origins: security.allowed_origins, audit })
 }
 
 /// `--interactive`: the UI's and API's commands, one at a time, until OFF (or Ctrl-C,

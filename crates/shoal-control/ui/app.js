@@ -20,8 +20,27 @@ for (const c of COMMANDS) {
   buttons[c] = b;
 }
 
+// ---- token --------------------------------------------------------------------------
+// With [cluster.security] every API call needs a token: kept for this tab only
+// (sessionStorage), sent as a bearer header, and to the live view as a subprotocol.
+let token = sessionStorage.getItem("shoal-token") || "";
+const authHeaders = () => (token ? { Authorization: "Bearer " + token } : {});
+function askForToken(why) {
+  $("token-form").hidden = false;
+  $("token-error").textContent = why || "";
+  $("token").focus();
+}
+$("token-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  token = $("token").value.trim();
+  sessionStorage.setItem("shoal-token", token);
+  $("token-form").hidden = true;
+  connect();
+});
+
 async function send(command) {
-  const r = await fetch("/api/command/" + command, { method: "POST" });
+  const r = await fetch("/api/command/" + command, { method: "POST", headers: authHeaders() });
+  if (r.status === 401) askForToken("the token was refused");
   if (!r.ok) {
     appendLocalLog(command + ": " + r.status + " " + (await r.text()));
   }
@@ -34,7 +53,8 @@ $("alert-form").addEventListener("submit", async (ev) => {
   const from = Date.now() / 1000 - Number($("alert-ago").value);
   const to = from + Number($("alert-length").value);
   const body = `from=${from.toFixed(3)} to=${to.toFixed(3)} name=${$("alert-name").value} origin=shoal-ui`;
-  const r = await fetch("/api/alert", { method: "POST", body });
+  const r = await fetch("/api/alert", { method: "POST", body, headers: authHeaders() });
+  if (r.status === 401) askForToken("the token was refused");
   appendLocalLog("ALERT: " + r.status + " " + (await r.text()));
 });
 
@@ -205,11 +225,22 @@ function render(s) {
 }
 
 // ---- connection ----------------------------------------------------------------------
-function connect() {
-  const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/api/ws");
-  ws.onopen = () => { $("conn").textContent = "live"; $("conn").className = "conn"; };
-  ws.onmessage = (ev) => render(JSON.parse(ev.data));
-  ws.onclose = () => {
+let live = null;
+async function connect() {
+  if (live) return;
+  // Asked first over HTTP: a refused token is a 401 there, where the live view would
+  // only close.
+  const probe = await fetch("/api/status", { headers: authHeaders() }).catch(() => null);
+  if (probe && probe.status === 401) {
+    askForToken(token ? "the token was refused" : "");
+    return;
+  }
+  const protocols = token ? ["shoal.v1", "bearer." + token] : ["shoal.v1"];
+  live = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/api/ws", protocols);
+  live.onopen = () => { $("conn").textContent = "live"; $("conn").className = "conn"; };
+  live.onmessage = (ev) => render(JSON.parse(ev.data));
+  live.onclose = () => {
+    live = null;
     $("conn").textContent = "disconnected, retrying";
     $("conn").className = "conn down";
     setTimeout(connect, 1000);

@@ -164,7 +164,8 @@ pub async fn serve(
             Slot { slots: slots.clone(), peer: peer.ip(), stats: stats.clone() }
         };
         stats.accepted.fetch_add(1, Ordering::Relaxed);
-        let service = TowerToHyperService::new(router.clone());
+        // Handlers may ask who is calling (`ConnectInfo`): run control's guard audits it.
+        let service = TowerToHyperService::new(router.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer))));
         let (stats, cancel) = (stats.clone(), cancel.clone());
         connections.spawn(async move {
             let conn = http1::Builder::new()

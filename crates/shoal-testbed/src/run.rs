@@ -362,6 +362,10 @@ pub fn cluster_file(
             binary: Some(opts.shoal.clone()),
             ssh_options: ssh.map(SshKeys::client_options).unwrap_or_default(),
             clock: shoal_control::clocks::ClockSettings { correct: sc.clocks.correct, ..Default::default() },
+            // The testbed's namespaces are a network of its own, reached by nothing else
+            // (docs/security.md): their addresses are not loopback, and nothing on them
+            // authenticates yet.
+            insecure: true,
             ..ClusterSettings::default()
         },
         processes,

@@ -37,6 +37,7 @@ mod km3net;
 mod ledger;
 mod probe;
 mod replay;
+mod security;
 use shoal_control as run;
 mod sim;
 mod summary;
@@ -145,6 +146,10 @@ enum Command {
     /// Measure a switch port's output buffer by flooding it from synchronised senders:
     /// its size in packets and bytes, and which of the two it limits.
     ProbeSwitch(probe::ProbeArgs),
+    /// Tokens for run control's HTTP API (`shoal token add FILE --name N --role R`).
+    Token(security::TokenArgs),
+    /// Print run control's audit log: every command, alert and refusal, who and from where.
+    Audit(security::AuditArgs),
 }
 
 #[derive(Parser)]
@@ -186,6 +191,10 @@ struct DispatcherArgs {
     /// Address for HTTP /status and /metrics, or "off".
     #[arg(long, default_value = "127.0.0.1:5554")]
     http: String,
+    /// Listen off loopback although the dispatcher authenticates nobody (a network you
+    /// trust; docs/security.md). Without it a non-loopback address is refused.
+    #[arg(long)]
+    insecure: bool,
     /// Messages queued per client before any-mode (w) messages are dropped for it.
     #[arg(long, default_value_t = 100)]
     queue_limit: usize,
@@ -466,6 +475,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             with_ctrl_c_ignored(move || probe::command(args)).await
         }
         Command::ProbeSwitch(args) => tokio::task::spawn_blocking(move || probe::command(args)).await?,
+        Command::Token(args) => security::token(args).map(|()| ExitCode::SUCCESS),
+        Command::Audit(args) => security::audit(args).map(|()| ExitCode::SUCCESS),
         Command::Config => {
             print!("{}", toml::to_string(&Config::default())?);
             Ok(ExitCode::SUCCESS)
@@ -614,6 +625,16 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
         max_payload: args.max_payload_mb.saturating_mul(1 << 20).min(i32::MAX as u32),
         max_clients: args.max_clients.max(1),
     };
+    let http_off_loopback =
+        args.http != "off" && args.http.parse::<std::net::SocketAddr>().is_ok_and(|a| !a.ip().is_loopback());
+    if !args.insecure && (!args.listen.ip().is_loopback() || http_off_loopback) {
+        anyhow::bail!(
+            "the dispatcher authenticates nobody: --listen {} / --http {} off loopback would let anyone who \
+             reaches them publish run-control commands; add --insecure on a network you trust (docs/security.md)",
+            args.listen,
+            args.http
+        );
+    }
     shoal_net::demo::raise_fd_limit();
     let cancel = ctrl_c_token();
     if args.exit_with_parent {

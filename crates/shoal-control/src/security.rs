@@ -1,0 +1,320 @@
+//! Who may use run control's HTTP API: bearer tokens with roles, and the rule that keeps a
+//! cluster without security on loopback.
+//!
+//! A token file (`[cluster.security] tokens = "PATH"`, written by `shoal token add`) holds
+//! one entry per token: its name, its [`Role`] and the SHA-256 of the token, never the
+//! token itself. A request's `Authorization: Bearer TOKEN` is hashed and compared with
+//! every entry in constant time ([`Tokens::identify`]). Tokens are 256 random bits, so a
+//! plain hash is enough: there is nothing to guess that a slow hash would protect.
+//!
+//! [`check_listeners`] is the secure-by-default rule: without `[cluster.security]` every
+//! address run control listens on or hands its processes must be on loopback; a cluster
+//! file that says otherwise is refused at start, naming the setting that turns security
+//! on, unless it says `insecure = true` (then every run record and the UI say so).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// What a token may do. Each role may do what the ones before it may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Read: the status, run records, metrics, the live view.
+    Viewer,
+    /// And command the cluster (INIT ... OFF) and send alerts.
+    Operator,
+    /// And everything an operator may; reserved for administration.
+    Admin,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "viewer" => Ok(Role::Viewer),
+            "operator" => Ok(Role::Operator),
+            "admin" => Ok(Role::Admin),
+            _ => Err(format!("role {s:?}: one of viewer, operator, admin")),
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `[cluster.security]` of the cluster file.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecuritySettings {
+    /// The token file (`shoal token add`): every HTTP API request then needs a token.
+    pub tokens: Option<PathBuf>,
+    /// Origins besides the UI's own that may POST and open the live view (a browser
+    /// sends `Origin`; scripts and curl send none and are judged by their token alone).
+    pub allowed_origins: Vec<String>,
+}
+
+/// One entry of the token file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    pub name: String,
+    pub role: Role,
+    /// SHA-256 of the token, hex.
+    pub sha256: String,
+    /// When it was made, UNIX seconds.
+    pub created: u64,
+}
+
+/// The token file: `[[token]]` entries.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenFile {
+    #[serde(default, rename = "token")]
+    pub tokens: Vec<TokenEntry>,
+}
+
+/// Who a request is: the token's name and role.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    pub role: Role,
+}
+
+/// The prefix of every token, so that one found in a log or a file says what it is.
+pub const TOKEN_PREFIX: &str = "shoal_";
+
+fn sha256_hex(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Equal without an early exit: the time taken does not say how much matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl TokenFile {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading the token file {}", path.display()))?;
+        let file: TokenFile =
+            toml::from_str(&text).with_context(|| format!("parsing the token file {}", path.display()))?;
+        for t in &file.tokens {
+            if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                bail!("token file {}: {:?} has no SHA-256 (64 hex digits)", path.display(), t.name);
+            }
+        }
+        Ok(file)
+    }
+
+    /// Adds a token named `name` with `role` to the file at `path` (made, mode 0600, if
+    /// missing) and returns the token, which is stored nowhere.
+    pub fn add(path: &Path, name: &str, role: Role) -> anyhow::Result<String> {
+        if name.is_empty() || name.contains(char::is_whitespace) {
+            bail!("token name {name:?} must be one word (it names the holder in the audit log)");
+        }
+        let mut file = if path.exists() { Self::load(path)? } else { Self::default() };
+        if file.tokens.iter().any(|t| t.name == name) {
+            bail!("{}: a token named {name:?} exists already", path.display());
+        }
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no randomness for a token: {e}"))?;
+        let token = format!("{TOKEN_PREFIX}{}", secret.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        file.tokens.push(TokenEntry { name: name.into(), role, sha256: sha256_hex(token.as_bytes()), created });
+        write_private(path, &toml::to_string(&file)?)?;
+        Ok(token)
+    }
+}
+
+/// Writes `text` to `path` readable by its owner only, replacing it whole.
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
+    Ok(())
+}
+
+/// The tokens run control accepts.
+#[derive(Clone, Debug, Default)]
+pub struct Tokens {
+    entries: Vec<TokenEntry>,
+}
+
+/// Why a request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// No `Authorization: Bearer` (401).
+    NoToken,
+    /// A token no entry matches (401).
+    BadToken,
+    /// A known token whose role may not do this (403).
+    Role { have: Role, need: Role },
+    /// A browser page of another origin (403).
+    Origin,
+}
+
+impl Refusal {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::NoToken => "no_token",
+            Refusal::BadToken => "bad_token",
+            Refusal::Role { .. } => "role",
+            Refusal::Origin => "origin",
+        }
+    }
+}
+
+impl Tokens {
+    pub fn new(file: TokenFile) -> Self {
+        Self { entries: file.tokens }
+    }
+
+    /// Whose token `presented` is. Every entry is compared, in constant time each.
+    pub fn identify(&self, presented: &str) -> Option<Identity> {
+        let hash = sha256_hex(presented.as_bytes());
+        let mut found = None;
+        for e in &self.entries {
+            if constant_time_eq(e.sha256.as_bytes(), hash.as_bytes()) && found.is_none() {
+                found = Some(Identity { name: e.name.clone(), role: e.role });
+            }
+        }
+        found
+    }
+
+    /// The identity behind an `Authorization` header's value, if it may act as `need`.
+    pub fn authorize(&self, authorization: Option<&str>, need: Role) -> Result<Identity, Refusal> {
+        let token = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).ok_or(Refusal::NoToken)?;
+        let who = self.identify(token).ok_or(Refusal::BadToken)?;
+        if who.role < need {
+            return Err(Refusal::Role { have: who.role, need });
+        }
+        Ok(who)
+    }
+}
+
+/// Whether `addr` (an `address:port`, or "off") listens on loopback only.
+fn on_loopback(addr: &str) -> bool {
+    if addr == "off" || addr.is_empty() {
+        return true;
+    }
+    match addr.parse::<SocketAddr>() {
+        Ok(a) => a.ip().is_loopback(),
+        Err(_) => {
+            let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_matches(['[', ']']);
+            host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        }
+    }
+}
+
+/// The secure-by-default rule (module docs). `listeners` names each address with the
+/// setting it comes from; `http` is run control's own (the one `[cluster.security]`
+/// protects today).
+pub fn check_listeners(
+    security: Option<&SecuritySettings>,
+    insecure: bool,
+    http: &str,
+    listeners: &[(String, String)],
+) -> anyhow::Result<()> {
+    if insecure {
+        return Ok(());
+    }
+    let http_protected = security.is_some_and(|s| s.tokens.is_some());
+    if !on_loopback(http) && !http_protected {
+        bail!(
+            "cluster.http = {http:?} is not a loopback address: anyone who reaches it could command the run. \
+             Set [cluster.security] tokens = \"FILE\" (tokens made by `shoal token add FILE --name N --role R`; \
+             docs/security.md), or cluster.insecure = true on a network you trust"
+        );
+    }
+    if let Some((setting, addr)) = listeners.iter().find(|(_, a)| !on_loopback(a)) {
+        bail!(
+            "{setting} = {addr:?} is not a loopback address, and shoal's own control and data ports do not \
+             authenticate their peers yet (docs/security.md, \"What is protected\"): set cluster.insecure = true \
+             to run them on a network you trust"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_added_is_known_by_its_hash_only_and_keeps_its_role() {
+        let dir = std::env::temp_dir().join(format!("shoal-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokens.toml");
+        let _ = std::fs::remove_file(&path);
+        let viewer = TokenFile::add(&path, "alice", Role::Viewer).unwrap();
+        let operator = TokenFile::add(&path, "bob", Role::Operator).unwrap();
+        assert!(TokenFile::add(&path, "bob", Role::Admin).unwrap_err().to_string().contains("exists"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains(&viewer) && !text.contains(&operator), "only hashes are stored");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        let tokens = Tokens::new(TokenFile::load(&path).unwrap());
+        let bearer = |t: &str| format!("Bearer {t}");
+        assert_eq!(tokens.authorize(Some(&bearer(&viewer)), Role::Viewer).unwrap().name, "alice");
+        assert_eq!(
+            tokens.authorize(Some(&bearer(&viewer)), Role::Operator),
+            Err(Refusal::Role { have: Role::Viewer, need: Role::Operator })
+        );
+        assert_eq!(tokens.authorize(Some(&bearer(&operator)), Role::Operator).unwrap().role, Role::Operator);
+        assert_eq!(tokens.authorize(None, Role::Viewer), Err(Refusal::NoToken));
+        assert_eq!(tokens.authorize(Some("Basic abc"), Role::Viewer), Err(Refusal::NoToken));
+        let wrong = format!("{}0", &viewer[..viewer.len() - 1]);
+        assert_eq!(tokens.authorize(Some(&bearer(&wrong)), Role::Viewer), Err(Refusal::BadToken));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn without_security_only_loopback_listeners_are_accepted() {
+        let none: &[(String, String)] = &[];
+        check_listeners(None, false, "127.0.0.1:8080", none).unwrap();
+        check_listeners(None, false, "[::1]:8080", none).unwrap();
+        check_listeners(None, false, "localhost:8080", none).unwrap();
+        check_listeners(None, false, "off", none).unwrap();
+        let e = check_listeners(None, false, "0.0.0.0:8080", none).unwrap_err().to_string();
+        assert!(e.contains("[cluster.security]") && e.contains("insecure"), "{e}");
+        let with_tokens = SecuritySettings { tokens: Some("t.toml".into()), ..Default::default() };
+        check_listeners(Some(&with_tokens), false, "0.0.0.0:8080", none).unwrap();
+        // Security that protects nothing of the HTTP API does not open it.
+        let empty = SecuritySettings::default();
+        assert!(check_listeners(Some(&empty), false, "0.0.0.0:8080", none).is_err());
+        let data = [("config.run.builder_addrs".to_string(), "198.19.0.1:7000".to_string())];
+        let e = check_listeners(Some(&with_tokens), false, "127.0.0.1:8080", &data).unwrap_err().to_string();
+        assert!(e.contains("builder_addrs") && e.contains("insecure"), "{e}");
+        check_listeners(None, true, "0.0.0.0:8080", &data).unwrap();
+    }
+}
