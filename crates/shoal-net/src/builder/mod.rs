@@ -1,5 +1,5 @@
 //! The builder: accepts every source's connection, finds frames in each byte stream,
-//! assembles slices (shoal-core's [`BuilderNode`]), filters them on a thread of its own
+//! assembles slices (shoal-core's [`shoal_core::node::BuilderNode`]), filters them on a thread of its own
 //! and ships the selected events to the writer.
 //!
 //! Beside the filter, the burst saver (shoal-core's `BurstSaver`) keeps the last seconds

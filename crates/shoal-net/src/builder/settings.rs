@@ -37,7 +37,7 @@ pub struct BuilderSettings {
     /// Largest payload a frame on the data port may carry.
     pub max_payload: u32,
     /// Free-running sources over TCP are held back by their connections
-    /// ([`crate::builder::hold`]) rather than pushed out incomplete.
+    /// (`builder::hold`) rather than pushed out incomplete.
     pub holds_connections: bool,
     /// `builder.held_receive_buffer` as asked (0: a share of the host's TCP memory).
     pub held_receive_buffer: u64,

@@ -1,6 +1,8 @@
-//! The source process's driver: a [`SourceNode`] (every decision) on one [`Link`] per
-//! builder (the bytes), or with `source.connection_per_source` one per hosted source and
-//! builder, as boards that each hold their own connections.
+//! The source process: a [`shoal_core::node::SourceNode`] (every decision) on one
+//! [`crate::transport::link::Link`] per builder (the bytes), or with
+//! `source.connection_per_source` one per hosted source and builder, as boards that each
+//! hold their own connections. [`SourceSettings`] are derived from the configuration once;
+//! the driver (`driver`) owns the links and the workload.
 //!
 //! The loop sleeps until the node's next timeout or a link report, feeds the node the
 //! time, run control's end slice and pause flag, and hands the node's transmits to the
