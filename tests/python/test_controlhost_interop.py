@@ -196,3 +196,50 @@ def test_chpump_reads_through_the_dispatcher(dispatcher):
         assert blob["CHData"] == b"\xde\xad\xbe\xef"
     finally:
         pump.finish()
+
+
+def test_a_stranger_s_control_tags_are_refused_while_chpump_keeps_receiving(shoal_bin):
+    """docs/security.md: on the plain ControlHost port KM3NeT's clients subscribe and publish
+    data unchanged, but command tags (RC_CMD, ALERT) count only from allowed networks. Here
+    only 127.0.0.2 may command, so km3pipe's client on 127.0.0.1 is the stranger."""
+    from km3pipe.io.ch import CHPump
+
+    port, http = free_port(), free_port()
+    proc = subprocess.Popen(
+        [str(shoal_bin), "dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}",
+         "--control-from", "127.0.0.2/32"],
+        stderr=subprocess.PIPE,
+    )
+    d = ("127.0.0.1", port, http)
+    try:
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", http), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        pump = CHPump(host=d[0], port=d[1], tags="IO_EVT,RC_CMD", timeout=TIMEOUT, max_queue=10)
+        try:
+            subscribed(d, "w IO_EVT w RC_CMD")
+            stranger = KClient(*d[:2])
+            stranger.put_message("RC_CMD", b"* STOP")  # what stopped a run before
+            stranger.put_message("IO_EVT", b"\xde\xad\xbe\xef")
+            blob = pump.get_blob(0) if hasattr(pump, "get_blob") else pump.process({})
+            assert str(blob["CHPrefix"].tag) == "IO_EVT", "the stranger's command must not arrive first"
+            assert blob["CHData"] == b"\xde\xad\xbe\xef"
+            s = wait_for(d, lambda s: s.get("commands_refused", {}).get("RC_CMD") == 1, "the refusal counted")
+            assert "RC_CMD" not in {t for t, v in s["tags"].items() if v.get("messages_out", 0) > 0}
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=5) as r:
+                assert 'shoal_dispatcher_commands_refused_total{tag="RC_CMD"} 1' in r.read().decode()
+            # From the allowed address the same command goes through to the pump.
+            friend = socket.create_connection(d[:2], source_address=("127.0.0.2", 0), timeout=TIMEOUT)
+            friend.sendall(raw_frame(b"RC_CMD", b"* START"))
+            blob = pump.get_blob(0) if hasattr(pump, "get_blob") else pump.process({})
+            assert (str(blob["CHPrefix"].tag), blob["CHData"]) == ("RC_CMD", b"* START")
+            friend.close()
+        finally:
+            pump.finish()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

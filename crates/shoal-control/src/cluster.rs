@@ -65,6 +65,10 @@ pub struct ClusterSettings {
     /// Tokens and roles for the HTTP API (docs/security.md). Without it every address in
     /// the file must be on loopback.
     pub security: Option<crate::security::SecuritySettings>,
+    /// Networks (ADDRESS/PREFIX) besides this host whose ControlHost clients may publish
+    /// command tags (`RC_CMD`, `ALERT`) on the dispatcher run control starts, e.g. a KM3NeT
+    /// control host's; from anywhere else they are dropped and counted (docs/security.md).
+    pub command_from: Vec<String>,
     /// Run with addresses off loopback that nothing authenticates (a closed network, the
     /// testbed's namespaces): said at start, on the UI and in every run record.
     pub insecure: bool,
@@ -101,6 +105,7 @@ impl Default for ClusterSettings {
             ssh_options: Vec::new(),
             clock: Default::default(),
             auto_recover: Vec::new(),
+            command_from: Vec::new(),
             security: None,
             insecure: false,
         }
@@ -185,6 +190,9 @@ impl ClusterFile {
         }
         self.dispatcher_addr()?;
         self.check_listeners()?;
+        for net in &self.cluster.command_from {
+            net.parse::<shoal_core::controlhost::IpNet>().map_err(|e| anyhow::anyhow!("cluster.command_from: {e}"))?;
+        }
         let mut names = std::collections::BTreeSet::new();
         let run = &self.config.run;
         let mut builders = vec![0u32; run.builders as usize];

@@ -341,6 +341,19 @@ fn start_dispatcher(
     if file.cluster.insecure {
         args.push("--insecure".into());
     }
+    // Command tags from this host (run control itself, `shoal alert`; on the dispatcher's
+    // own address where it is not loopback, as in the testbed's control namespace) and
+    // from the networks the file names.
+    let own =
+        (!dispatcher.ip().is_loopback() && !dispatcher.ip().is_unspecified()).then(|| dispatcher.ip().to_string());
+    let nets = ["127.0.0.0/8".to_string(), "::1/128".to_string()]
+        .into_iter()
+        .chain(own)
+        .chain(file.cluster.command_from.clone());
+    for net in nets {
+        args.push("--control-from".into());
+        args.push(net);
+    }
     let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false)?;
     Ok(Some(keep_dispatcher(
         first,

@@ -9,7 +9,11 @@
 //!   as few writes as possible (never splitting a frame across writes) and reports
 //!   completions; a slow client only fills its own queue;
 //! - garbage (negative or oversized length, EOF inside a message) closes only that
-//!   connection, with a logged reason and a counter.
+//!   connection, with a logged reason and a counter;
+//! - a command tag (`RC_CMD`, `ALERT`) published from an address its [`CommandAccess`]
+//!   does not allow is dropped, counted by tag and logged at a bounded rate; the
+//!   connection stays, its other messages and its subscriptions go on (KM3NeT's clients
+//!   reconnect on errors, so closing would only make them publish again).
 //!
 //! HTTP (optional): `/status` (JSON: clients, nicknames, subscriptions, queues) and
 //! `/metrics` (Prometheus text).
@@ -21,7 +25,9 @@ use std::time::{Duration, Instant};
 use bytes::Buf;
 use serde::Serialize;
 use shoal_core::controlhost::router::{ClientStatus, TagStats};
-use shoal_core::controlhost::{ClientId, Message, MessageDecoder, Output, Router, RouterConfig, encode_prefix};
+use shoal_core::controlhost::{
+    ClientId, CommandAccess, Message, MessageDecoder, Output, Router, RouterConfig, encode_prefix,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -33,7 +39,7 @@ use tracing::{debug, info, warn};
 const INPUT_QUEUE: usize = 32;
 
 /// Dispatcher settings (`shoal dispatcher` flags).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct DispatcherConfig {
     pub router: RouterConfig,
     /// Largest payload accepted; a larger length closes the connection.
@@ -41,11 +47,18 @@ pub struct DispatcherConfig {
     /// Most clients connected at once; a connection beyond is closed at once and counted
     /// (`connection_limit`), so a flood cannot take every descriptor of the process.
     pub max_clients: usize,
+    /// Who may publish command tags (default: this host only).
+    pub access: CommandAccess,
 }
 
 impl Default for DispatcherConfig {
     fn default() -> Self {
-        Self { router: RouterConfig::default(), max_payload: 64 << 20, max_clients: 16_000 }
+        Self {
+            router: RouterConfig::default(),
+            max_payload: 64 << 20,
+            max_clients: 16_000,
+            access: CommandAccess::default(),
+        }
     }
 }
 
@@ -99,6 +112,8 @@ pub struct Snapshot {
     pub connections_total: u64,
     /// Connections closed for bad input, by reason.
     pub rejected: BTreeMap<String, u64>,
+    /// Command tags refused for their publisher's address, by tag.
+    pub commands_refused: BTreeMap<String, u64>,
 }
 
 /// A handle to ask a running dispatcher for its state.
@@ -162,7 +177,7 @@ pub fn spawn_dispatcher(
             }
         }
     });
-    let core = tokio::spawn(run_core(Router::new(cfg.router), ev_rx, in_rx, cancel));
+    let core = tokio::spawn(run_core(Router::new(cfg.router), cfg.access, ev_rx, in_rx, cancel));
     info!(%addr, "dispatcher listening");
     Ok((DispatcherHandle { events: ev_tx, addr }, core))
 }
@@ -304,8 +319,10 @@ async fn write_loop(
 /// What the core task owns besides the router.
 struct Core {
     router: Router,
+    access: CommandAccess,
     conns: HashMap<ClientId, Conn>,
     rejected: BTreeMap<String, u64>,
+    commands_refused: BTreeMap<String, u64>,
     connections_total: u64,
     paused_since: Option<Instant>,
     backpressure: Duration,
@@ -332,7 +349,9 @@ impl Core {
             Event::Written { id, messages } => self.router.handle_written(id, messages),
             Event::Snapshot(reply) => {
                 let bp = self.backpressure + self.paused_since.map_or(Duration::ZERO, |t| t.elapsed());
-                let _ = reply.send(snapshot(&self.router, &self.conns, &self.rejected, self.connections_total, bp));
+                let mut snap = snapshot(&self.router, &self.conns, &self.rejected, self.connections_total, bp);
+                snap.commands_refused = self.commands_refused.clone();
+                let _ = reply.send(snap);
             }
         }
     }
@@ -344,6 +363,16 @@ impl Core {
     fn on_message(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, id: ClientId, m: Message) {
         while let Ok(e) = events.try_recv() {
             self.on_event(e);
+        }
+        if let Some(c) = self.conns.get(&id)
+            && !self.access.allows(&m.tag, c.peer.ip())
+        {
+            *self.commands_refused.entry(m.tag.to_string()).or_default() += 1;
+            if let Some(held_back) = REFUSED.check() {
+                warn!(peer = %c.peer, tag = %m.tag, held_back, allowed = ?self.access.allowed(),
+                    "a command tag from an address not allowed to command: dropped");
+            }
+            return;
         }
         self.router.handle_message(id, m);
     }
@@ -369,14 +398,17 @@ impl Core {
 
 async fn run_core(
     router: Router,
+    access: CommandAccess,
     mut events: mpsc::UnboundedReceiver<Event>,
     mut input: mpsc::Receiver<(ClientId, Message)>,
     cancel: CancellationToken,
 ) {
     let mut core = Core {
         router,
+        access,
         conns: HashMap::new(),
         rejected: BTreeMap::new(),
+        commands_refused: BTreeMap::new(),
         connections_total: 0,
         paused_since: None,
         backpressure: Duration::ZERO,
@@ -450,6 +482,7 @@ fn snapshot(
         accepting: router.accepting(),
         connections_total,
         rejected: rejected.clone(),
+        commands_refused: BTreeMap::new(),
     }
 }
 
@@ -501,10 +534,22 @@ pub fn metrics_text(s: &Snapshot) -> String {
         rej.get_or_create(&vec![("reason".into(), reason.clone())]).inc_by(*n);
     }
     reg.register("shoal_dispatcher_rejected_connections", "Connections closed for bad input", rej);
+    let refused = Family::<Labels, Counter>::default();
+    for (tag, n) in &s.commands_refused {
+        refused.get_or_create(&vec![("tag".into(), tag.clone())]).inc_by(*n);
+    }
+    reg.register(
+        "shoal_dispatcher_commands_refused",
+        "Command tags dropped for their publisher's address (docs/security.md)",
+        refused,
+    );
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out
 }
+
+/// "a command tag from an address not allowed" warnings, at most one a second.
+static REFUSED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(1));
 
 /// "at the client limit" warnings, at most one a second.
 static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration::from_secs(1));

@@ -322,3 +322,48 @@ async fn a_client_greeting_in_a_crowd_is_subscribed_before_its_hello() {
     flooder.abort();
     cancel.cancel();
 }
+
+/// A connection to the dispatcher from a chosen loopback address.
+async fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> TcpStream {
+    let s = tokio::net::TcpSocket::new_v4().unwrap();
+    s.bind((from, 0).into()).unwrap();
+    s.connect(to).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn command_tags_from_an_address_not_allowed_are_dropped_and_counted_and_nothing_else_is() {
+    use shoal_core::controlhost::CommandAccess;
+    let allowed = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    let cfg =
+        DispatcherConfig { access: CommandAccess::new(vec!["127.0.0.2/32".parse().unwrap()]), ..Default::default() };
+    let (h, cancel) = start(cfg).await;
+    let mut sub = ChClient::connect(h.addr).await.unwrap();
+    sub.subscribe("RC_CMD", Mode::All).await.unwrap();
+    sub.subscribe("DATA", Mode::All).await.unwrap();
+    wait_until(&h, "the subscriber", |s| s.clients.iter().any(|c| c.status.subscription.contains("DATA"))).await;
+    // A stranger (127.0.0.1): its command is dropped, its data goes on, its connection stays.
+    let mut stranger = connect_from(std::net::Ipv4Addr::LOCALHOST, h.addr).await;
+    stranger.write_all(&frame("RC_CMD", b"* STOP")).await.unwrap();
+    stranger.write_all(&frame("ALERT", b"from=0 to=1 name=x")).await.unwrap();
+    stranger.write_all(&frame("DATA", b"x")).await.unwrap();
+    let s = wait_until(&h, "two refusals", |s| s.commands_refused.values().sum::<u64>() == 2).await;
+    assert_eq!(s.commands_refused.get("RC_CMD"), Some(&1));
+    assert_eq!(s.commands_refused.get("ALERT"), Some(&1));
+    assert!(
+        shoal_dispatcher::server::metrics_text(&s)
+            .contains("shoal_dispatcher_commands_refused_total{tag=\"RC_CMD\"} 1")
+    );
+    let mut friend = connect_from(allowed, h.addr).await;
+    friend.write_all(&frame("RC_CMD", b"* START")).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(Duration::from_secs(20), sub.next_message()).await.unwrap().unwrap();
+        got.push((m.tag.to_string(), String::from_utf8_lossy(&m.payload).into_owned()));
+    }
+    assert_eq!(got, [("DATA".to_string(), "x".to_string()), ("RC_CMD".to_string(), "* START".to_string())]);
+    // The stranger is still connected: it may go on publishing data.
+    stranger.write_all(&frame("DATA", b"y")).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(20), sub.next_message()).await.unwrap().unwrap();
+    assert_eq!(&m.payload[..], b"y");
+    cancel.cancel();
+}

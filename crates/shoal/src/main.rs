@@ -195,6 +195,11 @@ struct DispatcherArgs {
     /// trust; docs/security.md). Without it a non-loopback address is refused.
     #[arg(long)]
     insecure: bool,
+    /// Networks whose clients may publish command tags (RC_CMD, ALERT), as ADDRESS/PREFIX;
+    /// repeat for several. Default: this host only (127.0.0.0/8, ::1). From anywhere else
+    /// such a message is dropped and counted; subscribing and other tags are anyone's.
+    #[arg(long = "control-from", value_name = "NET")]
+    control_from: Vec<shoal_core::controlhost::IpNet>,
     /// Messages queued per client before any-mode (w) messages are dropped for it.
     #[arg(long, default_value_t = 100)]
     queue_limit: usize,
@@ -610,6 +615,13 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     Ok(exit_code(&summary, args.min_complete))
 }
 
+fn cfg_access_text(nets: &[shoal_core::controlhost::IpNet]) -> String {
+    match nets {
+        [] => "this host only".into(),
+        nets => nets.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+    }
+}
+
 async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     use shoal_core::controlhost::RouterConfig;
     use shoal_dispatcher::server::{DispatcherConfig, serve_http, spawn_dispatcher};
@@ -624,6 +636,10 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
         },
         max_payload: args.max_payload_mb.saturating_mul(1 << 20).min(i32::MAX as u32),
         max_clients: args.max_clients.max(1),
+        access: match args.control_from.is_empty() {
+            true => shoal_core::controlhost::CommandAccess::default(),
+            false => shoal_core::controlhost::CommandAccess::new(args.control_from.clone()),
+        },
     };
     let http_off_loopback =
         args.http != "off" && args.http.parse::<std::net::SocketAddr>().is_ok_and(|a| !a.ip().is_loopback());
@@ -649,7 +665,11 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
         .and_then(|()| socket.listen(4096))
         .with_context(|| format!("binding the dispatcher port {}", args.listen))?;
     let (handle, core) = spawn_dispatcher(listener, cfg, cancel.clone())?;
-    eprintln!("shoal dispatcher listening on {}", handle.addr);
+    eprintln!(
+        "shoal dispatcher listening on {}; command tags from {}",
+        handle.addr,
+        cfg_access_text(&args.control_from)
+    );
     if args.http != "off" {
         let addr: std::net::SocketAddr = args.http.parse().with_context(|| format!("--http {:?}", args.http))?;
         let http = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding HTTP port {addr}"))?;
