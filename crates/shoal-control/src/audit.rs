@@ -48,8 +48,13 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// Events kept in memory for the run records (the log file has them all).
+const RECENT: usize = 1000;
+
 #[derive(Default)]
 struct Inner {
+    /// The latest events with their time, for [`Audit::between`].
+    recent: std::collections::VecDeque<(std::time::SystemTime, AuditEvent)>,
     counts: BTreeMap<(String, String), u64>,
     /// The second and how many refusals were written in it.
     refusal_second: (u64, u32),
@@ -95,6 +100,10 @@ impl Audit {
             inner.refusal_second.1 += 1;
             event.held_back = std::mem::take(&mut inner.held_back);
         }
+        if inner.recent.len() == RECENT {
+            inner.recent.pop_front();
+        }
+        inner.recent.push_back((now, event.clone()));
         tracing::info!(kind = %event.kind, what = %event.what, outcome = %event.outcome, reason = %event.reason,
             identity = %event.identity, address = %event.address, "audit");
         let line = serde_json::to_string(&event).expect("an event serialises");
@@ -107,6 +116,12 @@ impl Audit {
             inner.failed_writes += 1;
             tracing::warn!(path = %self.path.display(), error = %e, "cannot write the audit log");
         }
+    }
+
+    /// The events written between `from` and `to` (of the latest [`RECENT`]): a run's.
+    pub fn between(&self, from: std::time::SystemTime, to: std::time::SystemTime) -> Vec<AuditEvent> {
+        let inner = self.inner.lock().expect("audit lock");
+        inner.recent.iter().filter(|(t, _)| *t >= from && *t <= to).map(|(_, e)| e.clone()).collect()
     }
 
     /// Events by (kind, outcome), and how many could not be written.
@@ -201,6 +216,10 @@ mod tests {
         let refused: Vec<_> = events.iter().filter(|e| e.outcome == "refused").collect();
         assert_eq!(refused.len(), REFUSALS_PER_SECOND as usize + 1);
         assert_eq!(refused.last().unwrap().held_back, 1000 - u64::from(REFUSALS_PER_SECOND));
+        // A run of that second holds what was written in it.
+        let in_run = audit.between(second, second);
+        assert_eq!(in_run.len(), 1 + REFUSALS_PER_SECOND as usize);
+        assert_eq!(in_run[0].what, "START");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

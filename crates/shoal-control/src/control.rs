@@ -207,6 +207,13 @@ pub struct RunRecord {
     /// Every lost slice's primary cause and the problems seen during the run
     /// (`shoal diagnose` prints it; docs/monitoring.md).
     pub diagnosis: RunDiagnosis,
+    /// How the cluster was protected (docs/security.md): `tokens` (the HTTP API took
+    /// tokens, every address on loopback but the UI's), `loopback` (no security, every
+    /// address on loopback) or `insecure` (`cluster.insecure = true`: addresses off
+    /// loopback that nothing authenticates).
+    pub security: &'static str,
+    /// The HTTP API's commands, alerts and refusals during the run, with who and from where.
+    pub audit: Vec<crate::audit::AuditEvent>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -324,6 +331,8 @@ pub struct Controller {
     diagnose_now: bool,
     /// Automatic recoveries carried out (`cluster.auto_recover`), for the run record.
     recoveries: Vec<Recovery>,
+    /// The HTTP API's audit log, whose events during a run go into its record.
+    audit: Option<Arc<crate::audit::Audit>>,
 }
 
 /// An automatic recovery run control carried out.
@@ -341,6 +350,11 @@ pub struct Recovery {
 pub const DIAGNOSIS_INTERVAL: Duration = Duration::from_secs(1);
 
 impl Controller {
+    /// Puts the HTTP API's audit events of each run into its record.
+    pub fn set_audit(&mut self, audit: Arc<crate::audit::Audit>) {
+        self.audit = Some(audit);
+    }
+
     /// Starts discovering the processes at once (`* STATUS`).
     pub fn new(
         file: ClusterFile,
@@ -389,6 +403,7 @@ impl Controller {
             dispatcher_exits_seen: 0,
             diagnose_now: false,
             recoveries: Vec::new(),
+            audit: None,
         })
     }
 
@@ -934,7 +949,20 @@ impl Controller {
                 .cloned()
                 .collect(),
             diagnosis: RunDiagnosis::default(),
+            security: security_mode(&self.file),
+            audit: self.audit.as_ref().map(|a| a.between(meta.started, stopped)).unwrap_or_default(),
         }
+    }
+}
+
+/// The record's `security`: what protected the cluster.
+pub fn security_mode(file: &ClusterFile) -> &'static str {
+    if file.cluster.insecure {
+        "insecure"
+    } else if file.cluster.security.as_ref().is_some_and(|s| s.tokens.is_some()) {
+        "tokens"
+    } else {
+        "loopback"
     }
 }
 
@@ -997,6 +1025,20 @@ pub fn load_history(state_dir: &std::path::Path, limit: usize) -> Vec<RunBrief> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_says_what_protected_the_cluster() {
+        let mut file: ClusterFile = toml::from_str(
+            "[cluster]\n[[process]]\nname = \"w\"\nrole = \"writer\"\n[config.run]\nsources = 0\nbuilders = 0\n",
+        )
+        .unwrap();
+        assert_eq!(security_mode(&file), "loopback");
+        file.cluster.security =
+            Some(crate::security::SecuritySettings { tokens: Some("t".into()), ..Default::default() });
+        assert_eq!(security_mode(&file), "tokens");
+        file.cluster.insecure = true;
+        assert_eq!(security_mode(&file), "insecure", "insecure wins: something is off loopback unauthenticated");
+    }
 
     #[test]
     fn run_numbers_never_repeat_even_when_the_counter_is_lost() {

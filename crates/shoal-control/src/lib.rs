@@ -240,11 +240,13 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     let exits = watch_exits(launched, incoming_tx, relaunch);
 
     let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx, clock)?;
+    let guard = guard_of(&file)?;
+    controller.set_audit(guard.audit.clone());
     controller.discover().await?;
 
     let http_cancel = CancellationToken::new();
     let (cmd_tx, cmd_rx) = mpsc::channel::<ClusterCommand>(1);
-    serve_ui(&file, &shared, cmd_tx, &state_dir, dispatcher, &http_cancel).await?;
+    serve_ui(&file, &shared, cmd_tx, &state_dir, dispatcher, guard, &http_cancel).await?;
 
     let mut ok = if args.interactive {
         follow_commands(&mut controller, cmd_rx, &interrupted).await?
@@ -289,6 +291,7 @@ fn cluster_file(args: &RunOptions) -> anyhow::Result<ClusterFile> {
 fn initial_status(file: &ClusterFile, state_dir: &std::path::Path) -> ClusterStatus {
     ClusterStatus {
         cluster: file.cluster.name.clone(),
+        security: control::security_mode(file).to_string(),
         processes: file
             .processes
             .iter()
@@ -403,6 +406,7 @@ async fn serve_ui(
     cmd_tx: mpsc::Sender<ClusterCommand>,
     state_dir: &std::path::Path,
     dispatcher: std::net::SocketAddr,
+    guard: http::Guard,
     cancel: &CancellationToken,
 ) -> anyhow::Result<()> {
     if file.cluster.http == "off" {
@@ -414,7 +418,6 @@ async fn serve_ui(
     let local = l.local_addr()?;
     // Scripts (and the tests) read this line to find the UI.
     println!("run control UI: http://{local}/");
-    let guard = guard_of(file)?;
     match &guard.tokens {
         Some(_) => {
             println!("run control UI needs a token (docs/security.md); audit log {}", guard.audit.path().display())

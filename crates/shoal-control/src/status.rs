@@ -86,6 +86,8 @@ pub struct RunBrief {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ClusterStatus {
     pub cluster: String,
+    /// What protects the cluster: `tokens`, `loopback` or `insecure` (docs/security.md).
+    pub security: String,
     /// The common state of the active processes, `MIXED` when they differ.
     pub state: String,
     /// The command being carried out, if any.

@@ -110,6 +110,7 @@ window.shoalStatus = null; // for the browser test and for curious users in the 
 function render(s) {
   window.shoalStatus = s;
   $("cluster").textContent = s.cluster;
+  $("insecure").hidden = s.security !== "insecure";
   $("state").textContent = s.state;
   $("state").className = "state " + s.state.replace(/\s/g, "_");
   $("run").textContent = s.run === null || s.run === undefined ? "-" : s.run;
