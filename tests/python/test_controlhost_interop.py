@@ -18,11 +18,11 @@ from shoal_cluster import free_port
 TIMEOUT = 15
 
 
-@pytest.fixture
-def dispatcher(shoal_bin):
+def start_dispatcher(shoal_bin, *extra):
+    """`shoal dispatcher` on free loopback ports; (process, (host, port, http port))."""
     port, http = free_port(), free_port()
     proc = subprocess.Popen(
-        [str(shoal_bin), "dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}"],
+        [str(shoal_bin), "dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}", *extra],
         stderr=subprocess.PIPE,
     )
     deadline = time.time() + TIMEOUT
@@ -35,7 +35,13 @@ def dispatcher(shoal_bin):
     else:
         proc.kill()
         raise RuntimeError("dispatcher did not start")
-    yield ("127.0.0.1", port, http)
+    return proc, ("127.0.0.1", port, http)
+
+
+@pytest.fixture
+def dispatcher(shoal_bin):
+    proc, d = start_dispatcher(shoal_bin)
+    yield d
     proc.terminate()
     proc.wait(timeout=10)
 
@@ -204,21 +210,9 @@ def test_a_stranger_s_control_tags_are_refused_while_chpump_keeps_receiving(shoa
     only 127.0.0.2 may command, so km3pipe's client on 127.0.0.1 is the stranger."""
     from km3pipe.io.ch import CHPump
 
-    port, http = free_port(), free_port()
-    proc = subprocess.Popen(
-        [str(shoal_bin), "dispatcher", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{http}",
-         "--control-from", "127.0.0.2/32"],
-        stderr=subprocess.PIPE,
-    )
-    d = ("127.0.0.1", port, http)
+    proc, d = start_dispatcher(shoal_bin, "--control-from", "127.0.0.2/32")
+    http = d[2]
     try:
-        deadline = time.time() + TIMEOUT
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", http), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.05)
         pump = CHPump(host=d[0], port=d[1], tags="IO_EVT,RC_CMD", timeout=TIMEOUT, max_queue=10)
         try:
             subscribed(d, "w IO_EVT w RC_CMD")

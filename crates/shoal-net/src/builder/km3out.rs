@@ -77,11 +77,14 @@ struct Frames {
 #[derive(Clone, Debug)]
 pub struct Km3Settings {
     det_id: i32,
+    /// The run number as KM3NeT's headers carry it.
     run: i32,
     first_slice: Option<u64>,
     slice_clock: SliceClock,
     params: DataFilterParams,
+    /// Source id to DOM id (for event hits).
     doms: Vec<u32>,
+    /// Each DOM's PMT directions (for L2), from the detector file.
     directions: HashMap<u32, Vec<[f64; 3]>>,
     l2_ct_min: f64,
     publish: Vec<&'static str>,
@@ -114,18 +117,7 @@ impl Km3Settings {
 /// The KM3NeT stage of one builder's filter thread.
 pub struct Km3Out {
     builder: u32,
-    det_id: i32,
-    run: i32,
-    first_slice: Option<u64>,
-    slice_clock: SliceClock,
-    params: DataFilterParams,
-    /// Source id to DOM id (for event hits).
-    doms: Vec<u32>,
-    /// Each DOM's PMT directions (for L2), from the detector file.
-    directions: HashMap<u32, Vec<[f64; 3]>>,
-    l2_ct_min: f64,
-    publish: Vec<&'static str>,
-    files: Option<(PathBuf, u64)>,
+    s: Km3Settings,
     open: HashMap<&'static str, std::io::BufWriter<std::fs::File>>,
     trigger_counter: u64,
     report: Km3OutReport,
@@ -134,24 +126,7 @@ pub struct Km3Out {
 impl Km3Out {
     /// The stage for builder `builder`.
     pub fn new(s: Km3Settings, builder: u32) -> Self {
-        let Km3Settings { det_id, run, first_slice, slice_clock, params, doms, directions, l2_ct_min, publish, files } =
-            s;
-        Self {
-            builder,
-            det_id,
-            run,
-            first_slice,
-            slice_clock,
-            params,
-            doms,
-            directions,
-            l2_ct_min,
-            publish,
-            files,
-            open: HashMap::new(),
-            trigger_counter: 0,
-            report: Km3OutReport::default(),
-        }
+        Self { builder, s, open: HashMap::new(), trigger_counter: 0, report: Km3OutReport::default() }
     }
 
     /// The slice's superframes decoded, and their hits as the filter's fragments.
@@ -200,13 +175,13 @@ impl Km3Out {
         }
         f.frames.sort_by_key(|(_, _, fr)| fr.dom_id);
         let header = f.header.unwrap_or_else(|| {
-            let index = self.first_slice.map_or(0, |first| slice.saturating_sub(first) + 1);
-            JdaqHeader::at(self.det_id, self.run, index as i32, self.slice_clock.start_of(slice).as_nanos())
+            let index = self.s.first_slice.map_or(0, |first| slice.saturating_sub(first) + 1);
+            JdaqHeader::at(self.s.det_id, self.s.run, index as i32, self.s.slice_clock.start_of(slice).as_nanos())
         });
         self.report.timeslices += 1;
         self.report.frames += f.frames.len() as u64;
         let dom_of: HashMap<SourceId, u32> = f.frames.iter().map(|(s, _, fr)| (*s, fr.dom_id)).collect();
-        for tag in self.publish.clone() {
+        for tag in self.s.publish.clone() {
             let messages: Vec<Vec<u8>> = match tag {
                 "IO_TSL0" => vec![timeslice_of_superframes(TYPE_L0, &header, f.frames.iter().map(|(_, b, _)| &b[..]))],
                 "IO_TSL1" | "IO_TSSN" => {
@@ -214,7 +189,7 @@ impl Km3Out {
                     let enc: Vec<Vec<u8>> = f
                         .frames
                         .iter()
-                        .map(|(_, _, fr)| encode_superframe(&header, &filtered_frame(fr, &self.params, sn)))
+                        .map(|(_, _, fr)| encode_superframe(&header, &filtered_frame(fr, &self.s.params, sn)))
                         .collect();
                     let kind = if sn { TYPE_SN } else { TYPE_L1 };
                     vec![timeslice_of_superframes(kind, &header, enc.iter().map(Vec::as_slice))]
@@ -224,14 +199,17 @@ impl Km3Out {
                         .frames
                         .iter()
                         .map(|(_, _, fr)| {
-                            let dirs = self.directions.get(&fr.dom_id).map_or(&[][..], Vec::as_slice);
-                            encode_superframe(&header, &l2_frame(fr, self.params.l1_window_ns, dirs, self.l2_ct_min))
+                            let dirs = self.s.directions.get(&fr.dom_id).map_or(&[][..], Vec::as_slice);
+                            encode_superframe(
+                                &header,
+                                &l2_frame(fr, self.s.params.l1_window_ns, dirs, self.s.l2_ct_min),
+                            )
                         })
                         .collect();
                     vec![timeslice_of_superframes(TYPE_L2, &header, enc.iter().map(Vec::as_slice))]
                 }
                 "IO_SUM" => {
-                    let slice_ns = self.slice_clock.length().as_nanos() as u64;
+                    let slice_ns = self.s.slice_clock.length().as_nanos() as u64;
                     let s = JdaqSummaryslice {
                         header,
                         frames: f.frames.iter().map(|(_, _, fr)| summary_frame(fr, slice_ns)).collect(),
@@ -256,7 +234,7 @@ impl Km3Out {
     }
 
     fn event(&self, header: &JdaqHeader, e: &Event, dom_of: &HashMap<SourceId, u32>) -> JdaqEvent {
-        let dom = |s: SourceId| dom_of.get(&s).copied().or_else(|| self.doms.get(s as usize).copied()).unwrap_or(s);
+        let dom = |s: SourceId| dom_of.get(&s).copied().or_else(|| self.s.doms.get(s as usize).copied()).unwrap_or(s);
         let hit = |h: &shoal_trigger::EventHit| JdaqHit {
             dom_id: dom(h.source),
             channel: h.channel,
@@ -275,7 +253,7 @@ impl Km3Out {
     }
 
     fn write(&mut self, tag: &'static str, bytes: &[u8]) {
-        let Some((dir, run)) = &self.files else { return };
+        let Some((dir, run)) = &self.s.files else { return };
         let file = match self.open.entry(tag) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -286,7 +264,7 @@ impl Km3Out {
                     Err(e) => {
                         warn!(path = %path.display(), "km3net: cannot write DAQ file: {e}");
                         self.report.file_errors += 1;
-                        self.files = None;
+                        self.s.files = None;
                         return;
                     }
                 }
