@@ -49,7 +49,7 @@ fn is_zero(n: &u64) -> bool {
 }
 
 /// Events kept in memory for the run records (the log file has them all).
-const RECENT: usize = 1000;
+pub const RECENT: usize = 1000;
 
 #[derive(Default)]
 struct Inner {
