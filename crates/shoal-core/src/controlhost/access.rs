@@ -59,7 +59,14 @@ impl std::str::FromStr for IpNet {
             None => max,
             Some(p) => p.parse::<u8>().ok().filter(|&p| p <= max).ok_or_else(|| format!("{s:?}: prefix 0 to {max}"))?,
         };
-        Ok(IpNet { addr: unmapped(addr), prefix })
+        // An IPv4 network written as IPv4-mapped IPv6 (`::ffff:a.b.c.d/120`) is that IPv4
+        // network, its prefix counted in the IPv4 bits; a shorter prefix reaches beyond the
+        // mapped range and stays an IPv6 network. (Found by the `security` fuzz target: the
+        // mapped address with its IPv6 prefix overflowed the IPv4 mask.)
+        match (addr, unmapped(addr)) {
+            (IpAddr::V6(_), IpAddr::V4(v4)) if prefix >= 96 => Ok(IpNet { addr: IpAddr::V4(v4), prefix: prefix - 96 }),
+            _ => Ok(IpNet { addr, prefix }),
+        }
     }
 }
 
@@ -131,6 +138,11 @@ mod tests {
         assert!("127.0.0.1/33".parse::<IpNet>().is_err());
         assert!("localhost".parse::<IpNet>().is_err());
         assert_eq!("192.0.2.3/24".parse::<IpNet>().unwrap().to_string(), "192.0.2.3/24");
+        let mapped: IpNet = "::ffff:192.0.2.1/120".parse().unwrap();
+        assert_eq!(mapped.to_string(), "192.0.2.1/24", "an IPv4-mapped network is the IPv4 one");
+        assert!(mapped.contains(ip("192.0.2.200")) && !mapped.contains(ip("192.0.3.1")));
+        let wide: IpNet = "::ffff:0.0.0.0/80".parse().unwrap();
+        assert!(!wide.contains(ip("192.0.2.1")), "a prefix beyond the mapped range stays IPv6");
     }
 
     #[test]
