@@ -116,11 +116,15 @@ impl TokenFile {
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading the token file {}", path.display()))?;
-        let file: TokenFile =
-            toml::from_str(&text).with_context(|| format!("parsing the token file {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("the token file {}", path.display()))
+    }
+
+    /// A token file's text, every entry checked.
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        let file: TokenFile = toml::from_str(text).context("parsing")?;
         for t in &file.tokens {
             if t.sha256.len() != 64 || !t.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                bail!("token file {}: {:?} has no SHA-256 (64 hex digits)", path.display(), t.name);
+                bail!("{:?} has no SHA-256 (64 hex digits)", t.name);
             }
         }
         Ok(file)

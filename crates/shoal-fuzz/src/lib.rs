@@ -291,6 +291,40 @@ pub fn alerts(data: &[u8]) {
     }
 }
 
+/// What the security checks read from strangers: an `Authorization` header against a set
+/// of tokens for every role, a token file, a network (`--control-from`,
+/// `cluster.command_from`), and a command tag from an address the bytes name.
+pub fn security(data: &[u8]) {
+    use shoal_control::security::{Role, TokenEntry, TokenFile, Tokens};
+    use shoal_core::controlhost::{CommandAccess, IpNet, Tag};
+    let text = String::from_utf8_lossy(data);
+    let known = TokenEntry { name: "a".into(), role: Role::Operator, sha256: "0".repeat(64), created: 0 };
+    let mut tokens = Tokens::new(TokenFile { tokens: vec![known] });
+    if let Ok(file) = TokenFile::parse(&text) {
+        tokens = Tokens::new(file);
+    }
+    for role in [Role::Viewer, Role::Operator, Role::Admin] {
+        let _ = tokens.authorize(Some(&text), role);
+        let _ = tokens.authorize(text.lines().next(), role);
+    }
+    if let Ok(net) = text.trim().parse::<IpNet>() {
+        let _ = net.to_string();
+        for ip in ["127.0.0.1", "::1", "192.0.2.1", "::ffff:192.0.2.1"] {
+            let _ = net.contains(ip.parse().expect("an address"));
+        }
+    }
+    if let (Some(tag), Some(rest)) = (data.get(..8).and_then(Tag::new), data.get(8..)) {
+        let ip = match <[u8; 16]>::try_from(rest.get(..16).unwrap_or(&[])) {
+            Ok(v6) => std::net::IpAddr::from(v6),
+            Err(_) => match <[u8; 4]>::try_from(rest.get(..4).unwrap_or(&[])) {
+                Ok(v4) => std::net::IpAddr::from(v4),
+                Err(_) => std::net::IpAddr::from([127, 0, 0, 1]),
+            },
+        };
+        let _ = CommandAccess::default().allows(&tag, ip);
+    }
+}
+
 /// Bytes at a source's input (`source.input = "unix:"`): the stream decoder fed in chunks
 /// whose size comes from the first byte, every frame submitted to an ingest; then every
 /// slice taken, late fragments polled and the run finished, after which the ingest's own
@@ -401,7 +435,7 @@ pub fn jdaq(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 12] = [
+pub const TARGETS: [(&str, Target); 13] = [
     ("frame_stream", frame_stream),
     ("frame_reads", frame_reads),
     ("events", events),
@@ -414,4 +448,5 @@ pub const TARGETS: [(&str, Target); 12] = [
     ("input", input),
     ("clb", clb),
     ("jdaq", jdaq),
+    ("security", security),
 ];
