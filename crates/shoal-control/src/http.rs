@@ -125,12 +125,19 @@ async fn check_caller(
         None => None,
         Some(tokens) => {
             let need = if writes { Role::Operator } else { Role::Viewer };
-            match tokens.authorize(presented(req.headers(), websocket).as_deref(), need) {
+            let presented = presented(req.headers(), websocket);
+            match tokens.authorize(presented.as_deref(), need) {
                 Ok(who) => Some(who),
                 Err(r) => {
-                    let who = presented(req.headers(), websocket)
-                        .and_then(|p| p.strip_prefix("Bearer ").and_then(|t| tokens.identify(t.trim())));
-                    return refused(r, who.as_ref());
+                    // A known token with too small a role: the audit names its holder.
+                    let holder = match r {
+                        Refusal::Role { .. } => presented
+                            .as_deref()
+                            .and_then(|p| p.strip_prefix("Bearer "))
+                            .and_then(|t| tokens.identify(t.trim())),
+                        _ => None,
+                    };
+                    return refused(r, holder.as_ref());
                 }
             }
         }
