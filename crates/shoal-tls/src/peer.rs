@@ -40,7 +40,7 @@ impl PeerName {
 /// The refusal for a certificate whose role the port does not take.
 fn wrong_role(cert: &CertificateDer<'_>, roles: &[String]) -> Result<PeerName, Error> {
     let peer = PeerName::of(cert).ok_or_else(|| Error::General("the certificate names no process".into()))?;
-    if roles.iter().any(|r| *r == peer.role) {
+    if roles.contains(&peer.role) {
         Ok(peer)
     } else {
         Err(Error::General(format!("{peer} is not a process this port takes (it takes: {})", roles.join(", "))))
