@@ -60,6 +60,10 @@ pub struct HttpStats {
     pub connection_errors: AtomicU64,
     pub request_timeouts: AtomicU64,
     pub open: AtomicU64,
+    /// TLS handshakes refused or not made in time (a web configuration with TLS).
+    pub tls_refused: AtomicU64,
+    /// Requests without the basic-auth credentials the web configuration asks for (401).
+    pub auth_refused: AtomicU64,
 }
 
 impl HttpStats {
@@ -114,6 +118,52 @@ pub async fn serve(
     name: &'static str,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
+    serve_with(listener, router, limits, stats, name, None, cancel).await
+}
+
+/// The answer to a request without the basic-auth credentials a web configuration asks for.
+fn basic_auth_refused() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (
+        axum::http::StatusCode::UNAUTHORIZED,
+        [(axum::http::header::WWW_AUTHENTICATE, "Basic realm=\"shoal\"")],
+        "credentials required\n",
+    )
+        .into_response()
+}
+
+/// [`serve`] under a Prometheus web configuration (`web`: TLS with or without client
+/// certificates, bcrypt basic-auth users). A TLS handshake must end within the header
+/// timeout; one that fails is counted (`tls_refused`) and closes only its connection.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    limits: HttpLimits,
+    stats: Arc<HttpStats>,
+    name: &'static str,
+    web: Option<Arc<shoal_tls::web::WebConfig>>,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let router = match &web {
+        Some(w) if w.requires_basic_auth() => {
+            let w = w.clone();
+            let refused = stats.clone();
+            router.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let (w, refused) = (w.clone(), refused.clone());
+                async move {
+                    let header = req.headers().get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+                    if w.authorize(header) {
+                        next.run(req).await
+                    } else {
+                        refused.auth_refused.fetch_add(1, Ordering::Relaxed);
+                        basic_auth_refused()
+                    }
+                }
+            }))
+        }
+        _ => router,
+    };
+    let tls = web.as_ref().and_then(|w| w.tls.clone()).map(tokio_rustls::TlsAcceptor::from);
     let timeout = limits.request_timeout;
     let timeouts = stats.clone();
     let router = router.layer(axum::middleware::from_fn(move |req, next: axum::middleware::Next| {
@@ -166,23 +216,26 @@ pub async fn serve(
         stats.accepted.fetch_add(1, Ordering::Relaxed);
         // Handlers may ask who is calling (`ConnectInfo`): run control's guard audits it.
         let service = TowerToHyperService::new(router.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer))));
-        let (stats, cancel) = (stats.clone(), cancel.clone());
+        let (stats, cancel, tls) = (stats.clone(), cancel.clone(), tls.clone());
         connections.spawn(async move {
-            let conn = http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_timeout)
-                .serve_connection(TokioIo::new(stream), service)
-                .with_upgrades();
-            tokio::pin!(conn);
-            let result = tokio::select! {
-                r = conn.as_mut() => r,
-                _ = cancel.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.as_mut().await
-                }
+            let result = match tls {
+                None => serve_connection(stream, service, limits, &cancel).await,
+                Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => serve_connection(stream, service, limits, &cancel).await,
+                    Ok(Err(e)) => {
+                        stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+                        say(name, &format!("TLS handshake from {peer} refused: {e}"));
+                        Ok(())
+                    }
+                    Err(_) => {
+                        stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+                        say(name, &format!("no TLS handshake from {peer} in time: closed"));
+                        Ok(())
+                    }
+                },
             };
-            // The place is free before the socket closes (with `conn`, at the end): a
-            // peer that sees its connection end may connect again at once.
+            // The place is free before the socket closes (with the connection, at the
+            // end): a peer that sees its connection end may connect again at once.
             drop(slot);
             if let Err(e) = result {
                 stats.connection_errors.fetch_add(1, Ordering::Relaxed);
@@ -194,4 +247,29 @@ pub async fn serve(
     // Open connections were told to finish; a hostile one does not hold up the exit.
     let _ = tokio::time::timeout(Duration::from_secs(2), connections.wait()).await;
     Ok(())
+}
+
+/// One HTTP/1 connection (plain or TLS) until it ends or `cancel` (then gracefully).
+async fn serve_connection<I>(
+    io: I,
+    service: TowerToHyperService<Router>,
+    limits: HttpLimits,
+    cancel: &CancellationToken,
+) -> Result<(), hyper::Error>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => r,
+        _ = cancel.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            conn.as_mut().await
+        }
+    }
 }

@@ -31,6 +31,21 @@ pub struct Config {
     pub saver: SaverSettings,
     pub tap: TapSettings,
     pub km3net: Km3netSettings,
+    pub security: SecurityConfig,
+}
+
+/// The bulk path's security (`[security]`; docs/security.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// `off`; `authenticated`: both ends of every data connection (sources to builders,
+    /// builders to the writer and to the data-flow manager) prove their certificate from
+    /// the cluster CA at connect, then plain TCP; `tls`: TLS 1.3 for the connection's life.
+    pub data: shoal_tls::DataSecurity,
+    /// This process's certificates (never in a file: a node loads its own, the embedded
+    /// demo makes throw-away ones).
+    #[serde(skip)]
+    pub credentials: crate::transport::secure::DataCredentials,
 }
 
 /// KM3NeT mode (`[km3net]`; docs/km3net.md): sources take CLB packets
@@ -636,6 +651,11 @@ impl Config {
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
             return invalid("udp.max_payload must be at least 64 bytes");
         }
+        if self.transport()? == Transport::Udp && self.security.data != shoal_tls::DataSecurity::Off {
+            return invalid(
+                "security.data protects TCP connections; run.transport = \"udp\" has no per-run MAC yet (docs/security.md)",
+            );
+        }
         self.slice_clock()?;
         let r = &self.run;
         if r.sources == 0 || r.builders == 0 {
@@ -992,6 +1012,18 @@ impl Config {
             wall_timeout: Duration::from_millis(self.builder.wall_timeout_ms),
             memory_budget: self.builder.memory_budget_mb << 20,
         }
+    }
+
+    /// The handshake of `role`'s links to `peer_role` (`[security] data`).
+    pub fn data_connector(&self, role: &str, peer_role: &str) -> Result<shoal_tls::Connector, ConfigError> {
+        let sec = &self.security;
+        sec.credentials.connector(sec.data, role, peer_role).map_err(|e| ConfigError::Invalid(format!("{e:#}")))
+    }
+
+    /// The handshake on the ports of `role` (`[security] data`).
+    pub fn data_acceptor(&self, role: &str) -> Result<shoal_tls::Acceptor, ConfigError> {
+        let sec = &self.security;
+        sec.credentials.acceptor(sec.data, role).map_err(|e| ConfigError::Invalid(format!("{e:#}")))
     }
 
     /// The data path's transport.

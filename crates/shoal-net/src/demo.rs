@@ -158,6 +158,11 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     cfg.validate()?;
     cfg.probe_filter_plugin()?;
     cfg.share_saver_history();
+    // Every role in one process: a throw-away CA and a certificate per role, so that each
+    // port still checks the role it takes.
+    if cfg.security.data != shoal_tls::DataSecurity::Off && cfg.security.credentials.is_empty() {
+        cfg.security.credentials = crate::transport::secure::DataCredentials::ephemeral()?;
+    }
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();
     // An input socket (`source.input`) feeds one node: every source in it.

@@ -58,6 +58,12 @@ pub struct NodeOptions {
     pub stats_interval: StdDuration,
     /// The host's clock (with an error injected on purpose in tests: `WallClock::skewed`).
     pub clock: WallClock,
+    /// This process's certificate for `[security] data` (`--credentials DIR`; none: the
+    /// data path can only be `off`).
+    pub credentials: crate::transport::secure::DataCredentials,
+    /// The Prometheus web configuration of `/metrics` (`--web-config FILE`: TLS, client
+    /// certificates, basic-auth users).
+    pub web_config: Option<Arc<shoal_tls::web::WebConfig>>,
 }
 
 /// Periodic statistics of one process (payload of `RC_STATS`, JSON). Counters are totals
@@ -428,6 +434,14 @@ fn check_config(opts: &NodeOptions, text: &str) -> anyhow::Result<(Config, Confi
         }
     }
     cfg.validate()?;
+    if cfg.security.data != shoal_tls::DataSecurity::Off && opts.credentials.is_empty() {
+        anyhow::bail!(
+            "security.data = {:?} but this process has no certificate: run control hands one out with \
+             [cluster.security] ca_dir; by hand, `shoal node --credentials DIR` (docs/security.md)",
+            cfg.security.data.as_str()
+        );
+    }
+    cfg.security.credentials = opts.credentials.clone();
     crate::budget::apply_memory_plan(&mut cfg, opts.role)?;
     let hosted_sources = if opts.role == Role::Source { cfg.hosted_sources() } else { Vec::new() };
     Ok((cfg, Configured { digest, hosted_sources }))
@@ -778,9 +792,27 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
         "Network delay of the fragments a builder received (send to complete arrival)",
         delays,
     );
+    register_refusals(&mut reg, &labels);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out
+}
+
+/// Handshakes refused on this process's data ports, by reason (`[security] data`).
+fn register_refusals(reg: &mut prometheus_client::registry::Registry, labels: &[(String, String)]) {
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    let fam = Family::<Vec<(String, String)>, Counter>::default();
+    for (reason, n) in crate::transport::secure::REFUSED.snapshot() {
+        let mut l = labels.to_vec();
+        l.push(("reason".into(), reason.into()));
+        fam.get_or_create(&l).inc_by(n);
+    }
+    reg.register(
+        "shoal_data_handshakes_refused",
+        "Data connections refused in the handshake (security.data): no or a foreign certificate, another role's, expired, not TLS, too slow",
+        fam,
+    );
 }
 
 async fn serve_metrics(listener: TcpListener, opts: NodeOptions, live: Arc<Live>, cancel: CancellationToken) {
@@ -792,10 +824,11 @@ async fn serve_metrics(listener: TcpListener, opts: NodeOptions, live: Arc<Live>
             metrics_text(&opts, &live),
         )
     }
+    let web = opts.web_config.clone();
     let app = Router::new().route("/metrics", get(metrics)).with_state((opts, live));
     let limits = shoal_dispatcher::httpd::HttpLimits::default();
     let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
-    if let Err(e) = shoal_dispatcher::httpd::serve(listener, app, limits, stats, "metrics", cancel).await {
+    if let Err(e) = shoal_dispatcher::httpd::serve_with(listener, app, limits, stats, "metrics", web, cancel).await {
         warn!(error = %e, "metrics server failed");
     }
 }

@@ -112,6 +112,8 @@ async fn node_refuses_bad_configuration_and_reports_at_stop() {
         metrics: None,
         stats_interval: Duration::from_secs(3600),
         clock: WallClock::new(),
+        credentials: Default::default(),
+        web_config: None,
     };
     let node = tokio::spawn(run_controlled(opts, CancellationToken::new()));
     assert_eq!(next_text(&mut control).await, "writer IDLE ok");

@@ -266,6 +266,12 @@ impl std::fmt::Debug for Connector {
     }
 }
 
+impl Default for Connector {
+    fn default() -> Self {
+        Self::off()
+    }
+}
+
 impl Connector {
     /// Plain TCP.
     pub fn off() -> Self {
@@ -319,6 +325,12 @@ pub struct Acceptor {
 impl std::fmt::Debug for Acceptor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Acceptor").field("mode", &self.mode).finish_non_exhaustive()
+    }
+}
+
+impl Default for Acceptor {
+    fn default() -> Self {
+        Self::off()
     }
 }
 

@@ -146,6 +146,8 @@ enum Command {
     /// Measure a switch port's output buffer by flooding it from synchronised senders:
     /// its size in packets and bytes, and which of the two it limits.
     ProbeSwitch(probe::ProbeArgs),
+    /// The cluster's CA and its certificates (`shoal ca init DIR`, `shoal ca issue DIR NAME`).
+    Ca(security::CaArgs),
     /// Tokens for run control's HTTP API (`shoal token add FILE --name N --role R`).
     Token(security::TokenArgs),
     /// Print run control's audit log: every command, alert and refusal, who and from where.
@@ -243,6 +245,14 @@ struct NodeArgs {
     /// Serve Prometheus /metrics here (127.0.0.1:0: any free port).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// This process's certificate for `[security] data`: DIR/ca.pem, DIR/NAME.pem and
+    /// DIR/NAME.key, as `shoal ca issue` writes them (run control passes its own).
+    #[arg(long)]
+    credentials: Option<PathBuf>,
+    /// A Prometheus web configuration (web.yml) for /metrics: TLS, client certificates,
+    /// bcrypt basic-auth users.
+    #[arg(long)]
+    web_config: Option<PathBuf>,
     /// Statistics period under run control, milliseconds.
     #[arg(long, default_value_t = 1000)]
     stats_ms: u64,
@@ -480,6 +490,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             with_ctrl_c_ignored(move || probe::command(args)).await
         }
         Command::ProbeSwitch(args) => tokio::task::spawn_blocking(move || probe::command(args)).await?,
+        Command::Ca(args) => security::ca(args).map(|()| ExitCode::SUCCESS),
         Command::Token(args) => security::token(args).map(|()| ExitCode::SUCCESS),
         Command::Audit(args) => security::audit(args).map(|()| ExitCode::SUCCESS),
         Command::Config => {
@@ -722,7 +733,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     if let Some(dispatcher) = args.dispatcher {
         let opts = shoal_net::node::NodeOptions {
             role,
-            name: args.name.expect("clap requires --name"),
+            name: args.name.clone().expect("clap requires --name"),
             dispatcher,
             ids: args.ids,
             input: args.input,
@@ -730,6 +741,18 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             stats_interval: Duration::from_millis(args.stats_ms.max(50)),
             clock: WallClock::new()
                 .skewed((args.test_clock_offset_us * 1e3) as i64, (args.test_clock_drift_ppm * 1e3) as i64),
+            credentials: match &args.credentials {
+                Some(dir) => {
+                    let name = args.name.as_deref().expect("clap requires --name");
+                    let id = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(dir, name))?;
+                    shoal_net::transport::secure::DataCredentials::single(id)?
+                }
+                None => Default::default(),
+            },
+            web_config: match &args.web_config {
+                Some(f) => Some(std::sync::Arc::new(shoal_tls::web::WebConfig::load(f)?)),
+                None => None,
+            },
         };
         shoal_net::demo::raise_fd_limit();
         let cancel = ctrl_c_token();

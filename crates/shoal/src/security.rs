@@ -1,5 +1,5 @@
-//! `shoal token add` and `shoal audit`: the HTTP API's tokens and its audit log
-//! (docs/security.md).
+//! `shoal ca`, `shoal token add` and `shoal audit`: the cluster's CA and certificates, the
+//! HTTP API's tokens, and its audit log (docs/security.md).
 
 use std::path::PathBuf;
 
@@ -25,6 +25,68 @@ pub enum TokenCommand {
         #[arg(long)]
         role: Role,
     },
+}
+
+#[derive(clap::Args)]
+pub struct CaArgs {
+    #[command(subcommand)]
+    pub command: CaCommand,
+}
+
+#[derive(clap::Subcommand)]
+pub enum CaCommand {
+    /// A new cluster CA: DIR/ca.pem and DIR/ca.key (mode 0600). Refuses to replace one.
+    Init {
+        dir: PathBuf,
+        /// The cluster's name, in the CA's subject.
+        #[arg(long, default_value = "shoal")]
+        cluster: String,
+        /// Days the CA is valid.
+        #[arg(long, default_value_t = 3650)]
+        days: u32,
+    },
+    /// A certificate and key for one process or tool: DIR/NAME.pem and DIR/NAME.key (0600).
+    Issue {
+        dir: PathBuf,
+        /// The process name (`builder1`), as the cluster file names it.
+        name: String,
+        /// source, builder, writer, dfm, runcontrol, dispatcher or client (default: the
+        /// role NAME starts with).
+        #[arg(long)]
+        role: Option<String>,
+        /// A host name or IP address the process is reached at (repeatable); peers check
+        /// the address they connected to against these.
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = 365)]
+        days: u32,
+    },
+}
+
+pub fn ca(args: CaArgs) -> anyhow::Result<()> {
+    use shoal_tls::ca::{ClusterCa, IssueRequest};
+    match args.command {
+        CaCommand::Init { dir, cluster, days } => {
+            ClusterCa::init(&dir, &cluster, days)?;
+            eprintln!("cluster CA for {cluster:?}, valid {days} days:");
+            println!("{}", dir.join(shoal_tls::ca::CA_CERT).display());
+            Ok(())
+        }
+        CaCommand::Issue { dir, name, role, hosts, days } => {
+            let role = match role {
+                Some(r) => r,
+                None => IssueRequest::role_of(&name)
+                    .ok_or_else(|| anyhow::anyhow!("{name:?} starts with no role: give --role"))?
+                    .to_string(),
+            };
+            let ca = ClusterCa::load(&dir)?;
+            let (cert, key) = ca.issue_into(&dir, &IssueRequest::new(&name, &role, &hosts, days)?)?;
+            eprintln!("{role} certificate for {name:?} ({}), valid {days} days:", if hosts.is_empty() { "no hosts".to_string() } else { hosts.join(", ") });
+            println!("{} {}", cert.display(), key.display());
+            Ok(())
+        }
+    }
 }
 
 #[derive(clap::Args)]

@@ -11,7 +11,6 @@ use shoal_core::hit::HitPayload;
 use shoal_core::pullmsg::PullMessage;
 use shoal_core::slice::SliceNumber;
 use shoal_core::{Instant, SourceId};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -92,7 +91,7 @@ impl ToBuilder {
 
 /// Reads one source connection (epoll path): validated frames go to the assembler task.
 async fn read_connection(
-    stream: TcpStream,
+    stream: shoal_tls::DataStream,
     peer: SocketAddr,
     max_payload: u32,
     clock: WallClock,
@@ -238,24 +237,54 @@ pub(super) async fn accept_connections(
     limit: crate::transport::listen::ConnectionLimit,
     to: ToBuilder,
     uring: Option<crate::transport::uring::UringReceiver>,
+    secure: shoal_tls::Acceptor,
     max_payload: u32,
     clock: WallClock,
     edge: Option<Arc<WindowEdge>>,
     cancel: CancellationToken,
 ) -> u64 {
+    let uring = uring.map(Arc::new);
     let serve = |stream: tokio::net::TcpStream, peer, place| {
         let _ = stream.set_nodelay(true);
         let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
-        if let Some(uring) = &uring {
-            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
+        let to_uring = |uring: &crate::transport::uring::UringReceiver, stream, place| {
+            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge.clone(), tx.clone(), c.clone(), place)) {
                 // Closed: the source reconnects, and its link counts it.
                 warn!(%peer, "the io_uring receive thread is gone: connection closed");
             }
+        };
+        if secure.mode() == shoal_tls::DataSecurity::Off {
+            match &uring {
+                Some(uring) => to_uring(uring, stream, place),
+                None => {
+                    tokio::spawn(async move {
+                        read_connection(shoal_tls::DataStream::Plain(stream), peer, max_payload, clock, edge, tx, c).await;
+                        drop(place);
+                    });
+                }
+            }
             return;
         }
+        // The handshake first, in the connection's own task: a slow or hostile peer holds
+        // only its own place.
+        let (secure, uring) = (secure.clone(), uring.clone());
         tokio::spawn(async move {
-            read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
-            drop(place);
+            let Some(stream) = crate::transport::secure::accept(&secure, stream, peer, "data").await else {
+                return;
+            };
+            match (stream, &uring) {
+                // `authenticated`: a plain socket after the handshake, read where plain ones are.
+                (shoal_tls::DataStream::Plain(tcp), Some(uring)) => {
+                    if !uring.submit(tcp, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
+                        warn!(%peer, "the io_uring receive thread is gone: connection closed");
+                    }
+                }
+                // TLS is read by a task (io_uring reads bytes the TLS layer has to decrypt).
+                (stream, _) => {
+                    read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
+                    drop(place);
+                }
+            }
         });
     };
     let rejected = || {
@@ -275,7 +304,7 @@ mod tests {
 
     use super::*;
     use tokio::io::AsyncWriteExt;
-    use tokio::net::TcpListener;
+    use tokio::net::{TcpListener, TcpStream};
 
     /// A data fragment of source 0 for `slice`, encoded.
     fn fragment(slice: u64) -> Bytes {

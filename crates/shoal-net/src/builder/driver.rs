@@ -134,7 +134,7 @@ impl BuilderDriver {
         let mut node: BuilderNode<FragmentData> = BuilderNode::new(s.node);
         if let Some((credits, addr)) = s.pull {
             node = node.with_pull(credits);
-            tokio::spawn(dfm_client(addr, s.id, in_tx, readers.clone()));
+            tokio::spawn(dfm_client(addr, s.id, s.to_dfm.clone(), in_tx, readers.clone()));
         }
         info!(builder = s.id, n_sources = s.sources, pull = s.pull.is_some(), "builder started");
         Ok(Self {
@@ -466,14 +466,16 @@ fn start_accept(
         ),
     };
     let limit = ConnectionLimit::new(s.sources as usize);
-    Ok(tokio::spawn(accept_connections(listener, limit, to, uring, s.max_payload, clock, edge, readers.clone())))
+    let secure = s.data_port.clone();
+    Ok(tokio::spawn(accept_connections(listener, limit, to, uring, secure, s.max_payload, clock, edge, readers.clone())))
 }
 
 /// The link to the writer, with its failed sends counted.
 fn start_writer_link(s: &BuilderSettings, clock: WallClock, live: &Live) -> WriterLink {
     let (reports, mut reports_rx) = mpsc::unbounded_channel();
     let closing = CancellationToken::new();
-    let options = LinkOptions { paths: Some(live.paths.clone()), ..LinkOptions::default() };
+    let options =
+        LinkOptions { paths: Some(live.paths.clone()), connector: s.to_writer.clone(), ..LinkOptions::default() };
     let link =
         Arc::new(Link::spawn_with(s.id, s.writer_addr, clock, s.writer_backoff, reports, closing.clone(), options));
     let failed = tokio::spawn(async move {

@@ -20,11 +20,22 @@ use crate::transport::framed::{FrameReader, ReadEnd};
 use crate::transport::write_queue::write_queued;
 
 /// Pull: the connection to the data-flow manager, reconnecting until `cancel`.
-pub(super) async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<Incoming>, cancel: CancellationToken) {
+pub(super) async fn dfm_client(
+    addr: SocketAddr,
+    builder: u32,
+    connector: shoal_tls::Connector,
+    tx: mpsc::Sender<Incoming>,
+    cancel: CancellationToken,
+) {
     let mut delay = StdDuration::from_millis(20);
     loop {
+        let connect = async {
+            let s = TcpStream::connect(addr).await?;
+            let _ = s.set_nodelay(true);
+            crate::transport::secure::connect(&connector, s, addr).await
+        };
         let stream = tokio::select! {
-            r = TcpStream::connect(addr) => r,
+            r = connect => r,
             _ = cancel.cancelled() => return,
         };
         let stream = match stream {
@@ -40,7 +51,6 @@ pub(super) async fn dfm_client(addr: SocketAddr, builder: u32, tx: mpsc::Sender<
             }
         };
         delay = StdDuration::from_millis(20);
-        let _ = stream.set_nodelay(true);
         let (read, write) = stream.into_split();
         let (out, out_rx) = mpsc::unbounded_channel();
         tokio::spawn(write_queued(write, out_rx));

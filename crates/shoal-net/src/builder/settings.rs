@@ -43,6 +43,11 @@ pub struct BuilderSettings {
     pub held_receive_buffer: u64,
     pub writer_addr: SocketAddr,
     pub writer_backoff: Backoff,
+    /// The handshakes (`[security] data`): on the data port, to the writer, to the
+    /// data-flow manager.
+    pub data_port: shoal_tls::Acceptor,
+    pub to_writer: shoal_tls::Connector,
+    pub to_dfm: shoal_tls::Connector,
     pub saver: Option<SaverSettings>,
     pub filter: FilterSettings,
     /// `[tap] raw_every`: every n-th processed slice to the raw tap (0: none).
@@ -116,6 +121,9 @@ impl BuilderSettings {
                 min: StdDuration::from_millis(cfg.source.reconnect_min_ms.max(1)),
                 max: StdDuration::from_millis(cfg.source.reconnect_max_ms.max(1)),
             },
+            data_port: cfg.data_acceptor("builder")?,
+            to_writer: cfg.data_connector("builder", "writer")?,
+            to_dfm: cfg.data_connector("builder", "dfm")?,
             saver,
             filter: FilterSettings {
                 filter: cfg.builder.filter.clone(),

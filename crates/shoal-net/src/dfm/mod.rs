@@ -61,7 +61,7 @@ enum FromBuilder {
 }
 
 async fn read_builder(
-    stream: tokio::net::tcp::OwnedReadHalf,
+    stream: shoal_tls::data::DataRead,
     peer: SocketAddr,
     conn: u64,
     tx: mpsc::UnboundedSender<FromBuilder>,
@@ -113,6 +113,8 @@ pub struct DfmSettings {
     pub memory_limit: u64,
     /// `run.policy` as written, for the log.
     pub policy: String,
+    /// The handshake on the manager's port (`[security] data`).
+    pub port: shoal_tls::Acceptor,
 }
 
 impl DfmSettings {
@@ -127,6 +129,7 @@ impl DfmSettings {
             builders: cfg.run.builders,
             memory_limit: (cfg.builder.memory_budget_mb << 20) / 4 * 3,
             policy: cfg.run.policy.clone(),
+            port: cfg.data_acceptor("dfm")?,
         })
     }
 }
@@ -212,11 +215,18 @@ pub async fn run_dfm(
                     let conn = next_conn;
                     next_conn += 1;
                     report.connections += 1;
-                    let (read, write) = stream.into_split();
                     let (wtx, wrx) = mpsc::unbounded_channel();
-                    tokio::spawn(write_queued(write, wrx));
                     writers.insert(conn, wtx);
-                    tokio::spawn(read_builder(read, peer, conn, tx.clone(), readers.clone()));
+                    // The handshake in the connection's task, not in the manager's loop.
+                    let (port, tx, readers) = (s.port.clone(), tx.clone(), readers.clone());
+                    tokio::spawn(async move {
+                        let Some(stream) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
+                            return;
+                        };
+                        let (read, write) = stream.into_split();
+                        tokio::spawn(write_queued(write, wrx));
+                        read_builder(read, peer, conn, tx, readers).await;
+                    });
                 }
                 Err(e) => {
                     warn!(error = %e, "accept failed");

@@ -89,7 +89,12 @@ impl Links {
         // (`crate::transport::link`'s `PeerEnd`): nothing is left for the kernel to deliver
         // after this process is gone.
         let mut options =
-            LinkOptions { paths: Some(live.paths.clone()), wait_for_peer_close: true, ..LinkOptions::default() };
+            LinkOptions {
+            paths: Some(live.paths.clone()),
+            wait_for_peer_close: true,
+            connector: s.connector.clone(),
+            ..LinkOptions::default()
+        };
         if let Some(requests) = ends.requests {
             options.hello = s.node.sources.clone();
             options.requests = Some(requests);

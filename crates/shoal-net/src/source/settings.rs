@@ -35,6 +35,8 @@ pub struct SourceSettings {
     pub ahead_limit_bytes: u64,
     /// How long the links may take to deliver what is queued at the end.
     pub drain_timeout: StdDuration,
+    /// The handshake of every link to a builder (`[security] data`).
+    pub connector: shoal_tls::Connector,
 }
 
 impl SourceSettings {
@@ -70,6 +72,7 @@ impl SourceSettings {
             ahead_slices: prefetch::ahead_slices(cfg)?,
             ahead_limit_bytes: s.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES),
             drain_timeout: StdDuration::from_millis(s.drain_timeout_ms.max(1000)),
+            connector: cfg.data_connector("source", "builder")?,
         })
     }
 }

@@ -31,6 +31,33 @@ impl ReadSource for TcpStream {
     }
 }
 
+impl ReadSource for shoal_tls::DataStream {
+    async fn ready(&mut self) -> std::io::Result<()> {
+        match self {
+            shoal_tls::DataStream::Plain(s) => s.readable().await,
+            // Whether TLS has bytes to give is known only by reading.
+            shoal_tls::DataStream::Tls(_) => Ok(()),
+        }
+    }
+
+    async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        match self {
+            shoal_tls::DataStream::Plain(s) => s.read_buf(buf).await,
+            shoal_tls::DataStream::Tls(s) => s.read_buf(buf).await,
+        }
+    }
+}
+
+impl ReadSource for shoal_tls::data::DataRead {
+    async fn ready(&mut self) -> std::io::Result<()> {
+        shoal_tls::data::DataRead::ready(self).await
+    }
+
+    async fn read_into(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        self.read_buf(buf).await
+    }
+}
+
 impl ReadSource for OwnedReadHalf {
     async fn ready(&mut self) -> std::io::Result<()> {
         self.readable().await

@@ -27,7 +27,7 @@ use shoal_core::pullmsg::PullMessage;
 use shoal_core::{SourceId, slice::SliceNumber};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedWriteHalf;
+use shoal_tls::data::{DataRead, DataWrite};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -94,6 +94,8 @@ pub struct LinkOptions {
     /// At the end, wait until the peer has closed its side too (`PeerEnd`) before the
     /// task ends: a source's data links.
     pub wait_for_peer_close: bool,
+    /// The handshake after every connect (`[security] data`; plain TCP by default).
+    pub connector: shoal_tls::Connector,
 }
 
 /// What tells a link that its peer has closed the connection: the read half, or the task
@@ -108,7 +110,7 @@ pub struct LinkOptions {
 /// time.
 #[derive(Debug)]
 enum PeerEnd {
-    Read(tokio::net::tcp::OwnedReadHalf),
+    Read(DataRead),
     Reader(tokio::task::JoinHandle<()>),
 }
 
@@ -207,11 +209,12 @@ async fn back_off(delay: &mut Duration, max: Duration, closing: &CancellationTok
     *delay = (*delay * 2).min(max);
 }
 
-/// Connects, greets and starts the request reader; returns the write half and what
-/// tells of the peer's close.
-async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<(OwnedWriteHalf, PeerEnd)> {
+/// Connects, proves both ends (`options.connector`), greets and starts the request reader.
+async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::Result<Connection> {
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
+    let s = crate::transport::secure::connect(&options.connector, s, addr).await?;
+    let registered = options.paths.as_ref().map(|p| p.register(&s));
     let (read, mut write) = s.into_split();
     for &source in &options.hello {
         write.write_all(&PullMessage::SourceHello { source }.encode()).await?;
@@ -224,12 +227,12 @@ async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::R
         ))),
         None => PeerEnd::Read(read),
     };
-    Ok((write, peer))
+    Ok(Connection { registered, write, peer })
 }
 
 /// Reads a pull peer's requests until the connection ends; anything else closes it.
 async fn read_requests(
-    mut reader: FrameReader<tokio::net::tcp::OwnedReadHalf>,
+    mut reader: FrameReader<DataRead>,
     id: u32,
     requests: mpsc::UnboundedSender<(u32, PullRequestFrame)>,
 ) {
@@ -261,7 +264,7 @@ async fn read_requests(
 /// aborted).
 struct Connection {
     registered: Option<crate::paths::Registered>,
-    write: OwnedWriteHalf,
+    write: DataWrite,
     peer: PeerEnd,
 }
 
@@ -278,12 +281,6 @@ async fn run(
     options: LinkOptions,
 ) {
     let mut stream: Option<Connection> = None;
-    let paths = options.paths.clone();
-    let connection = |(write, peer): (OwnedWriteHalf, PeerEnd)| Connection {
-        registered: paths.as_ref().map(|p| p.register(write.as_ref())),
-        write,
-        peer,
-    };
     let mut delay = backoff.min;
     // After a failure mid-frame, the rest of that frame is skipped.
     let mut skipping: Option<(SourceId, SliceNumber)> = None;
@@ -298,7 +295,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
-                    stream = Some(connection(s));
+                    stream = Some(s);
                 }
                 Err(e) => {
                     debug!(link = id, %addr, error = %e, ?delay, "connect failed; retrying");
@@ -323,7 +320,7 @@ async fn run(
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
                     delay = backoff.min;
-                    stream.insert(connection(s))
+                    stream.insert(s)
                 }
                 Err(e) => {
                     if closing.is_cancelled() {
@@ -375,7 +372,7 @@ async fn run(
             if let Some(held_back) = WRITE_FAILED.check() {
                 warn!(link = id, %addr, error = %e, held_back, "write failed; reconnecting");
             }
-            if let Some(p) = &paths {
+            if let Some(p) = &options.paths {
                 p.count_link_failure();
             }
             stream = None;

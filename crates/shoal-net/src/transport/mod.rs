@@ -8,6 +8,8 @@
 //! - [`write_queue`]: control frames queued to one connection's write half;
 //! - [`udp`]: the datagram transport (selective retransmission, batched system calls);
 //! - [`uring`]: a builder's connections read through io_uring;
+//! - [`secure`]: the bulk path's handshakes (`[security] data`) and the certificates each
+//!   role presents;
 //! - [`timer`]: the microsecond timer sources wait on ([`timer::FineTimer`]).
 //!
 //! Nothing here knows a role: the roles (`crate::source`, `crate::builder`,
@@ -16,6 +18,7 @@
 pub mod framed;
 pub mod link;
 pub mod listen;
+pub mod secure;
 pub mod timer;
 pub mod udp;
 pub mod uring;

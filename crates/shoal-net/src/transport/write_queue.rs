@@ -2,13 +2,12 @@
 //! on a source connection, the data-flow manager's assignments on a builder connection.
 
 use bytes::Bytes;
-use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 /// Writes queued control frames to one connection until the queue closes or a write fails.
-pub async fn write_queued(w: OwnedWriteHalf, rx: mpsc::UnboundedReceiver<Bytes>) {
+pub async fn write_queued(w: impl AsyncWrite + Unpin, rx: mpsc::UnboundedReceiver<Bytes>) {
     write_queued_until(w, rx, CancellationToken::new()).await
 }
 
@@ -17,7 +16,7 @@ pub async fn write_queued(w: OwnedWriteHalf, rx: mpsc::UnboundedReceiver<Bytes>)
 /// this close before its process may end (`crate::transport::link`'s `PeerEnd`); in pull the request
 /// queue's other ends live on in the routes until the run is over.
 pub async fn write_queued_until(
-    mut w: OwnedWriteHalf,
+    mut w: impl AsyncWrite + Unpin,
     mut rx: mpsc::UnboundedReceiver<Bytes>,
     ended: CancellationToken,
 ) {

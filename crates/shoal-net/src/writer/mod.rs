@@ -16,7 +16,7 @@ use shoal_core::rawrec::{RawKind, RawRecord};
 use shoal_core::saver::AlertReport;
 use shoal_store::{EventFileStats, EventFileWriter, RawFileStats, RawFileWriter, RawRow};
 use shoal_trigger::{Event, decode_events};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -308,7 +308,7 @@ const READ_BATCH: usize = 64;
 /// builder sends one EVENTS frame per slice, hundreds of thousands a second at small
 /// fragments, and a message per frame cost a wake-up each).
 async fn read_connection(
-    stream: TcpStream,
+    stream: shoal_tls::DataStream,
     peer: SocketAddr,
     tx: mpsc::Sender<Vec<Incoming>>,
     cancel: CancellationToken,
@@ -584,18 +584,21 @@ pub struct WriterSettings {
     pub keep_existing: bool,
     /// A new events file every so much data time (0: one file).
     pub checkpoint_ns: u64,
+    /// The handshake on the writer's port (`[security] data`).
+    pub data_port: shoal_tls::Acceptor,
 }
 
 impl WriterSettings {
-    pub fn from_config(cfg: &Config) -> Self {
+    pub fn from_config(cfg: &Config) -> Result<Self, crate::config::ConfigError> {
         let w = &cfg.writer;
-        Self {
+        Ok(Self {
             run: cfg.run.run_number,
             builders: cfg.run.builders as usize,
             out_dir: w.out_dir.clone(),
             keep_existing: w.keep_existing,
             checkpoint_ns: (w.checkpoint_s.max(0.0) * 1e9) as u64,
-        }
+            data_port: cfg.data_acceptor("writer")?,
+        })
     }
 }
 
@@ -613,7 +616,7 @@ pub async fn run_writer_with(
     cancel: CancellationToken,
     live: Arc<Live>,
 ) -> anyhow::Result<WriterReport> {
-    let s = WriterSettings::from_config(&cfg);
+    let s = WriterSettings::from_config(&cfg)?;
     let (run, n_builders) = (s.run, s.builders);
     std::fs::create_dir_all(&s.out_dir)?;
     let dir = &s.out_dir;
@@ -632,11 +635,14 @@ pub async fn run_writer_with(
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
     let limit = crate::transport::listen::ConnectionLimit::new(n_builders);
+    let secure = s.data_port.clone();
     let accept = tokio::spawn(async move {
         let serve = |stream, peer, place| {
-            let (tx, c) = (tx.clone(), accept_cancel.clone());
+            let (tx, c, secure) = (tx.clone(), accept_cancel.clone(), secure.clone());
             tokio::spawn(async move {
-                read_connection(stream, peer, tx, c).await;
+                if let Some(stream) = crate::transport::secure::accept(&secure, stream, peer, "writer").await {
+                    read_connection(stream, peer, tx, c).await;
+                }
                 drop(place);
             });
         };
@@ -810,7 +816,7 @@ mod tests {
         cfg.writer.out_dir = dir.clone();
         cfg.writer.keep_existing = true;
         cfg.writer.checkpoint_s = 1.0;
-        let mut files = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
+        let mut files = EventFiles::new(&WriterSettings::from_config(&cfg).unwrap()).unwrap();
         // 100-ms slices over 2.5 s of data: files of slices 10-19, 20-29, 30-34.
         for slice in 10..35u64 {
             files.write(0, slice, slice * 100_000_000, &[]).unwrap();
@@ -822,7 +828,7 @@ mod tests {
         let spans: Vec<(u64, u64)> = closed.iter().map(|c| (c.first_slice, c.last_slice)).collect();
         assert_eq!(spans, [(10, 19), (20, 29)]);
         // The writer started again: a fourth part, and the third found unclosed.
-        let mut again = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
+        let mut again = EventFiles::new(&WriterSettings::from_config(&cfg).unwrap()).unwrap();
         assert_eq!(again.first_path, dir.join("run000003.events.part4.parquet"));
         let lost = find_previous(&dir, 3, &again.first_path).expect("the open file is found");
         assert_eq!(lost.unclosed_files, [dir.join("run000003.events.part3.parquet")]);
@@ -831,7 +837,7 @@ mod tests {
         assert_eq!((total.events, closed.len()), (0, 1));
         // Outside run control (no restart to continue from): no manifest left from before.
         cfg.writer.keep_existing = false;
-        let mut fresh = EventFiles::new(&WriterSettings::from_config(&cfg)).unwrap();
+        let mut fresh = EventFiles::new(&WriterSettings::from_config(&cfg).unwrap()).unwrap();
         assert!(!dir.join("run000003.events.manifest.jsonl").exists());
         drop(fresh.finish().unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
