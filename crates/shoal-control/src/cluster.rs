@@ -189,6 +189,7 @@ impl ClusterFile {
             }
         }
         self.dispatcher_addr()?;
+        self.check_security()?;
         self.check_listeners()?;
         for net in &self.cluster.command_from {
             net.parse::<shoal_core::controlhost::IpNet>().map_err(|e| anyhow::anyhow!("cluster.command_from: {e}"))?;
@@ -257,33 +258,67 @@ impl ClusterFile {
     /// Every address of the file on loopback, or security or `insecure` saying otherwise
     /// ([`crate::security::check_listeners`]).
     pub fn check_listeners(&self) -> anyhow::Result<()> {
+        use crate::security::Listener;
         let c = &self.cluster;
         let run = &self.config.run;
-        let mut listeners = vec![("cluster.dispatcher".to_string(), c.dispatcher.clone())];
+        let mut listeners = vec![("cluster.dispatcher".to_string(), c.dispatcher.clone(), Listener::Dispatcher)];
         if c.start_dispatcher {
-            listeners.push(("cluster.dispatcher_http".into(), c.dispatcher_http.clone()));
+            listeners.push(("cluster.dispatcher_http".into(), c.dispatcher_http.clone(), Listener::Metrics));
         }
         for (i, a) in run.builder_addrs.iter().enumerate() {
-            listeners.push((format!("config.run.builder_addrs[{i}]"), a.clone()));
+            listeners.push((format!("config.run.builder_addrs[{i}]"), a.clone(), Listener::Data));
         }
-        listeners.push(("config.run.writer_addr".into(), run.writer_addr.clone()));
+        listeners.push(("config.run.writer_addr".into(), run.writer_addr.clone(), Listener::Data));
         for (setting, listen) in [
             ("config.builder.listen", &self.config.builder.listen),
             ("config.writer.listen", &self.config.writer.listen),
         ] {
             if let Some(a) = listen {
-                listeners.push((setting.into(), a.clone()));
+                listeners.push((setting.into(), a.clone(), Listener::Data));
             }
         }
         if self.config.policy()?.pull().is_some() {
-            listeners.push(("config.run.dfm_addr".into(), run.dfm_addr.clone()));
+            listeners.push(("config.run.dfm_addr".into(), run.dfm_addr.clone(), Listener::Data));
         }
         for p in &self.processes {
             if let Some(m) = &p.metrics {
-                listeners.push((format!("process {:?} metrics", p.name), m.clone()));
+                listeners.push((format!("process {:?} metrics", p.name), m.clone(), Listener::Metrics));
             }
         }
         crate::security::check_listeners(c.security.as_ref(), c.insecure, &c.http, &listeners)
+    }
+
+    /// `data` set in two places must agree; certificates must come from somewhere.
+    fn check_security(&self) -> anyhow::Result<()> {
+        let off = shoal_tls::DataSecurity::Off;
+        let Some(s) = &self.cluster.security else { return Ok(()) };
+        if s.data != off && self.config.security.data != off && s.data != self.config.security.data {
+            bail!(
+                "cluster.security.data = {:?} but config.security.data = {:?}: say it once",
+                s.data.as_str(),
+                self.config.security.data.as_str()
+            );
+        }
+        if self.data_security() != off && s.ca_dir.is_none() && s.credentials_dir.is_none() {
+            bail!(
+                "data = {:?} needs certificates: set [cluster.security] ca_dir (`shoal ca init DIR`; run control \
+                 issues each local process its own) or credentials_dir (where each host keeps its own)",
+                self.data_security().as_str()
+            );
+        }
+        if let Some(w) = &s.web_config {
+            let web = shoal_tls::web::WebConfig::load(w).context("cluster.security.web_config")?;
+            if web.tls.is_none() {
+                bail!("cluster.security.web_config {}: no tls_server_config", w.display());
+            }
+            if web.requires_basic_auth() {
+                bail!(
+                    "cluster.security.web_config {}: run control's API takes tokens, not basic_auth_users",
+                    w.display()
+                );
+            }
+        }
+        Ok(())
     }
 
     pub fn dispatcher_addr(&self) -> anyhow::Result<SocketAddr> {
@@ -292,8 +327,23 @@ impl ClusterFile {
     }
 
     /// The CONFIGURE payload of the run.
+    /// `[cluster.security] data` is the run configuration's `[security] data`.
     pub fn config_text(&self) -> anyhow::Result<String> {
-        Ok(toml::to_string(&self.config)?)
+        let mut config = self.config.clone();
+        if let Some(s) = &self.cluster.security
+            && s.data != shoal_tls::DataSecurity::Off
+        {
+            config.security.data = s.data;
+        }
+        Ok(toml::to_string(&config)?)
+    }
+
+    /// The data path's security as the processes get it.
+    pub fn data_security(&self) -> shoal_tls::DataSecurity {
+        match &self.cluster.security {
+            Some(s) if s.data != shoal_tls::DataSecurity::Off => s.data,
+            _ => self.config.security.data,
+        }
     }
 }
 

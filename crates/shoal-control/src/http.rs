@@ -46,6 +46,8 @@ pub struct Guard {
     pub tokens: Option<Tokens>,
     pub allowed_origins: Vec<String>,
     pub audit: Arc<Audit>,
+    /// TLS for the API and UI (`[cluster.security] web_config`).
+    pub web: Option<Arc<shoal_tls::web::WebConfig>>,
 }
 
 /// Who is calling, as the guard found it: the token's holder (none with security off) and
@@ -452,6 +454,7 @@ pub async fn serve(
     guard: Guard,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
+    let web = guard.web.clone();
     let state = AppState {
         shared,
         commands,
@@ -478,7 +481,7 @@ pub async fn serve(
         .with_state(state);
     let limits = shoal_dispatcher::httpd::HttpLimits::default();
     let stats = Arc::new(shoal_dispatcher::httpd::HttpStats::default());
-    shoal_dispatcher::httpd::serve(listener, app, limits, stats, "run control", cancel).await
+    shoal_dispatcher::httpd::serve_with(listener, app, limits, stats, "run control", web, cancel).await
 }
 
 #[cfg(test)]

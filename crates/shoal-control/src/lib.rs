@@ -13,6 +13,8 @@
 //!   `clocksync`): probe rounds, corrections before START, the skew judged per policy;
 //! - [`status`]: the status shared with the UI ([`status::ClusterStatus`]);
 //! - [`http`]: the HTTP API, WebSocket and the web UI (compiled in from `ui/`);
+//! - [`security`], [`audit`], [`credentials`]: tokens and roles, the audit log, and the
+//!   certificates run control hands the processes it launches;
 //! - [`command`]: the whole of `shoal run`, given [`RunOptions`].
 //!
 //! `shoal run` starts a dispatcher and every process of the cluster file (each role its own OS
@@ -26,6 +28,7 @@ pub mod audit;
 pub mod clocks;
 pub mod cluster;
 pub mod control;
+pub mod credentials;
 pub mod diagnose;
 pub mod http;
 pub mod security;
@@ -103,6 +106,14 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
     if let Some(input) = &spec.input {
         args.push("--input".into());
         args.push(input.clone());
+    }
+    if let Some(dir) = credentials::dir_for(spec, file) {
+        args.push("--credentials".into());
+        args.push(dir.display().to_string());
+    }
+    if let Some(web) = file.cluster.security.as_ref().and_then(|s| s.metrics_web_config.as_ref()) {
+        args.push("--web-config".into());
+        args.push(web.display().to_string());
     }
     if spec.test_clock_offset_us != 0.0 {
         args.push(format!("--test-clock-offset-us={}", spec.test_clock_offset_us));
@@ -229,6 +240,10 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     let clock = shoal_net::clock::WallClock::new();
     let listen_task = tokio::spawn(control::listen(listener_client, shared.clone(), incoming_tx.clone(), clock));
 
+    let issued = credentials::issue_all(&file)?;
+    if issued > 0 {
+        tracing::info!(issued, dir = %credentials::issued_dir(&file).display(), "certificates issued to the processes");
+    }
     let launched = launch_all(&file, &binary, &logs, &shared)?;
     let relaunch = Relaunch {
         file: file.clone(),
@@ -344,6 +359,10 @@ fn start_dispatcher(
     if file.cluster.insecure {
         args.push("--insecure".into());
     }
+    if let Some(web) = file.cluster.security.as_ref().and_then(|s| s.metrics_web_config.as_ref()) {
+        args.push("--web-config".into());
+        args.push(web.display().to_string());
+    }
     // Command tags from this host (run control itself, `shoal alert`; on the dispatcher's
     // own address where it is not loopback, as in the testbed's control namespace) and
     // from the networks the file names.
@@ -417,7 +436,8 @@ async fn serve_ui(
     let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the UI port {addr}"))?;
     let local = l.local_addr()?;
     // Scripts (and the tests) read this line to find the UI.
-    println!("run control UI: http://{local}/");
+    let scheme = if guard.web.as_ref().is_some_and(|w| w.tls.is_some()) { "https" } else { "http" };
+    println!("run control UI: {scheme}://{local}/");
     match &guard.tokens {
         Some(_) => {
             println!("run control UI needs a token (docs/security.md); audit log {}", guard.audit.path().display())
@@ -442,7 +462,11 @@ fn guard_of(file: &ClusterFile) -> anyhow::Result<http::Guard> {
         None => None,
     };
     let audit = std::sync::Arc::new(audit::Audit::new(&file.cluster.state_dir));
-    Ok(http::Guard { tokens, allowed_origins: security.allowed_origins, audit })
+    let web = match &security.web_config {
+        Some(path) => Some(std::sync::Arc::new(shoal_tls::web::WebConfig::load(path)?)),
+        None => None,
+    };
+    Ok(http::Guard { tokens, allowed_origins: security.allowed_origins, audit, web })
 }
 
 /// `--interactive`: the UI's and API's commands, one at a time, until OFF (or Ctrl-C,

@@ -7,10 +7,12 @@
 //! every entry in constant time ([`Tokens::identify`]). Tokens are 256 random bits, so a
 //! plain hash is enough: there is nothing to guess that a slow hash would protect.
 //!
-//! [`check_listeners`] is the secure-by-default rule: without `[cluster.security]` every
-//! address run control listens on or hands its processes must be on loopback; a cluster
-//! file that says otherwise is refused at start, naming the setting that turns security
-//! on, unless it says `insecure = true` (then every run record and the UI say so).
+//! [`check_listeners`] is the secure-by-default rule: every address run control listens on
+//! or hands its processes must be on loopback unless what protects it is set (tokens and
+//! TLS for the HTTP API, `data` for data ports, `metrics_web_config` for `/metrics`,
+//! `[cluster.security]` itself for the dispatcher, whose command tags it then guards); a
+//! cluster file that says otherwise is refused at start, naming the setting, unless it
+//! says `insecure = true` (then every run record and the UI say so).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -68,6 +70,33 @@ pub struct SecuritySettings {
     /// Origins besides the UI's own that may POST and open the live view (a browser
     /// sends `Origin`; scripts and curl send none and are judged by their token alone).
     pub allowed_origins: Vec<String>,
+    /// The cluster CA (`shoal ca init DIR`): run control issues each process it launches
+    /// on this host a certificate from it, into `STATE_DIR/credentials` (0600).
+    pub ca_dir: Option<PathBuf>,
+    /// Where processes run by ssh or started by others find their credentials on their
+    /// host (`shoal ca issue` output: ca.pem, NAME.pem, NAME.key).
+    pub credentials_dir: Option<PathBuf>,
+    /// The bulk path: `off`, `authenticated` or `tls` (sets the run configuration's
+    /// `[security] data`; docs/security.md).
+    pub data: shoal_tls::DataSecurity,
+    /// A Prometheus web configuration for run control's HTTP API and UI (its
+    /// `tls_server_config`; tokens are the API's credentials, so no basic-auth users).
+    pub web_config: Option<PathBuf>,
+    /// A Prometheus web configuration for every process's `/metrics` (a path on each
+    /// host), passed as `shoal node --web-config`.
+    pub metrics_web_config: Option<PathBuf>,
+}
+
+/// What a listening address serves, for the secure-by-default rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    /// The dispatcher's ControlHost port (open to subscribers by design; command tags only
+    /// from `command_from`).
+    Dispatcher,
+    /// A data port (builders, writer, data-flow manager): `data`.
+    Data,
+    /// A `/metrics` or the dispatcher's status page: `metrics_web_config`.
+    Metrics,
 }
 
 /// One entry of the token file.
@@ -241,31 +270,49 @@ fn on_loopback(addr: &str) -> bool {
 }
 
 /// The secure-by-default rule (module docs). `listeners` names each address with the
-/// setting it comes from; `http` is run control's own (the one `[cluster.security]`
-/// protects today).
+/// setting it comes from and what it serves; `http` is run control's own.
 pub fn check_listeners(
     security: Option<&SecuritySettings>,
     insecure: bool,
     http: &str,
-    listeners: &[(String, String)],
+    listeners: &[(String, String, Listener)],
 ) -> anyhow::Result<()> {
     if insecure {
         return Ok(());
     }
-    let http_protected = security.is_some_and(|s| s.tokens.is_some());
-    if !on_loopback(http) && !http_protected {
-        bail!(
-            "cluster.http = {http:?} is not a loopback address: anyone who reaches it could command the run. \
-             Set [cluster.security] tokens = \"FILE\" (tokens made by `shoal token add FILE --name N --role R`; \
-             docs/security.md), or cluster.insecure = true on a network you trust"
-        );
+    let trust = "or cluster.insecure = true on a network you trust (docs/security.md)";
+    if !on_loopback(http) {
+        match security {
+            Some(s) if s.tokens.is_some() && s.web_config.is_some() => {}
+            Some(s) if s.tokens.is_some() => bail!(
+                "cluster.http = {http:?} is not a loopback address and its tokens would cross the network in \
+                 the clear: set [cluster.security] web_config = \"web.yml\" (its tls_server_config), {trust}"
+            ),
+            _ => bail!(
+                "cluster.http = {http:?} is not a loopback address: anyone who reaches it could command the run. \
+                 Set [cluster.security] tokens = \"FILE\" (tokens made by `shoal token add FILE --name N --role R`) \
+                 and web_config = \"web.yml\", {trust}"
+            ),
+        }
     }
-    if let Some((setting, addr)) = listeners.iter().find(|(_, a)| !on_loopback(a)) {
-        bail!(
-            "{setting} = {addr:?} is not a loopback address, and shoal's own control and data ports do not \
-             authenticate their peers yet (docs/security.md, \"What is protected\"): set cluster.insecure = true \
-             to run them on a network you trust"
-        );
+    for (setting, addr, kind) in listeners.iter().filter(|(_, a, _)| !on_loopback(a)) {
+        match (kind, security) {
+            (Listener::Dispatcher, Some(_)) => {}
+            (Listener::Data, Some(s)) if s.data != shoal_tls::DataSecurity::Off => {}
+            (Listener::Metrics, Some(s)) if s.metrics_web_config.is_some() => {}
+            (Listener::Dispatcher, None) => bail!(
+                "{setting} = {addr:?} is not a loopback address: set [cluster.security] (its command tags are \
+                 then taken only from command_from), {trust}"
+            ),
+            (Listener::Data, _) => bail!(
+                "{setting} = {addr:?} is not a loopback address, and anyone who reaches it could feed the run: \
+                 set [cluster.security] ca_dir and data = \"authenticated\" or \"tls\", {trust}"
+            ),
+            (Listener::Metrics, _) => bail!(
+                "{setting} = {addr:?} is not a loopback address: set [cluster.security] metrics_web_config \
+                 (TLS and client certificates or basic auth), {trust}"
+            ),
+        }
     }
     Ok(())
 }
@@ -304,7 +351,7 @@ mod tests {
 
     #[test]
     fn without_security_only_loopback_listeners_are_accepted() {
-        let none: &[(String, String)] = &[];
+        let none: &[(String, String, Listener)] = &[];
         check_listeners(None, false, "127.0.0.1:8080", none).unwrap();
         check_listeners(None, false, "[::1]:8080", none).unwrap();
         check_listeners(None, false, "localhost:8080", none).unwrap();
@@ -312,13 +359,25 @@ mod tests {
         let e = check_listeners(None, false, "0.0.0.0:8080", none).unwrap_err().to_string();
         assert!(e.contains("[cluster.security]") && e.contains("insecure"), "{e}");
         let with_tokens = SecuritySettings { tokens: Some("t.toml".into()), ..Default::default() };
-        check_listeners(Some(&with_tokens), false, "0.0.0.0:8080", none).unwrap();
+        // Tokens in the clear over the network: refused, naming web_config.
+        let e = check_listeners(Some(&with_tokens), false, "0.0.0.0:8080", none).unwrap_err().to_string();
+        assert!(e.contains("web_config"), "{e}");
+        let with_tls = SecuritySettings { web_config: Some("web.yml".into()), ..with_tokens.clone() };
+        check_listeners(Some(&with_tls), false, "0.0.0.0:8080", none).unwrap();
         // Security that protects nothing of the HTTP API does not open it.
         let empty = SecuritySettings::default();
         assert!(check_listeners(Some(&empty), false, "0.0.0.0:8080", none).is_err());
-        let data = [("config.run.builder_addrs".to_string(), "198.19.0.1:7000".to_string())];
+        let data = [("config.run.builder_addrs".to_string(), "198.19.0.1:7000".to_string(), Listener::Data)];
         let e = check_listeners(Some(&with_tokens), false, "127.0.0.1:8080", &data).unwrap_err().to_string();
-        assert!(e.contains("builder_addrs") && e.contains("insecure"), "{e}");
+        assert!(e.contains("builder_addrs") && e.contains("data = ") && e.contains("insecure"), "{e}");
+        let authenticated = SecuritySettings { data: shoal_tls::DataSecurity::Authenticated, ..with_tokens.clone() };
+        check_listeners(Some(&authenticated), false, "127.0.0.1:8080", &data).unwrap();
+        let metrics = [("process \"b\" metrics".to_string(), "0.0.0.0:9100".to_string(), Listener::Metrics)];
+        let e = check_listeners(Some(&authenticated), false, "127.0.0.1:8080", &metrics).unwrap_err().to_string();
+        assert!(e.contains("metrics_web_config"), "{e}");
+        let dispatcher = [("cluster.dispatcher".to_string(), "0.0.0.0:5553".to_string(), Listener::Dispatcher)];
+        assert!(check_listeners(None, false, "127.0.0.1:8080", &dispatcher).is_err());
+        check_listeners(Some(&empty), false, "127.0.0.1:8080", &dispatcher).unwrap();
         check_listeners(None, true, "0.0.0.0:8080", &data).unwrap();
     }
 }

@@ -558,6 +558,7 @@ static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(Duration:
 pub async fn serve_http(
     listener: TcpListener,
     handle: DispatcherHandle,
+    web: Option<std::sync::Arc<shoal_tls::web::WebConfig>>,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
     use axum::{Json, Router as Http, extract::State, http::header, response::IntoResponse, routing::get};
@@ -571,5 +572,5 @@ pub async fn serve_http(
     let app = Http::new().route("/status", get(status)).route("/metrics", get(metrics)).with_state(handle);
     let limits = crate::httpd::HttpLimits::default();
     let stats = std::sync::Arc::new(crate::httpd::HttpStats::default());
-    crate::httpd::serve(listener, app, limits, stats, "dispatcher", cancel).await
+    crate::httpd::serve_with(listener, app, limits, stats, "dispatcher", web, cancel).await
 }

@@ -215,6 +215,10 @@ struct DispatcherArgs {
     /// (a flood cannot take every descriptor of the process)
     #[arg(long, default_value_t = 16_000)]
     max_clients: usize,
+    /// A Prometheus web configuration (web.yml) for the HTTP /status and /metrics: TLS,
+    /// client certificates, bcrypt basic-auth users.
+    #[arg(long)]
+    web_config: Option<PathBuf>,
     /// Exit when the process that started this one exits, even killed (`shoal run`).
     #[arg(long)]
     exit_with_parent: bool,
@@ -654,14 +658,28 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     };
     let http_off_loopback =
         args.http != "off" && args.http.parse::<std::net::SocketAddr>().is_ok_and(|a| !a.ip().is_loopback());
-    if !args.insecure && (!args.listen.ip().is_loopback() || http_off_loopback) {
+    // Off loopback, the ControlHost port is safe for commands once the operator has said
+    // whose command tags it takes (ControlHost has no credentials to check); the status page
+    // once a web configuration protects it.
+    if !args.insecure && !args.listen.ip().is_loopback() && args.control_from.is_empty() {
         anyhow::bail!(
-            "the dispatcher authenticates nobody: --listen {} / --http {} off loopback would let anyone who \
-             reaches them publish run-control commands; add --insecure on a network you trust (docs/security.md)",
-            args.listen,
+            "the dispatcher authenticates nobody: --listen {} off loopback would let anyone who reaches it publish \
+             run-control commands; say whose command tags it takes (--control-from NET), or add --insecure on a \
+             network you trust (docs/security.md)",
+            args.listen
+        );
+    }
+    if !args.insecure && http_off_loopback && args.web_config.is_none() {
+        anyhow::bail!(
+            "--http {} off loopback: give --web-config (a Prometheus web.yml: TLS, client certificates) or \
+             --insecure on a network you trust (docs/security.md)",
             args.http
         );
     }
+    let web = match &args.web_config {
+        Some(f) => Some(std::sync::Arc::new(shoal_tls::web::WebConfig::load(f)?)),
+        None => None,
+    };
     shoal_net::demo::raise_fd_limit();
     let cancel = ctrl_c_token();
     if args.exit_with_parent {
@@ -684,8 +702,9 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     if args.http != "off" {
         let addr: std::net::SocketAddr = args.http.parse().with_context(|| format!("--http {:?}", args.http))?;
         let http = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding HTTP port {addr}"))?;
-        eprintln!("status http://{addr}/status  metrics http://{addr}/metrics");
-        tokio::spawn(serve_http(http, handle.clone(), cancel.clone()));
+        let scheme = if web.as_ref().is_some_and(|w| w.tls.is_some()) { "https" } else { "http" };
+        eprintln!("status {scheme}://{addr}/status  metrics {scheme}://{addr}/metrics");
+        tokio::spawn(serve_http(http, handle.clone(), web, cancel.clone()));
     }
     core.await?;
     Ok(ExitCode::SUCCESS)

@@ -1,0 +1,71 @@
+//! The credentials run control hands the processes it launches (`[cluster.security]`).
+//!
+//! With `ca_dir` (a CA made by `shoal ca init`), run control issues every process it starts
+//! on this host (`launch = "local"` or `"netns"`) a certificate of its own at the start of
+//! `shoal run`, into `STATE_DIR/credentials` (keys 0600), naming the process, its role and
+//! the address peers dial it at; the process gets `--credentials` pointing there. Processes
+//! on other hosts (`ssh`, `external`) read theirs from `credentials_dir` on their host,
+//! issued there with `shoal ca issue` (docs/security.md, "Several hosts").
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use shoal_net::node::Role;
+
+use crate::cluster::{ClusterFile, Launch, ProcessSpec};
+
+/// Where run control puts what it issues.
+pub fn issued_dir(file: &ClusterFile) -> PathBuf {
+    file.cluster.state_dir.join("credentials")
+}
+
+/// `--credentials DIR` for `spec`, if the cluster has any.
+pub fn dir_for(spec: &ProcessSpec, file: &ClusterFile) -> Option<PathBuf> {
+    let s = file.cluster.security.as_ref()?;
+    match spec.launch {
+        Launch::Local | Launch::Netns if s.ca_dir.is_some() => Some(issued_dir(file)),
+        _ => s.credentials_dir.clone(),
+    }
+}
+
+/// The hosts a process's certificate names: the address its peers dial (a builder's data
+/// address, the writer's, the manager's), its host, and loopback.
+fn hosts_of(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
+    let cfg = &file.config;
+    let dialled = match spec.role {
+        Role::Builder => spec.ids.first().and_then(|&b| cfg.builder_addr(b).ok()),
+        Role::Writer => cfg.writer_addr().ok(),
+        Role::Dfm => cfg.dfm_addr().ok(),
+        Role::Source => None,
+    };
+    let mut hosts: Vec<String> = dialled.map(|a| a.ip().to_string()).into_iter().collect();
+    for h in [spec.host.as_str(), "127.0.0.1", "::1", "localhost"] {
+        if !hosts.iter().any(|k| k == h) {
+            hosts.push(h.to_string());
+        }
+    }
+    hosts
+}
+
+/// Issues a certificate for every process run control starts on this host (with `ca_dir`),
+/// and the CA's certificate beside them; returns how many.
+pub fn issue_all(file: &ClusterFile) -> anyhow::Result<usize> {
+    let Some(ca_dir) = file.cluster.security.as_ref().and_then(|s| s.ca_dir.as_ref()) else { return Ok(0) };
+    let ca = shoal_tls::ca::ClusterCa::load(ca_dir).with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
+    let out = issued_dir(file);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    restrict(&out)?;
+    std::fs::write(out.join(shoal_tls::ca::CA_CERT), ca.cert_pem())?;
+    let mut n = 0;
+    for spec in file.processes.iter().filter(|p| matches!(p.launch, Launch::Local | Launch::Netns)) {
+        let req = shoal_tls::ca::IssueRequest::new(&spec.name, spec.role.name(), &hosts_of(spec, file), 30)?;
+        ca.issue_into(&out, &req)?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+fn restrict(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).with_context(|| format!("{}", dir.display()))
+}
