@@ -108,9 +108,18 @@ class Cluster:
         builders: int = 3,
         restarts: int = 3,
         text: str | None = None,
+        token: str | None = None,
+        cafile: pathlib.Path | None = None,
     ):
         """Starts the generated cluster, or the cluster file `text` (its state_dir must be
-        `workdir / "state"`)."""
+        `workdir / "state"`). `token`: sent as a bearer token with every request; `cafile`:
+        the CA that signed run control's certificate (an HTTPS API)."""
+        self.token = token
+        self.ssl = None
+        if cafile is not None:
+            import ssl
+
+            self.ssl = ssl.create_default_context(cafile=str(cafile))
         self.workdir = workdir
         self.state_dir = workdir / "state"
         self.file = workdir / "cluster.toml"
@@ -143,8 +152,18 @@ class Cluster:
         return host, int(port)
 
     # -- API -------------------------------------------------------------------------
+    def request(self, path: str, method: str = "GET", token: str | None = None) -> urllib.request.Request:
+        req = urllib.request.Request(self.url + path, method=method)
+        token = token or self.token
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        return req
+
+    def open(self, req: urllib.request.Request):
+        return urllib.request.urlopen(req, timeout=10, context=self.ssl)
+
     def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        with self.open(self.request(path)) as r:
             return json.loads(r.read())
 
     def status(self) -> dict:
@@ -152,10 +171,10 @@ class Cluster:
         self.pids.update(p["pid"] for p in s["processes"] if p["pid"])
         return s
 
-    def command(self, name: str) -> int:
-        req = urllib.request.Request(self.url + "/api/command/" + name, method="POST")
+    def command(self, name: str, token: str | None = None) -> int:
+        req = self.request("/api/command/" + name, method="POST", token=token)
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with self.open(req) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code
