@@ -190,3 +190,82 @@ fn a_ca_written_to_a_directory_signs_what_it_loads_and_keeps_its_key_private() {
     assert!(IssueRequest::new("x", "janitor", &[], 1).is_err());
     assert_eq!(IssueRequest::role_of("builder12"), Some("builder"));
 }
+
+/// The attack matrix's replay row: a source's whole first connection recorded on the wire
+/// (its handshake and the frames after it) and played again to the port. TLS 1.3 gives each
+/// handshake fresh secrets, so the recorded client flight does not answer the new server's
+/// and the replay is refused: there is no signed hello a stranger could reuse.
+#[tokio::test]
+async fn a_recorded_connection_replayed_is_refused() {
+    let ca = ClusterCa::generate("test", 30).unwrap();
+    for mode in [DataSecurity::Authenticated, DataSecurity::Tls] {
+        let (acceptor, listener, addr) = builder_port(&ca, mode).await;
+        let connector = Connector::new(mode, &identity(&ca, "source3", "source"), &["builder"]).unwrap();
+        // A recording relay between the source and the builder.
+        let relay = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let relay_addr = relay.local_addr().unwrap();
+        let recorder = tokio::spawn(async move {
+            let (mut from_source, _) = relay.accept().await.unwrap();
+            let mut to_builder = TcpStream::connect(addr).await.unwrap();
+            let (mut sr, mut sw) = from_source.split();
+            let (mut br, mut bw) = to_builder.split();
+            let mut recorded = Vec::new();
+            let up = async {
+                let mut buf = [0u8; 4096];
+                loop {
+                    match sr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            recorded.extend_from_slice(&buf[..n]);
+                            if bw.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let _ = bw.shutdown().await;
+            };
+            let down = async {
+                let _ = tokio::io::copy(&mut br, &mut sw).await;
+                let _ = sw.shutdown().await;
+            };
+            tokio::join!(up, down);
+            recorded
+        });
+        // The genuine connection, through the relay: it works.
+        let client = async {
+            let tcp = TcpStream::connect(relay_addr).await.unwrap();
+            // The certificate names 127.0.0.1, which the relay is too.
+            let s = connector.connect(tcp, relay_addr).await.unwrap();
+            let (_r, mut w) = s.into_split();
+            w.write_all(b"frames of the genuine source").await.unwrap();
+            w.shutdown().await.unwrap();
+        };
+        let server = async {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let (s, _) = acceptor.accept(tcp).await.unwrap();
+            let (mut r, _w) = s.into_split();
+            let mut got = Vec::new();
+            r.read_to_end(&mut got).await.unwrap();
+            got
+        };
+        let ((), got) = tokio::join!(client, server);
+        assert_eq!(got, b"frames of the genuine source");
+        let recorded = recorder.await.unwrap();
+        assert!(recorded.len() > 100, "the relay recorded the handshake");
+        // The replay.
+        let replay = async {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            let _ = tcp.write_all(&recorded).await;
+            let mut rest = Vec::new();
+            let _ = tcp.read_to_end(&mut rest).await;
+        };
+        let server = async {
+            let (tcp, _) = listener.accept().await.unwrap();
+            acceptor.accept(tcp).await.map(|_| ())
+        };
+        let ((), r) = tokio::join!(replay, server);
+        let r = r.expect_err("a replayed connection was taken");
+        assert!(matches!(r, Refusal::Io(_) | Refusal::Certificate(_)), "{mode:?}: {r}");
+    }
+}

@@ -62,6 +62,17 @@ impl DataCredentials {
         Ok(Self { by_role: Arc::new(BTreeMap::from([(role, identity)])) })
     }
 
+    /// Several identities, each for the role its certificate names (one process playing
+    /// several roles: the demo, tests).
+    pub fn of_roles(identities: impl IntoIterator<Item = Identity>) -> anyhow::Result<Self> {
+        let mut by_role = BTreeMap::new();
+        for id in identities {
+            let role = id.name().ok_or_else(|| anyhow::anyhow!("a certificate names no process"))?.role;
+            by_role.insert(role, id);
+        }
+        Ok(Self { by_role: Arc::new(by_role) })
+    }
+
     /// A throw-away CA and a certificate per data role for 127.0.0.1, ::1 and localhost
     /// (the embedded demo: every role in one process).
     pub fn ephemeral() -> anyhow::Result<Self> {
