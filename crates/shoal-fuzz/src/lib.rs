@@ -325,6 +325,23 @@ pub fn security(data: &[u8]) {
     }
 }
 
+/// What the cluster identity reads from files and peers: a Prometheus web configuration
+/// (`WebConfig::parse`, its basic-auth check with the same bytes as a header), PEM text as
+/// a CA, certificate and key (`Identity::from_pem`), and the bytes as a peer's DER
+/// certificate (`PeerName::of`).
+pub fn tls_inputs(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    if let Ok(web) = shoal_tls::web::WebConfig::parse(&text, std::path::Path::new("/nonexistent")) {
+        let _ = web.authorize(text.lines().next());
+    }
+    let third = data.len() / 3;
+    let (a, rest) = data.split_at(third);
+    let (b, c) = rest.split_at(third);
+    let _ = shoal_tls::Identity::from_pem(a, b, c);
+    let _ = shoal_tls::Identity::from_pem(data, data, data);
+    let _ = shoal_tls::peer::PeerName::of_der(data);
+}
+
 /// Bytes at a source's input (`source.input = "unix:"`): the stream decoder fed in chunks
 /// whose size comes from the first byte, every frame submitted to an ingest; then every
 /// slice taken, late fragments polled and the run finished, after which the ingest's own
@@ -435,7 +452,7 @@ pub fn jdaq(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Every target, by the name of its directory under `fuzz/corpus` and `fuzz/regressions`.
-pub const TARGETS: [(&str, Target); 13] = [
+pub const TARGETS: [(&str, Target); 14] = [
     ("frame_stream", frame_stream),
     ("frame_reads", frame_reads),
     ("events", events),
@@ -449,4 +466,5 @@ pub const TARGETS: [(&str, Target); 13] = [
     ("clb", clb),
     ("jdaq", jdaq),
     ("security", security),
+    ("tls_inputs", tls_inputs),
 ];

@@ -28,7 +28,12 @@ impl std::fmt::Display for PeerName {
 impl PeerName {
     /// The names in `cert`; `None` if it is no X.509 certificate or has no common name.
     pub fn of(cert: &CertificateDer<'_>) -> Option<PeerName> {
-        let (_, x509) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+        Self::of_der(cert.as_ref())
+    }
+
+    /// [`PeerName::of`] DER bytes.
+    pub fn of_der(der: &[u8]) -> Option<PeerName> {
+        let (_, x509) = x509_parser::parse_x509_certificate(der).ok()?;
         let subject = x509.subject();
         let name = subject.iter_common_name().next()?.as_str().ok()?.to_string();
         let role =
