@@ -408,10 +408,20 @@ builders = 1
         assert!(err(&open_ui).contains("[cluster.security]"), "{}", err(&open_ui));
         let tokens = open_ui
             .replace("http = \"0.0.0.0:8080\"", "http = \"0.0.0.0:8080\"\n[cluster.security]\ntokens = \"t.toml\"");
-        let f: ClusterFile = toml::from_str(&tokens).unwrap();
-        f.validate().unwrap();
+        // Tokens alone would cross the network in the clear.
+        assert!(err(&tokens).contains("web_config"), "{}", err(&tokens));
         let remote_builder = base.replace("builders = 1", "builders = 1\nbuilder_addrs = [\"192.0.2.7:5601\"]");
         assert!(err(&remote_builder).contains("builder_addrs[0]"), "{}", err(&remote_builder));
+        // A data port off loopback with the data path authenticated; `data` needs certificates.
+        let guarded = remote_builder.replace(
+            "name = \"t\"",
+            "name = \"t\"\n[cluster.security]\ndata = \"authenticated\"\nca_dir = \"ca\"",
+        );
+        toml::from_str::<ClusterFile>(&guarded).unwrap().validate().unwrap();
+        let no_certs = guarded.replace("ca_dir = \"ca\"", "");
+        assert!(err(&no_certs).contains("needs certificates"), "{}", err(&no_certs));
+        let twice = guarded.replace("[config.run]\n", "[config.security]\ndata = \"tls\"\n[config.run]\n");
+        assert!(err(&twice).contains("say it once"), "{}", err(&twice));
         let trusted = remote_builder.replace("name = \"t\"", "name = \"t\"\ninsecure = true");
         let f: ClusterFile = toml::from_str(&trusted).unwrap();
         f.validate().unwrap();

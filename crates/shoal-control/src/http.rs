@@ -159,6 +159,12 @@ fn refusal_response(r: Refusal) -> Response {
         Refusal::Role { have, need } => {
             (StatusCode::FORBIDDEN, format!("a {have} token may not do this; it needs {need}")).into_response()
         }
+        Refusal::Expired => (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer realm=\"shoal run control\", error=\"invalid_token\"")],
+            "this token has expired",
+        )
+            .into_response(),
         Refusal::Origin => (StatusCode::FORBIDDEN, "a page of another origin may not do this").into_response(),
     }
 }

@@ -109,6 +109,17 @@ pub struct TokenEntry {
     pub sha256: String,
     /// When it was made, UNIX seconds.
     pub created: u64,
+    /// When it stops being accepted, UNIX seconds (0: never).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub expires: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// The token file: `[[token]]` entries.
@@ -162,6 +173,11 @@ impl TokenFile {
     /// Adds a token named `name` with `role` to the file at `path` (made, mode 0600, if
     /// missing) and returns the token, which is stored nowhere.
     pub fn add(path: &Path, name: &str, role: Role) -> anyhow::Result<String> {
+        Self::add_expiring(path, name, role, 0)
+    }
+
+    /// [`TokenFile::add`] of a token accepted until `expires` (UNIX seconds; 0: always).
+    pub fn add_expiring(path: &Path, name: &str, role: Role, expires: u64) -> anyhow::Result<String> {
         if name.is_empty() || name.contains(char::is_whitespace) {
             bail!("token name {name:?} must be one word (it names the holder in the audit log)");
         }
@@ -172,8 +188,8 @@ impl TokenFile {
         let mut secret = [0u8; 32];
         getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no randomness for a token: {e}"))?;
         let token = format!("{TOKEN_PREFIX}{}", secret.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        file.tokens.push(TokenEntry { name: name.into(), role, sha256: sha256_hex(token.as_bytes()), created });
+        let created = unix_now();
+        file.tokens.push(TokenEntry { name: name.into(), role, sha256: sha256_hex(token.as_bytes()), created, expires });
         write_private(path, &toml::to_string(&file)?)?;
         Ok(token)
     }
@@ -212,6 +228,8 @@ pub enum Refusal {
     BadToken,
     /// A known token whose role may not do this (403).
     Role { have: Role, need: Role },
+    /// A known token past its expiry (401).
+    Expired,
     /// A browser page of another origin (403).
     Origin,
 }
@@ -222,6 +240,7 @@ impl Refusal {
             Refusal::NoToken => "no_token",
             Refusal::BadToken => "bad_token",
             Refusal::Role { .. } => "role",
+            Refusal::Expired => "expired",
             Refusal::Origin => "origin",
         }
     }
@@ -234,11 +253,15 @@ impl Tokens {
 
     /// Whose token `presented` is. Every entry is compared, in constant time each.
     pub fn identify(&self, presented: &str) -> Option<Identity> {
+        self.entry(presented).map(|e| Identity { name: e.name.clone(), role: e.role })
+    }
+
+    fn entry(&self, presented: &str) -> Option<&TokenEntry> {
         let hash = sha256_hex(presented.as_bytes());
         let mut found = None;
         for e in &self.entries {
             if constant_time_eq(e.sha256.as_bytes(), hash.as_bytes()) && found.is_none() {
-                found = Some(Identity { name: e.name.clone(), role: e.role });
+                found = Some(e);
             }
         }
         found
@@ -246,8 +269,17 @@ impl Tokens {
 
     /// The identity behind an `Authorization` header's value, if it may act as `need`.
     pub fn authorize(&self, authorization: Option<&str>, need: Role) -> Result<Identity, Refusal> {
+        self.authorize_at(authorization, need, unix_now())
+    }
+
+    /// [`Tokens::authorize`] at `now` (UNIX seconds).
+    pub fn authorize_at(&self, authorization: Option<&str>, need: Role, now: u64) -> Result<Identity, Refusal> {
         let token = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).ok_or(Refusal::NoToken)?;
-        let who = self.identify(token).ok_or(Refusal::BadToken)?;
+        let entry = self.entry(token).ok_or(Refusal::BadToken)?;
+        if entry.expires != 0 && now >= entry.expires {
+            return Err(Refusal::Expired);
+        }
+        let who = Identity { name: entry.name.clone(), role: entry.role };
         if who.role < need {
             return Err(Refusal::Role { have: who.role, need });
         }
@@ -346,6 +378,12 @@ mod tests {
         assert_eq!(tokens.authorize(Some("Basic abc"), Role::Viewer), Err(Refusal::NoToken));
         let wrong = format!("{}0", &viewer[..viewer.len() - 1]);
         assert_eq!(tokens.authorize(Some(&bearer(&wrong)), Role::Viewer), Err(Refusal::BadToken));
+        // A token with an expiry: accepted before it, refused from it on.
+        let until = unix_now() + 3600;
+        let shift = TokenFile::add_expiring(&path, "carol", Role::Operator, until).unwrap();
+        let tokens = Tokens::new(TokenFile::load(&path).unwrap());
+        assert_eq!(tokens.authorize_at(Some(&bearer(&shift)), Role::Operator, until - 1).unwrap().name, "carol");
+        assert_eq!(tokens.authorize_at(Some(&bearer(&shift)), Role::Viewer, until), Err(Refusal::Expired));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -298,7 +298,7 @@ pub fn security(data: &[u8]) {
     use shoal_control::security::{Role, TokenEntry, TokenFile, Tokens};
     use shoal_core::controlhost::{CommandAccess, IpNet, Tag};
     let text = String::from_utf8_lossy(data);
-    let known = TokenEntry { name: "a".into(), role: Role::Operator, sha256: "0".repeat(64), created: 0 };
+    let known = TokenEntry { name: "a".into(), role: Role::Operator, sha256: "0".repeat(64), created: 0, expires: 0 };
     let mut tokens = Tokens::new(TokenFile { tokens: vec![known] });
     if let Ok(file) = TokenFile::parse(&text) {
         tokens = Tokens::new(file);

@@ -24,6 +24,10 @@ pub enum TokenCommand {
         /// viewer (read), operator (also command and alert) or admin.
         #[arg(long)]
         role: Role,
+        /// Accepted for this many days, then refused (401, audited as `expired`); default:
+        /// until removed from the file.
+        #[arg(long)]
+        days: Option<u32>,
     },
 }
 
@@ -101,8 +105,12 @@ pub struct AuditArgs {
 
 pub fn token(args: TokenArgs) -> anyhow::Result<()> {
     match args.command {
-        TokenCommand::Add { file, name, role } => {
-            let token = TokenFile::add(&file, &name, role)?;
+        TokenCommand::Add { file, name, role, days } => {
+            let expires = days.map_or(0, |d| {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_secs());
+                now + u64::from(d) * 86_400
+            });
+            let token = TokenFile::add_expiring(&file, &name, role, expires)?;
             eprintln!(
                 "added {role} token {name:?} to {} (only its hash is kept; this is the one copy):",
                 file.display()
