@@ -31,6 +31,11 @@ pub struct RunSummary {
     pub policy: String,
     /// `tcp` or `udp`.
     pub transport: String,
+    /// `[security] data`: `off`, `authenticated` or `tls`.
+    pub data_security: String,
+    /// The process's CPU seconds from the first slice's start to the end (set-up and the
+    /// data path's handshakes before it left out).
+    pub cpu_s_from_first_slice: f64,
     pub sources: u32,
     pub builders: u32,
     /// Sources hosted per source process (sharing one connection per builder).
@@ -179,7 +184,9 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     // Before the run's first slice is chosen below, so that it does not eat the start's lead.
     let prefaulted = crate::memory::prefault_configured(cfg.run.prefault_mb);
     let faults_at_start = crate::memory::minor_faults();
-    let ports = Ports::bind(&mut cfg, clock)?;
+    let lead_ms = handshake_lead_ms(&cfg, per_node);
+    let ports = Ports::bind(&mut cfg, clock, lead_ms)?;
+    let cpu_at_first_slice = cpu_at(clock, cfg.slice_clock()?.start_of(cfg.run.start_slice.unwrap_or(0)));
 
     let dfm_cancel = CancellationToken::new();
     let dfm = ports.dfm.map(|l| tokio::spawn(run_dfm(cfg.clone(), l, clock, live.clone(), dfm_cancel.clone())));
@@ -235,6 +242,7 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     summary.memory_planned_mb = plan.memory.total() >> 20;
     summary.builder_memory_mb = cfg.builder.memory_budget_mb;
     summary.page_faults = crate::memory::minor_faults().saturating_sub(faults_at_start);
+    summary.cpu_s_from_first_slice = process_cpu_s() - cpu_at_first_slice.await.unwrap_or(f64::NAN);
     if let Some(p) = prefaulted {
         summary.prefaulted_mb = p.bytes >> 20;
         summary.prefault_s = p.took.as_secs_f64();
@@ -253,8 +261,38 @@ struct Ports {
     dfm: Option<tokio::net::TcpListener>,
 }
 
+/// The process's user and system CPU seconds so far.
+pub fn process_cpu_s() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let Ok(u) = getrusage(UsageWho::RUSAGE_SELF) else { return f64::NAN };
+    let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+    t(u.user_time()) + t(u.system_time())
+}
+
+/// The process's CPU seconds at `at` (read by a task that sleeps until then).
+fn cpu_at(clock: WallClock, at: shoal_core::Instant) -> tokio::task::JoinHandle<f64> {
+    tokio::spawn(async move {
+        let wait = at.saturating_duration_since(clock.now());
+        tokio::time::sleep(wait).await;
+        process_cpu_s()
+    })
+}
+
+/// Time for a secured run's handshakes before its first slice: about 1 ms of CPU per
+/// connection (both ends; `tls-bench handshakes` measures 0.8) spread over the machine's
+/// cores, so that the handshakes of thousands of links are made before the data begins.
+fn handshake_lead_ms(cfg: &Config, sources_per_node: usize) -> u64 {
+    if cfg.security.data == shoal_tls::DataSecurity::Off {
+        return 0;
+    }
+    let nodes = cfg.run.sources.div_ceil(sources_per_node.max(1) as u32);
+    let links = u64::from(nodes) * u64::from(cfg.run.builders) + u64::from(cfg.run.builders);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    links / cores
+}
+
 impl Ports {
-    fn bind(cfg: &mut Config, clock: WallClock) -> anyhow::Result<Self> {
+    fn bind(cfg: &mut Config, clock: WallClock, lead_ms: u64) -> anyhow::Result<Self> {
         let writer = crate::transport::listen::bind(LOOPBACK_ANY)?;
         cfg.run.writer_addr = writer.local_addr()?.to_string();
         let mut builders = Vec::new();
@@ -266,7 +304,7 @@ impl Ports {
         }
         if cfg.run.start_slice.is_none() {
             let slice_clock = cfg.slice_clock()?;
-            let ahead = clock.now() + shoal_core::Duration::from_millis(200);
+            let ahead = clock.now() + shoal_core::Duration::from_millis(200 + lead_ms);
             cfg.run.start_slice = Some(slice_clock.slice_at(ahead) + 1);
         }
         let dfm = match cfg.policy()?.pull() {
@@ -408,6 +446,8 @@ fn summarize(
         run: cfg.run.run_number,
         policy: cfg.run.policy.clone(),
         transport: cfg.run.transport.clone(),
+        data_security: cfg.security.data.as_str().into(),
+        cpu_s_from_first_slice: f64::NAN,
         sources: cfg.run.sources,
         builders: cfg.run.builders,
         sources_per_node: per_node,

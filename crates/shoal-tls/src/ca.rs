@@ -5,7 +5,8 @@
 //! `runcontrol`, `dispatcher`, or `client` for tools such as Prometheus), and its subject
 //! alternative names the process name and the hosts it may be reached at. A port checks the
 //! role of the certificate its peer presents ([`crate::peer`]): a builder's data port takes
-//! sources, a writer's builders. Keys are ECDSA P-256 (rcgen on *ring*), written mode 0600.
+//! sources, a writer's builders. Keys are Ed25519 (rcgen on *ring*: the cheapest handshakes,
+//! `tls-bench handshakes`), written mode 0600.
 
 use std::path::{Path, PathBuf};
 
@@ -83,7 +84,7 @@ impl std::fmt::Debug for ClusterCa {
 impl ClusterCa {
     /// A new CA for the cluster `cluster`, valid for `days` days.
     pub fn generate(cluster: &str, days: u32) -> anyhow::Result<Self> {
-        let key = KeyPair::generate().context("generating the CA's key")?;
+        let key = KeyPair::generate_for(&rcgen::PKCS_ED25519).context("generating the CA's key")?;
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, format!("shoal cluster CA {cluster}"));
@@ -128,7 +129,7 @@ impl ClusterCa {
 
     /// A certificate and key for one process.
     pub fn issue(&self, req: &IssueRequest) -> anyhow::Result<Issued> {
-        let key = KeyPair::generate().context("generating a key")?;
+        let key = KeyPair::generate_for(&rcgen::PKCS_ED25519).context("generating a key")?;
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, req.name.clone());

@@ -76,12 +76,16 @@ fn rows(s: &RunSummary) -> Vec<(&'static str, String)> {
         (
             "run",
             format!(
-                "{}: {} sources x {} builders, policy {} over {}, {} ms slices, {} s{}",
+                "{}: {} sources x {} builders, policy {} over {}{}, {} ms slices, {} s{}",
                 s.run,
                 s.sources,
                 s.builders,
                 s.policy,
                 if s.transport.is_empty() { "tcp" } else { &s.transport },
+                match s.data_security.as_str() {
+                    "" | "off" => String::new(),
+                    m => format!(" ({m})"),
+                },
                 s.slice_ms,
                 s.seconds,
                 if s.sources_per_node > 1 {

@@ -289,8 +289,10 @@ async fn run(
     let mut pending: VecDeque<Chunk> = VecDeque::new();
     loop {
         // A pull source sends nothing until asked, so its link connects (and greets) at
-        // once instead of at the first chunk.
-        if stream.is_none() && pending.is_empty() && !options.hello.is_empty() && !closing.is_cancelled() {
+        // once instead of at the first chunk; a secured link too, so that its handshake is
+        // made before the data begins rather than holding up the first slices.
+        let at_once = !options.hello.is_empty() || options.connector.mode() != shoal_tls::DataSecurity::Off;
+        if stream.is_none() && pending.is_empty() && at_once && !closing.is_cancelled() {
             match connect(addr, id, &options).await {
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
