@@ -413,10 +413,8 @@ builders = 1
         let remote_builder = base.replace("builders = 1", "builders = 1\nbuilder_addrs = [\"192.0.2.7:5601\"]");
         assert!(err(&remote_builder).contains("builder_addrs[0]"), "{}", err(&remote_builder));
         // A data port off loopback with the data path authenticated; `data` needs certificates.
-        let guarded = remote_builder.replace(
-            "name = \"t\"",
-            "name = \"t\"\n[cluster.security]\ndata = \"authenticated\"\nca_dir = \"ca\"",
-        );
+        let guarded = remote_builder
+            .replace("name = \"t\"", "name = \"t\"\n[cluster.security]\ndata = \"authenticated\"\nca_dir = \"ca\"");
         toml::from_str::<ClusterFile>(&guarded).unwrap().validate().unwrap();
         let no_certs = guarded.replace("ca_dir = \"ca\"", "");
         assert!(err(&no_certs).contains("needs certificates"), "{}", err(&no_certs));

@@ -51,7 +51,8 @@ fn hosts_of(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
 /// and the CA's certificate beside them; returns how many.
 pub fn issue_all(file: &ClusterFile) -> anyhow::Result<usize> {
     let Some(ca_dir) = file.cluster.security.as_ref().and_then(|s| s.ca_dir.as_ref()) else { return Ok(0) };
-    let ca = shoal_tls::ca::ClusterCa::load(ca_dir).with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
+    let ca = shoal_tls::ca::ClusterCa::load(ca_dir)
+        .with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
     let out = issued_dir(file);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     restrict(&out)?;

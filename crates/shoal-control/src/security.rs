@@ -189,7 +189,13 @@ impl TokenFile {
         getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no randomness for a token: {e}"))?;
         let token = format!("{TOKEN_PREFIX}{}", secret.iter().map(|b| format!("{b:02x}")).collect::<String>());
         let created = unix_now();
-        file.tokens.push(TokenEntry { name: name.into(), role, sha256: sha256_hex(token.as_bytes()), created, expires });
+        file.tokens.push(TokenEntry {
+            name: name.into(),
+            role,
+            sha256: sha256_hex(token.as_bytes()),
+            created,
+            expires,
+        });
         write_private(path, &toml::to_string(&file)?)?;
         Ok(token)
     }

@@ -70,10 +70,8 @@ async fn stranger(mode: DataSecurity, identity: Option<Identity>, addr: std::net
 async fn strangers_on_a_data_port_are_refused_and_the_run_keeps_every_fragment() {
     let ca = ClusterCa::generate("test", 1).unwrap();
     let foreign = ClusterCa::generate("elsewhere", 1).unwrap();
-    let own = DataCredentials::of_roles(
-        ["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r))),
-    )
-    .unwrap();
+    let own =
+        DataCredentials::of_roles(["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)))).unwrap();
     let mut expired = request("source0", "source");
     expired.not_before = time::OffsetDateTime::now_utc() - time::Duration::days(3);
     expired.not_after = time::OffsetDateTime::now_utc() - time::Duration::days(1);

@@ -86,7 +86,10 @@ pub fn ca(args: CaArgs) -> anyhow::Result<()> {
             };
             let ca = ClusterCa::load(&dir)?;
             let (cert, key) = ca.issue_into(&dir, &IssueRequest::new(&name, &role, &hosts, days)?)?;
-            eprintln!("{role} certificate for {name:?} ({}), valid {days} days:", if hosts.is_empty() { "no hosts".to_string() } else { hosts.join(", ") });
+            eprintln!(
+                "{role} certificate for {name:?} ({}), valid {days} days:",
+                if hosts.is_empty() { "no hosts".to_string() } else { hosts.join(", ") }
+            );
             println!("{} {}", cert.display(), key.display());
             Ok(())
         }

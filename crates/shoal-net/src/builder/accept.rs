@@ -248,7 +248,9 @@ pub(super) async fn accept_connections(
         let _ = stream.set_nodelay(true);
         let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
         let to_uring = |uring: &crate::transport::uring::UringReceiver, stream, place| {
-            if !uring.submit(stream, uring_connection(peer, max_payload, clock, edge.clone(), tx.clone(), c.clone(), place)) {
+            if !uring
+                .submit(stream, uring_connection(peer, max_payload, clock, edge.clone(), tx.clone(), c.clone(), place))
+            {
                 // Closed: the source reconnects, and its link counts it.
                 warn!(%peer, "the io_uring receive thread is gone: connection closed");
             }
@@ -258,7 +260,8 @@ pub(super) async fn accept_connections(
                 Some(uring) => to_uring(uring, stream, place),
                 None => {
                     tokio::spawn(async move {
-                        read_connection(shoal_tls::DataStream::Plain(stream), peer, max_payload, clock, edge, tx, c).await;
+                        read_connection(shoal_tls::DataStream::Plain(stream), peer, max_payload, clock, edge, tx, c)
+                            .await;
                         drop(place);
                     });
                 }

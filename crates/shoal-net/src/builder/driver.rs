@@ -467,7 +467,17 @@ fn start_accept(
     };
     let limit = ConnectionLimit::new(s.sources as usize);
     let secure = s.data_port.clone();
-    Ok(tokio::spawn(accept_connections(listener, limit, to, uring, secure, s.max_payload, clock, edge, readers.clone())))
+    Ok(tokio::spawn(accept_connections(
+        listener,
+        limit,
+        to,
+        uring,
+        secure,
+        s.max_payload,
+        clock,
+        edge,
+        readers.clone(),
+    )))
 }
 
 /// The link to the writer, with its failed sends counted.

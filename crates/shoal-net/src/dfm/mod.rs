@@ -60,6 +60,27 @@ enum FromBuilder {
     },
 }
 
+/// One builder's connection: the handshake (`[security] data`) in a task of its own, not
+/// in the manager's loop; then its writer and its reader.
+fn serve_builder(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    conn: u64,
+    port: shoal_tls::Acceptor,
+    wrx: mpsc::UnboundedReceiver<Bytes>,
+    tx: mpsc::UnboundedSender<FromBuilder>,
+    readers: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let Some(stream) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
+            return;
+        };
+        let (read, write) = stream.into_split();
+        tokio::spawn(write_queued(write, wrx));
+        read_builder(read, peer, conn, tx, readers).await;
+    });
+}
+
 async fn read_builder(
     stream: shoal_tls::data::DataRead,
     peer: SocketAddr,
@@ -217,16 +238,7 @@ pub async fn run_dfm(
                     report.connections += 1;
                     let (wtx, wrx) = mpsc::unbounded_channel();
                     writers.insert(conn, wtx);
-                    // The handshake in the connection's task, not in the manager's loop.
-                    let (port, tx, readers) = (s.port.clone(), tx.clone(), readers.clone());
-                    tokio::spawn(async move {
-                        let Some(stream) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
-                            return;
-                        };
-                        let (read, write) = stream.into_split();
-                        tokio::spawn(write_queued(write, wrx));
-                        read_builder(read, peer, conn, tx, readers).await;
-                    });
+                    serve_builder(stream, peer, conn, s.port.clone(), wrx, tx.clone(), readers.clone());
                 }
                 Err(e) => {
                     warn!(error = %e, "accept failed");

@@ -88,8 +88,7 @@ impl Links {
         // Every data link waits for its builder's close before it ends
         // (`crate::transport::link`'s `PeerEnd`): nothing is left for the kernel to deliver
         // after this process is gone.
-        let mut options =
-            LinkOptions {
+        let mut options = LinkOptions {
             paths: Some(live.paths.clone()),
             wait_for_peer_close: true,
             connector: s.connector.clone(),

@@ -55,10 +55,7 @@ impl PartialEq for DataCredentials {
 impl DataCredentials {
     /// One process's identity (a node); its role is what its certificate says.
     pub fn single(identity: Identity) -> anyhow::Result<Self> {
-        let role = identity
-            .name()
-            .ok_or_else(|| anyhow::anyhow!("this process's certificate names no process"))?
-            .role;
+        let role = identity.name().ok_or_else(|| anyhow::anyhow!("this process's certificate names no process"))?.role;
         Ok(Self { by_role: Arc::new(BTreeMap::from([(role, identity)])) })
     }
 
@@ -81,7 +78,8 @@ impl DataCredentials {
         let mut by_role = BTreeMap::new();
         for role in ["source", "builder", "writer", "dfm"] {
             let issued = ca.issue(&shoal_tls::ca::IssueRequest::new(role, role, &hosts, 1)?)?;
-            let id = Identity::from_pem(ca.cert_pem().as_bytes(), issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())?;
+            let id =
+                Identity::from_pem(ca.cert_pem().as_bytes(), issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())?;
             by_role.insert(role.to_string(), id);
         }
         Ok(Self { by_role: Arc::new(by_role) })

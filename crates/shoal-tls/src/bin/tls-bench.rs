@@ -154,7 +154,9 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(handshakes(arg("--count", "10000").parse()?, mode, arg("--concurrency", "64").parse()?))
         }
         _ => {
-            eprintln!("usage: tls-bench aead [--mb N] | handshakes [--count N] [--mode authenticated|tls] [--concurrency C]");
+            eprintln!(
+                "usage: tls-bench aead [--mb N] | handshakes [--count N] [--mode authenticated|tls] [--concurrency C]"
+            );
             std::process::exit(2)
         }
     }
