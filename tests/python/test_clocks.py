@@ -17,12 +17,12 @@ INJECTED_US = {"source0": 2_500.0, "source1": -1_500.0}
 
 
 def level_by_rule(verdict: dict) -> str:
-    """The level the verdict's own far-end skew calls for (shoal-core's `judge`, written
-    out again as the oracle): each far end is half a probe's round trip away, so on a busy
-    machine a corrected skew can be judged worse than "ok" while the clocks are right."""
-    if verdict["skew_ns"] <= verdict["tolerated_ns"]:
+    """The level the verdict's own certain skew calls for (shoal-core's `judge`, written
+    out again as the oracle): the skew the measurements prove, both clocks' bounds taken
+    off, so that a busy machine's slow round trips warn of nothing."""
+    if verdict["skew_certain_ns"] <= verdict["tolerated_ns"]:
         return "ok"
-    return "degraded" if verdict["skew_ns"] <= verdict["limit_ns"] else "beyond"
+    return "degraded" if verdict["skew_certain_ns"] <= verdict["limit_ns"] else "beyond"
 
 
 def clock_cluster(tmp_path, correct: bool) -> str:

@@ -89,6 +89,9 @@ pub struct ClockWatch {
     prober: ClockProber,
     /// Processes whose clock the schedule depends on (sources, builders, the manager).
     data_processes: BTreeSet<String>,
+    /// Each process's clock: processes of one host read one kernel clock, so they are
+    /// compared as one ([`ClockWatch::verdict`]).
+    clock_of: BTreeMap<String, String>,
     /// Everyone run control expects an answer from.
     expected: usize,
     clocks: BTreeMap<String, ProcessClock>,
@@ -103,7 +106,13 @@ pub struct ClockWatch {
 }
 
 impl ClockWatch {
-    pub fn new(settings: ClockSettings, processes: &[(String, Role)], needs: Option<ClockNeeds>, now: Instant) -> Self {
+    /// `processes`: each one's name, role and clock (its host's; [`clock_of`]).
+    pub fn new(
+        settings: ClockSettings,
+        processes: &[(String, Role, String)],
+        needs: Option<ClockNeeds>,
+        now: Instant,
+    ) -> Self {
         let cfg = ProberConfig {
             samples: settings.samples.max(1),
             spacing: Duration::from_millis(5),
@@ -112,7 +121,12 @@ impl ClockWatch {
         };
         Self {
             prober: ClockProber::new(cfg, now),
-            data_processes: processes.iter().filter(|(_, r)| *r != Role::Writer).map(|(n, _)| n.clone()).collect(),
+            data_processes: processes
+                .iter()
+                .filter(|(_, r, _)| *r != Role::Writer)
+                .map(|(n, _, _)| n.clone())
+                .collect(),
+            clock_of: processes.iter().map(|(n, _, c)| (n.clone(), c.clone())).collect(),
             expected: processes.len(),
             settings,
             clocks: BTreeMap::new(),
@@ -169,23 +183,28 @@ impl ClockWatch {
         &self.clocks
     }
 
-    /// The tolerance rule on the data processes' clocks as they run now (corrected).
+    /// The tolerance rule on the data processes' clocks as they run now (corrected). The
+    /// processes of one clock count once, by the one measured best: what their
+    /// measurements differ by is the measurements' error, not a skew.
     pub fn verdict(&self) -> Option<ClockVerdict> {
         let needs = self.needs.as_ref()?;
-        let running: BTreeMap<String, OffsetEstimate> = self
-            .clocks
-            .iter()
-            .filter(|(n, _)| self.data_processes.contains(*n))
-            .map(|(n, c)| {
-                let e = OffsetEstimate {
-                    offset_ns: c.residual_ns,
-                    uncertainty_ns: c.uncertainty_ns,
-                    delay_ns: c.round_trip_ns,
-                    samples: 1,
-                };
-                (n.clone(), e)
-            })
-            .collect();
+        let mut best: BTreeMap<&str, (&String, OffsetEstimate)> = BTreeMap::new();
+        for (n, c) in self.clocks.iter().filter(|(n, _)| self.data_processes.contains(*n)) {
+            let e = OffsetEstimate {
+                offset_ns: c.residual_ns,
+                uncertainty_ns: c.uncertainty_ns,
+                delay_ns: c.round_trip_ns,
+                samples: 1,
+            };
+            let clock = self.clock_of.get(n).map_or(n.as_str(), String::as_str);
+            match best.get(clock) {
+                Some((_, b)) if b.uncertainty_ns <= e.uncertainty_ns => {}
+                _ => {
+                    best.insert(clock, (n, e));
+                }
+            }
+        }
+        let running: BTreeMap<String, OffsetEstimate> = best.into_values().map(|(n, e)| (n.clone(), e)).collect();
         Some(clocksync::judge(needs, &running))
     }
 
@@ -288,6 +307,23 @@ impl ClockWatch {
     }
 }
 
+/// The clock a process reads: its host's, as the cluster file places it. Processes run
+/// on this machine (`local`, `netns`: namespaces share the kernel's clock) read one; a
+/// test's emulated host clock (`test_clock_offset_us`, `test_clock_drift_ppm`) is one
+/// of its own.
+pub fn clock_of(spec: &crate::cluster::ProcessSpec) -> String {
+    use crate::cluster::Launch;
+    let host = match spec.launch {
+        Launch::Local | Launch::Netns => "this machine".to_string(),
+        Launch::Ssh | Launch::External => spec.host.clone(),
+    };
+    if spec.test_clock_offset_us != 0.0 || spec.test_clock_drift_ppm != 0.0 {
+        format!("{host} {:+} us {:+} ppm ({})", spec.test_clock_offset_us, spec.test_clock_drift_ppm, spec.name)
+    } else {
+        host
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,7 +332,7 @@ mod tests {
     /// bound shrinking as the rounds grow apart.
     #[test]
     fn the_drift_is_measured_between_the_first_round_and_the_latest() {
-        let procs = vec![("s0".to_string(), Role::Source)];
+        let procs = vec![("s0".to_string(), Role::Source, "host0".to_string())];
         let settings = ClockSettings { samples: 1, correct: false, ..Default::default() };
         let t0 = 1_000_000_000_000u64;
         let mut w = ClockWatch::new(settings, &procs, None, Instant::from_nanos(t0));
@@ -334,7 +370,10 @@ mod tests {
     /// time; the raw offset stays what the host has.
     #[test]
     fn a_clock_off_is_measured_corrected_and_then_found_on_time() {
-        let procs = vec![("s0".to_string(), Role::Source), ("b0".to_string(), Role::Builder)];
+        let procs = vec![
+            ("s0".to_string(), Role::Source, "host0".to_string()),
+            ("b0".to_string(), Role::Builder, "host1".to_string()),
+        ];
         let needs = ClockNeeds {
             policy: "delayed:2".parse().unwrap(),
             slice: std::time::Duration::from_millis(100),
@@ -374,5 +413,45 @@ mod tests {
                 assert!(w.verdict().unwrap().skew_ns <= 2 * 50_500);
             }
         }
+    }
+
+    /// Two processes of one host measured 7 ms apart (one of them answering late): one
+    /// clock, no skew; the same measurements as two hosts' are a skew over the tolerance.
+    #[test]
+    fn processes_of_one_host_are_compared_as_one_clock() {
+        let needs = ClockNeeds {
+            policy: "delayed:2".parse().unwrap(),
+            slice: std::time::Duration::from_millis(100),
+            builder_timeout: std::time::Duration::from_secs(2),
+        };
+        let verdict = |b0_clock: &str| {
+            let procs = vec![
+                ("s0".to_string(), Role::Source, "host0".to_string()),
+                ("b0".to_string(), Role::Builder, b0_clock.to_string()),
+            ];
+            let settings = ClockSettings { samples: 1, correct: false, ..Default::default() };
+            let mut w = ClockWatch::new(settings, &procs, Some(needs), Instant::from_nanos(1_000_000_000));
+            let mut t = w.poll_timeout();
+            let mut done = None;
+            while done.is_none() {
+                while let Some(text) = w.poll_probe(t) {
+                    let seq: u64 = text.rsplit(' ').next().unwrap().parse().unwrap();
+                    for (name, off) in [("s0", 7_000_000), ("b0", 0)] {
+                        let (a, t4) = answer(name, seq, t.as_nanos(), off, 0);
+                        w.handle_answer(&a, t4);
+                    }
+                    t = w.poll_timeout().max(t);
+                }
+                w.handle_timeout(t);
+                done = w.poll_round(t.as_nanos(), false);
+                t = w.poll_timeout().max(t);
+            }
+            w.verdict().unwrap()
+        };
+        let one = verdict("host0");
+        assert_eq!((one.level, one.skew_ns), (ClockLevel::Ok, 0), "{one:?}");
+        let two = verdict("host1");
+        assert_eq!(two.level, ClockLevel::Degraded, "{two:?}");
+        assert!(two.skew_certain_ns > 5_000_000, "{two:?}");
     }
 }

@@ -335,58 +335,67 @@ impl ClockNeeds {
     }
 }
 
-/// The tolerance rule: the worst skew between two of `clocks` (each offset widened by its
-/// uncertainty, after whatever correction was applied) against what `needs` tolerates.
+/// The tolerance rule: the skew between two of `clocks` (after whatever correction was
+/// applied) against what `needs` tolerates. The level is judged on the skew the
+/// measurements make certain (the two clocks' difference less both their bounds): a skew
+/// over the tolerance only at the far ends of the bounds is inside the measurement's own
+/// error (a slow round trip, two processes of one busy host) and warns of nothing.
 pub fn judge(needs: &ClockNeeds, clocks: &BTreeMap<String, OffsetEstimate>) -> ClockVerdict {
     let (tolerated_ns, limit_ns) = needs.thresholds();
-    let (skew_ns, between) = worst_pair(clocks);
-    let level = if skew_ns <= tolerated_ns {
+    // At the far ends (the most the skew may be) and at the near ends (the least).
+    let (skew_ns, far) = worst_pair(clocks, |e| e.bounds().1, |e| e.bounds().0);
+    let (skew_certain_ns, near) = worst_pair(clocks, |e| e.bounds().0, |e| e.bounds().1);
+    let between = if skew_certain_ns > 0 { near } else { far };
+    let level = if skew_certain_ns <= tolerated_ns {
         ClockLevel::Ok
-    } else if skew_ns <= limit_ns {
+    } else if skew_certain_ns <= limit_ns {
         ClockLevel::Degraded
     } else {
         ClockLevel::Beyond
     };
     let us = |ns: u64| ns as f64 / 1e3;
     let pair = between.as_ref().map(|(a, b)| format!(" ({a} ahead of {b})")).unwrap_or_default();
+    let measured = format!("{:.0}-{:.0} us", us(skew_certain_ns), us(skew_ns));
     let reason = match level {
         ClockLevel::Ok => format!(
-            "clock skew {:.0} us{pair}: within the {:.0} us that {} with {:.0} ms slices absorbs",
-            us(skew_ns),
+            "clock skew {measured}{pair}: at least {:.0} us, within the {:.0} us that {} with {:.0} ms slices absorbs",
+            us(skew_certain_ns),
             us(tolerated_ns),
             needs.policy,
             needs.slice.as_nanos() as f64 / 1e6
         ),
         ClockLevel::Degraded => format!(
-            "clock skew {:.0} us{pair} is over the {:.0} us that {} absorbs: slices wait longer \
-             and sending slots overlap; fix the hosts' time service (limit {:.0} us)",
-            us(skew_ns),
+            "clock skew {measured}{pair}: at least {:.0} us, over the {:.0} us that {} absorbs: slices wait \
+             longer and sending slots overlap; fix the hosts' time service (limit {:.0} us)",
+            us(skew_certain_ns),
             us(tolerated_ns),
             needs.policy,
             us(limit_ns)
         ),
         ClockLevel::Beyond => format!(
-            "clock skew {:.0} us{pair} is beyond the {:.0} us {} can take: fragments will miss \
-             their slots or the builders' timeout",
-            us(skew_ns),
+            "clock skew {measured}{pair}: at least {:.0} us, beyond the {:.0} us {} can take: fragments \
+             will miss their slots or the builders' timeout",
+            us(skew_certain_ns),
             us(limit_ns),
             needs.policy
         ),
     };
-    let skew_certain_ns = between.as_ref().map_or(0, |(ahead, behind)| {
-        let (a, b) = (clocks[ahead].bounds().0, clocks[behind].bounds().1);
-        (a as i128 - b as i128).max(0) as u64
-    });
     ClockVerdict { skew_ns, skew_certain_ns, between, tolerated_ns, limit_ns, level, reason }
 }
 
-/// The worst skew between two different processes, each clock at the far end of its
-/// uncertainty, and that pair (ahead, behind); 0 with fewer than two clocks.
-fn worst_pair(clocks: &BTreeMap<String, OffsetEstimate>) -> (u64, Option<(String, String)>) {
-    // The two highest upper bounds and the two lowest lower bounds suffice: the worst pair
-    // is (highest, lowest) unless that is one process, then the better of the runners-up.
-    let mut hi: Vec<(i64, &String)> = clocks.iter().map(|(n, e)| (e.bounds().1, n)).collect();
-    let mut lo: Vec<(i64, &String)> = clocks.iter().map(|(n, e)| (e.bounds().0, n)).collect();
+/// The largest `ahead(A) - behind(B)` over two different processes A and B, and that pair
+/// (ahead, behind); 0 with fewer than two clocks or when no difference is positive. With
+/// the upper bound for `ahead` and the lower for `behind`, the skew at the far ends of the
+/// uncertainty; the other way round, at the near ends.
+fn worst_pair(
+    clocks: &BTreeMap<String, OffsetEstimate>,
+    ahead: impl Fn(&OffsetEstimate) -> i64,
+    behind: impl Fn(&OffsetEstimate) -> i64,
+) -> (u64, Option<(String, String)>) {
+    // The two highest `ahead` and the two lowest `behind` suffice: the worst pair is
+    // (highest, lowest) unless that is one process, then the better of the runners-up.
+    let mut hi: Vec<(i64, &String)> = clocks.iter().map(|(n, e)| (ahead(e), n)).collect();
+    let mut lo: Vec<(i64, &String)> = clocks.iter().map(|(n, e)| (behind(e), n)).collect();
     if hi.len() < 2 {
         return (0, None);
     }
@@ -535,9 +544,17 @@ mod tests {
             assert_eq!(v.skew_certain_ns, 900_000);
             assert_eq!(v.between, Some(("p0".into(), "p1".into())));
         }
-        // A slow round trip alone (a 120-ms one): far ends 60 ms apart, near ends overlapping.
+        // A slow round trip alone (a 120-ms one): far ends 60 ms apart, near ends
+        // overlapping: inside the measurement's error, no warning.
         let v = judge(&needs("delayed:8"), &clocks(&[(0, 60 * MS), (0, 10)]));
-        assert_eq!((v.level, v.skew_certain_ns), (ClockLevel::Beyond, 0), "{v:?}");
+        assert_eq!((v.level, v.skew_certain_ns, v.skew_ns), (ClockLevel::Ok, 0, 60 * MS + 10), "{v:?}");
+        // 600 us apart at the far ends with 100-us bounds on 100-ms slices (5 ms tolerated):
+        // Ok; 7 ms apart less 2 x 0.5 ms: 6 ms certain, over the tolerance.
+        let v = judge(&needs("delayed:8"), &clocks(&[(250_000, 50_000), (-250_000, 50_000)]));
+        assert_eq!((v.level, v.skew_certain_ns), (ClockLevel::Ok, 400_000), "{v:?}");
+        let v = judge(&needs("delayed:8"), &clocks(&[(7 * ms, 500_000), (0, 500_000)]));
+        assert_eq!((v.level, v.skew_certain_ns), (ClockLevel::Degraded, 6 * MS), "{v:?}");
+        assert!(v.reason.contains("at least 6000 us"), "{}", v.reason);
         let v = judge(&needs("delayed:8"), &clocks(&[(60 * ms, 0), (0, 0)]));
         assert_eq!(v.level, ClockLevel::Beyond, "{v:?}");
         let v = judge(&needs("delayed:8"), &clocks(&[(20 * ms, 0), (0, 0)]));

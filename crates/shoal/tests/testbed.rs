@@ -83,23 +83,14 @@ fn hosts_1ms_apart_are_measured_corrected_and_lose_nothing() {
         let residual = c["residual_ns"].as_i64().unwrap();
         assert!(residual.abs() <= 2 * bound(c).max(10_000), "{c}");
     }
-    // Within what 100 ms slices absorb, as far as the measurements prove: the level judges
-    // the far ends of the clocks' bounds (half a probe's round trip each), which a busy
-    // machine widens past the 5 ms tolerated (a fresh clone's `make test`: source3's round
-    // trip 5.8 ms, far-end skew 7.5 ms, "degraded", near ends overlapping). The near ends
-    // are what the skew is at least, whatever the load.
+    // Within what 100 ms slices absorb, as far as the measurements prove: the near ends of
+    // the clocks' bounds are what the skew is at least, whatever the load (a busy machine
+    // widens the far ends: a fresh clone's `make test` once had source3's round trip at
+    // 5.8 ms, the far-end skew 7.5 ms). The level is judged on the near ends: "ok".
     let verdict = &clocks["verdict_at_start"];
     let certain = verdict["skew_certain_ns"].as_u64().unwrap();
     assert!(certain <= verdict["tolerated_ns"].as_u64().unwrap(), "{clocks}");
-    let skew = verdict["skew_ns"].as_u64().unwrap();
-    let level = if skew <= verdict["tolerated_ns"].as_u64().unwrap() {
-        "ok"
-    } else if skew <= verdict["limit_ns"].as_u64().unwrap() {
-        "degraded"
-    } else {
-        "beyond"
-    };
-    assert_eq!(verdict["level"], level, "{clocks}");
+    assert_eq!(verdict["level"], "ok", "{clocks}");
     eprintln!(
         "clocks 1 ms apart: measured spread {spread} ns, skew after correction {} ns",
         clocks["verdict_at_start"]["skew_ns"]

@@ -1,10 +1,10 @@
 //! The data processes' clocks differ so much that fragments miss their slices or the
 //! builders' timeouts (the verdict of [`crate::clocksync::judge`] after run control's
 //! latest round is `beyond`, and beyond even at the near ends of the measurements'
-//! uncertainty): named on the two processes furthest apart. The verdict takes each clock at
-//! the far end of its uncertainty, so one slow round trip (a busy host at a run's start)
-//! can put it beyond on its own; a skew only over what the policy absorbs (`degraded`:
-//! slices wait a little longer) loses nothing. Prometheus's `ShoalClockSkew` watches the
+//! uncertainty): named on the two processes furthest apart. The verdict's level is judged at
+//! the near ends of the clocks' bounds, so one slow round trip (a busy host at a run's
+//! start) cannot put it beyond on its own; a skew only over what the policy absorbs
+//! (`degraded`: slices wait a little longer) loses nothing. Prometheus's `ShoalClockSkew` watches the
 //! verdict itself.
 
 use super::super::{Evaluation, Finding, Rule};
