@@ -106,7 +106,8 @@ pub struct ClockWatch {
 }
 
 impl ClockWatch {
-    /// `processes`: each one's name, role and clock (its host's; [`clock_of`]).
+    /// `processes`: each one's name, role and clock (its host's:
+    /// `crate::cluster::ProcessSpec::clock`).
     pub fn new(
         settings: ClockSettings,
         processes: &[(String, Role, String)],
@@ -304,23 +305,6 @@ impl ClockWatch {
     /// How many processes answered the latest round, of those expected.
     pub fn heard(&self) -> (usize, usize) {
         (self.clocks.len(), self.expected)
-    }
-}
-
-/// The clock a process reads: its host's, as the cluster file places it. Processes run
-/// on this machine (`local`, `netns`: namespaces share the kernel's clock) read one; a
-/// test's emulated host clock (`test_clock_offset_us`, `test_clock_drift_ppm`) is one
-/// of its own.
-pub fn clock_of(spec: &crate::cluster::ProcessSpec) -> String {
-    use crate::cluster::Launch;
-    let host = match spec.launch {
-        Launch::Local | Launch::Netns => "this machine".to_string(),
-        Launch::Ssh | Launch::External => spec.host.clone(),
-    };
-    if spec.test_clock_offset_us != 0.0 || spec.test_clock_drift_ppm != 0.0 {
-        format!("{host} {:+} us {:+} ppm ({})", spec.test_clock_offset_us, spec.test_clock_drift_ppm, spec.name)
-    } else {
-        host
     }
 }
 

@@ -158,6 +158,25 @@ pub struct ProcessSpec {
     pub test_clock_drift_ppm: f64,
 }
 
+impl ProcessSpec {
+    /// The clock this process reads: its host's. Processes run on this machine (`local`,
+    /// `netns`: namespaces share the kernel's clock) read one; a host of `ssh` or
+    /// `external` processes its own; a test's emulated host clock (`test_clock_offset_us`,
+    /// `test_clock_drift_ppm`) is one of its own. Run control compares the processes of
+    /// one clock as one (docs/clocks.md).
+    pub fn clock(&self) -> String {
+        let host = match self.launch {
+            Launch::Local | Launch::Netns => "this machine".to_string(),
+            Launch::Ssh | Launch::External => self.host.clone(),
+        };
+        if self.test_clock_offset_us != 0.0 || self.test_clock_drift_ppm != 0.0 {
+            format!("{host} {:+} us {:+} ppm ({})", self.test_clock_offset_us, self.test_clock_drift_ppm, self.name)
+        } else {
+            host
+        }
+    }
+}
+
 fn is_zero(v: &f64) -> bool {
     *v == 0.0
 }

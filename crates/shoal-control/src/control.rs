@@ -374,7 +374,7 @@ impl Controller {
         cfg.writer_drain = Duration::from_secs(5);
         let state_dir = c.state_dir.clone();
         let roles: Vec<(String, Role, String)> =
-            file.processes.iter().map(|p| (p.name.clone(), p.role, crate::clocks::clock_of(p))).collect();
+            file.processes.iter().map(|p| (p.name.clone(), p.role, p.clock())).collect();
         let needs = match (file.config.policy(), file.config.slice_clock()) {
             (Ok(policy), Ok(sc)) => Some(shoal_core::clocksync::ClockNeeds {
                 policy,
