@@ -73,6 +73,9 @@ fn serve_builder(
 ) {
     tokio::spawn(async move {
         let Some(stream) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
+            // Refused (counted and logged there): its writer's place goes too, or every
+            // stranger's connection would leave one behind in the manager's loop.
+            let _ = tx.send(FromBuilder::Closed { conn, rejected: true });
             return;
         };
         let (read, write) = stream.into_split();
