@@ -1,0 +1,546 @@
+#!/usr/bin/env python3
+"""A fault campaign with ground truth (docs/monitoring.md, "Is the diagnosis right?").
+
+Runs `shoal run` clusters (the ANTARES sector, 5 sources x 3 builders, and a larger one,
+10 x 5) under every policy, injects faults drawn at random from a list at random times
+with random durations (0.2 s to 10 s, log-uniform), sometimes two at once, and compares
+each run's diagnosis (its run record) with what was injected:
+
+  stop     SIGSTOP, SIGCONT after the duration   expected: process_hung on it
+  kill     SIGKILL (run control restarts it)      expected: process_down on it
+  hog      the process pinned to one core and a   expected: process_hung on it
+           SCHED_FIFO busy loop on that core
+  disk     the writer's disk (a tmpfs) filled     expected: storage_failing on the writer
+  filter   the builders' filter slower than the   expected: filter_behind on a builder
+           load for the whole run
+  garbage  random bytes to a builder's data port  expected: connections_refused on it
+  clock    a source's clock 50 ms ahead           expected: clock_skew on it
+
+of each role (source, builder, writer, the data-flow manager under pull, the dispatcher).
+`hog` and `disk` need root (skipped otherwise, said). Runs without a fault (`--fault-free
+MINUTES`) count what the diagnosis names with nothing injected.
+
+A lost slice is named right when its primary cause is an injected fault's rule on that
+fault's process. The result: the confusion matrices (injected cause by named cause, in
+lost slices and in faults), the rules reached, the accuracy, as Markdown (`--markdown F`)
+and JSON (`--json F`). With `--check`, exit 1 when any lost slice is named other than
+its injected cause, a fault that should be named is not, or a fault-free run names a
+cause: `make test` runs a small campaign that way (tests/python/test_fault_campaign.py).
+
+usage: scripts/fault_campaign.py [--bin target/release/shoal] [--faults 200] [--seed 1]
+           [--fault-free MINUTES] [--kinds stop,kill,...] [--policies direct,...]
+           [--clusters sector,large] [--max-duration 10] [--check] [--json F] [--markdown F]
+           [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from shoal_cluster import free_port  # noqa: E402
+
+KINDS = ["stop", "kill", "hog", "disk", "filter", "garbage", "clock"]
+EXPECTED = {
+    "stop": "process_hung",
+    "kill": "process_down",
+    "hog": "process_hung",
+    "disk": "storage_failing",
+    "filter": "filter_behind",
+    "garbage": "connections_refused",
+    "clock": "clock_skew",
+}
+# Which roles a kind is injected on.
+TARGETS = {
+    "stop": ["source", "builder", "writer", "dfm", "dispatcher"],
+    "kill": ["source", "builder", "writer", "dfm", "dispatcher"],
+    "hog": ["source", "builder", "writer", "dfm"],
+    "disk": ["writer"],
+    "filter": ["builder"],
+    "garbage": ["builder"],
+    "clock": ["source"],
+}
+# Kinds that act for the whole run (set in the cluster file), not at a time.
+WHOLE_RUN = {"filter", "clock"}
+POLICIES = ["direct", "delayed:2", "tbf:40M", "pull:8:cap=16"]
+CLUSTERS = {"sector": (5, 3), "large": (10, 5)}
+SLICE_MS = 10
+CLOCK_AHEAD_US = 50_000.0
+FILTER_MS = 2 * SLICE_MS  # per slice: each builder gets one every SLICE_MS * builders
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def cluster_file(name, sources, builders, policy, state, faults) -> str:
+    pull = policy.startswith("pull")
+    clock_of = {f["target"]: f for f in faults if f["kind"] == "clock"}
+    lines = [
+        "[cluster]",
+        f'name = "{name}"',
+        f'dispatcher = "127.0.0.1:{free_port()}"',
+        "start_dispatcher = true",
+        f'dispatcher_http = "127.0.0.1:{free_port()}"',
+        f'state_dir = "{state}"',
+        "reply_timeout_ms = 5000",
+        "stats_interval_ms = 500",
+        "restarts = 3",
+        "",
+    ]
+    if clock_of:
+        # Run control corrects a clock it measured off (cluster.clock.correct): the fault
+        # is a host whose clock cannot be corrected, which the diagnosis must name.
+        lines += ["[cluster.clock]", "correct = false", ""]
+    lines += [
+        "[[process]]",
+        'name = "writer"',
+        'role = "writer"',
+    ]
+    if pull:
+        lines += ["[[process]]", 'name = "dfm"', 'role = "dfm"']
+    for b in range(builders):
+        lines += ["[[process]]", f'name = "builder{b}"', 'role = "builder"', f"ids = [{b}]"]
+    for s in range(sources):
+        lines += ["[[process]]", f'name = "source{s}"', 'role = "source"', f"ids = [{s}]"]
+        if f"source{s}" in clock_of:
+            lines.append(f"test_clock_offset_us = {CLOCK_AHEAD_US}")
+    builder_addrs = ", ".join(f'"127.0.0.1:{free_port()}"' for _ in range(builders))
+    lines += [
+        "[config.run]",
+        f"slice_ms = {SLICE_MS}",
+        f"sources = {sources}",
+        f"builders = {builders}",
+        f'policy = "{policy}"',
+        f"builder_addrs = [{builder_addrs}]",
+        f'writer_addr = "127.0.0.1:{free_port()}"',
+    ]
+    if pull:
+        lines.append(f'dfm_addr = "127.0.0.1:{free_port()}"')
+    lines += ["[config.source]", "drain_timeout_ms = 3000", "[config.builder]", "drain_timeout_ms = 5000"]
+    if any(f["kind"] == "filter" for f in faults):
+        lines += [f"fault_filter_ms_per_slice = {FILTER_MS}", "memory_budget_mb = 8"]
+    lines += ["[config.writer]", f'out_dir = "{state / "data"}"']
+    return "\n".join(lines) + "\n"
+
+
+def draw_fault(rng, policy, roles_of, max_duration) -> dict:
+    while True:
+        kind = rng.choice(KINDS_ENABLED)
+        roles = [r for r in TARGETS[kind] if (r != "dfm" or policy.startswith("pull")) and r in ROLES_ENABLED]
+        role = rng.choice(roles) if roles else None
+        if roles and role in roles_of:
+            break
+    target = rng.choice(roles_of[role])
+    duration = math.exp(rng.uniform(math.log(0.2), math.log(max_duration)))
+    return {"kind": kind, "role": role, "target": target, "duration": round(duration, 2)}
+
+
+def http_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def dispatcher_pid(text: str) -> int | None:
+    addr = re.search(r'^dispatcher = "([^"]+)"', text, re.M).group(1)
+    out = subprocess.run(["pgrep", "-f", f"dispatcher --listen {addr}"], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    return pids[0] if pids else None
+
+
+class Hog:
+    """A SCHED_FIFO busy loop on `cpu`, with the victim's threads pinned there."""
+
+    def __init__(self, pid: int, cpu: int):
+        self.pid = pid
+        self.proc = subprocess.Popen(
+            ["chrt", "-f", "10", "taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)], capture_output=True)
+
+    def end(self):
+        self.proc.kill()
+        self.proc.wait()
+        subprocess.run(["taskset", "-a", "-p", "-c", f"0-{os.cpu_count() - 1}", str(self.pid)], capture_output=True)
+
+
+def garbage(addr: str, seconds: float, rng: random.Random):
+    """Connections that send random bytes to `addr` for `seconds` (bounded)."""
+    host, port = addr.rsplit(":", 1)
+    end = time.monotonic() + seconds
+    sent = 0
+    while time.monotonic() < end and sent < 200:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                s.sendall(rng.randbytes(4096))
+                sent += 1
+        except OSError:
+            pass
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
+def inject(fault, pids, text, state, rng, started):
+    """Carries out one fault at its time; returns what happened (when, to which pid)."""
+    kind, target = fault["kind"], fault["target"]
+    wait = started + fault["start"] - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+    pid = dispatcher_pid(text) if target == "dispatcher" else pids.get(target)
+    fault["injected_unix"] = time.time()
+    if kind == "stop":
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(fault["duration"])
+        os.kill(pid, signal.SIGCONT)
+    elif kind == "kill":
+        os.kill(pid, signal.SIGKILL)
+    elif kind == "hog":
+        cpu = rng.randrange(os.cpu_count())
+        h = Hog(pid, cpu)
+        try:
+            time.sleep(fault["duration"])
+        finally:
+            h.end()
+    elif kind == "disk":
+        fill = state / "data" / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=1M"], capture_output=True)
+    elif kind == "garbage":
+        b = int(target.removeprefix("builder"))
+        addrs = re.search(r"^builder_addrs = \[(.*)\]", text, re.M).group(1)
+        addr = [a.strip().strip('"') for a in addrs.split(",")][b]
+        garbage(addr, fault["duration"], rng)
+    fault["ended_unix"] = time.time()
+
+
+def run_one(binary, work, index, cluster, policy, faults, seconds):
+    """One `shoal run` with `faults` injected; returns its run record."""
+    import threading
+
+    sources, builders = CLUSTERS[cluster]
+    d = work / f"run{index:04}"
+    d.mkdir(parents=True)
+    state = d / "state"
+    (state / "data").mkdir(parents=True)
+    mounted = False
+    if any(f["kind"] == "disk" for f in faults):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(state / "data")], check=True)
+        mounted = True
+    text = cluster_file(f"campaign{index}", sources, builders, policy, state, faults)
+    (d / "cluster.toml").write_text(text)
+    log = open(d / "shoal-run.log", "w")
+    proc = subprocess.Popen(
+        [str(binary), "run", "cluster.toml", "--seconds", str(seconds), "--http", "127.0.0.1:0"],
+        cwd=d,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    rng = random.Random(index)
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.startswith("run control UI: "):
+                url = line.split(": ", 1)[1].strip().rstrip("/")
+                break
+        if url is None:
+            raise RuntimeError(f"shoal run did not start: {d / 'shoal-run.log'}")
+        deadline = time.monotonic() + 120
+        status = {}
+        while time.monotonic() < deadline:
+            status = http_json(url + "/api/status")
+            if status.get("state") == "RUNNING":
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the run did not start: {json.dumps(status)[:500]}")
+        started = time.monotonic()
+        pids = {p["name"]: p["pid"] for p in status["processes"] if p["pid"]}
+        threads = [
+            threading.Thread(target=inject, args=(f, pids, text, state, random.Random(rng.random()), started))
+            for f in faults
+            if f["kind"] not in WHOLE_RUN
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        proc.stdout.read()
+        rc = proc.wait(timeout=seconds + 180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        if mounted:
+            subprocess.run(["umount", "-l", str(state / "data")], capture_output=True)
+    records = sorted((state / "runs").glob("run*.json"))
+    if not records:
+        raise RuntimeError(f"no run record (shoal run exited {rc}): {d / 'shoal-run.log'}")
+    return json.loads(records[0].read_text())
+
+
+def matches(cause_rule, processes, fault) -> bool:
+    if cause_rule != EXPECTED[fault["kind"]]:
+        return False
+    if fault["kind"] == "filter":
+        return any(p.startswith("builder") for p in processes)
+    return fault["target"] in processes
+
+
+def score(record, faults):
+    """What the run's diagnosis named against what was injected."""
+    causes = record["diagnosis"]["slices"]["causes"]
+    timeline = [(e["rule"], e["process"]) for e in record["diagnosis"]["timeline"]]
+    slices = []  # (injected kind or "none", named rule, slices, right)
+    for c in causes:
+        right = next((f for f in faults if matches(c["rule"], c["processes"], f)), None)
+        # The fault the slices belong to: the right one, else one on a named process.
+        owner = right or next((f for f in faults if f["target"] in c["processes"]), faults[0] if faults else None)
+        slices.append(
+            {
+                "injected": f"{owner['kind']} {owner['role']}" if owner else "none",
+                "named": c["rule"],
+                "processes": c["processes"],
+                "slices": c["slices"],
+                "right": right is not None,
+            }
+        )
+    named = []
+    for f in faults:
+        seen = any(matches(rule, [p], f) for rule, p in timeline) or any(
+            matches(c["rule"], c["processes"], f) for c in causes
+        )
+        on_target = sorted({rule for rule, p in timeline if p == f["target"]})
+        named.append({"injected": f"{f['kind']} {f['role']}", "named": EXPECTED[f["kind"]] if seen else
+                      (on_target[0] if on_target else "nothing"), "right": seen})
+    return {
+        "slices": slices,
+        "named_faults": named,
+        "timeline": timeline,
+        "lost": record["diagnosis"]["slices"]["lost_slices"],
+        "unexplained": record["diagnosis"]["slices"]["unexplained"],
+        "balanced": record["ledger"]["balanced"],
+    }
+
+
+# Faults that must be named even though they may cost no slice (a fault that cost nothing
+# and that no rule can see is not held against the diagnosis: a 0.2-s stop of a source
+# whose buffer covered it).
+def must_be_named(f, s) -> bool:
+    if f["kind"] == "clock":
+        # Named when beyond what the policy can take (docs/clocks.md): a 50-ms skew is for
+        # the barrel shifter and the token bucket (half a slice), not for direct or pull
+        # (half the builders' timeout).
+        return s["policy"].startswith(("delayed", "tbf"))
+    if f["kind"] in ("garbage", "disk", "filter"):
+        return True
+    if f["kind"] == "kill":
+        return True
+    return any(x["slices"] > 0 and x["injected"].startswith(f["kind"]) for x in s["slices"])
+
+
+def plan(args, rng):
+    runs = []
+    total = 0
+    while total < args.faults:
+        cluster = rng.choice(args.clusters)
+        policy = rng.choice(args.policies)
+        sources, builders = CLUSTERS[cluster]
+        roles_of = {
+            "source": [f"source{i}" for i in range(sources)],
+            "builder": [f"builder{i}" for i in range(builders)],
+            "writer": ["writer"],
+            "dispatcher": ["dispatcher"],
+        }
+        if policy.startswith("pull"):
+            roles_of["dfm"] = ["dfm"]
+        n = 2 if rng.random() < 0.2 and args.faults - total >= 2 else 1
+        faults = []
+        while len(faults) < n:
+            f = draw_fault(rng, policy, roles_of, args.max_duration)
+            if any(g["target"] == f["target"] or g["kind"] == f["kind"] for g in faults):
+                continue
+            faults.append(f)
+        for f in faults:
+            f["start"] = 0.0 if f["kind"] in WHOLE_RUN else round(rng.uniform(1.5, 4.0), 2)
+        end = max(f["start"] + (0 if f["kind"] in WHOLE_RUN else f["duration"]) for f in faults)
+        runs.append({"cluster": cluster, "policy": policy, "faults": faults, "seconds": round(max(8.0, end + 4), 1)})
+        total += n
+    return runs
+
+
+def matrix(rows, key_row, key_col, weight):
+    table: dict[str, dict[str, int]] = {}
+    for r in rows:
+        table.setdefault(r[key_row], {}).setdefault(r[key_col], 0)
+        table[r[key_row]][r[key_col]] += weight(r)
+    return table
+
+
+def markdown_matrix(title, table, unit) -> str:
+    cols = sorted({c for row in table.values() for c in row})
+    out = [f"**{title}** ({unit})", "", "| injected \\ named | " + " | ".join(cols) + " |",
+           "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for r in sorted(table):
+        out.append(f"| {r} | " + " | ".join(str(table[r].get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "shoal"))
+    ap.add_argument("--faults", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fault-free", type=float, default=0.0, help="minutes of runs without a fault")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--clusters", default="sector,large")
+    ap.add_argument("--roles", default="source,builder,writer,dfm,dispatcher", help="roles to inject on")
+    ap.add_argument("--max-duration", type=float, default=10.0)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    ap.add_argument("--keep", help="keep the runs' directories here")
+    args = ap.parse_args()
+    args.policies = args.policies.split(",")
+    args.clusters = args.clusters.split(",")
+    global KINDS_ENABLED, ROLES_ENABLED
+    ROLES_ENABLED = args.roles.split(",")
+    KINDS_ENABLED = [k for k in args.kinds.split(",") if k]
+    skipped = [k for k in KINDS_ENABLED if k in ("hog", "disk") and not is_root()]
+    KINDS_ENABLED = [k for k in KINDS_ENABLED if k not in skipped]
+    if skipped:
+        print(f"not root: {', '.join(skipped)} skipped", flush=True)
+    rng = random.Random(args.seed)
+    runs = plan(args, rng) if args.faults > 0 else []
+    free_runs = []
+    free_seconds = args.fault_free * 60
+    while sum(r["seconds"] for r in free_runs) < free_seconds:
+        free_runs.append(
+            {"cluster": rng.choice(args.clusters), "policy": rng.choice(args.policies), "faults": [], "seconds": 20.0}
+        )
+    work = pathlib.Path(args.keep) if args.keep else pathlib.Path(tempfile.mkdtemp(prefix="fault-campaign-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, r in enumerate(runs + free_runs):
+        began = time.monotonic()
+        try:
+            record = run_one(pathlib.Path(args.bin), work, i, r["cluster"], r["policy"], r["faults"], r["seconds"])
+            s = score(record, r["faults"])
+        except Exception as e:  # a run that failed is a result too, and named
+            s = {"error": str(e), "slices": [], "named_faults": [], "timeline": [], "lost": 0, "unexplained": 0,
+                 "balanced": False}
+        r.update(s)
+        r["wall_s"] = round(time.monotonic() - began, 1)
+        results.append(r)
+        what = ", ".join(f"{f['kind']} {f['target']} {f['duration']}s@{f['start']}" for f in r["faults"]) or "none"
+        print(
+            f"[{i + 1}/{len(runs) + len(free_runs)}] {r['cluster']} {r['policy']}: {what} -> lost {r['lost']}, "
+            + ", ".join(f"{x['named']} {','.join(x['processes'])} {x['slices']}{'' if x['right'] else ' WRONG'}"
+                        for x in r["slices"])
+            + (f" timeline {r['timeline']}" if not r["faults"] and r["timeline"] else "")
+            + (f" ERROR {r['error']}" if "error" in r else ""),
+            flush=True,
+        )
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(results)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
+    text = render(summary, args)
+    print(text)
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(text + "\n")
+    if args.check and summary["failures"]:
+        print("FAILED:\n  " + "\n  ".join(summary["failures"]))
+        sys.exit(1)
+
+
+def summarize(results):
+    faulty = [r for r in results if r["faults"]]
+    free = [r for r in results if not r["faults"]]
+    slice_rows = [x for r in faulty for x in r["slices"]]
+    fault_rows = [x for r in faulty for x in r.get("named_faults", [])]
+    lost = sum(x["slices"] for x in slice_rows)
+    right = sum(x["slices"] for x in slice_rows if x["right"])
+    failures = []
+    for r in results:
+        what = f"{r['cluster']} {r['policy']} {[(f['kind'], f['target'], f['duration']) for f in r['faults']]}"
+        if "error" in r:
+            failures.append(f"{what}: {r['error']}")
+            continue
+        if not r["balanced"]:
+            failures.append(f"{what}: ledger not balanced")
+        for x in r["slices"]:
+            if not x["right"]:
+                failures.append(f"{what}: {x['slices']} slices named {x['named']} {x['processes']}")
+        if not r["faults"] and (r["timeline"] or r["lost"]):
+            failures.append(f"{what}: fault-free run named {r['timeline']} (lost {r['lost']})")
+    reached = sorted({x["named"] for x in fault_rows if x["right"]})
+    unnamed = []
+    for r in faulty:
+        if "error" in r:
+            continue
+        for f, n in zip(r["faults"], r["named_faults"]):
+            if not n["right"] and must_be_named(f, r):
+                unnamed.append(f"{r['cluster']} {r['policy']}: {f['kind']} {f['target']} {f['duration']}s "
+                               f"not named (named {n['named']})")
+    failures += unnamed
+    return {
+        "runs": len(faulty),
+        "faults": sum(len(r["faults"]) for r in faulty),
+        "fault_free_runs": len(free),
+        "fault_free_seconds": sum(r["seconds"] for r in free),
+        "fault_free_named": sum(1 for r in free if r["timeline"] or r["lost"]),
+        "lost_slices": lost,
+        "named_right": right,
+        "unexplained": sum(r["unexplained"] for r in faulty),
+        "slice_matrix": matrix(slice_rows, "injected", "named", lambda x: x["slices"]),
+        "fault_matrix": matrix(fault_rows, "injected", "named", lambda x: 1),
+        "rules_reached": reached,
+        "failures": failures,
+    }
+
+
+def render(s, args) -> str:
+    share = s["named_right"] / s["lost_slices"] if s["lost_slices"] else 1.0
+    lines = [
+        f"{s['faults']} faults in {s['runs']} runs (seed {args.seed}, policies {', '.join(args.policies)}, "
+        f"clusters {', '.join(args.clusters)}); {s['fault_free_runs']} fault-free runs, "
+        f"{s['fault_free_seconds'] / 60:.1f} min, {s['fault_free_named']} with a cause named.",
+        f"Lost slices {s['lost_slices']}, named right {s['named_right']} ({100 * share:.1f} %), "
+        f"unexplained {s['unexplained']}.",
+        f"Rules reached by an injected fault: {', '.join(s['rules_reached']) or 'none'}.",
+        "",
+        markdown_matrix("Lost slices", s["slice_matrix"], "slices"),
+        "",
+        markdown_matrix("Faults", s["fault_matrix"], "faults; named: the expected rule on the process if the "
+                        "timeline or the causes name it, else the first rule on it, else nothing"),
+    ]
+    if s["failures"]:
+        lines += ["", "Misses:", *(f"- {f}" for f in s["failures"])]
+    return "\n".join(lines)
+
+
+KINDS_ENABLED = KINDS
+ROLES_ENABLED = ["source", "builder", "writer", "dfm", "dispatcher"]
+
+if __name__ == "__main__":
+    main()
