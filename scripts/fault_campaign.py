@@ -375,7 +375,8 @@ def plan(args, rng):
         faults = []
         while len(faults) < n:
             f = draw_fault(rng, policy, roles_of, args.max_duration)
-            if any(g["target"] == f["target"] or g["kind"] == f["kind"] for g in faults):
+            # Two at once: on two processes, and not two of a whole-run kind.
+            if any(g["target"] == f["target"] or (g["kind"] == f["kind"] and f["kind"] in WHOLE_RUN) for g in faults):
                 continue
             faults.append(f)
         for f in faults:

@@ -139,6 +139,7 @@ fn post_mortem(bencher: Bencher) {
         end_slice: start + 12_000,
         slice_ns: SLICE,
         n_builders: BUILDERS,
+        pull: false,
         margin_ns: 5_500_000_000,
         hosts,
         departures: vec![Departed {

@@ -9,7 +9,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use shoal_core::diagnosis::slices::{Departed, Host};
 use shoal_core::diagnosis::{
-    Counters, Episode, LostSlice, Presence, ProcessView, RunFacts, SliceDiagnosis, SliceLoss, Snapshot,
+    Counters, Episode, LostSlice, Presence, ProcessView, RunFacts, SliceDiagnosis, SliceLoss, Snapshot, StallSeen,
 };
 
 use crate::status::ClusterStatus;
@@ -81,6 +81,7 @@ pub fn snapshot(
                 version: stats.map(|s| s.version.clone()).unwrap_or_default(),
                 config_digest: stats.map(|s| s.config_digest.clone()).unwrap_or_default(),
                 hosted_sources: stats.map(|s| s.hosted_sources.clone()).unwrap_or_default(),
+                stalls: stats.map(|s| stalls_on_our_clock(s, p.stats_received_ns)).unwrap_or_default(),
             }
         })
         .collect();
@@ -92,6 +93,23 @@ pub fn snapshot(
         ..Default::default()
     });
     Snapshot { now_ns, stats_interval_ns, running, busy, processes, clock: status.clock_verdict.clone() }
+}
+
+/// A process's stalls put on run control's clock: its statistics say when they were
+/// taken on its clock and run control when they arrived on its own; the difference (the
+/// clocks' offset plus a transit of milliseconds) moves the stalls over.
+fn stalls_on_our_clock(s: &shoal_net::node::NodeStats, received_ns: Option<u64>) -> Vec<StallSeen> {
+    let shift = received_ns.map_or(0, |r| r as i128 - s.time_ns as i128);
+    let ours = |t: u64| (t as i128 + shift).max(0) as u64;
+    s.stalls
+        .iter()
+        .map(|st| StallSeen {
+            from_ns: ours(st.from_ns),
+            to_ns: ours(st.to_ns),
+            waited_for_cpu_ns: st.waited_for_cpu_ns,
+            key: st.to_ns,
+        })
+        .collect()
 }
 
 /// The parts of a run record the post-mortem reads.
@@ -222,6 +240,7 @@ pub fn diagnose_record(record: &serde_json::Value) -> anyhow::Result<RunDiagnosi
         end_slice: facts.end_slice,
         slice_ns,
         n_builders: config.run.builders,
+        pull: config.policy().ok().and_then(|p| p.pull()).is_some(),
         margin_ns,
         hosts,
         departures: facts

@@ -49,6 +49,7 @@ pub mod rcagent;
 pub use source::sdk;
 pub mod report;
 pub mod schedstat;
+pub mod stallwatch;
 pub mod source;
 pub mod tap;
 pub mod transport;

@@ -139,6 +139,13 @@ pub struct NodeStats {
     pub delay_p50_us: u64,
     pub delay_p99_us: u64,
     pub delay_max_us: u64,
+    /// The latest times this process was not scheduled for 0.2 s or more (stopped, its
+    /// CPU taken), on its clock, oldest first, and its time stalled in all, ns
+    /// ([`crate::stallwatch`]).
+    #[serde(default)]
+    pub stalls: Vec<crate::stallwatch::Stall>,
+    #[serde(default)]
+    pub stalled_ns: u64,
 }
 
 /// A process's end-of-run report (payload of `RC_REPORT`, JSON): what run control needs
@@ -219,6 +226,9 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
         }
         None => None,
     };
+    let stall_watch = crate::stallwatch::StallWatch::start()
+        .map_err(|e| warn!(error = %e, "no stall watch: stalls shorter than the hung threshold go unseen"))
+        .ok();
     let mut agent = RcAgent::connect(opts.dispatcher, &opts.name, clock)
         .await
         .with_context(|| format!("connecting to the dispatcher at {}", opts.dispatcher))?;
@@ -334,7 +344,11 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
                 }
             }
             _ = tick.tick() => {
-                let stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock, configured.as_ref());
+                let mut stats = snapshot(&opts, &agent, &live, metrics_addr.clone(), clock, configured.as_ref());
+                if let Some(w) = &stall_watch {
+                    let (stalls, total) = w.stalls(&clock);
+                    (stats.stalls, stats.stalled_ns) = (stalls, total.as_nanos() as u64);
+                }
                 agent.publish(RC_STATS, &serde_json::to_vec(&stats)?).await?;
             }
             _ = cancel.cancelled() => {
@@ -653,6 +667,8 @@ fn snapshot(
         delay_p50_us: delays.p50_us,
         delay_p99_us: delays.p99_us,
         delay_max_us: delays.max_us,
+        stalls: Vec::new(),
+        stalled_ns: 0,
     }
 }
 

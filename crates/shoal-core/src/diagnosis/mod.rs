@@ -235,6 +235,34 @@ pub struct ProcessView {
     pub config_digest: String,
     /// Source processes: the sources it hosts.
     pub hosted_sources: Vec<u32>,
+    /// The latest times it was not scheduled for 0.2 s or more, as it reported them.
+    pub stalls: Vec<StallSeen>,
+}
+
+/// A process not scheduled for a while (stopped, its CPU taken), as it reported once it
+/// ran again: stalls shorter than the hung threshold fall between the live checks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StallSeen {
+    /// On run control's clock, UNIX ns.
+    pub from_ns: u64,
+    pub to_ns: u64,
+    /// Of that time, it was runnable and waited for a CPU, ns.
+    pub waited_for_cpu_ns: u64,
+    /// Its end on the process's own clock: what tells one stall from the next (the same
+    /// stall reported twice is put on run control's clock a little differently each time).
+    pub key: u64,
+}
+
+impl StallSeen {
+    pub fn detail(&self) -> String {
+        let secs = self.to_ns.saturating_sub(self.from_ns) as f64 * 1e-9;
+        let waited = self.waited_for_cpu_ns as f64 * 1e-9;
+        if waited >= 0.5 * secs {
+            format!("not scheduled for {secs:.2} s, runnable {waited:.2} s of it: its CPU was taken")
+        } else {
+            format!("not scheduled for {secs:.2} s, not runnable: stopped (or its host frozen)")
+        }
+    }
 }
 
 /// What run control knows at one moment.
@@ -323,6 +351,8 @@ pub struct Diagnoser {
     previous: BTreeMap<String, Counters>,
     previous_pid: BTreeMap<String, u32>,
     last_away_ns: BTreeMap<String, u64>,
+    /// The latest stall recorded of each process (its key).
+    last_stall: BTreeMap<String, u64>,
     episodes: Vec<Episode>,
     forgotten: u64,
 }
@@ -359,8 +389,9 @@ impl Diagnoser {
             }
         }
         let findings = rules::check_all(&Evaluation { snapshot, growth: &growth, last_away_ns: &self.last_away_ns });
-        self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
         let mut changes = Changes::default();
+        self.record_stalls(snapshot, &mut changes);
+        self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
         for e in self.episodes.iter_mut().filter(|e| e.ended_ns.is_none()) {
             let found = findings.iter().any(|f| f.rule == e.rule && f.process == e.process);
             if !found && now.saturating_sub(e.last_seen_ns) >= QUIET_NS {
@@ -401,6 +432,44 @@ impl Diagnoser {
             }
         }
         changes
+    }
+
+    /// Stalls the processes reported that are not recorded yet: each a past
+    /// [`Rule::ProcessHung`] episode, or the start of the live one it belongs to (a
+    /// process stopped long enough to be found hung began to hang when it stopped).
+    fn record_stalls(&mut self, snapshot: &Snapshot, changes: &mut Changes) {
+        for p in &snapshot.processes {
+            let last = self.last_stall.get(&p.name).copied().unwrap_or(0);
+            for s in p.stalls.iter().filter(|s| s.key > last) {
+                self.last_stall.insert(p.name.clone(), s.key);
+                let joins = |e: &Episode| {
+                    e.rule == Rule::ProcessHung
+                        && e.process == p.name
+                        && e.began_ns <= s.to_ns.saturating_add(QUIET_NS)
+                        && e.ended_ns.unwrap_or(u64::MAX).saturating_add(QUIET_NS) >= s.from_ns
+                };
+                if let Some(e) = self.episodes.iter_mut().rev().find(|e| joins(e)) {
+                    e.began_ns = e.began_ns.min(s.from_ns);
+                    if let Some(end) = &mut e.ended_ns {
+                        *end = (*end).max(s.to_ns);
+                    }
+                    e.last_seen_ns = e.last_seen_ns.max(s.to_ns);
+                    continue;
+                }
+                let e = Episode {
+                    rule: Rule::ProcessHung,
+                    process: p.name.clone(),
+                    role: p.role.clone(),
+                    began_ns: s.from_ns,
+                    ended_ns: Some(s.to_ns),
+                    last_seen_ns: s.to_ns,
+                    detail: s.detail(),
+                    action: Rule::ProcessHung.action().to_string(),
+                };
+                changes.began.push(e.clone());
+                self.episodes.push(e);
+            }
+        }
     }
 
     /// The problems on now, highest priority first.

@@ -13,8 +13,11 @@
 //!    in the slice (its builder, the hosts of the sources it lacked), on at the slice's
 //!    time give or take [`RunFacts::margin_ns`]. A builder hung or down while the hosts of
 //!    the missing sources were dropping claims the slice too: the sources were held
-//!    back by that builder (direct back-pressure), so their drops are its symptom. A
-//!    builder discarding fragments as late does not claim a slice whose missing sources
+//!    back by that builder (direct back-pressure), so their drops are its symptom; under
+//!    pull ([`RunFacts::pull`]) any builder or the data-flow manager hung or down claims
+//!    the slices lost at its time (what a builder held went with it; the manager assigned
+//!    nothing meanwhile). A process's stall (not scheduled for 0.2 s or more, reported
+//!    once it runs again) is a hang episode of its own. A builder discarding fragments as late does not claim a slice whose missing sources
 //!    all came late: their lateness is what it shows;
 //! 3. a slice processed without sources that all sent its fragment afterwards
 //!    ([`LostSlice::lacking_came_late`]): [`SOURCES_LATE`] on their hosts. They were sending,
@@ -107,6 +110,11 @@ pub struct RunFacts {
     pub end_slice: u64,
     pub slice_ns: u64,
     pub n_builders: u32,
+    /// Credit-based pull: a data-flow manager assigns slices, so a builder's slices are
+    /// not known in advance (none is "never built" for a builder's absence: the manager
+    /// gave them to the others), and what a builder that left or stopped held is lost in
+    /// slices the others processed without it.
+    pub pull: bool,
     /// Slices are numbered on the UNIX epoch: slice `n` starts at `n * slice_ns`.
     /// How far apart in time a cause and a lost slice may be and still be linked (the
     /// builders' timeout, the statistics interval, detection delays).
@@ -226,6 +234,14 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
     // Every source it lacked sent its fragment after it was processed: the builder that
     // discarded them as late shows their lateness, it did not cause it.
     let all_late = s.loss == SliceLoss::Incomplete && s.lacking_came_late;
+    // Under pull a builder gone or stopped took the fragments it had been handed into the
+    // slices the manager gave to the others, and a manager gone or stopped assigned
+    // nothing meanwhile: theirs are the slices lost at that time.
+    let pull_cause = |e: &Episode| {
+        facts.pull
+            && matches!(e.rule, Rule::ProcessDown | Rule::ProcessHung)
+            && (e.role == "builder" || e.role == "dfm")
+    };
     let mut candidates: Vec<&Episode> = facts
         .episodes
         .iter()
@@ -235,6 +251,7 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
         .filter(|e| !(all_late && e.rule == Rule::BuilderDiscarding))
         .filter(|e| {
             involved(&e.process)
+                || pull_cause(e)
                 || (sources_dropping && e.role == "builder" && matches!(e.rule, Rule::ProcessDown | Rule::ProcessHung))
         })
         .collect();
@@ -259,7 +276,7 @@ pub fn cause_of(facts: &RunFacts, s: &LostSlice) -> Cause {
 /// built) given its primary cause, grouped by cause.
 pub fn attribute(facts: &RunFacts) -> SliceDiagnosis {
     let mut lost = facts.lost.clone();
-    for d in &facts.departures {
+    for d in facts.departures.iter().filter(|_| !facts.pull) {
         if let Some(b) = facts.hosts.iter().find(|h| h.name == d.name).and_then(|h| h.builder) {
             lost.extend(not_built(facts, b, d));
         }

@@ -511,3 +511,60 @@ fn slices_whose_missing_sources_all_came_late_are_those_sources_being_late() {
     let d = attribute(&f);
     assert_eq!(d.causes.iter().find(|c| c.processes == ["source0".to_string()]).unwrap().rule, "process_hung");
 }
+
+#[test]
+fn a_stall_shorter_than_the_hung_threshold_is_a_past_hang_that_claims_the_stalled_builders_slices() {
+    let mut d = Diagnoser::new();
+    let stall = StallSeen { from_ns: 1_020 * S, to_ns: 1_024 * S, waited_for_cpu_ns: 0, key: 77 };
+    let mut b = view("builder0", "builder");
+    b.last_stats_ns = Some(1_025 * S);
+    b.stalls = vec![stall];
+    let c = d.evaluate(&snapshot(1_025 * S / 1_000_000_000 + 1, vec![b.clone()]));
+    assert_eq!(c.began.len(), 1, "{c:?}");
+    let e = &c.began[0];
+    assert_eq!((e.rule, e.process.as_str(), e.began_ns, e.ended_ns), (Rule::ProcessHung, "builder0", stall.from_ns, Some(stall.to_ns)));
+    assert!(e.detail.contains("stopped"), "{}", e.detail);
+    // Reported again in the next statistics (put on run control's clock a little
+    // differently): the same stall, not a second one.
+    b.stalls = vec![StallSeen { from_ns: stall.from_ns + 3, to_ns: stall.to_ns + 3, ..stall }];
+    assert!(d.evaluate(&snapshot(1_025 * S / 1_000_000_000 + 2, vec![b.clone()])).began.is_empty());
+    assert_eq!(d.timeline().len(), 1);
+    // A starved process says so.
+    let starved = StallSeen { waited_for_cpu_ns: 3 * S, key: 78, ..stall };
+    assert!(starved.detail().contains("CPU was taken"), "{}", starved.detail());
+    // Its slices, processed late with every source "late", are the stall's.
+    let mut f = facts();
+    f.episodes = d.timeline().to_vec();
+    f.lost = (1_020..1_026)
+        .filter(|s| s % 2 == 0)
+        .map(|s| LostSlice { lacking_came_late: true, ..lost(s, SliceLoss::Incomplete, &[0, 1]) })
+        .collect();
+    let a = attribute(&f);
+    assert_eq!((a.explained, a.causes.len()), (3, 1), "{a:?}");
+    assert_eq!((a.causes[0].rule.as_str(), a.causes[0].processes.as_slice()), ("process_hung", &["builder0".to_string()][..]));
+}
+
+#[test]
+fn under_pull_a_departed_builder_leaves_no_unbuilt_slices_and_claims_what_the_others_lost_meanwhile() {
+    let mut f = facts();
+    f.pull = true;
+    f.departures = vec![Departed { name: "builder1".into(), to_slice: 1020, rejoined_slice: Some(1040) }];
+    f.episodes = vec![episode(Rule::ProcessDown, "builder1", "builder", 1020, Some(1040))];
+    // Builder 0 processed two slices builder 1 had been handed fragments of.
+    f.lost = vec![
+        LostSlice { builder: 0, ..lost(1021, SliceLoss::Incomplete, &[0, 1]) },
+        LostSlice { builder: 0, ..lost(1023, SliceLoss::Incomplete, &[1]) },
+    ];
+    let d = attribute(&f);
+    assert_eq!((d.lost_slices, d.explained), (2, 2), "the manager gave builder 1's slices to builder 0: {d:?}");
+    assert_eq!(d.causes[0].processes, ["builder1"]);
+    // And the data-flow manager stopped claims what was lost while it assigned nothing.
+    f.departures.clear();
+    f.hosts.push(Host { name: "dfm".into(), role: "dfm".into(), sources: vec![], builder: None });
+    f.episodes = vec![episode(Rule::ProcessHung, "dfm", "dfm", 1020, Some(1022))];
+    let d = attribute(&f);
+    assert_eq!((d.causes[0].rule.as_str(), d.causes[0].processes.as_slice()), ("process_hung", &["dfm".to_string()][..]));
+    // Without pull the same episode on the manager's role claims nothing it is not part of.
+    f.pull = false;
+    assert_eq!(attribute(&f).unexplained, 2);
+}

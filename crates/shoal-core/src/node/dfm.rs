@@ -78,6 +78,9 @@ pub enum DfmEvent {
     Started { builders: u32, claimed: u64, unclaimed: u64 },
     /// A builder left; its unprocessed slices are assigned again.
     BuilderLeft { builder: BuilderId, reassigned: u64, silent: bool },
+    /// A builder that had left (fallen silent) spoke again: it takes assignments again,
+    /// with fresh credits (what it held went to the others when it left).
+    BuilderRejoined { builder: BuilderId },
     /// A builder ended cleanly (every source ended its stream to it); `dropped`
     /// assignments reached it after that and were never processed (at the end of a run:
     /// slices past the end, assigned before run control told the manager the end).
@@ -97,6 +100,10 @@ pub struct DfmStats {
     pub skipped_no_credit: u64,
     pub skipped_memory: u64,
     pub builders_left: u64,
+    /// Builders that spoke again after leaving (silent, then back) and took assignments
+    /// again.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub builders_rejoined: u64,
     /// Slices not assigned because they waited longer than the sources hold fragments.
     pub expired: u64,
     /// Slices assigned at or beyond the run's end slice before run control said where it
@@ -116,6 +123,8 @@ struct BuilderState {
     memory: u64,
     last_heard: Option<Instant>,
     alive: bool,
+    /// Ended cleanly (its sources did): never assigned to again.
+    ended: bool,
 }
 
 #[derive(Debug)]
@@ -173,7 +182,7 @@ impl DataFlowManager {
         history: impl IntoIterator<Item = SliceNumber>,
     ) {
         let b = self.builders.entry(builder).or_default();
-        b.alive = true;
+        b.alive = !b.ended;
         b.last_heard = Some(now);
         b.assigned.extend(open);
         if let Phase::Gathering { claimed, .. } = &mut self.phase {
@@ -193,6 +202,7 @@ impl DataFlowManager {
             b.assigned.remove(&slice);
             b.last_heard = Some(now);
         }
+        self.heard_again(builder);
         self.assign(now);
     }
 
@@ -202,7 +212,20 @@ impl DataFlowManager {
             b.memory = bytes;
             b.last_heard = Some(now);
         }
+        self.heard_again(builder);
         self.assign(now);
+    }
+
+    /// A builder that left for silence and speaks again on the same connection (it was
+    /// stopped, or its host starved it) takes assignments again.
+    fn heard_again(&mut self, builder: BuilderId) {
+        let Some(b) = self.builders.get_mut(&builder) else { return };
+        if b.alive || b.ended || !matches!(self.phase, Phase::Assigning) {
+            return;
+        }
+        b.alive = true;
+        self.stats.builders_rejoined += 1;
+        self.events.push_back(DfmEvent::BuilderRejoined { builder });
     }
 
     /// `builder` is gone (its connection closed, or it was killed).
@@ -217,10 +240,11 @@ impl DataFlowManager {
     /// it could be built (at the end of a run these are slices at or past the end).
     pub fn handle_builder_ended(&mut self, now: Instant, builder: BuilderId) {
         let Some(b) = self.builders.get_mut(&builder) else { return };
-        if !b.alive {
+        if b.ended {
             return;
         }
         b.alive = false;
+        b.ended = true;
         let dropped = std::mem::take(&mut b.assigned).len() as u64;
         self.events.push_back(DfmEvent::BuilderEnded { builder, dropped });
         self.assign(now);
@@ -489,6 +513,39 @@ mod tests {
         let left: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
         assert!(left.contains(&DfmEvent::BuilderLeft { builder: 0, reassigned: 4, silent: true }), "{left:?}");
         assert!(drain(&mut d).is_empty(), "nobody left to assign to");
+    }
+
+    #[test]
+    fn a_builder_silent_for_a_while_loses_its_slices_then_rejoins_with_fresh_credits() {
+        // Silent for 300 ms: well within the 640 ms the sources hold a fragment.
+        let mut c = cfg(2, 2);
+        c.silence_timeout = Duration::from_millis(300);
+        let mut d = DataFlowManager::new(c, at(0));
+        d.handle_hello(at(0), 0, [], []);
+        d.handle_hello(at(0), 1, [], []);
+        d.handle_timeout(at(40));
+        assert_eq!(drain(&mut d), [(0, 0), (1, 1), (2, 0), (3, 1)]);
+        // Builder 1 is stopped at 40 ms; builder 0 returns its credits and takes more.
+        d.handle_done(at(45), 0, 0);
+        d.handle_done(at(45), 0, 2);
+        d.handle_timeout(at(60));
+        assert_eq!(drain(&mut d), [(4, 0), (5, 0)]);
+        d.handle_done(at(65), 0, 4);
+        d.handle_done(at(65), 0, 5);
+        d.handle_timeout(at(341));
+        assert_eq!(&drain(&mut d)[..2], [(1, 0), (3, 0)], "builder 1's two slices go to builder 0 first");
+        // Builder 1 runs again: its heartbeat brings it back, empty-handed.
+        d.handle_memory(at(400), 1, 0);
+        let events: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
+        assert!(events.contains(&DfmEvent::BuilderRejoined { builder: 1 }), "{events:?}");
+        assert_eq!(d.stats().builders_rejoined, 1);
+        let fresh: Vec<_> = drain(&mut d).into_iter().filter(|&(_, b)| b == 1).collect();
+        assert_eq!(fresh.len(), 2, "builder 1 takes assignments again, two credits' worth: {fresh:?}");
+        assert!(fresh.iter().all(|&(s, _)| s > 5), "new slices, not the ones it held: {fresh:?}");
+        // A builder that ended cleanly is never brought back.
+        d.handle_builder_ended(at(420), 0);
+        d.handle_memory(at(430), 0, 0);
+        assert_eq!(d.stats().builders_rejoined, 1);
     }
 
     #[test]

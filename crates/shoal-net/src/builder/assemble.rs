@@ -7,7 +7,6 @@ use hdrhistogram::Histogram;
 use shoal_core::assembly::Admission;
 use shoal_core::frame::{self, Flags, Frame};
 use shoal_core::node::{Arrival, BuilderNode};
-use shoal_core::pullmsg::PullMessage;
 use shoal_core::slice::{SliceClock, SliceNumber};
 use shoal_core::{Instant, SourceId};
 use shoal_trigger::FragmentData;
@@ -15,7 +14,7 @@ use tokio::sync::mpsc;
 
 use crate::builder::accept::Incoming;
 use crate::builder::hold::Held;
-use crate::builder::pull::{RequestRoute, Routes};
+use crate::builder::pull::{HELLO_WAITS_FOR_SOURCES, RequestRoute, Routes};
 use crate::builder::saving::Saving;
 use crate::clock::WallClock;
 use crate::live::Live;
@@ -91,17 +90,15 @@ impl Assembly {
             }
             Incoming::Hello { source, requests } => {
                 self.routes.sources.insert(source, RequestRoute::Tcp(requests));
+                self.routes.greet_dfm(&self.node);
                 return;
             }
             Incoming::DfmUp { out } => {
-                // The manager (new, or restarted) learns what this builder holds.
-                let (open, history) = match self.node.pull() {
-                    Some(p) => (p.assigned().collect(), p.history().collect()),
-                    None => (Vec::new(), Vec::new()),
-                };
-                let hello = PullMessage::BuilderHello { builder: self.node.config().id, open, history };
-                let _ = out.send(hello.encode());
-                self.routes.dfm = Some(out);
+                // The manager (new, or restarted) learns what this builder holds, once
+                // the sources can be asked.
+                self.routes.dfm = None;
+                self.routes.dfm_waiting = Some((out, std::time::Instant::now() + HELLO_WAITS_FOR_SOURCES));
+                self.routes.greet_dfm(&self.node);
                 return;
             }
             Incoming::Assign { slice } => {
@@ -126,6 +123,7 @@ impl Assembly {
             Received::Ended { source } => self.node.handle_end_of_stream(self.clock.now(), source),
             Received::Greeted { source } => {
                 self.routes.sources.insert(source, RequestRoute::Udp(udp_requests.clone()));
+                self.routes.greet_dfm(&self.node);
             }
         }
     }

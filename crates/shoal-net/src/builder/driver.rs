@@ -168,7 +168,9 @@ impl BuilderDriver {
     }
 
     async fn drive(&mut self, cancel: &CancellationToken) {
-        let mut heartbeat = tokio::time::interval(StdDuration::from_millis(500));
+        // Often enough for the manager to tell a stopped builder within its silence
+        // timeout (`dfm::silence_timeout`, four of these at least).
+        let mut heartbeat = tokio::time::interval(StdDuration::from_millis(100));
         let pull = self.s.pull.is_some();
         let clock = self.assembly.clock;
         loop {
@@ -245,8 +247,10 @@ impl BuilderDriver {
         }
     }
 
-    /// Pull: the builder's memory in use to the manager, twice a second.
-    fn send_heartbeat(&self) {
+    /// Pull: the builder's memory in use to the manager, ten times a second.
+    fn send_heartbeat(&mut self) {
+        // A greeting still waiting for the sources goes once its wait is over.
+        self.assembly.routes.greet_dfm(&self.assembly.node);
         if let Some(out) = &self.assembly.routes.dfm {
             let beat =
                 PullMessage::Credit { builder: self.s.id, slice: None, memory: self.assembly.node.memory_in_use() };

@@ -101,10 +101,37 @@ pub(super) enum RequestRoute {
 pub(super) struct Routes {
     pub(super) sources: std::collections::HashMap<SourceId, RequestRoute>,
     pub(super) dfm: Option<mpsc::UnboundedSender<Bytes>>,
+    /// The manager's connection before this builder has greeted it, and until when the
+    /// greeting waits for the sources (see [`Routes::greet_dfm`]).
+    pub(super) dfm_waiting: Option<(mpsc::UnboundedSender<Bytes>, std::time::Instant)>,
     pub(super) unroutable: u64,
 }
 
+/// How long a builder's hello to the manager waits for every source to have greeted it.
+pub(super) const HELLO_WAITS_FOR_SOURCES: StdDuration = StdDuration::from_secs(2);
+
 impl Routes {
+    /// Greets the manager (the slices this builder holds) once every source has greeted
+    /// this builder, or [`HELLO_WAITS_FOR_SOURCES`] after the manager's connection came up.
+    /// A builder restarted mid-run would otherwise take assignments before the sources
+    /// have connected to it again, find its requests unroutable, give their fragments up
+    /// after the re-asks and process every one of those slices empty.
+    pub(super) fn greet_dfm(&mut self, node: &BuilderNode<FragmentData>) {
+        let Some((_, until)) = &self.dfm_waiting else { return };
+        let all_greeted = self.sources.len() as u32 >= node.config().assembler.n_sources;
+        if !all_greeted && std::time::Instant::now() < *until {
+            return;
+        }
+        let (out, _) = self.dfm_waiting.take().expect("checked");
+        let (open, history) = match node.pull() {
+            Some(p) => (p.assigned().collect(), p.history().collect()),
+            None => (Vec::new(), Vec::new()),
+        };
+        let hello = PullMessage::BuilderHello { builder: node.config().id, open, history };
+        let _ = out.send(hello.encode());
+        self.dfm = Some(out);
+    }
+
     /// The node's requests to the sources, its returned credits to the manager.
     pub(super) fn send_pull(&mut self, node: &mut BuilderNode<FragmentData>, id: u32) {
         while let Some(r) = node.poll_request() {

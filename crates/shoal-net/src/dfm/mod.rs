@@ -158,6 +158,15 @@ impl DfmSettings {
     }
 }
 
+/// How long a builder holding slices may say nothing before its slices go to the others:
+/// half the time the sources hold a fragment nobody asked for, so that what the silent
+/// builder held can still be asked for elsewhere; at least four of its heartbeats
+/// (`builder::driver`, every 100 ms: a busy host delays one, not four), at most 2 s.
+pub fn silence_timeout(s: &DfmSettings) -> Duration {
+    let hold = s.slice_clock.length().as_nanos() as u64 * u64::from(s.pull.hold_slices);
+    Duration::from_nanos((hold / 2).clamp(400_000_000, 2_000_000_000))
+}
+
 /// Runs the manager on a bound listener until every slice of the run is assigned and
 /// processed (the end slice from the configuration's run length, or from run control's
 /// `live.end_slice`), or `cancel`.
@@ -174,7 +183,7 @@ pub async fn run_dfm(
     let mut dcfg = DfmConfig::new(s.pull, s.slice_clock, first, s.builders);
     dcfg.end_slice = s.slices.map(|n| first + n);
     dcfg.memory_limit = s.memory_limit;
-    dcfg.silence_timeout = Duration::from_secs(2);
+    dcfg.silence_timeout = silence_timeout(&s);
     let mut dfm = DataFlowManager::new(dcfg, now);
     info!(first_slice = first, end_slice = ?dcfg.end_slice, builders = s.builders, policy = %s.policy,
         "data-flow manager started");
@@ -221,6 +230,9 @@ pub async fn run_dfm(
                 }
                 DfmEvent::BuilderLeft { builder, reassigned, silent } => {
                     warn!(builder, reassigned, silent, "builder left; its slices go to the others")
+                }
+                DfmEvent::BuilderRejoined { builder } => {
+                    warn!(builder, "builder speaks again after falling silent; it takes assignments again")
                 }
                 DfmEvent::BuilderEnded { builder, dropped } => {
                     info!(builder, dropped, "builder ended (its sources did); assignments it had not taken are dropped")

@@ -292,7 +292,9 @@ async fn run(
         // once instead of at the first chunk; a secured link too, so that its handshake is
         // made before the data begins rather than holding up the first slices.
         let at_once = !options.hello.is_empty() || options.connector.mode() != shoal_tls::DataSecurity::Off;
-        if stream.is_none() && pending.is_empty() && at_once && !closing.is_cancelled() {
+        // Nothing more will come to write (the link is closing): no reason to connect.
+        let finished = rx.is_closed() && rx.is_empty();
+        if stream.is_none() && pending.is_empty() && at_once && !closing.is_cancelled() && !finished {
             match connect(addr, id, &options).await {
                 Ok(s) => {
                     debug!(link = id, %addr, "connected");
@@ -308,9 +310,18 @@ async fn run(
         }
         let chunk = match pending.pop_front() {
             Some(c) => c,
-            None => match rx.recv().await {
-                Some(c) => c,
-                None => break,
+            None => match next_chunk(&mut rx, &mut stream).await {
+                Next::Chunk(c) => c,
+                Next::End => break,
+                Next::PeerClosed => {
+                    // A pull peer (a builder) closed: a restarted one listens again and
+                    // waits for this source's hello before it can ask for anything, so
+                    // the link connects again now, not at a write that never comes.
+                    debug!(link = id, %addr, "peer closed; connecting again");
+                    stream = None;
+                    back_off(&mut delay, backoff.max, &closing).await;
+                    continue;
+                }
             },
         };
         if skipped(&chunk, &mut skipping, &queued) {
@@ -396,6 +407,28 @@ async fn run(
             c.peer.closed().await;
         }
         info!(link = id, %addr, "closed");
+    }
+}
+
+enum Next {
+    Chunk(Chunk),
+    /// The queue is closed and empty.
+    End,
+    /// The peer closed the connection (its request reader ended).
+    PeerClosed,
+}
+
+/// The next chunk to write; with a pull peer, also watches its request reader, which
+/// ends when the peer closes.
+async fn next_chunk(rx: &mut mpsc::UnboundedReceiver<Chunk>, stream: &mut Option<Connection>) -> Next {
+    let reader = match stream {
+        Some(Connection { peer: PeerEnd::Reader(task), .. }) if task.is_finished() => return Next::PeerClosed,
+        Some(Connection { peer: PeerEnd::Reader(task), .. }) => task,
+        _ => return rx.recv().await.map_or(Next::End, Next::Chunk),
+    };
+    tokio::select! {
+        c = rx.recv() => c.map_or(Next::End, Next::Chunk),
+        _ = reader => Next::PeerClosed,
     }
 }
 
