@@ -125,6 +125,9 @@ struct BuilderState {
     alive: bool,
     /// Ended cleanly (its sources did): never assigned to again.
     ended: bool,
+    /// Left for silence, its connection open: what it says next brings it back (a
+    /// builder whose connection closed comes back only by a new hello).
+    left_silent: bool,
 }
 
 #[derive(Debug)]
@@ -149,6 +152,10 @@ pub struct DataFlowManager {
     out: VecDeque<Assignment>,
     events: VecDeque<DfmEvent>,
     stats: DfmStats,
+    /// The last [`DataFlowManager::handle_timeout`]: a long gap since means the manager
+    /// itself did not run (stopped, starved), and the builders' silence meanwhile is its
+    /// own, not theirs.
+    last_tick: Option<Instant>,
 }
 
 impl DataFlowManager {
@@ -164,6 +171,7 @@ impl DataFlowManager {
             out: VecDeque::new(),
             events: VecDeque::new(),
             stats: DfmStats::default(),
+            last_tick: None,
             cfg,
         }
     }
@@ -220,10 +228,11 @@ impl DataFlowManager {
     /// stopped, or its host starved it) takes assignments again.
     fn heard_again(&mut self, builder: BuilderId) {
         let Some(b) = self.builders.get_mut(&builder) else { return };
-        if b.alive || b.ended || !matches!(self.phase, Phase::Assigning) {
+        if b.alive || b.ended || !b.left_silent || !matches!(self.phase, Phase::Assigning) {
             return;
         }
         b.alive = true;
+        b.left_silent = false;
         self.stats.builders_rejoined += 1;
         self.events.push_back(DfmEvent::BuilderRejoined { builder });
     }
@@ -277,6 +286,16 @@ impl DataFlowManager {
         if matches!(self.phase, Phase::Gathering { .. }) {
             return;
         }
+        // The driver looks every 50 ms at least (`shoal-net`'s dfm); a gap of half the
+        // silence timeout (200 ms or more)
+        // is the manager's own stall: what the builders sent meanwhile is still unread,
+        // so their silence is not judged from it.
+        if self.last_tick.is_some_and(|t| now >= t + self.cfg.silence_timeout / 2) {
+            for b in self.builders.values_mut() {
+                b.last_heard = Some(now);
+            }
+        }
+        self.last_tick = Some(now);
         let clock = self.cfg.slice_clock;
         while now >= clock.end_of(self.next_slice) && !self.ended(self.next_slice) {
             self.ready.push_back((self.next_slice, clock.end_of(self.next_slice)));
@@ -312,6 +331,10 @@ impl DataFlowManager {
         for b in self.builders.values().filter(|b| b.alive && !b.assigned.is_empty()) {
             if let Some(heard) = b.last_heard {
                 t = t.min(heard + self.cfg.silence_timeout);
+            }
+            // Looking again well before a gap would read as the manager's own stall.
+            if let Some(last) = self.last_tick {
+                t = t.min(last + self.cfg.silence_timeout / 4);
             }
         }
         (t != Instant::MAX).then_some(t)
@@ -376,6 +399,7 @@ impl DataFlowManager {
             return;
         }
         b.alive = false;
+        b.left_silent = silent;
         let orphans = std::mem::take(&mut b.assigned);
         self.stats.builders_left += 1;
         self.stats.reassigned += orphans.len() as u64;
@@ -507,9 +531,12 @@ mod tests {
         d.handle_builder_left(at(41), 1);
         assert_eq!(drain(&mut d), [(1, 0), (3, 0)]);
         assert_eq!(d.stats().reassigned, 2);
-        // Builder 0 now says nothing while holding four slices: it leaves after 2 s.
+        // Builder 0 now says nothing while holding four slices: it leaves after 2 s (the
+        // manager looking all the while).
         assert_eq!(d.poll_timeout(), Some(at(50)));
-        d.handle_timeout(at(2040));
+        for t in (90..=2040).step_by(50) {
+            d.handle_timeout(at(t));
+        }
         let left: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
         assert!(left.contains(&DfmEvent::BuilderLeft { builder: 0, reassigned: 4, silent: true }), "{left:?}");
         assert!(drain(&mut d).is_empty(), "nobody left to assign to");
@@ -532,8 +559,20 @@ mod tests {
         assert_eq!(drain(&mut d), [(4, 0), (5, 0)]);
         d.handle_done(at(65), 0, 4);
         d.handle_done(at(65), 0, 5);
-        d.handle_timeout(at(341));
-        assert_eq!(&drain(&mut d)[..2], [(1, 0), (3, 0)], "builder 1's two slices go to builder 0 first");
+        // The manager looks every 50 ms (its driver); builder 0 keeps taking slices.
+        let mut taken = Vec::new();
+        for t in (70..=341).step_by(50).chain([341]) {
+            d.handle_timeout(at(t));
+            let got = drain(&mut d);
+            for &(s, b) in &got {
+                if b == 0 {
+                    d.handle_done(at(t), 0, s);
+                }
+            }
+            taken.extend(got);
+        }
+        let handed: Vec<_> = taken.iter().filter(|&&(s, _)| s == 1 || s == 3).collect();
+        assert_eq!(handed, [&(1, 0), &(3, 0)], "builder 1's two slices went to builder 0: {taken:?}");
         // Builder 1 runs again: its heartbeat brings it back, empty-handed.
         d.handle_memory(at(400), 1, 0);
         let events: Vec<_> = std::iter::from_fn(|| d.poll_event()).collect();
@@ -546,6 +585,27 @@ mod tests {
         d.handle_builder_ended(at(420), 0);
         d.handle_memory(at(430), 0, 0);
         assert_eq!(d.stats().builders_rejoined, 1);
+    }
+
+    #[test]
+    fn a_manager_that_was_stopped_itself_does_not_take_the_builders_for_silent() {
+        let mut c = cfg(2, 2);
+        c.silence_timeout = Duration::from_millis(300);
+        let mut d = DataFlowManager::new(c, at(0));
+        d.handle_hello(at(0), 0, [], []);
+        d.handle_hello(at(0), 1, [], []);
+        d.handle_timeout(at(20));
+        assert_eq!(drain(&mut d).len(), 2);
+        // Nothing from 20 ms to 900 ms: the manager was stopped, its builders' heartbeats
+        // wait unread in its sockets.
+        d.handle_timeout(at(900));
+        assert_eq!(d.stats().builders_left, 0);
+        assert!(std::iter::from_fn(|| d.poll_event()).all(|e| !matches!(e, DfmEvent::BuilderLeft { .. })));
+        // Silence after that, with the manager running, is the builders'.
+        for t in (950..=1300).step_by(50) {
+            d.handle_timeout(at(t));
+        }
+        assert_eq!(d.stats().builders_left, 2);
     }
 
     #[test]

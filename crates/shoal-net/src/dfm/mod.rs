@@ -243,7 +243,9 @@ pub async fn run_dfm(
             report.done = true;
             break;
         }
-        let wake = dfm.poll_timeout().unwrap_or(Instant::MAX).min(now + Duration::from_millis(200));
+        // At least every 50 ms: a longer gap between two looks is the manager's own stall
+        // (`DataFlowManager::handle_timeout`).
+        let wake = dfm.poll_timeout().unwrap_or(Instant::MAX).min(now + Duration::from_millis(50));
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, peer)) => {
