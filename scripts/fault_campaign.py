@@ -27,7 +27,7 @@ and JSON (`--json F`). With `--check`, exit 1 when any lost slice is named other
 its injected cause, a fault that should be named is not, or a fault-free run names a
 cause: `make test` runs a small campaign that way (tests/python/test_fault_campaign.py).
 
-usage: scripts/fault_campaign.py [--bin target/release/shoal] [--faults 200] [--seed 1]
+usage: scripts/fault_campaign.py [--bin target/release/shoal] [--faults 200 | --each N] [--seed 1]
            [--fault-free MINUTES] [--kinds stop,kill,...] [--policies direct,...]
            [--clusters sector,large] [--max-duration 10] [--check] [--json F] [--markdown F]
            [--keep DIR]
@@ -81,7 +81,6 @@ POLICIES = ["direct", "delayed:2", "tbf:40M", "pull:8:cap=16"]
 CLUSTERS = {"sector": (5, 3), "large": (10, 5)}
 SLICE_MS = 10
 CLOCK_AHEAD_US = 50_000.0
-FILTER_MS = 2 * SLICE_MS  # per slice: each builder gets one every SLICE_MS * builders
 
 
 def is_root() -> bool:
@@ -134,7 +133,8 @@ def cluster_file(name, sources, builders, policy, state, faults) -> str:
         lines.append(f'dfm_addr = "127.0.0.1:{free_port()}"')
     lines += ["[config.source]", "drain_timeout_ms = 3000", "[config.builder]", "drain_timeout_ms = 5000"]
     if any(f["kind"] == "filter" for f in faults):
-        lines += [f"fault_filter_ms_per_slice = {FILTER_MS}", "memory_budget_mb = 8"]
+        # Twice the time a builder has per slice (it gets one every SLICE_MS * builders).
+        lines += [f"fault_filter_ms_per_slice = {2 * SLICE_MS * builders}", "memory_budget_mb = 8"]
     lines += ["[config.writer]", f'out_dir = "{state / "data"}"']
     return "\n".join(lines) + "\n"
 
@@ -356,21 +356,48 @@ def must_be_named(f, s) -> bool:
     return any(x["slices"] > 0 and x["injected"].startswith(f["kind"]) for x in s["slices"])
 
 
+def plan_each(args, rng):
+    """`--each N`: N faults of every kind, one a run (the small campaign of `make test`)."""
+    runs = []
+    for kind in KINDS_ENABLED:
+        for _ in range(args.each):
+            cluster = rng.choice(args.clusters)
+            policy = rng.choice(args.policies)
+            roles_of = roles_in(cluster, policy)
+            roles = [r for r in TARGETS[kind] if r in roles_of and r in ROLES_ENABLED]
+            if not roles:
+                continue
+            role = rng.choice(roles)
+            duration = round(math.exp(rng.uniform(math.log(0.2), math.log(args.max_duration))), 2)
+            f = {"kind": kind, "role": role, "target": rng.choice(roles_of[role]), "duration": duration}
+            f["start"] = 0.0 if kind in WHOLE_RUN else round(rng.uniform(1.5, 4.0), 2)
+            end = f["start"] + (0 if kind in WHOLE_RUN else duration)
+            runs.append({"cluster": cluster, "policy": policy, "faults": [f], "seconds": round(max(8.0, end + 4), 1)})
+    return runs
+
+
+def roles_in(cluster, policy):
+    sources, builders = CLUSTERS[cluster]
+    roles_of = {
+        "source": [f"source{i}" for i in range(sources)],
+        "builder": [f"builder{i}" for i in range(builders)],
+        "writer": ["writer"],
+        "dispatcher": ["dispatcher"],
+    }
+    if policy.startswith("pull"):
+        roles_of["dfm"] = ["dfm"]
+    return roles_of
+
+
 def plan(args, rng):
+    if args.each:
+        return plan_each(args, rng)
     runs = []
     total = 0
     while total < args.faults:
         cluster = rng.choice(args.clusters)
         policy = rng.choice(args.policies)
-        sources, builders = CLUSTERS[cluster]
-        roles_of = {
-            "source": [f"source{i}" for i in range(sources)],
-            "builder": [f"builder{i}" for i in range(builders)],
-            "writer": ["writer"],
-            "dispatcher": ["dispatcher"],
-        }
-        if policy.startswith("pull"):
-            roles_of["dfm"] = ["dfm"]
+        roles_of = roles_in(cluster, policy)
         n = 2 if rng.random() < 0.2 and args.faults - total >= 2 else 1
         faults = []
         while len(faults) < n:
@@ -408,6 +435,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "shoal"))
     ap.add_argument("--faults", type=int, default=200)
+    ap.add_argument("--each", type=int, default=0, help="instead: this many faults of every kind, one a run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fault-free", type=float, default=0.0, help="minutes of runs without a fault")
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -430,7 +458,7 @@ def main():
     if skipped:
         print(f"not root: {', '.join(skipped)} skipped", flush=True)
     rng = random.Random(args.seed)
-    runs = plan(args, rng) if args.faults > 0 else []
+    runs = plan(args, rng) if args.faults > 0 or args.each > 0 else []
     free_runs = []
     free_seconds = args.fault_free * 60
     while sum(r["seconds"] for r in free_runs) < free_seconds:

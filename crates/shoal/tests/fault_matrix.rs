@@ -483,3 +483,87 @@ fn the_dispatcher_killed_mid_run_is_restarted_and_control_comes_back() {
     );
     no_process_left(&dir);
 }
+
+/// Under credit-based pull (`pull:4`, a data-flow manager) a builder killed mid-run is
+/// routed around: the manager stops assigning to it the moment its connection closes and
+/// gives what it held to the other builder; its restarted self greets the manager once
+/// the sources have connected to it again and takes slices with fresh credits. What it
+/// cost (at most what it held) is put down to its death; it built again after.
+#[test]
+fn pull_a_builder_killed_mid_run_costs_at_most_what_it_held() {
+    let c = Cluster::start_policy("pull-kill-builder", 12, "pull:4", ["", "", "", ""], &[]);
+    std::thread::sleep(Duration::from_secs(3));
+    c.kill_and_await_restart("builder1");
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let dfm = pull_manager(&record);
+    assert!(dfm["builders_left"].as_u64().unwrap() >= 1, "{dfm}");
+    let b1 = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "builder1").unwrap();
+    assert!(b1["slices_complete"].as_u64().unwrap() > 0, "the restarted builder1 built again: {b1}");
+    let causes = assert_causes_allowing(&record, &[], &[("process_down", "builder1")]);
+    let lost: u64 = causes.iter().map(|c| c.2).sum();
+    // What it held: its credits (4), plus the slices whose fragments it had been handed.
+    assert!(lost <= 8, "a builder killed under pull costs what it held, not its share of the outage: {causes:?}");
+    println!("fault pull builder SIGKILL: {lost} slices lost {causes:?}; manager {dfm}");
+    no_process_left(&dir);
+}
+
+/// Under pull, a builder stopped for 4 s (SIGSTOP) is taken for gone after the manager's
+/// silence timeout, its slices go to the other builder, and it rejoins with fresh credits
+/// when it runs again. Its slices lost are put on its stall, not on the sources.
+#[test]
+fn pull_a_builder_stopped_for_4_s_is_routed_around_and_rejoins() {
+    let c = Cluster::start_policy("pull-stop-builder", 14, "pull:4", ["", "", "", ""], &[]);
+    std::thread::sleep(Duration::from_secs(3));
+    c.signal("builder0", "STOP");
+    std::thread::sleep(Duration::from_secs(4));
+    c.signal("builder0", "CONT");
+    let (record, dir) = c.finish();
+    assert_accounted(&record);
+    let dfm = pull_manager(&record);
+    assert!(dfm["builders_left"].as_u64().unwrap() >= 1 && dfm["builders_rejoined"].as_u64().unwrap() >= 1, "{dfm}");
+    let b0 = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "builder0").unwrap();
+    assert!(b0["detail"]["pull"]["assignments"].as_u64().unwrap() > 0, "{b0}");
+    assert!(timeline(&record).contains(&("process_hung".into(), "builder0".into())), "{}", record["diagnosis"]);
+    let causes = assert_causes_allowing(&record, &[], &[("process_hung", "builder0")]);
+    assert!(causes.iter().all(|c| c.0 != "sources_late"), "the sources were on time: {causes:?}");
+    println!("fault pull builder SIGSTOP 4 s: lost {causes:?}; manager {dfm}");
+    no_process_left(&dir);
+}
+
+/// Under pull, the data-flow manager killed mid-run is started again and rebuilds its
+/// state from the builders' hellos; stopped for 2 s, it does not take its builders for
+/// gone when it runs again (their heartbeats wait unread). What either costs is the
+/// manager's.
+#[test]
+fn pull_the_data_flow_manager_killed_or_stopped_mid_run_is_named_for_what_it_cost() {
+    for fault in ["KILL", "STOP"] {
+        let c = Cluster::start_policy(&format!("pull-dfm-{fault}"), 12, "pull:4", ["", "", "", ""], &[]);
+        std::thread::sleep(Duration::from_secs(3));
+        let expected = if fault == "KILL" {
+            c.kill_and_await_restart("dfm");
+            "process_down"
+        } else {
+            c.signal("dfm", "STOP");
+            std::thread::sleep(Duration::from_secs(2));
+            c.signal("dfm", "CONT");
+            "process_hung"
+        };
+        let (record, dir) = c.finish();
+        assert_accounted(&record);
+        assert!(timeline(&record).contains(&(expected.into(), "dfm".into())), "{}", record["diagnosis"]);
+        let causes = assert_causes_allowing(&record, &[], &[(expected, "dfm")]);
+        let dfm = pull_manager(&record);
+        if fault == "STOP" {
+            assert_eq!(dfm["builders_left"], 0, "its own stall is not its builders' silence: {dfm}");
+        }
+        println!("fault pull dfm SIG{fault}: lost {causes:?}; manager {dfm}");
+        no_process_left(&dir);
+    }
+}
+
+/// The data-flow manager's report in a pull run's record.
+fn pull_manager(record: &serde_json::Value) -> serde_json::Value {
+    let reports = record["reports"].as_array().unwrap();
+    reports.iter().find(|r| r["role"] == "dfm").expect("the manager's report")["detail"].clone()
+}

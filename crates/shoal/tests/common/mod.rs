@@ -170,6 +170,11 @@ impl Cluster {
              reply_timeout_ms = 10000\nstats_interval_ms = 500\n{cluster}\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
             dir.join("state").display()
         );
+        // Pull: the data-flow manager, started before the builders.
+        let pull = policy.starts_with("pull");
+        if pull {
+            text += "[[process]]\nname = \"dfm\"\nrole = \"dfm\"\n";
+        }
         for b in 0..builders {
             text += &format!("[[process]]\nname = \"builder{b}\"\nrole = \"builder\"\nids = [{b}]\n");
         }
@@ -182,12 +187,13 @@ impl Cluster {
         let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
         text += &format!(
             "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"{policy}\"\n\
-             builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n\
+             builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n{}\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n{source}\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
              [config.writer]\n{}{writer}\n",
             addrs.join(", "),
             free_port(),
+            if pull { format!("dfm_addr = \"127.0.0.1:{}\"\n", free_port()) } else { String::new() },
             // The test's own output directory, or the cluster's.
             if writer.contains("out_dir") {
                 String::new()
