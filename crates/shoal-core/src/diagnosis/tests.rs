@@ -568,3 +568,20 @@ fn under_pull_a_departed_builder_leaves_no_unbuilt_slices_and_claims_what_the_ot
     f.pull = false;
     assert_eq!(attribute(&f).unexplained, 2);
 }
+
+#[test]
+fn when_no_statistics_come_from_anyone_the_dispatcher_is_hung_not_each_process() {
+    let mut d = Diagnoser::new();
+    let dispatcher = ProcessView { name: "dispatcher".into(), role: "dispatcher".into(), ..Default::default() };
+    let procs = vec![view("builder0", "builder"), view("source0", "source"), dispatcher];
+    let c = d.evaluate(&snapshot(10, procs.clone()));
+    let named: Vec<_> = c.began.iter().map(|e| (e.rule, e.process.as_str())).collect();
+    assert_eq!(named, [(Rule::ProcessHung, "dispatcher")], "{c:?}");
+    // One process silent while the others speak: that process.
+    let mut procs = procs;
+    procs[1].last_stats_ns = Some(10_000_000_000);
+    let mut d = Diagnoser::new();
+    let c = d.evaluate(&snapshot(10, procs));
+    let named: Vec<_> = c.began.iter().map(|e| (e.rule, e.process.as_str())).collect();
+    assert_eq!(named, [(Rule::ProcessHung, "builder0")], "{c:?}");
+}

@@ -1,7 +1,8 @@
 //! A process is alive but silent: connected, yet it did not answer a command, or its
 //! statistics stopped coming during a run (a stopped process, a host swapping or starved
 //! of CPU). Only while a run takes data and no command is in progress (a process busy
-//! with STOP's drain sends no statistics and is not hung).
+//! with STOP's drain sends no statistics and is not hung). When no process's statistics
+//! come at all, the dispatcher they all come through is the one hung.
 
 use super::super::{Evaluation, Finding, Presence, Rule};
 
@@ -14,6 +15,24 @@ pub fn silence_limit_ns(stats_interval_ns: u64) -> u64 {
 pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
     let s = ev.snapshot;
     let limit = silence_limit_ns(s.stats_interval_ns);
+    // Every process's statistics come through the dispatcher: when none has come from
+    // anyone, it is the dispatcher that is silent (stopped, its host starved), not each
+    // of them.
+    let latest = s.processes.iter().filter(|p| p.role != "dispatcher").filter_map(|p| p.last_stats_ns).max();
+    if s.running && !s.busy
+        && let Some(latest) = latest
+        && s.now_ns.saturating_sub(latest) > limit
+    {
+        if let Some(d) = s.processes.iter().find(|p| p.role == "dispatcher" && p.presence == Presence::Active) {
+            let silent = s.now_ns.saturating_sub(latest) as f64 * 1e-9;
+            out.push(super::finding(
+                Rule::ProcessHung,
+                d,
+                format!("no process's statistics came through it for {silent:.1} s"),
+            ));
+            return;
+        }
+    }
     for p in &s.processes {
         match &p.presence {
             Presence::NotAnswering(why) => {
