@@ -472,7 +472,11 @@ def main():
     work = pathlib.Path(args.keep) if args.keep else pathlib.Path(tempfile.mkdtemp(prefix="fault-campaign-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    for i, r in enumerate(runs + free_runs):
+    # Fault-free runs among the others, so that a campaign cut short has both; the
+    # results are written after every run.
+    everything = runs + free_runs
+    rng.shuffle(everything)
+    for i, r in enumerate(everything):
         began = time.monotonic()
         try:
             record = run_one(pathlib.Path(args.bin), work, i, r["cluster"], r["policy"], r["faults"], r["seconds"])
@@ -485,13 +489,17 @@ def main():
         results.append(r)
         what = ", ".join(f"{f['kind']} {f['target']} {f['duration']}s@{f['start']}" for f in r["faults"]) or "none"
         print(
-            f"[{i + 1}/{len(runs) + len(free_runs)}] {r['cluster']} {r['policy']}: {what} -> lost {r['lost']}, "
+            f"[{i + 1}/{len(everything)}] {r['cluster']} {r['policy']}: {what} -> lost {r['lost']}, "
             + ", ".join(f"{x['named']} {','.join(x['processes'])} {x['slices']}{'' if x['right'] else ' WRONG'}"
                         for x in r["slices"])
             + (f" timeline {r['timeline']}" if not r["faults"] and r["timeline"] else "")
             + (f" ERROR {r['error']}" if "error" in r else ""),
             flush=True,
         )
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps({"runs": results, "summary": summarize(results)}, indent=1))
+        if args.markdown:
+            pathlib.Path(args.markdown).write_text(render(summarize(results), args) + "\n")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(results)

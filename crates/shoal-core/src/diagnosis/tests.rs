@@ -522,7 +522,10 @@ fn a_stall_shorter_than_the_hung_threshold_is_a_past_hang_that_claims_the_stalle
     let c = d.evaluate(&snapshot(1_025 * S / 1_000_000_000 + 1, vec![b.clone()]));
     assert_eq!(c.began.len(), 1, "{c:?}");
     let e = &c.began[0];
-    assert_eq!((e.rule, e.process.as_str(), e.began_ns, e.ended_ns), (Rule::ProcessHung, "builder0", stall.from_ns, Some(stall.to_ns)));
+    assert_eq!(
+        (e.rule, e.process.as_str(), e.began_ns, e.ended_ns),
+        (Rule::ProcessHung, "builder0", stall.from_ns, Some(stall.to_ns))
+    );
     assert!(e.detail.contains("stopped"), "{}", e.detail);
     // Reported again in the next statistics (put on run control's clock a little
     // differently): the same stall, not a second one.
@@ -541,7 +544,10 @@ fn a_stall_shorter_than_the_hung_threshold_is_a_past_hang_that_claims_the_stalle
         .collect();
     let a = attribute(&f);
     assert_eq!((a.explained, a.causes.len()), (3, 1), "{a:?}");
-    assert_eq!((a.causes[0].rule.as_str(), a.causes[0].processes.as_slice()), ("process_hung", &["builder0".to_string()][..]));
+    assert_eq!(
+        (a.causes[0].rule.as_str(), a.causes[0].processes.as_slice()),
+        ("process_hung", &["builder0".to_string()][..])
+    );
 }
 
 #[test]
@@ -563,7 +569,10 @@ fn under_pull_a_departed_builder_leaves_no_unbuilt_slices_and_claims_what_the_ot
     f.hosts.push(Host { name: "dfm".into(), role: "dfm".into(), sources: vec![], builder: None });
     f.episodes = vec![episode(Rule::ProcessHung, "dfm", "dfm", 1020, Some(1022))];
     let d = attribute(&f);
-    assert_eq!((d.causes[0].rule.as_str(), d.causes[0].processes.as_slice()), ("process_hung", &["dfm".to_string()][..]));
+    assert_eq!(
+        (d.causes[0].rule.as_str(), d.causes[0].processes.as_slice()),
+        ("process_hung", &["dfm".to_string()][..])
+    );
     // Without pull the same episode on the manager's role claims nothing it is not part of.
     f.pull = false;
     assert_eq!(attribute(&f).unexplained, 2);

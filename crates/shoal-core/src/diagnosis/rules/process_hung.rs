@@ -19,19 +19,19 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
     // anyone, it is the dispatcher that is silent (stopped, its host starved), not each
     // of them.
     let latest = s.processes.iter().filter(|p| p.role != "dispatcher").filter_map(|p| p.last_stats_ns).max();
-    if s.running && !s.busy
+    if s.running
+        && !s.busy
         && let Some(latest) = latest
         && s.now_ns.saturating_sub(latest) > limit
+        && let Some(d) = s.processes.iter().find(|p| p.role == "dispatcher" && p.presence == Presence::Active)
     {
-        if let Some(d) = s.processes.iter().find(|p| p.role == "dispatcher" && p.presence == Presence::Active) {
-            let silent = s.now_ns.saturating_sub(latest) as f64 * 1e-9;
-            out.push(super::finding(
-                Rule::ProcessHung,
-                d,
-                format!("no process's statistics came through it for {silent:.1} s"),
-            ));
-            return;
-        }
+        let silent = s.now_ns.saturating_sub(latest) as f64 * 1e-9;
+        out.push(super::finding(
+            Rule::ProcessHung,
+            d,
+            format!("no process's statistics came through it for {silent:.1} s"),
+        ));
+        return;
     }
     for p in &s.processes {
         match &p.presence {
