@@ -48,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -146,9 +147,12 @@ def draw_fault(rng, policy, roles_of, max_duration) -> dict:
         role = rng.choice(roles) if roles else None
         if roles and role in roles_of:
             break
-    target = rng.choice(roles_of[role])
-    duration = math.exp(rng.uniform(math.log(0.2), math.log(max_duration)))
-    return {"kind": kind, "role": role, "target": target, "duration": round(duration, 2)}
+    return {"kind": kind, "role": role, "target": rng.choice(roles_of[role]), "duration": duration(rng, max_duration)}
+
+
+def duration(rng, max_duration) -> float:
+    """0.2 s to `max_duration`, log-uniform."""
+    return round(math.exp(rng.uniform(math.log(0.2), math.log(max_duration))), 2)
 
 
 def http_json(url: str):
@@ -230,8 +234,6 @@ def inject(fault, pids, text, state, rng, started):
 
 def run_one(binary, work, index, cluster, policy, faults, seconds):
     """One `shoal run` with `faults` injected; returns its run record."""
-    import threading
-
     sources, builders = CLUSTERS[cluster]
     d = work / f"run{index:04}"
     d.mkdir(parents=True)
@@ -372,10 +374,10 @@ def plan_each(args, rng):
             if not roles:
                 continue
             role = rng.choice(roles)
-            duration = round(math.exp(rng.uniform(math.log(0.2), math.log(args.max_duration))), 2)
-            f = {"kind": kind, "role": role, "target": rng.choice(roles_of[role]), "duration": duration}
+            f = {"kind": kind, "role": role, "target": rng.choice(roles_of[role]),
+                 "duration": duration(rng, args.max_duration)}
             f["start"] = 0.0 if kind in WHOLE_RUN else round(rng.uniform(1.5, 4.0), 2)
-            end = f["start"] + (0 if kind in WHOLE_RUN else duration)
+            end = f["start"] + (0 if kind in WHOLE_RUN else f["duration"])
             runs.append({"cluster": cluster, "policy": policy, "faults": [f], "seconds": round(max(8.0, end + 4), 1)})
     return runs
 
