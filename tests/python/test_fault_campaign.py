@@ -1,10 +1,11 @@
 """The small fault campaign (issue 72): two faults of every kind, each in a run of its own,
-injected into `shoal run` clusters under random policies; the run's diagnosis must name
-the injected cause for every lost slice, name every fault that should be seen, and leave
-a fault-free run with nothing named. docs/monitoring.md has the full campaign's matrix.
+injected into `shoal run` clusters under random policies (the network's loss, partition
+and delay into `shoal testbed run`'s emulated network); the run's diagnosis must name the
+injected cause for every lost slice, name every fault that should be seen, and leave a
+fault-free run with nothing named. docs/monitoring.md has the full campaign's matrix.
 
-Kinds that need root (a CPU hog at real-time priority, the writer's disk a tmpfs filled)
-are skipped by the script when not root, and it says so."""
+Kinds that need root (a CPU hog at real-time priority, the writer's disk a tmpfs filled,
+the testbed's namespaces) are skipped by the script when not root, and it says so."""
 
 import json
 import subprocess
@@ -26,7 +27,7 @@ def test_the_diagnosis_names_the_injected_cause(shoal_bin, tmp_path):
             "--seed",
             "72",
             "--clusters",
-            "sector",
+            "sector,testbed",
             "--max-duration",
             "3",
             "--fault-free",
