@@ -159,6 +159,19 @@ impl Cluster {
         tables: [&str; 4],
         external: &[(&str, &str)],
     ) -> Cluster {
+        Self::start_placed(name, seconds, policy, tables, external, &|_| String::new())
+    }
+
+    /// ... with `placed(process)`'s lines added to each process's table (its launch kind
+    /// and host).
+    pub fn start_placed(
+        name: &str,
+        seconds: u32,
+        policy: &str,
+        tables: [&str; 4],
+        external: &[(&str, &str)],
+        placed: &dyn Fn(&str) -> String,
+    ) -> Cluster {
         let [cluster, source, builder, writer] = tables;
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -167,19 +180,26 @@ impl Cluster {
         let dispatcher = format!("127.0.0.1:{}", free_port());
         let mut text = format!(
             "[cluster]\nname = \"{name}\"\ndispatcher = \"{dispatcher}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
-             reply_timeout_ms = 10000\nstats_interval_ms = 500\n{cluster}\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n",
-            dir.join("state").display()
+             reply_timeout_ms = 10000\nstats_interval_ms = 500\n{cluster}\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n{}",
+            dir.join("state").display(),
+            placed("writer")
         );
         // Pull: the data-flow manager, started before the builders.
         let pull = policy.starts_with("pull");
         if pull {
-            text += "[[process]]\nname = \"dfm\"\nrole = \"dfm\"\n";
+            text += &format!("[[process]]\nname = \"dfm\"\nrole = \"dfm\"\n{}", placed("dfm"));
         }
         for b in 0..builders {
-            text += &format!("[[process]]\nname = \"builder{b}\"\nrole = \"builder\"\nids = [{b}]\n");
+            text += &format!(
+                "[[process]]\nname = \"builder{b}\"\nrole = \"builder\"\nids = [{b}]\n{}",
+                placed(&format!("builder{b}"))
+            );
         }
         for s in 0..sources {
-            text += &format!("[[process]]\nname = \"source{s}\"\nrole = \"source\"\nids = [{s}]\n");
+            text += &format!(
+                "[[process]]\nname = \"source{s}\"\nrole = \"source\"\nids = [{s}]\n{}",
+                placed(&format!("source{s}"))
+            );
             if external.iter().any(|(n, _)| *n == format!("source{s}")) {
                 text += "launch = \"external\"\n";
             }
