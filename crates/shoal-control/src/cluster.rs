@@ -48,7 +48,7 @@ pub struct ClusterSettings {
     /// the dispatcher). Default false: a run with a missing builder or source loses data by
     /// design, so run control refuses and says which processes are missing.
     pub start_with_missing: bool,
-    /// Processes started by run control (`local`, `netns`, `ssh`) that exit without being
+    /// Processes started by run control (`local`, `netns`, `ssh`, `slurm`) that exit without being
     /// told OFF (a crash, a kill) are started again, at most this many times each per
     /// `shoal run`; during a run they rejoin it (0: never restart).
     pub restarts: u32,
@@ -72,6 +72,8 @@ pub struct ClusterSettings {
     /// Run with addresses off loopback that nothing authenticates (a closed network, the
     /// testbed's namespaces): said at start, on the UI and in every run record.
     pub insecure: bool,
+    /// How the `launch = "slurm"` processes' job is asked for (docs/deployment.md).
+    pub slurm: SlurmSettings,
 }
 
 /// One rule's automatic recovery.
@@ -108,6 +110,38 @@ impl Default for ClusterSettings {
             command_from: Vec::new(),
             security: None,
             insecure: false,
+            slurm: Default::default(),
+        }
+    }
+}
+
+/// `[cluster.slurm]`: how run control asks Slurm for the job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SlurmSettings {
+    /// The partition (`salloc --partition`); default: the cluster's default partition.
+    pub partition: Option<String>,
+    /// The job's name (default `shoal-<cluster.name>`); each step is named after its process.
+    pub job_name: Option<String>,
+    /// More options for `salloc`, e.g. `["--account=daq", "--time=12:00:00", "--exclusive"]`.
+    pub salloc_args: Vec<String>,
+    /// More options for every `srun`, e.g. `["--cpus-per-task=4", "--cpu-bind=cores"]`.
+    pub srun_args: Vec<String>,
+    /// How long to wait for the allocation (`salloc --immediate`): a run does not queue.
+    pub allocate_timeout_s: u32,
+    /// A Slurm configuration other than the hosts' (`SLURM_CONF` for salloc, srun, scancel).
+    pub conf: Option<PathBuf>,
+}
+
+impl Default for SlurmSettings {
+    fn default() -> Self {
+        Self {
+            partition: None,
+            job_name: None,
+            salloc_args: Vec::new(),
+            srun_args: Vec::new(),
+            allocate_timeout_s: 60,
+            conf: None,
         }
     }
 }
@@ -127,6 +161,9 @@ pub enum Launch {
     /// A child process inside the network namespace named by `host`
     /// (`ip netns exec <host> <binary> node ...`), as `shoal testbed` runs every host.
     Netns,
+    /// A step of the cluster's Slurm job on the Slurm node named by `host` (`srun --jobid
+    /// J --nodelist <host> <binary> node ...`; crate::slurm).
+    Slurm,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -167,7 +204,7 @@ impl ProcessSpec {
     pub fn clock(&self) -> String {
         let host = match self.launch {
             Launch::Local | Launch::Netns => "this machine".to_string(),
-            Launch::Ssh | Launch::External => self.host.clone(),
+            Launch::Ssh | Launch::External | Launch::Slurm => self.host.clone(),
         };
         if self.test_clock_offset_us != 0.0 || self.test_clock_drift_ppm != 0.0 {
             format!("{host} {:+} us {:+} ppm ({})", self.test_clock_offset_us, self.test_clock_drift_ppm, self.name)

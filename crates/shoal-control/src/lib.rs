@@ -15,6 +15,7 @@
 //! - [`http`]: the HTTP API, WebSocket and the web UI (compiled in from `ui/`);
 //! - [`security`], [`audit`], [`credentials`]: tokens and roles, the audit log, and the
 //!   certificates run control hands the processes it launches;
+//! - [`slurm`]: `launch = "slurm"`, the processes as the steps of one Slurm job;
 //! - [`command`]: the whole of `shoal run`, given [`RunOptions`].
 //!
 //! `shoal run` starts a dispatcher and every process of the cluster file (each role its own OS
@@ -32,6 +33,7 @@ pub mod credentials;
 pub mod diagnose;
 pub mod http;
 pub mod security;
+pub mod slurm;
 pub mod status;
 
 use std::path::{Path, PathBuf};
@@ -78,6 +80,8 @@ struct Launched {
 #[derive(Clone)]
 struct Relaunch {
     file: ClusterFile,
+    /// The Slurm job of the `slurm` processes, if any.
+    slurm: Option<slurm::SlurmJob>,
     binary: std::path::PathBuf,
     logs: std::path::PathBuf,
     shared: std::sync::Arc<Shared>,
@@ -124,7 +128,14 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
     args
 }
 
-fn spawn_logged(program: &Path, args: &[String], log: &Path, append: bool) -> anyhow::Result<Child> {
+/// `program args`, its output to `log`, in a process group of its own (with `env` set).
+fn spawn_logged(
+    program: &Path,
+    args: &[String],
+    log: &Path,
+    append: bool,
+    env: Option<(&str, &Path)>,
+) -> anyhow::Result<Child> {
     let out = std::fs::OpenOptions::new()
         .create(true)
         .write(true)
@@ -135,7 +146,15 @@ fn spawn_logged(program: &Path, args: &[String], log: &Path, append: bool) -> an
     let err = out.try_clone()?;
     let mut cmd = Command::new(program);
     cmd.args(args).stdin(std::process::Stdio::null()).stdout(out).stderr(err).process_group(0).kill_on_drop(true);
+    if let Some((key, value)) = env {
+        cmd.env(key, value);
+    }
     cmd.spawn().with_context(|| format!("starting {} {}", program.display(), args.join(" ")))
+}
+
+/// Whether `tool` is an executable file in a directory of `PATH`.
+pub(crate) fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
 }
 
 fn launch(
@@ -144,6 +163,7 @@ fn launch(
     binary: &Path,
     logs: &Path,
     append: bool,
+    slurm: Option<&slurm::SlurmJob>,
 ) -> anyhow::Result<Option<Child>> {
     let mut args = process_args(spec, file);
     if matches!(spec.launch, Launch::Local | Launch::Netns) {
@@ -153,19 +173,25 @@ fn launch(
     let log = logs.join(format!("{}.log", spec.name));
     match spec.launch {
         Launch::External => Ok(None),
-        Launch::Local => spawn_logged(binary, &args, &log, append).map(Some),
+        Launch::Local => spawn_logged(binary, &args, &log, append, None).map(Some),
         Launch::Ssh => {
             let mut ssh = vec!["-o".into(), "BatchMode=yes".into()];
             ssh.extend(file.cluster.ssh_options.iter().cloned());
             ssh.push(spec.host.clone());
             ssh.push(binary.display().to_string());
             ssh.extend(args);
-            spawn_logged(Path::new("ssh"), &ssh, &log, append).map(Some)
+            spawn_logged(Path::new("ssh"), &ssh, &log, append, None).map(Some)
         }
         Launch::Netns => {
             let mut exec = vec!["netns".into(), "exec".into(), spec.host.clone(), binary.display().to_string()];
             exec.extend(args);
-            spawn_logged(Path::new("ip"), &exec, &log, append).map(Some)
+            spawn_logged(Path::new("ip"), &exec, &log, append, None).map(Some)
+        }
+        Launch::Slurm => {
+            let job = slurm.context("a slurm process without the cluster's Slurm job")?;
+            let (srun, args) = job.step(spec, binary, &args);
+            let conf = job.conf.as_deref().map(|c| ("SLURM_CONF", c));
+            spawn_logged(&srun, &args, &log, append, conf).map(Some)
         }
     }
 }
@@ -244,9 +270,15 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     if issued > 0 {
         tracing::info!(issued, dir = %credentials::issued_dir(&file).display(), "certificates issued to the processes");
     }
-    let launched = launch_all(&file, &binary, &logs, &shared)?;
+    let allocation = slurm::Allocation::request(&file, &logs).await?;
+    if let Some(a) = &allocation {
+        shared.update(|s| s.note(format!("Slurm job {} over {}", a.job.id, slurm::hosts(&file).join(","))));
+    }
+    let job = allocation.as_ref().map(|a| a.job.clone());
+    let launched = launch_all(&file, &binary, &logs, &shared, job.as_ref())?;
     let relaunch = Relaunch {
         file: file.clone(),
+        slurm: job,
         binary: binary.clone(),
         logs: logs.clone(),
         shared: shared.clone(),
@@ -271,6 +303,13 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
 
     // Everyone was told OFF; give them a moment to exit, then make sure.
     exits.finish(Duration::from_secs(10)).await;
+    if let Some(a) = allocation {
+        let id = a.job.id;
+        if let Err(e) = a.release(Duration::from_secs(10)).await {
+            eprintln!("the Slurm job {id}: {e:#}");
+            ok = false;
+        }
+    }
     listen_task.abort();
     if let Some(d) = dispatcher_child {
         d.cancel();
@@ -376,7 +415,7 @@ fn start_dispatcher(
         args.push("--control-from".into());
         args.push(net);
     }
-    let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false)?;
+    let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false, None)?;
     Ok(Some(keep_dispatcher(
         first,
         binary.to_path_buf(),
@@ -394,6 +433,7 @@ fn launch_all(
     binary: &std::path::Path,
     logs: &std::path::Path,
     shared: &std::sync::Arc<Shared>,
+    slurm: Option<&slurm::SlurmJob>,
 ) -> anyhow::Result<Vec<Launched>> {
     let mut launched = Vec::new();
     let mut specs: Vec<&ProcessSpec> = file.processes.iter().collect();
@@ -404,7 +444,7 @@ fn launch_all(
         Role::Source => 3,
     });
     for spec in specs {
-        if let Some(child) = launch(spec, file, binary, logs, false)? {
+        if let Some(child) = launch(spec, file, binary, logs, false, slurm)? {
             let pid = child.id();
             shared.update(|s| {
                 if let Some(p) = s.process_mut(&spec.name) {
@@ -625,7 +665,7 @@ fn keep_dispatcher(
             }
             restarts += 1;
             eprintln!("the dispatcher exited ({status:?}); starting it again ({restarts} of {limit})");
-            match spawn_logged(&binary, &args, &log, true) {
+            match spawn_logged(&binary, &args, &log, true, None) {
                 Ok(c) => {
                     child = c;
                     if wait_for_port(watch.addr, Duration::from_secs(10)).await.is_ok() {
@@ -689,7 +729,14 @@ fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming
                             l.spec.name, relaunch.limit
                         ))
                     });
-                    match launch(&l.spec, &relaunch.file, &relaunch.binary, &relaunch.logs, true) {
+                    match launch(
+                        &l.spec,
+                        &relaunch.file,
+                        &relaunch.binary,
+                        &relaunch.logs,
+                        true,
+                        relaunch.slurm.as_ref(),
+                    ) {
                         Ok(Some(child)) => {
                             let pid = child.id();
                             relaunch.shared.update(|s| {
