@@ -68,7 +68,7 @@ import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "python"))
-from shoal_cluster import free_port  # noqa: E402
+from shoal_cluster import cluster_toml  # noqa: E402
 
 KINDS = ["stop", "kill", "hog", "disk", "filter", "garbage", "clock", "twin", "burst", "loss", "partition", "delay"]
 # Kinds on the emulated network's switch ports, drawn for the testbed cluster only (and
@@ -118,64 +118,34 @@ def is_root() -> bool:
 
 
 def cluster_file(name, sources, builders, policy, state, faults) -> str:
-    pull = policy.startswith("pull")
-    clock_of = {f["target"]: f for f in faults if f["kind"] == "clock"}
-    lines = [
-        "[cluster]",
-        f'name = "{name}"',
-        f'dispatcher = "127.0.0.1:{free_port()}"',
-        "start_dispatcher = true",
-        f'dispatcher_http = "127.0.0.1:{free_port()}"',
-        f'state_dir = "{state}"',
-        "reply_timeout_ms = 5000",
-        "stats_interval_ms = 500",
-        "restarts = 3",
-        "",
-    ]
-    if clock_of:
-        # Run control corrects a clock it measured off (cluster.clock.correct): the fault
-        # is a host whose clock cannot be corrected, which the diagnosis must name.
-        lines += ["[cluster.clock]", "correct = false", ""]
-    lines += [
-        "[[process]]",
-        'name = "writer"',
-        'role = "writer"',
-    ]
-    if pull:
-        lines += ["[[process]]", 'name = "dfm"', 'role = "dfm"']
-    for b in range(builders):
-        lines += ["[[process]]", f'name = "builder{b}"', 'role = "builder"', f"ids = [{b}]"]
-    for s in range(sources):
-        lines += ["[[process]]", f'name = "source{s}"', 'role = "source"', f"ids = [{s}]"]
-        if f"source{s}" in clock_of:
-            lines.append(f"test_clock_offset_us = {CLOCK_AHEAD_US}")
-        if any(f["kind"] == "twin" and f["target"] == f"source{s}" for f in faults):
-            # Started by the campaign (run_one) with another source's ids.
-            lines.append('launch = "external"')
-    builder_addrs = ", ".join(f'"127.0.0.1:{free_port()}"' for _ in range(builders))
-    lines += [
-        "[config.run]",
-        f"slice_ms = {SLICE_MS}",
-        f"sources = {sources}",
-        f"builders = {builders}",
-        f'policy = "{policy}"',
-        f"builder_addrs = [{builder_addrs}]",
-        f'writer_addr = "127.0.0.1:{free_port()}"',
-    ]
-    if pull:
-        lines.append(f'dfm_addr = "127.0.0.1:{free_port()}"')
-    lines += ["[config.source]", "drain_timeout_ms = 3000"]
+    clock_of = {f["target"] for f in faults if f["kind"] == "clock"}
+    twins = {f["target"] for f in faults if f["kind"] == "twin"}
+
+    def process_lines(process):
+        # A source whose clock is ahead; a source the campaign starts itself (run_one),
+        # with another source's ids.
+        return ([f"test_clock_offset_us = {CLOCK_AHEAD_US}"] if process in clock_of else []) + (
+            ['launch = "external"'] if process in twins else []
+        )
+
+    source_lines = ()
     if any(f["kind"] == "burst" for f in faults):
         # Bioluminescence bursts most of the time over the cutoff: the fault matrix's row.
-        lines += ['generator = "bursts"', "cutoff = true", "cutoff_head = 2", "cutoff_tail = 2",
-                  "[config.source.bursts]", "fraction = 0.9", "max_s = 3.0", "base_bytes = 2000",
-                  "burst_bytes = 20000"]
-    lines += ["[config.builder]", "drain_timeout_ms = 5000"]
+        source_lines = ('generator = "bursts"', "cutoff = true", "cutoff_head = 2", "cutoff_tail = 2",
+                        "[config.source.bursts]", "fraction = 0.9", "max_s = 3.0", "base_bytes = 2000",
+                        "burst_bytes = 20000")
+    builder_lines = ()
     if any(f["kind"] == "filter" for f in faults):
         # Twice the time a builder has per slice (it gets one every SLICE_MS * builders).
-        lines += [f"fault_filter_ms_per_slice = {2 * SLICE_MS * builders}", "memory_budget_mb = 8"]
-    lines += ["[config.writer]", f'out_dir = "{state / "data"}"']
-    return "\n".join(lines) + "\n"
+        builder_lines = (f"fault_filter_ms_per_slice = {2 * SLICE_MS * builders}", "memory_budget_mb = 8")
+    return cluster_toml(
+        name, sources, builders, state, policy=policy, slice_ms=SLICE_MS,
+        # Run control corrects a clock it measured off (cluster.clock.correct): the fault
+        # is a host whose clock cannot be corrected, which the diagnosis must name.
+        cluster_tables=("[cluster.clock]", "correct = false") if clock_of else (),
+        process_lines=process_lines, source_lines=source_lines, builder_lines=builder_lines,
+        source_drain_ms=3000, builder_drain_ms=5000,
+    )
 
 
 def kinds_for(cluster) -> list[str]:

@@ -60,7 +60,28 @@ def on_free_ports(text: str) -> str:
     return re.sub(r"127\.0\.0\.1:(\d+)", move, text)
 
 
-def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path, restarts: int = 3) -> str:
+def cluster_toml(
+    name: str,
+    sources: int,
+    builders: int,
+    state_dir: pathlib.Path,
+    restarts: int = 3,
+    *,
+    policy: str = "delayed:2",
+    slice_ms: int | None = None,
+    cluster_tables: tuple[str, ...] = (),
+    process_lines=lambda process: [],
+    source_lines: tuple[str, ...] = (),
+    builder_lines: tuple[str, ...] = (),
+    source_drain_ms: int = 2000,
+    builder_drain_ms: int = 4000,
+) -> str:
+    """A cluster file of `sources` and `builders` (one process each), the writer, and under a
+    pull policy the data-flow manager, on free loopback ports. `cluster_tables`: tables
+    after `[cluster]`'s keys (`[cluster.clock]`, ...); `process_lines(name)`: lines for that
+    process's table; `source_lines`, `builder_lines`: for `[config.source]`,
+    `[config.builder]` (a sub-table last)."""
+    pull = policy.startswith("pull")
     lines = [
         "[cluster]",
         f'name = "{name}"',
@@ -70,27 +91,31 @@ def cluster_toml(name: str, sources: int, builders: int, state_dir: pathlib.Path
         "reply_timeout_ms = 5000",
         "stats_interval_ms = 500",
         f"restarts = {restarts}",
+        *cluster_tables,
         "",
-        "[[process]]",
-        'name = "writer"',
-        'role = "writer"',
     ]
-    for b in range(builders):
-        lines += ["[[process]]", f'name = "builder{b}"', 'role = "builder"', f"ids = [{b}]"]
-    for s in range(sources):
-        lines += ["[[process]]", f'name = "source{s}"', 'role = "source"', f"ids = [{s}]"]
+    names = ["writer", *(["dfm"] if pull else []), *(f"builder{b}" for b in range(builders)),
+             *(f"source{s}" for s in range(sources))]
+    for n in names:
+        role = n.rstrip("0123456789")
+        ids = [f"ids = [{n.removeprefix(role)}]"] if role in ("builder", "source") else []
+        lines += ["[[process]]", f'name = "{n}"', f'role = "{role}"', *ids, *process_lines(n)]
     addrs = ", ".join(f'"127.0.0.1:{free_port()}"' for _ in range(builders))
     lines += [
         "[config.run]",
+        *([f"slice_ms = {slice_ms}"] if slice_ms else []),
         f"sources = {sources}",
         f"builders = {builders}",
-        'policy = "delayed:2"',
+        f'policy = "{policy}"',
         f"builder_addrs = [{addrs}]",
         f'writer_addr = "127.0.0.1:{free_port()}"',
+        *([f'dfm_addr = "127.0.0.1:{free_port()}"'] if pull else []),
         "[config.source]",
-        "drain_timeout_ms = 2000",
+        f"drain_timeout_ms = {source_drain_ms}",
+        *source_lines,
         "[config.builder]",
-        "drain_timeout_ms = 4000",
+        f"drain_timeout_ms = {builder_drain_ms}",
+        *builder_lines,
         "[config.writer]",
         f'out_dir = "{state_dir / "data"}"',
     ]
