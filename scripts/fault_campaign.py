@@ -26,9 +26,9 @@ and on the emulated network (`--clusters testbed`: `shoal testbed run`, 6 x 3, e
 process in a namespace of its own behind a switch; docs/testbed.md), on the switch port of
 a source, a builder or the writer:
 
-  loss       random loss both ways, 2-30 %        expected: network_path on a sender
-  partition  the port down, up after the duration                whose links cross
-  delay      the port's packets held 20-200 ms                    that port
+  loss       random loss both ways, 2-30 %        expected: network_path on the host
+  partition  the port down, up after the duration                or on a sender whose
+  delay      the port's packets held 20-200 ms                    links cross that port
              (a delay line on a netfilter queue)
 
 `hog`, `disk` and the testbed need root (skipped otherwise, said). Runs without a fault (`--fault-free
@@ -185,7 +185,7 @@ def new_fault(rng, kind, role, target, cluster, max_duration) -> dict:
         elif role == "builder":
             f["crossing"] = [target] + [f"source{i}" for i in range(sources)]
         else:
-            f["crossing"] = [f"builder{j}" for j in range(builders)]
+            f["crossing"] = [target] + [f"builder{j}" for j in range(builders)]
     return f
 
 

@@ -9,6 +9,10 @@
 //! episode ends after [`QUIET_NS`] without its problem (a filter that is busy 120 % of one
 //! second and 80 % of the next is one episode, not one a second).
 //!
+//! Two kinds of episode come from what processes report afterwards. A stall a process
+//! reports is a past `process_hung` episode. A gap in its statistics with no stall over it
+//! is a `network_path` episode: it was unreachable ([`silence`]).
+//!
 //! After the run, [`slices::attribute`] gives every lost slice (incomplete, assembled but
 //! not filtered, or never built) exactly one primary cause, or `unexplained`, from the
 //! builders' lists of incomplete slices, the departures and the timeline, naming the rule
@@ -17,6 +21,7 @@
 //! Sans-IO: time comes in the snapshot (UNIX ns, run control's clock).
 
 pub mod rules;
+pub mod silence;
 pub mod slices;
 
 use std::collections::BTreeMap;
@@ -353,6 +358,8 @@ pub struct Diagnoser {
     last_away_ns: BTreeMap<String, u64>,
     /// The latest stall recorded of each process (its key).
     last_stall: BTreeMap<String, u64>,
+    /// Gaps in the processes' statistics: unreachable or hung.
+    silences: silence::Silences,
     episodes: Vec<Episode>,
     forgotten: u64,
 }
@@ -391,6 +398,12 @@ impl Diagnoser {
         let findings = rules::check_all(&Evaluation { snapshot, growth: &growth, last_away_ns: &self.last_away_ns });
         let mut changes = Changes::default();
         self.record_stalls(snapshot, &mut changes);
+        for (name, role, from, to) in self.silences.observe(snapshot, &self.last_away_ns) {
+            if let Some(e) = silence::record(&mut self.episodes, &name, &role, from, to) {
+                changes.began.push(e.clone());
+                self.episodes.push(e);
+            }
+        }
         self.previous = snapshot.processes.iter().map(|p| (p.name.clone(), p.counters)).collect();
         for e in self.episodes.iter_mut().filter(|e| e.ended_ns.is_none()) {
             let found = findings.iter().any(|f| f.rule == e.rule && f.process == e.process);
@@ -442,6 +455,7 @@ impl Diagnoser {
             let last = self.last_stall.get(&p.name).copied().unwrap_or(0);
             for s in p.stalls.iter().filter(|s| s.key > last) {
                 self.last_stall.insert(p.name.clone(), s.key);
+                self.silences.stalled(&p.name, s.from_ns, s.to_ns);
                 let joins = |e: &Episode| {
                     e.rule == Rule::ProcessHung
                         && e.process == p.name

@@ -594,3 +594,62 @@ fn when_no_statistics_come_from_anyone_the_dispatcher_is_hung_not_each_process()
     let named: Vec<_> = c.began.iter().map(|e| (e.rule, e.process.as_str())).collect();
     assert_eq!(named, [(Rule::ProcessHung, "builder0")], "{c:?}");
 }
+
+/// Every 0.5 s from `from_s` to `to_s`: builder0 and source0 report, except builder0 in
+/// `[gap_from_s, gap_to_s)`; builder0 reports `stall` once it speaks again. The timeline.
+fn gap_run(gap_from_s: f64, gap_to_s: f64, stall: Option<StallSeen>, others_silent: bool) -> Vec<Episode> {
+    let mut d = Diagnoser::new();
+    let ns = |s: f64| (s * 1e9) as u64;
+    let (mut b_last, mut s_last) = (0, 0);
+    for step in 0..60 {
+        let now = 5.0 + 0.5 * step as f64;
+        let silent = now >= gap_from_s && now < gap_to_s;
+        if !silent {
+            b_last = ns(now);
+        }
+        if !(silent && others_silent) {
+            s_last = ns(now);
+        }
+        let mut b = view("builder0", "builder");
+        b.last_stats_ns = Some(b_last);
+        if !silent && now >= gap_to_s {
+            b.stalls = stall.into_iter().collect();
+        }
+        let mut s = view("source0", "source");
+        s.last_stats_ns = Some(s_last);
+        let dispatcher = ProcessView { name: "dispatcher".into(), role: "dispatcher".into(), ..Default::default() };
+        d.evaluate(&Snapshot {
+            now_ns: ns(now),
+            stats_interval_ns: 500_000_000,
+            running: true,
+            busy: false,
+            processes: vec![b, s, dispatcher],
+            clock: None,
+        });
+    }
+    d.timeline().to_vec()
+}
+
+#[test]
+fn a_process_silent_while_it_ran_and_the_others_spoke_was_unreachable_not_hung() {
+    let on_builder = |t: &[Episode]| {
+        t.iter().filter(|e| e.process == "builder0").map(|e| (e.rule, e.began_ns / 100_000_000)).collect::<Vec<_>>()
+    };
+    // 8 s cut off: found hung while silent, then given to the path (no stall of its own).
+    let t = gap_run(10.5, 18.5, None, false);
+    assert_eq!(on_builder(&t), [(Rule::NetworkPath, 100)], "{t:?}");
+    assert!(t[0].detail.contains("unreachable"), "{}", t[0].detail);
+    // Stopped for those 8 s: it says so afterwards, and stays hung.
+    let stopped = StallSeen { from_ns: 10_400_000_000, to_ns: 18_500_000_000, waited_for_cpu_ns: 0, key: 1 };
+    let t = gap_run(10.5, 18.5, Some(stopped), false);
+    assert_eq!(on_builder(&t), [(Rule::ProcessHung, 104)], "{t:?}");
+    // A gap of 1.5 s, below the hung threshold: a past episode of the path.
+    let t = gap_run(10.5, 12.0, None, false);
+    assert_eq!(on_builder(&t), [(Rule::NetworkPath, 100)], "{t:?}");
+    assert_eq!(t[0].ended_ns, Some(12_000_000_000), "{t:?}");
+    // One report late (a gap of one interval) is nothing.
+    assert!(on_builder(&gap_run(10.5, 11.0, None, false)).is_empty());
+    // Everyone silent at once: the dispatcher, not the path to each.
+    let t = gap_run(10.5, 18.5, None, true);
+    assert!(t.iter().all(|e| e.rule != Rule::NetworkPath), "{t:?}");
+}

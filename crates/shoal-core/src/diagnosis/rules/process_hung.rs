@@ -6,6 +6,9 @@
 
 use super::super::{Evaluation, Finding, Presence, Rule};
 
+/// How a silence's finding begins (the path takes it over: `diagnosis::silence`).
+pub const SILENT: &str = "sent no statistics for";
+
 /// Silence that makes a process hung: five statistics intervals, at least 3 s (a busy
 /// machine delays a process's timer by a fraction of that, not by all of it).
 pub fn silence_limit_ns(stats_interval_ns: u64) -> u64 {
@@ -42,11 +45,7 @@ pub fn check(ev: &Evaluation, out: &mut Vec<Finding>) {
                 let Some(last) = p.last_stats_ns else { continue };
                 let silent = s.now_ns.saturating_sub(last);
                 if silent > limit {
-                    out.push(super::finding(
-                        Rule::ProcessHung,
-                        p,
-                        format!("sent no statistics for {:.1} s", silent as f64 * 1e-9),
-                    ));
+                    out.push(super::finding(Rule::ProcessHung, p, format!("{SILENT} {:.1} s", silent as f64 * 1e-9)));
                 }
             }
             _ => {}
