@@ -235,12 +235,18 @@ fn a_builder_partitioned_for_5_s_gets_everything_once_the_network_is_back() {
     let Some(s) = s else { return };
     let cut = cut.expect("the partition happened during the run");
     // run_small_scenario checked: every fragment delivered, no slice incomplete, balanced.
-    // Run control lost builder 1 for the 5 s too (its statistics stopped): the diagnosis
-    // saw it, though nothing was lost.
+    // Run control lost builder 1 for the 5 s too (its statistics stopped), and it reported
+    // no stall of its own afterwards: unreachable, the path, though nothing was lost.
     let timeline = s["record"]["diagnosis"]["timeline"].as_array().unwrap();
     assert!(
-        timeline.iter().any(|e| e["process"] == "builder1" && e["rule"] == "process_hung"),
+        timeline.iter().any(|e| e["process"] == "builder1"
+            && e["rule"] == "network_path"
+            && e["detail"].as_str().is_some_and(|d| d.contains("unreachable"))),
         "the partition in the timeline: {timeline:?}"
+    );
+    assert!(
+        !timeline.iter().any(|e| e["process"] == "builder1" && e["rule"] == "process_hung"),
+        "a partitioned builder is not hung: {timeline:?}"
     );
     // ... and the sources' links to it stalled in retransmission timeouts: the path.
     assert!(
