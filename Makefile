@@ -64,8 +64,9 @@ test: deps lint rust-test prom-test py-test
 # testbed tests (network namespaces; they skip when not root), prometheus (promtool for the
 # alerting rules' tests, the server for tests/python/test_prometheus.py), valgrind for
 # scripts/cost_instructions.py (callgrind's instruction counts), slurm-wlm + munge for
-# the Slurm launch's test (crates/shoal/tests/slurm.rs), the rest for the benchmarks' peers.
-DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables prometheus valgrind slurm-wlm munge
+# the Slurm launch's test (crates/shoal/tests/slurm.rs), libucx-dev + ucx-utils for ucx-sys
+# (it compiles without them and skips its test), the rest for the benchmarks' peers.
+DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables prometheus valgrind slurm-wlm munge libucx-dev ucx-utils
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
