@@ -7,6 +7,14 @@ fn main() {
     for var in ["PKG_CONFIG_PATH", "PKG_CONFIG_LIBDIR"] {
         println!("cargo::rerun-if-env-changed={var}");
     }
+    // Installing libucx-dev later must wake this probe up: watch the directories
+    // pkg-config searches (those that exist; a missing path would rerun it every build).
+    if let Ok(out) = std::process::Command::new("pkg-config").args(["--variable", "pc_path", "pkg-config"]).output() {
+        let dirs = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        for dir in dirs.split(':').filter(|d| std::path::Path::new(d).is_dir()) {
+            println!("cargo::rerun-if-changed={dir}");
+        }
+    }
     match pkg_config::Config::new().atleast_version("1.13").probe("ucx") {
         Ok(lib) => println!("cargo::metadata=version={}", lib.version),
         Err(e) => {

@@ -1,0 +1,653 @@
+//! The worker's thread: the only place that touches UCX handles.
+//!
+//! Every callback UCX makes (send and receive completions, active messages, endpoint
+//! errors) runs inside `ucp_worker_progress` on this thread, so the state they reach is
+//! plain thread-local data and boxed operations whose ownership passes to UCX with the
+//! request and back in the callback.
+
+#![allow(unsafe_code)]
+// The casts say which C type a field takes: bindgen gives UCX's enum constants the
+// enum's underlying type, which is not the same for every enum, version and platform.
+#![allow(clippy::unnecessary_cast)]
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::{CStr, c_void};
+use std::os::fd::{AsRawFd, RawFd};
+use std::ptr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{debug, info, warn};
+use ucx_sys::*;
+
+use crate::{Command, Message, Sink, UcxError, WorkerStats};
+
+thread_local! {
+    /// Operations handed to UCX and not yet completed: while any are, the loop also
+    /// wakes on a short tick, since not every transport's progress raises the event
+    /// descriptor.
+    static OUTSTANDING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How long the thread waits at its end for closing endpoints and operations in flight.
+const END_WAIT: Duration = Duration::from_secs(2);
+
+fn status_error(call: &'static str, status: ucs_status_t) -> UcxError {
+    // SAFETY: ucs_status_string returns a static string for any status value.
+    let s = unsafe { CStr::from_ptr(ucs_status_string(status)) };
+    UcxError::Status { call, status: s.to_string_lossy().into_owned() }
+}
+
+/// `UCS_PTR_IS_ERR`, `UCS_PTR_STATUS`: a request pointer that is really a status.
+fn ptr_status(p: ucs_status_ptr_t) -> Option<ucs_status_t> {
+    let v = p as isize;
+    (v < 0 && v >= UCS_ERR_LAST as isize).then_some(v as ucs_status_t)
+}
+
+/// `ucp_dt_make_contig(1)`: bytes.
+const DATATYPE_BYTES: ucp_datatype_t = (1 << 3) | UCP_DATATYPE_CONTIG as ucp_datatype_t;
+
+struct Efd(RawFd);
+
+impl AsRawFd for Efd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// The UCX objects of one thread, released in reverse order on drop.
+struct Ucx {
+    context: ucp_context_h,
+    worker: ucp_worker_h,
+}
+
+impl Drop for Ucx {
+    fn drop(&mut self) {
+        // SAFETY: both were created by `Ucx::new` and are released once, worker first.
+        unsafe {
+            ucp_worker_destroy(self.worker);
+            ucp_cleanup(self.context);
+        }
+    }
+}
+
+impl Ucx {
+    fn new(name: &str) -> Result<Ucx, UcxError> {
+        let name = std::ffi::CString::new(name).unwrap_or_default();
+        // SAFETY: UCX's documented order (read the configuration from the environment,
+        // init a context, create a worker); every out-pointer is a local.
+        unsafe {
+            let mut config: *mut ucp_config_t = ptr::null_mut();
+            let s = ucp_config_read(ptr::null(), ptr::null(), &mut config);
+            if s != UCS_OK {
+                return Err(status_error("ucp_config_read", s));
+            }
+            let mut params: ucp_params_t = std::mem::zeroed();
+            params.field_mask = (UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME) as u64;
+            params.features = (UCP_FEATURE_AM | UCP_FEATURE_WAKEUP) as u64;
+            params.name = name.as_ptr();
+            let mut context: ucp_context_h = ptr::null_mut();
+            let s = ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut context);
+            ucp_config_release(config);
+            if s != UCS_OK {
+                return Err(status_error("ucp_init", s));
+            }
+            let mut wparams: ucp_worker_params_t = std::mem::zeroed();
+            wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+            wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+            let mut worker: ucp_worker_h = ptr::null_mut();
+            let s = ucp_worker_create(context, &wparams, &mut worker);
+            if s != UCS_OK {
+                ucp_cleanup(context);
+                return Err(status_error("ucp_worker_create", s));
+            }
+            Ok(Ucx { context, worker })
+        }
+    }
+
+    fn address(&self) -> Result<Bytes, UcxError> {
+        // SAFETY: the address UCX returns is copied, then released to the same worker.
+        unsafe {
+            let mut addr: *mut ucp_address_t = ptr::null_mut();
+            let mut len = 0usize;
+            let s = ucp_worker_get_address(self.worker, &mut addr, &mut len);
+            if s != UCS_OK {
+                return Err(status_error("ucp_worker_get_address", s));
+            }
+            let bytes = Bytes::copy_from_slice(std::slice::from_raw_parts(addr as *const u8, len));
+            ucp_worker_release_address(self.worker, addr);
+            Ok(bytes)
+        }
+    }
+
+    fn efd(&self) -> Result<RawFd, UcxError> {
+        let mut fd = -1;
+        // SAFETY: a live worker created with UCP_FEATURE_WAKEUP.
+        let s = unsafe { ucp_worker_get_efd(self.worker, &mut fd) };
+        if s != UCS_OK {
+            return Err(status_error("ucp_worker_get_efd", s));
+        }
+        Ok(fd)
+    }
+
+    /// Progresses until nothing more happens at once.
+    fn progress(&self) {
+        // SAFETY: a live worker, on the thread that owns it.
+        while unsafe { ucp_worker_progress(self.worker) } != 0 {}
+    }
+
+    /// True once the event descriptor is armed (nothing pending: wait on it).
+    fn arm(&self) -> bool {
+        // SAFETY: as above.
+        unsafe { ucp_worker_arm(self.worker) != UCS_ERR_BUSY }
+    }
+}
+
+/// What a receive handler needs: the worker (for `ucp_am_recv_data_nbx`), the sink, the
+/// counters; one per process thread, reached from each id's [`Handler`].
+struct Receiving {
+    worker: ucp_worker_h,
+    sink: Sink,
+    stats: Arc<WorkerStats>,
+}
+
+/// The argument of one active-message id's handler.
+struct Handler {
+    id: u16,
+    receiving: *mut Receiving,
+}
+
+/// A rendezvous receive in flight: the buffer the data lands in.
+struct ReceiveOp {
+    id: u16,
+    header: Bytes,
+    buffer: Vec<u8>,
+    receiving: *mut Receiving,
+}
+
+/// A send in flight: the buffers UCX reads until it completes.
+struct SendOp {
+    _header: Bytes,
+    _data: Vec<Bytes>,
+    _iov: Vec<ucp_dt_iov>,
+    done: oneshot::Sender<Result<(), UcxError>>,
+    stats: Arc<WorkerStats>,
+    bytes: u64,
+}
+
+impl SendOp {
+    fn finish(self, status: ucs_status_t) {
+        if status == UCS_OK {
+            self.stats.messages_sent.fetch_add(1, Ordering::Relaxed);
+            self.stats.bytes_sent.fetch_add(self.bytes, Ordering::Relaxed);
+            let _ = self.done.send(Ok(()));
+        } else {
+            self.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+            let _ = self.done.send(Err(status_error("ucp_am_send_nbx", status)));
+        }
+    }
+}
+
+/// An endpoint's error handler argument: where its failure is told.
+struct EndpointState {
+    failed: watch::Sender<Option<UcxError>>,
+    stats: Arc<WorkerStats>,
+}
+
+unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
+    // SAFETY: `arg` is the endpoint's boxed state, kept until its close completes.
+    let state = unsafe { &*(arg as *const EndpointState) };
+    state.stats.endpoint_failures.fetch_add(1, Ordering::Relaxed);
+    let _ = state.failed.send(Some(status_error("endpoint", status)));
+}
+
+unsafe extern "C" fn on_send(request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
+    // SAFETY: `user_data` is the SendOp boxed by `send`; UCX calls this once.
+    let op = unsafe { *Box::from_raw(user_data as *mut SendOp) };
+    op.finish(status);
+    OUTSTANDING.with(|o| o.set(o.get().saturating_sub(1)));
+    // SAFETY: a request UCX returned, freed once, after its completion.
+    unsafe { ucp_request_free(request) };
+}
+
+unsafe extern "C" fn on_receive_data(
+    request: *mut c_void,
+    status: ucs_status_t,
+    length: usize,
+    user_data: *mut c_void,
+) {
+    // SAFETY: `user_data` is the ReceiveOp boxed by `on_message`; UCX calls this once.
+    let op = unsafe { *Box::from_raw(user_data as *mut ReceiveOp) };
+    finish_receive(op, status, length);
+    OUTSTANDING.with(|o| o.set(o.get().saturating_sub(1)));
+    // SAFETY: as in `on_send`.
+    unsafe { ucp_request_free(request) };
+}
+
+fn finish_receive(op: ReceiveOp, status: ucs_status_t, length: usize) {
+    // SAFETY: the Receiving outlives every operation of its worker (dropped after the
+    // worker is destroyed).
+    let r = unsafe { &mut *op.receiving };
+    let ReceiveOp { id, header, mut buffer, .. } = op;
+    let data = if status == UCS_OK {
+        // SAFETY: UCX wrote `length` bytes (at most the capacity it was given).
+        unsafe { buffer.set_len(length.min(buffer.capacity())) };
+        r.stats.messages_received.fetch_add(1, Ordering::Relaxed);
+        r.stats.rendezvous_received.fetch_add(1, Ordering::Relaxed);
+        r.stats.bytes_received.fetch_add(length as u64, Ordering::Relaxed);
+        Ok(Bytes::from(buffer))
+    } else {
+        r.stats.receive_errors.fetch_add(1, Ordering::Relaxed);
+        Err(status_error("ucp_am_recv_data_nbx", status))
+    };
+    (r.sink)(Message { id, header, data, rendezvous: true });
+}
+
+unsafe extern "C" fn on_message(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ucp_am_recv_param_t,
+) -> ucs_status_t {
+    // SAFETY: `arg` is the id's Handler, alive as long as the worker; the header and an
+    // eager payload are valid for the duration of this call.
+    let (handler, header, attr) = unsafe {
+        let h = &*(arg as *const Handler);
+        let header = if header_length == 0 {
+            Bytes::new()
+        } else {
+            Bytes::copy_from_slice(std::slice::from_raw_parts(header as *const u8, header_length))
+        };
+        (h, header, (*param).recv_attr)
+    };
+    // SAFETY: as in `finish_receive`.
+    let r = unsafe { &mut *handler.receiving };
+    if attr & UCP_AM_RECV_ATTR_FLAG_RNDV as u64 == 0 {
+        // Eager: the data is UCX's until this returns; small, so it is copied.
+        let bytes = if length == 0 {
+            Bytes::new()
+        } else {
+            // SAFETY: `length` bytes at `data`, valid during this call.
+            Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
+        };
+        r.stats.messages_received.fetch_add(1, Ordering::Relaxed);
+        r.stats.bytes_received.fetch_add(length as u64, Ordering::Relaxed);
+        (r.sink)(Message { id: handler.id, header, data: Ok(bytes), rendezvous: false });
+        return UCS_OK;
+    }
+    // Rendezvous: the payload is fetched into a buffer of its own, from which the frame
+    // is taken without another copy.
+    let mut op = Box::new(ReceiveOp {
+        id: handler.id,
+        header,
+        buffer: Vec::with_capacity(length),
+        receiving: handler.receiving,
+    });
+    let target = op.buffer.as_mut_ptr() as *mut c_void;
+    let op = Box::into_raw(op);
+    // SAFETY: a zeroed parameter block is valid with only the masked fields set; the
+    // ReceiveOp (and its buffer) passes to UCX until the callback or an immediate result.
+    unsafe {
+        let mut p: ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = (UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE) as u32;
+        p.cb.recv_am = Some(on_receive_data);
+        p.user_data = op as *mut c_void;
+        p.datatype = DATATYPE_BYTES;
+        let req = ucp_am_recv_data_nbx(r.worker, data, target, length, &p);
+        if req.is_null() {
+            finish_receive(*Box::from_raw(op), UCS_OK, length);
+        } else if let Some(s) = ptr_status(req) {
+            finish_receive(*Box::from_raw(op), s, 0);
+        } else {
+            OUTSTANDING.with(|o| o.set(o.get() + 1));
+        }
+    }
+    UCS_OK
+}
+
+/// An open endpoint, or one closing.
+struct EndpointEntry {
+    ep: ucp_ep_h,
+    state: Box<EndpointState>,
+}
+
+struct Closing {
+    request: *mut c_void,
+    _state: Box<EndpointState>,
+}
+
+/// Starts the thread; returns the worker's address once it is up, or why it is not.
+pub(crate) fn spawn(
+    name: &str,
+    receive: Vec<u16>,
+    sink: Option<Sink>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    stats: Arc<WorkerStats>,
+) -> Result<(Bytes, std::thread::JoinHandle<()>), UcxError> {
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let name = name.to_string();
+    let thread = std::thread::Builder::new()
+        .name(format!("ucx-{name}"))
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(UcxError::Status { call: "tokio runtime", status: e.to_string() }));
+                    return;
+                }
+            };
+            rt.block_on(run(name, receive, sink, commands, stats, ready_tx));
+        })
+        .map_err(|e| UcxError::Status { call: "thread", status: e.to_string() })?;
+    match ready.recv() {
+        Ok(Ok(address)) => Ok((address, thread)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(UcxError::WorkerGone),
+    }
+}
+
+async fn run(
+    name: String,
+    receive: Vec<u16>,
+    sink: Option<Sink>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    stats: Arc<WorkerStats>,
+    ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
+) {
+    let ucx = match Ucx::new(&name) {
+        Ok(u) => u,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let sink = sink.unwrap_or_else(|| Box::new(|_| {}));
+    // Raw pointers, freed by hand once the worker is destroyed: until then a callback
+    // may reach them.
+    let receiving = Box::into_raw(Box::new(Receiving { worker: ucx.worker, sink, stats: stats.clone() }));
+    let handlers: Vec<*mut Handler> =
+        receive.iter().map(|&id| Box::into_raw(Box::new(Handler { id, receiving }))).collect();
+    for &h in &handlers {
+        // SAFETY: the handler argument lives until after the worker is destroyed.
+        let s = unsafe {
+            let mut p: ucp_am_handler_param_t = std::mem::zeroed();
+            p.field_mask = (UCP_AM_HANDLER_PARAM_FIELD_ID
+                | UCP_AM_HANDLER_PARAM_FIELD_CB
+                | UCP_AM_HANDLER_PARAM_FIELD_ARG
+                | UCP_AM_HANDLER_PARAM_FIELD_FLAGS) as u64;
+            p.id = (*h).id as u32;
+            p.flags = UCP_AM_FLAG_WHOLE_MSG as u32;
+            p.cb = Some(on_message);
+            p.arg = h as *mut c_void;
+            ucp_worker_set_am_recv_handler(ucx.worker, &p)
+        };
+        if s != UCS_OK {
+            let _ = ready.send(Err(status_error("ucp_worker_set_am_recv_handler", s)));
+            return;
+        }
+    }
+    let efd = match ucx.efd().and_then(|fd| {
+        // SAFETY: the descriptor is the worker's, open until `ucx` is dropped, which
+        // happens after `efd` is (below).
+        unsafe { AsyncFd::register_with_interest(Efd(fd), tokio::io::Interest::READABLE) }
+            .map_err(|e| UcxError::Status { call: "AsyncFd", status: e.into_parts().1.to_string() })
+    }) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    match ucx.address() {
+        Ok(a) => {
+            let _ = ready.send(Ok(a));
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    }
+    let mut endpoints: HashMap<u64, EndpointEntry> = HashMap::new();
+    let mut closing: Vec<Closing> = Vec::new();
+    let mut next_endpoint = 0u64;
+    loop {
+        // Every command waiting is taken before the worker progresses: sends queued
+        // together go out together.
+        let mut ended = false;
+        loop {
+            match commands.try_recv() {
+                Ok(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        if ended {
+            break;
+        }
+        ucx.progress();
+        reap(&mut closing);
+        if !ucx.arm() {
+            // Events came in while arming: progress again before waiting.
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let busy = OUTSTANDING.with(Cell::get) > 0 || !closing.is_empty();
+        tokio::select! {
+            c = commands.recv() => match c {
+                Some(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
+                None => break,
+            },
+            g = efd.readable() => {
+                if let Ok(mut g) = g {
+                    g.clear_ready();
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_micros(200)), if busy => {}
+        }
+    }
+    // The end: close every endpoint, let what is in flight finish (bounded), then
+    // destroy the worker.
+    for (_, e) in endpoints.drain() {
+        close(&ucx, e, false, &mut closing);
+    }
+    let deadline = std::time::Instant::now() + END_WAIT;
+    while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
+        ucx.progress();
+        reap(&mut closing);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    if !closing.is_empty() || OUTSTANDING.with(Cell::get) > 0 {
+        debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
+    }
+    drop(efd);
+    // Requests not completed are released with the worker; their boxes are leaked rather
+    // than freed under UCX's feet.
+    std::mem::forget(closing);
+    drop(ucx);
+    // SAFETY: the worker is destroyed: no callback can reach these any more.
+    unsafe {
+        for h in handlers {
+            drop(Box::from_raw(h));
+        }
+        drop(Box::from_raw(receiving));
+    }
+}
+
+fn handle(
+    ucx: &Ucx,
+    command: Command,
+    endpoints: &mut HashMap<u64, EndpointEntry>,
+    closing: &mut Vec<Closing>,
+    next_endpoint: &mut u64,
+    stats: &Arc<WorkerStats>,
+) {
+    match command {
+        Command::Connect { remote, reply } => {
+            let (failed, failed_rx) = watch::channel(None);
+            let state = Box::new(EndpointState { failed, stats: stats.clone() });
+            match connect(ucx, &remote, &state) {
+                Ok(ep) => {
+                    *next_endpoint += 1;
+                    endpoints.insert(*next_endpoint, EndpointEntry { ep, state });
+                    let _ = reply.send(Ok((*next_endpoint, failed_rx)));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            }
+        }
+        Command::Send { endpoint, id, header, data, done } => match endpoints.get(&endpoint) {
+            Some(e) => send(e.ep, id, header, data, done, stats),
+            None => {
+                let _ = done.send(Err(UcxError::WorkerGone));
+            }
+        },
+        Command::Close { endpoint } => {
+            if let Some(e) = endpoints.remove(&endpoint) {
+                let failed = e.state.failed.borrow().is_some();
+                close(ucx, e, failed, closing);
+            }
+        }
+    }
+}
+
+/// UCX checks little of an address it is given; shoal's come from its own peers over an
+/// authenticated connection, and a too-short one is refused here.
+const MIN_ADDRESS_LEN: usize = 8;
+
+fn connect(ucx: &Ucx, remote: &[u8], state: &EndpointState) -> Result<ucp_ep_h, UcxError> {
+    if remote.len() < MIN_ADDRESS_LEN {
+        return Err(UcxError::Status { call: "ucp_ep_create", status: format!("a {}-byte address", remote.len()) });
+    }
+    let peer_mode = create_endpoint(ucx, remote, state, UCP_ERR_HANDLING_MODE_PEER);
+    match peer_mode {
+        // Shared memory alone (`UCX_TLS=posix,self`, as inside many containers) has no
+        // peer-failure detection, and UCX refuses the mode rather than pretend. shoal's
+        // TCP connection beside the endpoint watches the peer anyway.
+        Err(UCS_ERR_UNREACHABLE) => {
+            let e = create_endpoint(ucx, remote, state, UCP_ERR_HANDLING_MODE_NONE);
+            if e.is_ok() && !PEER_MODE_REFUSED.with(|r| r.replace(true)) {
+                info!(
+                    "these UCX transports cannot detect a failed peer (UCX_TLS without tcp or cma): \
+                     endpoints without it, the TCP connection beside each watches its peer"
+                );
+            }
+            e.map_err(|s| status_error("ucp_ep_create", s))
+        }
+        other => other.map_err(|s| status_error("ucp_ep_create", s)),
+    }
+}
+
+thread_local! {
+    /// Said once per worker thread: the transports refused peer-failure handling.
+    static PEER_MODE_REFUSED: Cell<bool> = const { Cell::new(false) };
+}
+
+fn create_endpoint(
+    ucx: &Ucx,
+    remote: &[u8],
+    state: &EndpointState,
+    mode: ucp_err_handling_mode_t,
+) -> Result<ucp_ep_h, ucs_status_t> {
+    // SAFETY: the address is read during the call; the error handler's argument lives
+    // until the endpoint's close completes (`Closing`).
+    unsafe {
+        let mut p: ucp_ep_params_t = std::mem::zeroed();
+        p.field_mask = (UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+        p.address = remote.as_ptr() as *const ucp_address_t;
+        p.err_mode = mode;
+        p.err_handler = ucp_err_handler { cb: Some(on_endpoint_error), arg: state as *const _ as *mut c_void };
+        let mut ep: ucp_ep_h = ptr::null_mut();
+        let s = ucp_ep_create(ucx.worker, &p, &mut ep);
+        if s != UCS_OK {
+            return Err(s);
+        }
+        Ok(ep)
+    }
+}
+
+fn send(
+    ep: ucp_ep_h,
+    id: u16,
+    header: Bytes,
+    data: Vec<Bytes>,
+    done: oneshot::Sender<Result<(), UcxError>>,
+    stats: &Arc<WorkerStats>,
+) {
+    let data: Vec<Bytes> = data.into_iter().filter(|b| !b.is_empty()).collect();
+    let bytes: u64 = data.iter().map(|b| b.len() as u64).sum();
+    let iov: Vec<ucp_dt_iov> =
+        data.iter().map(|b| ucp_dt_iov { buffer: b.as_ptr() as *mut c_void, length: b.len() }).collect();
+    let op = Box::new(SendOp { _header: header, _data: data, _iov: iov, done, stats: stats.clone(), bytes });
+    let (hptr, hlen) = (op._header.as_ptr(), op._header.len());
+    let (buffer, count, datatype) = match op._iov.len() {
+        0 => (ptr::null(), 0, DATATYPE_BYTES),
+        1 => (op._iov[0].buffer as *const c_void, op._iov[0].length, DATATYPE_BYTES),
+        n => (op._iov.as_ptr() as *const c_void, n, UCP_DATATYPE_IOV as ucp_datatype_t),
+    };
+    let op = Box::into_raw(op);
+    // SAFETY: the header, the payload parts and the iovec live in the SendOp, which UCX
+    // holds until the callback (or which is taken back at once on an immediate result).
+    unsafe {
+        let mut p: ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = (UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE) as u32;
+        p.cb.send = Some(on_send);
+        p.user_data = op as *mut c_void;
+        p.datatype = datatype;
+        let req = ucp_am_send_nbx(ep, id as u32, hptr as *const c_void, hlen, buffer, count, &p);
+        if req.is_null() {
+            (*Box::from_raw(op)).finish(UCS_OK);
+        } else if let Some(s) = ptr_status(req) {
+            (*Box::from_raw(op)).finish(s);
+        } else {
+            OUTSTANDING.with(|o| o.set(o.get() + 1));
+        }
+    }
+}
+
+fn close(ucx: &Ucx, e: EndpointEntry, force: bool, closing: &mut Vec<Closing>) {
+    let _ = ucx;
+    // SAFETY: an endpoint this worker created, closed once.
+    let req = unsafe {
+        let mut p: ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS as u32;
+        p.flags = if force { UCP_EP_CLOSE_FLAG_FORCE as u32 } else { 0 };
+        ucp_ep_close_nbx(e.ep, &p)
+    };
+    if req.is_null() {
+        return;
+    }
+    if let Some(s) = ptr_status(req) {
+        if s != UCS_ERR_CANCELED && s != UCS_ERR_ENDPOINT_TIMEOUT && s != UCS_ERR_CONNECTION_RESET {
+            warn!(status = %status_error("ucp_ep_close_nbx", s), "closing a UCX endpoint");
+        }
+        return;
+    }
+    closing.push(Closing { request: req, _state: e.state });
+}
+
+/// Frees the close requests that have completed.
+fn reap(closing: &mut Vec<Closing>) {
+    closing.retain(|c| {
+        // SAFETY: a request from `ucp_ep_close_nbx`, not yet freed.
+        let s = unsafe { ucp_request_check_status(c.request) };
+        if s == UCS_INPROGRESS {
+            return true;
+        }
+        // SAFETY: completed, freed once.
+        unsafe { ucp_request_free(c.request) };
+        false
+    });
+}
