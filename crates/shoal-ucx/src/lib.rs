@@ -83,10 +83,13 @@ impl WorkerStats {
     }
 }
 
+/// Where an endpoint's failure is told (`None` while it is well).
+type FailureWatch = watch::Receiver<Option<UcxError>>;
+
 /// What the owner asks of the worker's thread.
 #[cfg_attr(ucx_missing, allow(dead_code))]
 enum Command {
-    Connect { remote: Vec<u8>, reply: oneshot::Sender<Result<(u64, watch::Receiver<Option<UcxError>>), UcxError>> },
+    Connect { remote: Vec<u8>, reply: oneshot::Sender<Result<(u64, FailureWatch), UcxError>> },
     Send { endpoint: u64, id: u16, header: Bytes, data: Vec<Bytes>, done: oneshot::Sender<Result<(), UcxError>> },
     Close { endpoint: u64 },
 }
@@ -165,7 +168,7 @@ impl Drop for Worker {
 pub struct Endpoint {
     id: u64,
     commands: mpsc::UnboundedSender<Command>,
-    failed: watch::Receiver<Option<UcxError>>,
+    failed: FailureWatch,
 }
 
 impl Endpoint {
