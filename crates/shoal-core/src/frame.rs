@@ -139,6 +139,8 @@ pub enum FrameError {
     PayloadCrc { expected: u32, computed: u32 },
     #[error("stream ended inside a frame ({0} bytes left over)")]
     Truncated(usize),
+    #[error("the header says {header} payload bytes, the message carried {carried}")]
+    PayloadLength { header: u32, carried: usize },
 }
 
 impl FrameError {
@@ -155,6 +157,7 @@ impl FrameError {
             FrameError::PayloadTooLarge { .. } => "payload_too_large",
             FrameError::PayloadCrc { .. } => "payload_crc",
             FrameError::Truncated(_) => "truncated",
+            FrameError::PayloadLength { .. } => "payload_length",
         }
     }
 }
@@ -278,6 +281,21 @@ pub fn decode(buf: &[u8], max_payload: u32) -> Result<(Frame, usize), FrameError
     let payload = &buf[HEADER_LEN..total];
     check_payload(buf, payload)?;
     Ok((Frame { header, payload: Bytes::copy_from_slice(payload) }, total))
+}
+
+/// Checks a frame that came as a message with its header and payload apart (the `ucx`
+/// transport's active messages): the same checks as [`decode`], the payload kept as it
+/// is, not copied.
+pub fn decode_message(header_bytes: &[u8], payload: Bytes, max_payload: u32) -> Result<Frame, FrameError> {
+    if header_bytes.len() != HEADER_LEN && header_bytes.len() >= 4 && header_bytes[..4] == MAGIC {
+        return Err(FrameError::BadHeaderLength(header_bytes.len().min(255) as u8));
+    }
+    let header = decode_header(header_bytes, max_payload)?;
+    if header.payload_len as usize != payload.len() {
+        return Err(FrameError::PayloadLength { header: header.payload_len, carried: payload.len() });
+    }
+    check_payload(header_bytes, &payload)?;
+    Ok(Frame { header, payload })
 }
 
 fn check_payload(header_bytes: &[u8], payload: &[u8]) -> Result<(), FrameError> {
@@ -524,6 +542,29 @@ mod tests {
             send_time: Instant::from_nanos(99),
             payload_len,
         }
+    }
+
+    /// A frame as a message (header and payload apart): the payload is kept, not copied,
+    /// and every check of a stream's frame applies, plus the lengths agreeing.
+    #[test]
+    fn a_frame_as_a_message_is_checked_like_one_from_a_stream() {
+        let payload = Bytes::from(vec![5u8; 1000]);
+        let head = encode_header(&header(1000), &payload);
+        let f = decode_message(&head, payload.clone(), DEFAULT_MAX_PAYLOAD).unwrap();
+        assert_eq!(f.header, FrameHeader { payload_len: 1000, ..header(1000) });
+        assert_eq!(f.payload.as_ptr(), payload.as_ptr(), "not copied");
+        let short = payload.slice(..999);
+        assert_eq!(decode_message(&head, short, DEFAULT_MAX_PAYLOAD).unwrap_err().kind(), "payload_length");
+        let mut other = vec![5u8; 1000];
+        other[17] = 6;
+        assert_eq!(decode_message(&head, Bytes::from(other), DEFAULT_MAX_PAYLOAD).unwrap_err().kind(), "payload_crc");
+        let mut long_head = head.to_vec();
+        long_head.push(0);
+        assert_eq!(
+            decode_message(&long_head, payload.clone(), DEFAULT_MAX_PAYLOAD).unwrap_err().kind(),
+            "bad_header_length"
+        );
+        assert_eq!(decode_message(b"GET / HTTP", payload, DEFAULT_MAX_PAYLOAD).unwrap_err().kind(), "bad_magic");
     }
 
     /// Small frames kept (as a slice holds its fragments) do not pin the receive buffer:

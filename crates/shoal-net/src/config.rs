@@ -210,6 +210,9 @@ pub enum Transport {
     Tcp,
     /// Datagrams with selective retransmission (`shoal_core::datagram`), settings in `[udp]`.
     Udp,
+    /// Frames as UCX active messages (`crate::transport::ucx`): RDMA where the hosts have
+    /// it, one copy over shared memory (`cma`) on one host; UCX's own `UCX_TLS` chooses.
+    Ucx,
 }
 
 /// The datagram transport's budgets (`run.transport = "udp"`); see
@@ -656,6 +659,17 @@ impl Config {
                 "security.data protects TCP connections; run.transport = \"udp\" has no per-run MAC yet (docs/security.md)",
             );
         }
+        if self.transport()? == Transport::Ucx {
+            if !shoal_ucx::AVAILABLE {
+                return invalid(format!("run.transport = \"ucx\": {}", shoal_ucx::UcxError::Unavailable));
+            }
+            if self.security.data == shoal_tls::DataSecurity::Tls {
+                return invalid(
+                    "security.data = \"tls\" encrypts TCP connections; run.transport = \"ucx\" moves the data \
+                     outside them: use \"authenticated\" (the connection that sets UCX up is proven) or tcp",
+                );
+            }
+        }
         self.slice_clock()?;
         let r = &self.run;
         if r.sources == 0 || r.builders == 0 {
@@ -1031,7 +1045,8 @@ impl Config {
         match self.run.transport.as_str() {
             "tcp" => Ok(Transport::Tcp),
             "udp" => Ok(Transport::Udp),
-            other => invalid(format!("run.transport {other:?}: tcp or udp")),
+            "ucx" => Ok(Transport::Ucx),
+            other => invalid(format!("run.transport {other:?}: tcp, udp or ucx")),
         }
     }
 

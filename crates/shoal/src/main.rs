@@ -289,7 +289,7 @@ struct DemoArgs {
     /// Traffic shaping: `direct`, `delayed:K[:W]` (barrel shifting, W fragments in flight for a source behind), `tbf:RATE[:BURST]` (e.g. `tbf:40Mbit`) or `pull:CREDITS[:cap=N][:rate=RATE]` (credit-based pull, answers optionally paced).
     #[arg(long)]
     policy: Option<String>,
-    /// Data transport: tcp, or udp (datagrams with selective retransmission, `[udp]`).
+    /// Data transport: tcp, udp (datagrams with selective retransmission, `[udp]`) or ucx (UCX active messages: RDMA, or one copy over shared memory on one host).
     #[arg(long)]
     transport: Option<String>,
     /// Output directory for events and summaries.

@@ -17,7 +17,8 @@ use tracing::warn;
 
 use crate::builder::hold::{ConnectionGate, ReadGate, WindowEdge};
 use crate::clock::WallClock;
-use crate::transport::framed::{FrameReader, ReadEnd};
+use crate::transport::framed::{FrameReader, Frames, ReadEnd};
+use crate::transport::ucx::{UcxFrames, UcxReceiver};
 use crate::transport::write_queue::write_queued_until;
 
 pub(super) enum Incoming {
@@ -110,6 +111,33 @@ async fn read_connection(
     ended.cancel();
 }
 
+/// The `ucx` path's [`read_connection`]: the welcome on the TCP side, then the frames
+/// that come as UCX messages ([`crate::transport::ucx`]).
+async fn ucx_connection(
+    receiver: Arc<UcxReceiver>,
+    stream: shoal_tls::DataStream,
+    peer: SocketAddr,
+    max_payload: u32,
+    clock: WallClock,
+    edge: Option<Arc<WindowEdge>>,
+    tx: ToBuilder,
+    cancel: CancellationToken,
+) {
+    let (frames, write) = match UcxFrames::open(&receiver, stream, peer, max_payload, cancel).await {
+        Ok(f) => f,
+        Err(e) => {
+            // Gone before its welcome: as a TCP connection that closes at once.
+            tracing::debug!(%peer, error = %e, "writing the UCX welcome");
+            return;
+        }
+    };
+    let (requests, requests_rx) = mpsc::unbounded_channel();
+    let ended = CancellationToken::new();
+    tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
+    serve_frames(frames, requests, clock, ConnectionGate::new(edge), tx).await;
+    ended.cancel();
+}
+
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
 fn uring_connection(
     peer: SocketAddr,
@@ -138,8 +166,8 @@ fn uring_connection(
 /// source hellos register the connection for pull requests (`requests`). Waits at `gate`
 /// while the builder holds the connection's fragments back (free-running sources too far
 /// ahead: [`crate::builder::hold`]).
-async fn serve_frames<R: crate::transport::framed::ReadSource>(
-    mut reader: FrameReader<R>,
+async fn serve_frames<F: Frames>(
+    mut reader: F,
     requests: mpsc::UnboundedSender<Bytes>,
     clock: WallClock,
     mut gate: ConnectionGate,
@@ -199,10 +227,7 @@ async fn serve_frames<R: crate::transport::framed::ReadSource>(
 
 /// A frame on a data port checked: `Some(source)` for a source's hello (pull), `None` for
 /// a fragment to take in, or the end of the connection for anything else.
-fn check_frame<R: crate::transport::framed::ReadSource>(
-    reader: &FrameReader<R>,
-    frame: &Frame,
-) -> Result<Option<SourceId>, ReadEnd> {
+fn check_frame<F: Frames>(reader: &F, frame: &Frame) -> Result<Option<SourceId>, ReadEnd> {
     match PullMessage::from_frame(frame) {
         Ok(None) => {}
         Ok(Some(PullMessage::SourceHello { source })) => return Ok(Some(source)),
@@ -237,6 +262,7 @@ pub(super) async fn accept_connections(
     limit: crate::transport::listen::ConnectionLimit,
     to: ToBuilder,
     uring: Option<crate::transport::uring::UringReceiver>,
+    ucx: Option<Arc<UcxReceiver>>,
     secure: shoal_tls::Acceptor,
     max_payload: u32,
     clock: WallClock,
@@ -247,6 +273,22 @@ pub(super) async fn accept_connections(
     let serve = |stream: tokio::net::TcpStream, peer, place| {
         let _ = stream.set_nodelay(true);
         let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
+        if let Some(receiver) = ucx.clone() {
+            // The handshake (if any) first, in the connection's own task, as below.
+            let secure = secure.clone();
+            tokio::spawn(async move {
+                let stream = match secure.mode() {
+                    shoal_tls::DataSecurity::Off => shoal_tls::DataStream::Plain(stream),
+                    _ => match crate::transport::secure::accept(&secure, stream, peer, "data").await {
+                        Some(s) => s,
+                        None => return,
+                    },
+                };
+                ucx_connection(receiver, stream, peer, max_payload, clock, edge, tx, c).await;
+                drop(place);
+            });
+            return;
+        }
         let to_uring = |uring: &crate::transport::uring::UringReceiver, stream, place| {
             if !uring
                 .submit(stream, uring_connection(peer, max_payload, clock, edge.clone(), tx.clone(), c.clone(), place))

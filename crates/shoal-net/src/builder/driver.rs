@@ -469,6 +469,13 @@ fn start_accept(
             UringReceiver::start().map_err(|e| ConfigError::Invalid(format!("builder.receive = \"io_uring\": {e}")))?,
         ),
     };
+    let ucx = match s.transport {
+        Transport::Ucx => Some(
+            crate::transport::ucx::UcxReceiver::start(&format!("builder{}", s.id))
+                .map_err(|e| ConfigError::Invalid(format!("run.transport = \"ucx\": {e}")))?,
+        ),
+        _ => None,
+    };
     let limit = ConnectionLimit::new(s.sources as usize);
     let secure = s.data_port.clone();
     Ok(tokio::spawn(accept_connections(
@@ -476,6 +483,7 @@ fn start_accept(
         limit,
         to,
         uring,
+        ucx,
         secure,
         s.max_payload,
         clock,

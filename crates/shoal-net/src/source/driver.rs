@@ -62,7 +62,14 @@ impl SourceDriver {
         let (request_tx, requests) = mpsc::unbounded_channel();
         let closing = CancellationToken::new();
         let requests_to = s.node.policy.pull().is_some().then_some(request_tx);
-        let ends = LinkEnds { reports: report_tx, closing: closing.clone(), requests: requests_to };
+        let ucx = match s.transport {
+            crate::config::Transport::Ucx => Some(Arc::new(
+                shoal_ucx::Worker::start("source", &[], None)
+                    .map_err(|e| ConfigError::Invalid(format!("run.transport = \"ucx\": {e}")))?,
+            )),
+            _ => None,
+        };
+        let ends = LinkEnds { reports: report_tx, closing: closing.clone(), requests: requests_to, ucx };
         let links = Links::spawn(&s, clock, &live, ends);
         let SourceSettings { node: node_cfg, generator, ahead_slices, ahead_limit_bytes, drain_timeout, .. } = s;
         let sources = node_cfg.sources.clone();

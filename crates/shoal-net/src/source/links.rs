@@ -79,6 +79,8 @@ pub(super) struct LinkEnds {
     pub(super) closing: CancellationToken,
     /// Pull: each link greets its builder for every hosted source and reads its requests.
     pub(super) requests: Option<mpsc::UnboundedSender<(u32, PullRequestFrame)>>,
+    /// `run.transport = "ucx"`: the process's worker, shared by its links.
+    pub(super) ucx: Option<std::sync::Arc<shoal_ucx::Worker>>,
 }
 
 impl Links {
@@ -92,6 +94,7 @@ impl Links {
             paths: Some(live.paths.clone()),
             wait_for_peer_close: true,
             connector: s.connector.clone(),
+            ucx: ends.ucx.clone(),
             ..LinkOptions::default()
         };
         if let Some(requests) = ends.requests {
@@ -101,7 +104,8 @@ impl Links {
         let spawn = |b: usize, options: LinkOptions| {
             let (b32, addr) = (b as u32, s.builder_addrs[b]);
             match s.transport {
-                Transport::Tcp => DataLink::Tcp(Link::spawn_with(
+                // ucx: a TCP link whose frames go as the worker's messages.
+                Transport::Tcp | Transport::Ucx => DataLink::Tcp(Link::spawn_with(
                     b32,
                     addr,
                     clock,

@@ -94,6 +94,38 @@ pub struct FrameReader<R = TcpStream> {
 /// of those held back (a flood of bad connections must not flood the log).
 static CLOSING: crate::lograte::LogRate = crate::lograte::LogRate::new(std::time::Duration::from_secs(1));
 
+/// Logs a connection closed for bad input (rate-limited for the whole process).
+pub fn log_closing(peer: SocketAddr, reason: &'static str, detail: &str) {
+    if let Some(held_back) = CLOSING.check() {
+        warn!(%peer, reason, detail, held_back, "closing connection");
+    }
+}
+
+/// What a builder's connection reader takes frames from: a byte stream's decoder
+/// ([`FrameReader`]) or the `ucx` transport's messages ([`crate::transport::ucx::UcxFrames`]).
+pub trait Frames {
+    /// The next frame, or how the connection ended.
+    fn next(&mut self) -> impl std::future::Future<Output = Result<Frame, ReadEnd>>;
+    /// The next frame if it is already here, without waiting.
+    fn next_buffered(&mut self) -> Result<Option<Frame>, ReadEnd>;
+    /// Closes for bad input found by the caller: logs and returns the end to report.
+    fn reject(&self, reason: &'static str, detail: &str) -> ReadEnd;
+}
+
+impl<R: ReadSource> Frames for FrameReader<R> {
+    async fn next(&mut self) -> Result<Frame, ReadEnd> {
+        FrameReader::next(self).await
+    }
+
+    fn next_buffered(&mut self) -> Result<Option<Frame>, ReadEnd> {
+        FrameReader::next_buffered(self)
+    }
+
+    fn reject(&self, reason: &'static str, detail: &str) -> ReadEnd {
+        FrameReader::reject(self, reason, detail)
+    }
+}
+
 impl<R: ReadSource> FrameReader<R> {
     pub fn new(stream: R, peer: SocketAddr, max_payload: u32, cancel: CancellationToken) -> Self {
         Self { stream, peer, dec: StreamDecoder::new(max_payload), cancel, first_by: None }
@@ -107,9 +139,7 @@ impl<R: ReadSource> FrameReader<R> {
 
     /// Closes for bad input found by the caller: logs and returns the end to report.
     pub fn reject(&self, reason: &'static str, detail: &str) -> ReadEnd {
-        if let Some(held_back) = CLOSING.check() {
-            warn!(peer = %self.peer, reason, detail, held_back, "closing connection");
-        }
+        log_closing(self.peer, reason, detail);
         ReadEnd::Rejected(reason)
     }
 

@@ -96,6 +96,9 @@ pub struct LinkOptions {
     pub wait_for_peer_close: bool,
     /// The handshake after every connect (`[security] data`; plain TCP by default).
     pub connector: shoal_tls::Connector,
+    /// `run.transport = "ucx"`: the process's UCX worker; the frames go as its messages
+    /// and the TCP connection sets them up and watches the peer ([`crate::transport::ucx`]).
+    pub ucx: Option<Arc<shoal_ucx::Worker>>,
 }
 
 /// What tells a link that its peer has closed the connection: the read half, or the task
@@ -115,6 +118,26 @@ enum PeerEnd {
 }
 
 impl PeerEnd {
+    /// Returns once the peer has closed (or the connection failed), and at once after
+    /// that; unlike [`PeerEnd::closed`] it can be asked again.
+    async fn gone(&mut self) {
+        match self {
+            PeerEnd::Read(r) => {
+                let mut discard = [0u8; 512];
+                while let Ok(n) = tokio::io::AsyncReadExt::read(r, &mut discard).await {
+                    if n == 0 {
+                        return;
+                    }
+                }
+            }
+            PeerEnd::Reader(task) => {
+                if !task.is_finished() {
+                    let _ = task.await;
+                }
+            }
+        }
+    }
+
     /// Returns once the peer has closed (or the connection failed).
     async fn closed(self) {
         match self {
@@ -215,9 +238,28 @@ async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::R
     s.set_nodelay(true)?;
     let s = crate::transport::secure::connect(&options.connector, s, addr).await?;
     let registered = options.paths.as_ref().map(|p| p.register(&s));
-    let (read, mut write) = s.into_split();
+    let (mut read, mut write) = s.into_split();
+    let mut ucx = match &options.ucx {
+        Some(worker) => Some(crate::transport::ucx::UcxPath::connect(worker, &mut read).await?),
+        None => None,
+    };
     for &source in &options.hello {
-        write.write_all(&PullMessage::SourceHello { source }.encode()).await?;
+        let hello = PullMessage::SourceHello { source }.encode();
+        match &mut ucx {
+            Some(u) => {
+                let chunk = Chunk {
+                    source,
+                    slice: 0,
+                    first: true,
+                    last: true,
+                    head: hello.slice(..HEADER_LEN),
+                    body: hello.slice(HEADER_LEN..),
+                };
+                let (_, sent) = u.write_chunks(&[chunk], shoal_core::Instant::ZERO, std::future::pending()).await;
+                sent?;
+            }
+            None => write.write_all(&hello).await?,
+        }
     }
     let peer = match options.requests.clone() {
         Some(requests) => PeerEnd::Reader(tokio::spawn(read_requests(
@@ -227,7 +269,7 @@ async fn connect(addr: SocketAddr, id: u32, options: &LinkOptions) -> std::io::R
         ))),
         None => PeerEnd::Read(read),
     };
-    Ok(Connection { registered, write, peer })
+    Ok(Connection { registered, write, peer, ucx })
 }
 
 /// Reads a pull peer's requests until the connection ends; anything else closes it.
@@ -266,6 +308,8 @@ struct Connection {
     registered: Option<crate::paths::Registered>,
     write: DataWrite,
     peer: PeerEnd,
+    /// `ucx`: where the frames go instead of `write`.
+    ucx: Option<crate::transport::ucx::UcxPath>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -291,7 +335,10 @@ async fn run(
         // A pull source sends nothing until asked, so its link connects (and greets) at
         // once instead of at the first chunk; a secured link too, so that its handshake is
         // made before the data begins rather than holding up the first slices.
-        let at_once = !options.hello.is_empty() || options.connector.mode() != shoal_tls::DataSecurity::Off;
+        // A ucx link too: the welcome and the endpoint before the first frame.
+        let at_once = !options.hello.is_empty()
+            || options.connector.mode() != shoal_tls::DataSecurity::Off
+            || options.ucx.is_some();
         // Nothing more will come to write (the link is closing): no reason to connect.
         let finished = rx.is_closed() && rx.is_empty();
         if stream.is_none() && pending.is_empty() && at_once && !closing.is_cancelled() && !finished {
@@ -357,7 +404,8 @@ async fn run(
         // What else is queued goes in the same write, up to a bound.
         let mut batch = vec![chunk];
         let mut batch_bytes = batch[0].len();
-        while batch.len() < GATHER_CHUNKS && batch_bytes < GATHER_BYTES {
+        let gather_bytes = if s.ucx.is_some() { UCX_GATHER_BYTES } else { GATHER_BYTES };
+        while batch.len() < GATHER_CHUNKS && batch_bytes < gather_bytes {
             let next = match pending.pop_front() {
                 Some(c) => c,
                 None => match rx.try_recv() {
@@ -370,7 +418,10 @@ async fn run(
                 batch.push(next);
             }
         }
-        let (written, result) = write_chunks(&mut s.write, &batch, clock.now()).await;
+        let (written, result) = match &mut s.ucx {
+            Some(u) => u.write_chunks(&batch, clock.now(), s.peer.gone()).await,
+            None => write_chunks(&mut s.write, &batch, clock.now()).await,
+        };
         let mut batch = batch.into_iter();
         for chunk in batch.by_ref().take(written) {
             queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
@@ -402,6 +453,12 @@ async fn run(
     if let Some(mut c) = stream {
         // The counters are read one last time while the socket is open.
         c.registered = None;
+        if let Some(u) = &mut c.ucx {
+            tokio::select! {
+                _ = u.bye() => {}
+                _ = c.peer.gone() => {}
+            }
+        }
         let _ = c.write.shutdown().await;
         if options.wait_for_peer_close {
             c.peer.closed().await;
@@ -435,6 +492,9 @@ async fn next_chunk(rx: &mut mpsc::UnboundedReceiver<Chunk>, stream: &mut Option
 /// Most chunks, and bytes from which no more chunks are added, in one write.
 const GATHER_CHUNKS: usize = 64;
 const GATHER_BYTES: usize = 256 << 10;
+/// With `ucx` a batch's messages are all in flight before the link waits for their
+/// completions: more of them keep rendezvous transfers overlapping.
+const UCX_GATHER_BYTES: usize = 16 << 20;
 
 /// Drops `chunk` when it belongs to a frame whose earlier part failed (`skipping`).
 fn skipped(chunk: &Chunk, skipping: &mut Option<(SourceId, SliceNumber)>, queued: &AtomicU64) -> bool {

@@ -8,6 +8,8 @@
 //! - [`write_queue`]: control frames queued to one connection's write half;
 //! - [`udp`]: the datagram transport (selective retransmission, batched system calls);
 //! - [`uring`]: a builder's connections read through io_uring;
+//! - [`ucx`]: the `ucx` transport (frames as UCX active messages beside the TCP
+//!   connection that sets them up);
 //! - [`secure`]: the bulk path's handshakes (`[security] data`) and the certificates each
 //!   role presents;
 //! - [`timer`]: the microsecond timer sources wait on ([`timer::FineTimer`]).
@@ -20,6 +22,7 @@ pub mod link;
 pub mod listen;
 pub mod secure;
 pub mod timer;
+pub mod ucx;
 pub mod udp;
 pub mod uring;
 pub mod write_queue;

@@ -1,0 +1,403 @@
+//! The `ucx` transport (`run.transport = "ucx"`): a source's frames to a builder as UCX
+//! active messages, beside the TCP connection that sets them up and watches the peer.
+//!
+//! A source's link connects over TCP exactly as with `tcp` (the `[security] data`
+//! handshake included). The builder answers with a welcome on that connection
+//! ([`welcome`]): a connection number it has just opened for this connection and its UCX
+//! worker's address. The source makes an endpoint to that address and from then on sends
+//! every frame (hellos, fragments, its end of stream) as one active message
+//! ([`AM_FRAME`]): the 16-byte route (connection, sequence number) and the frame's header
+//! as the message's header, the payload (in parts, never joined) as its data. UCX sends
+//! small messages eagerly and large ones by rendezvous: the builder allocates the frame's
+//! buffer and UCX lands the payload in it (`ucp_am_recv_data_nbx`; over `cma` one copy
+//! between the processes, over RDMA none by a CPU). At its end the link sends [`AM_BYE`]
+//! with the next sequence number.
+//!
+//! Completions can come out of order (a small eager message overtakes a rendezvous), so
+//! the builder puts each connection's messages back in sequence before they reach
+//! `serve_frames`, which checks every frame as it does a TCP stream's. What goes from the
+//! builder to the source (pull requests) stays on the TCP connection, as does liveness:
+//! the connection's end, or the endpoint's failure where the transports report one,
+//! ends the link. Messages for a connection number the builder has not opened (a
+//! stranger, or one closed) are counted and dropped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use shoal_core::frame::{Frame, HEADER_LEN, set_send_time};
+use shoal_ucx::{Endpoint, Message, UcxError, Worker};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::transport::framed::{Frames, ReadEnd, log_closing};
+use crate::transport::link::Chunk;
+
+/// A frame (its route and header, then its payload).
+pub const AM_FRAME: u16 = 0;
+/// The link's end: nothing follows this sequence number.
+pub const AM_BYE: u16 = 1;
+
+/// The route before every message's frame header: connection number, sequence number.
+const ROUTE_LEN: usize = 16;
+const WELCOME_MAGIC: &[u8; 8] = b"SHOALUCX";
+/// A UCX worker address is a few hundred bytes; anything much larger is not one.
+const MAX_ADDRESS_LEN: usize = 64 << 10;
+/// How long a welcome may take to arrive after the TCP connection is made.
+const WELCOME_WITHIN: Duration = Duration::from_secs(10);
+/// After the source's TCP side has closed, how long its last messages (the end among
+/// them) may take to come by UCX before the connection is ended without them.
+const END_WAIT: Duration = Duration::from_secs(5);
+/// Most messages of one connection held waiting for an earlier one.
+const MAX_OUT_OF_ORDER: usize = 65_536;
+
+/// The welcome a builder writes on a new connection: its connection number and its
+/// worker's address.
+pub fn welcome(conn: u64, address: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(20 + address.len());
+    b.put_slice(WELCOME_MAGIC);
+    b.put_u64_le(conn);
+    b.put_u32_le(address.len() as u32);
+    b.put_slice(address);
+    b.freeze()
+}
+
+/// Reads a builder's welcome: the connection number and the worker address.
+pub async fn read_welcome<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> std::io::Result<(u64, Vec<u8>)> {
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let read = async {
+        let mut head = [0u8; 20];
+        r.read_exact(&mut head).await?;
+        if &head[..8] != WELCOME_MAGIC {
+            return Err(bad(format!(
+                "the builder did not answer with a UCX welcome (its run.transport is not \"ucx\"?): {:02x?}",
+                &head[..8]
+            )));
+        }
+        let conn = u64::from_le_bytes(head[8..16].try_into().expect("8"));
+        let len = u32::from_le_bytes(head[16..20].try_into().expect("4")) as usize;
+        if len > MAX_ADDRESS_LEN {
+            return Err(bad(format!("a {len}-byte UCX address in the welcome")));
+        }
+        let mut address = vec![0u8; len];
+        r.read_exact(&mut address).await?;
+        Ok((conn, address))
+    };
+    tokio::time::timeout(WELCOME_WITHIN, read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no UCX welcome from the builder"))?
+}
+
+fn route(conn: u64, seq: u64) -> [u8; ROUTE_LEN] {
+    let mut r = [0u8; ROUTE_LEN];
+    r[..8].copy_from_slice(&conn.to_le_bytes());
+    r[8..].copy_from_slice(&seq.to_le_bytes());
+    r
+}
+
+/// What a builder's connection receives, in sequence.
+#[derive(Debug)]
+enum Item {
+    Frame {
+        header: Bytes,
+        payload: Result<Bytes, UcxError>,
+    },
+    Bye,
+    /// The connection's messages could not be kept in order (too many held).
+    Overrun,
+}
+
+/// One open connection's place in the worker's table.
+struct Route {
+    next: u64,
+    waiting: BTreeMap<u64, Item>,
+    tx: mpsc::UnboundedSender<Item>,
+}
+
+/// The builder's open connections, reached from the worker's thread.
+#[derive(Default)]
+struct Table {
+    routes: HashMap<u64, Route>,
+}
+
+/// What a builder's UCX receive counts (besides the worker's own [`shoal_ucx::WorkerStats`]).
+#[derive(Debug, Default)]
+pub struct ReceiveCounts {
+    /// Messages for a connection number not open (a stranger's, or a closed one's).
+    pub unknown_connection: AtomicU64,
+    /// Messages too short to carry a route.
+    pub malformed: AtomicU64,
+}
+
+/// A builder's UCX side: its worker and the connections it has opened.
+pub struct UcxReceiver {
+    worker: Worker,
+    table: Arc<Mutex<Table>>,
+    next_conn: AtomicU64,
+    pub counts: Arc<ReceiveCounts>,
+}
+
+impl std::fmt::Debug for UcxReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxReceiver").finish_non_exhaustive()
+    }
+}
+
+impl UcxReceiver {
+    /// Starts the builder's worker.
+    pub fn start(name: &str) -> Result<Arc<UcxReceiver>, UcxError> {
+        let table = Arc::new(Mutex::new(Table::default()));
+        let counts = Arc::new(ReceiveCounts::default());
+        let sink = {
+            let (table, counts) = (table.clone(), counts.clone());
+            Box::new(move |m: Message| deliver(&table, &counts, m))
+        };
+        let worker = Worker::start(name, &[AM_FRAME, AM_BYE], Some(sink))?;
+        // Connection numbers start at a value of this process's own, so that a number from
+        // an earlier builder at the same address opens nothing here.
+        let start =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        Ok(Arc::new(UcxReceiver { worker, table, next_conn: AtomicU64::new(start | 1), counts }))
+    }
+
+    pub fn worker_stats(&self) -> &Arc<shoal_ucx::WorkerStats> {
+        self.worker.stats()
+    }
+
+    /// Opens a connection: its welcome (to write to the source) and its messages.
+    fn open(self: &Arc<Self>) -> (Bytes, Inbox) {
+        let conn = self.next_conn.fetch_add(2, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.table.lock().expect("ucx table").routes.insert(conn, Route { next: 1, waiting: BTreeMap::new(), tx });
+        (welcome(conn, self.worker.address()), Inbox { conn, rx, receiver: self.clone() })
+    }
+}
+
+/// On the worker's thread: a message to its connection, in sequence.
+fn deliver(table: &Mutex<Table>, counts: &ReceiveCounts, m: Message) {
+    if m.header.len() < ROUTE_LEN {
+        counts.malformed.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let conn = u64::from_le_bytes(m.header[..8].try_into().expect("8"));
+    let seq = u64::from_le_bytes(m.header[8..16].try_into().expect("8"));
+    let mut t = table.lock().expect("ucx table");
+    let Some(r) = t.routes.get_mut(&conn) else {
+        counts.unknown_connection.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let item = match m.id {
+        AM_BYE => Item::Bye,
+        _ => Item::Frame { header: m.header.slice(ROUTE_LEN..), payload: m.data },
+    };
+    if seq < r.next {
+        // Already delivered: a message seen twice is dropped, counted with the strangers'.
+        counts.unknown_connection.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    r.waiting.insert(seq, item);
+    while let Some(item) = r.waiting.remove(&r.next) {
+        r.next += 1;
+        let _ = r.tx.send(item);
+    }
+    if r.waiting.len() > MAX_OUT_OF_ORDER {
+        r.waiting.clear();
+        let _ = r.tx.send(Item::Overrun);
+    }
+}
+
+/// One connection's messages, in sequence; closing it takes it out of the table.
+struct Inbox {
+    conn: u64,
+    rx: mpsc::UnboundedReceiver<Item>,
+    receiver: Arc<UcxReceiver>,
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        self.receiver.table.lock().expect("ucx table").routes.remove(&self.conn);
+    }
+}
+
+/// A builder's connection over UCX as the frames `serve_frames` reads: those of its
+/// inbox, checked, until the source's end (or its TCP side closes and the end does not
+/// follow within [`END_WAIT`]).
+pub struct UcxFrames {
+    inbox: Inbox,
+    tcp: shoal_tls::data::DataRead,
+    peer: SocketAddr,
+    max_payload: u32,
+    cancel: CancellationToken,
+    /// Once the TCP side has closed: until when the end may still come.
+    ending_by: Option<tokio::time::Instant>,
+}
+
+impl UcxFrames {
+    /// Writes the welcome on the connection's TCP side and returns the frames to read
+    /// and the write half (for pull requests).
+    pub async fn open(
+        receiver: &Arc<UcxReceiver>,
+        stream: shoal_tls::DataStream,
+        peer: SocketAddr,
+        max_payload: u32,
+        cancel: CancellationToken,
+    ) -> std::io::Result<(UcxFrames, shoal_tls::data::DataWrite)> {
+        let (inbox_welcome, inbox) = receiver.open();
+        let (tcp, mut write) = stream.into_split();
+        write.write_all(&inbox_welcome).await?;
+        Ok((UcxFrames { inbox, tcp, peer, max_payload, cancel, ending_by: None }, write))
+    }
+
+    fn take(&self, item: Item) -> Result<Frame, ReadEnd> {
+        match item {
+            Item::Bye => Err(ReadEnd::Clean),
+            Item::Overrun => Err(self.reject("ucx_out_of_order", "too many messages held for an earlier one")),
+            Item::Frame { payload: Err(e), .. } => Err(self.reject("ucx_receive", &e.to_string())),
+            Item::Frame { header, payload: Ok(payload) } => {
+                shoal_core::frame::decode_message(&header, payload, self.max_payload)
+                    .map_err(|e| self.reject(e.kind(), &e.to_string()))
+            }
+        }
+    }
+}
+
+/// Reads the TCP side until it ends: in `ucx` mode the source writes nothing more on it.
+async fn tcp_closed(tcp: &mut shoal_tls::data::DataRead) {
+    let mut discard = [0u8; 256];
+    while let Ok(n) = tcp.read(&mut discard).await {
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+impl Frames for UcxFrames {
+    async fn next(&mut self) -> Result<Frame, ReadEnd> {
+        loop {
+            let Self { inbox, tcp, cancel, ending_by, .. } = &mut *self;
+            let item = tokio::select! {
+                biased;
+                item = inbox.rx.recv() => item,
+                _ = tcp_closed(tcp), if ending_by.is_none() => {
+                    *ending_by = Some(tokio::time::Instant::now() + END_WAIT);
+                    continue;
+                }
+                _ = tokio::time::sleep_until(ending_by.unwrap_or_else(tokio::time::Instant::now)), if ending_by.is_some() => {
+                    // The source went away without its end: as a TCP stream that ends.
+                    return Err(ReadEnd::Clean);
+                }
+                _ = cancel.cancelled() => return Err(ReadEnd::Cancelled),
+            };
+            return match item {
+                Some(item) => self.take(item),
+                None => Err(ReadEnd::Clean),
+            };
+        }
+    }
+
+    fn next_buffered(&mut self) -> Result<Option<Frame>, ReadEnd> {
+        match self.inbox.rx.try_recv() {
+            Ok(item) => self.take(item).map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn reject(&self, reason: &'static str, detail: &str) -> ReadEnd {
+        log_closing(self.peer, reason, detail);
+        ReadEnd::Rejected(reason)
+    }
+}
+
+/// A source link's UCX side: the endpoint to its builder and the connection's numbering.
+pub struct UcxPath {
+    endpoint: Endpoint,
+    conn: u64,
+    seq: u64,
+    /// The frame being gathered from its chunks: its header bytes and payload parts.
+    partial: Option<(BytesMut, Vec<Bytes>)>,
+}
+
+impl UcxPath {
+    /// Reads the builder's welcome from the TCP side and makes the endpoint.
+    pub async fn connect<R: tokio::io::AsyncRead + Unpin>(worker: &Worker, tcp: &mut R) -> std::io::Result<UcxPath> {
+        let (conn, address) = read_welcome(tcp).await?;
+        let endpoint = worker.connect(&address).await.map_err(std::io::Error::other)?;
+        Ok(UcxPath { endpoint, conn, seq: 0, partial: None })
+    }
+
+    /// Sends `chunks` (whole frames once their last chunk is there), each frame's header
+    /// stamped with `now`; waits until UCX is done with every one sent or `peer_gone`.
+    /// Returns how many chunks went whole, and the error that stopped it.
+    pub async fn write_chunks(
+        &mut self,
+        chunks: &[Chunk],
+        now: shoal_core::Instant,
+        peer_gone: impl std::future::Future<Output = ()>,
+    ) -> (usize, std::io::Result<()>) {
+        // (index of the frame's last chunk, its completion)
+        let mut sent = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let (head, parts) =
+                self.partial.get_or_insert_with(|| (BytesMut::with_capacity(ROUTE_LEN + HEADER_LEN), Vec::new()));
+            if c.first {
+                head.clear();
+                parts.clear();
+            }
+            head.put_slice(&c.head);
+            if !c.body.is_empty() {
+                parts.push(c.body.clone());
+            }
+            if !c.last {
+                continue;
+            }
+            let (frame_head, parts) = self.partial.take().expect("gathered above");
+            let mut header = BytesMut::with_capacity(ROUTE_LEN + frame_head.len());
+            self.seq += 1;
+            header.put_slice(&route(self.conn, self.seq));
+            let at = header.len();
+            header.put_slice(&frame_head);
+            if frame_head.len() == HEADER_LEN {
+                set_send_time(&mut header[at..], now);
+            }
+            sent.push((i, self.endpoint.send(AM_FRAME, header.freeze(), parts)));
+        }
+        let wait_all = async {
+            for (i, done) in sent {
+                match done.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err((i, std::io::Error::other(e))),
+                    Err(_) => return Err((i, std::io::Error::other(UcxError::WorkerGone))),
+                }
+            }
+            Ok(())
+        };
+        tokio::select! {
+            r = wait_all => match r {
+                Ok(()) => (chunks.len(), Ok(())),
+                Err((i, e)) => (i, Err(e)),
+            },
+            _ = peer_gone => {
+                (0, Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "the builder closed its connection")))
+            }
+        }
+    }
+
+    /// The link's end: no message follows.
+    pub async fn bye(&mut self) {
+        self.seq += 1;
+        let done = self.endpoint.send(AM_BYE, Bytes::copy_from_slice(&route(self.conn, self.seq)), Vec::new());
+        if let Ok(Err(e)) = done.await {
+            warn!(error = %e, "sending the UCX end");
+        }
+    }
+
+    /// The endpoint's failure as UCX reported it, if it has.
+    pub fn failure(&self) -> Option<UcxError> {
+        self.endpoint.failure()
+    }
+}
