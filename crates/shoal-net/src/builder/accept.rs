@@ -113,6 +113,7 @@ async fn read_connection(
 
 /// The `ucx` path's [`read_connection`]: the welcome on the TCP side, then the frames
 /// that come as UCX messages ([`crate::transport::ucx`]).
+#[allow(clippy::too_many_arguments)]
 async fn ucx_connection(
     receiver: Arc<UcxReceiver>,
     stream: shoal_tls::DataStream,
