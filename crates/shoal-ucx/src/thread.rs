@@ -529,23 +529,37 @@ fn connect(ucx: &Ucx, remote: &[u8], state: &EndpointState) -> Result<ucp_ep_h, 
     if remote.len() < MIN_ADDRESS_LEN {
         return Err(UcxError::Status { call: "ucp_ep_create", status: format!("a {}-byte address", remote.len()) });
     }
-    let peer_mode = create_endpoint(ucx, remote, state, UCP_ERR_HANDLING_MODE_PEER);
-    match peer_mode {
-        // Shared memory alone (`UCX_TLS=posix,self`, as inside many containers) has no
-        // peer-failure detection, and UCX refuses the mode rather than pretend. shoal's
-        // TCP connection beside the endpoint watches the peer anyway.
-        Err(UCS_ERR_UNREACHABLE) => {
-            let e = create_endpoint(ucx, remote, state, UCP_ERR_HANDLING_MODE_NONE);
-            if e.is_ok() && !PEER_MODE_REFUSED.with(|r| r.replace(true)) {
-                info!(
-                    "these UCX transports cannot detect a failed peer (UCX_TLS without tcp or cma): \
-                     endpoints without it, the TCP connection beside each watches its peer"
-                );
-            }
-            e.map_err(|s| status_error("ucp_ep_create", s))
+    // Shared memory alone (`UCX_TLS=posix,self`, as inside many containers) has no
+    // peer-failure detection, and UCX refuses the mode (logging errors of its own on
+    // stdout) rather than pretend: such a transport list gets endpoints without it.
+    // shoal's TCP connection beside each endpoint watches the peer either way.
+    let tls = std::env::var("UCX_TLS").unwrap_or_default();
+    let mode = if peer_failure_possible(&tls) { UCP_ERR_HANDLING_MODE_PEER } else { UCP_ERR_HANDLING_MODE_NONE };
+    if mode == UCP_ERR_HANDLING_MODE_NONE && !PEER_MODE_REFUSED.with(|r| r.replace(true)) {
+        info!(
+            tls,
+            "these UCX transports cannot detect a failed peer: endpoints without it, the TCP \
+             connection beside each watches its peer"
+        );
+    }
+    match create_endpoint(ucx, remote, state, mode) {
+        // A list this check did not know: UCX found no transport for the mode.
+        Err(UCS_ERR_UNREACHABLE) if mode == UCP_ERR_HANDLING_MODE_PEER => {
+            create_endpoint(ucx, remote, state, UCP_ERR_HANDLING_MODE_NONE)
+                .map_err(|s| status_error("ucp_ep_create", s))
         }
         other => other.map_err(|s| status_error("ucp_ep_create", s)),
     }
+}
+
+/// Whether `UCX_TLS` (empty: UCX's default, every transport) leaves a transport that
+/// carries active messages and detects a failed peer: anything but shared memory (posix,
+/// sysv, xpmem, knem; cma and knem carry no active messages at all, only rendezvous
+/// data) and the loop-back `self`.
+fn peer_failure_possible(tls: &str) -> bool {
+    const WITHOUT: [&str; 9] = ["posix", "sysv", "xpmem", "knem", "cma", "self", "mm", "shm", "sm"];
+    let tls = tls.trim();
+    tls.is_empty() || tls.starts_with('^') || tls.split(',').any(|t| !WITHOUT.contains(&t.trim()))
 }
 
 thread_local! {
@@ -650,4 +664,14 @@ fn reap(closing: &mut Vec<Closing>) {
         unsafe { ucp_request_free(c.request) };
         false
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shared_memory_alone_is_known_to_have_no_peer_failure_detection() {
+        use super::peer_failure_possible as p;
+        assert!(p("") && p("tcp") && p("tcp,cma,posix,self") && p("^cma") && p("rc_mlx5,self"));
+        assert!(!p("posix,self") && !p("sysv") && !p(" posix , self ") && !p("cma,posix,self") && !p("shm,self"));
+    }
 }

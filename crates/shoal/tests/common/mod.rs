@@ -172,6 +172,19 @@ impl Cluster {
         external: &[(&str, &str)],
         placed: &dyn Fn(&str) -> String,
     ) -> Cluster {
+        Self::start_run(name, seconds, &format!("policy = \"{policy}\"\n"), tables, external, placed)
+    }
+
+    /// ... with `run`'s lines (the policy among them, `policy = "..."`) in the run
+    /// configuration's `[run]` table.
+    pub fn start_run(
+        name: &str,
+        seconds: u32,
+        run: &str,
+        tables: [&str; 4],
+        external: &[(&str, &str)],
+        placed: &dyn Fn(&str) -> String,
+    ) -> Cluster {
         let [cluster, source, builder, writer] = tables;
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -185,7 +198,7 @@ impl Cluster {
             placed("writer")
         );
         // Pull: the data-flow manager, started before the builders.
-        let pull = policy.starts_with("pull");
+        let pull = run.contains("policy = \"pull");
         if pull {
             text += &format!("[[process]]\nname = \"dfm\"\nrole = \"dfm\"\n{}", placed("dfm"));
         }
@@ -206,7 +219,7 @@ impl Cluster {
         }
         let addrs: Vec<String> = (0..builders).map(|_| format!("\"127.0.0.1:{}\"", free_port())).collect();
         text += &format!(
-            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\npolicy = \"{policy}\"\n\
+            "[config.run]\nsources = {sources}\nbuilders = {builders}\nslice_ms = 100\n{run}\
              builder_addrs = [{}]\nwriter_addr = \"127.0.0.1:{}\"\n{}\
              [config.source]\ndrain_timeout_ms = 2000\nreconnect_max_ms = 500\n{source}\n[config.source.noise]\nrate_hz = 20000.0\n\
              [config.builder]\ndrain_timeout_ms = 4000\n{builder}\n\
