@@ -313,6 +313,16 @@ impl Frames for UcxFrames {
     }
 }
 
+/// Most payload bytes a link has handed to UCX and not seen completed: the `ucx`
+/// transport's socket buffer. Within it a frame counts as sent once UCX has it (as a TCP
+/// frame does once the kernel has it), so a source keeps several rendezvous transfers
+/// going instead of waiting out each one's round trip.
+const IN_FLIGHT_BYTES: u64 = 16 << 20;
+/// ... and most messages.
+const IN_FLIGHT_MESSAGES: usize = 256;
+
+type Completion = tokio::sync::oneshot::Receiver<Result<(), UcxError>>;
+
 /// A source link's UCX side: the endpoint to its builder and the connection's numbering.
 pub struct UcxPath {
     endpoint: Endpoint,
@@ -320,6 +330,9 @@ pub struct UcxPath {
     seq: u64,
     /// The frame being gathered from its chunks: its header bytes and payload parts.
     partial: Option<(BytesMut, Vec<Bytes>)>,
+    /// Messages handed to UCX and not completed, oldest first, with their sizes.
+    in_flight: std::collections::VecDeque<(u64, Completion)>,
+    in_flight_bytes: u64,
 }
 
 impl UcxPath {
@@ -327,21 +340,27 @@ impl UcxPath {
     pub async fn connect<R: tokio::io::AsyncRead + Unpin>(worker: &Worker, tcp: &mut R) -> std::io::Result<UcxPath> {
         let (conn, address) = read_welcome(tcp).await?;
         let endpoint = worker.connect(&address).await.map_err(std::io::Error::other)?;
-        Ok(UcxPath { endpoint, conn, seq: 0, partial: None })
+        Ok(UcxPath {
+            endpoint,
+            conn,
+            seq: 0,
+            partial: None,
+            in_flight: std::collections::VecDeque::new(),
+            in_flight_bytes: 0,
+        })
     }
 
-    /// Sends `chunks` (whole frames once their last chunk is there), each frame's header
-    /// stamped with `now`; waits until UCX is done with every one sent or `peer_gone`.
-    /// Returns how many chunks went whole, and the error that stopped it.
+    /// Hands `chunks` to UCX (whole frames once their last chunk is there), each frame's
+    /// header stamped with `now`, then waits while more than the window is in flight (or
+    /// until `peer_gone`). Returns how many chunks went whole, and the error that stopped
+    /// it: a failed completion ends the connection, as a failed write does.
     pub async fn write_chunks(
         &mut self,
         chunks: &[Chunk],
         now: shoal_core::Instant,
         peer_gone: impl std::future::Future<Output = ()>,
     ) -> (usize, std::io::Result<()>) {
-        // (index of the frame's last chunk, its completion)
-        let mut sent = Vec::new();
-        for (i, c) in chunks.iter().enumerate() {
+        for c in chunks {
             let (head, parts) =
                 self.partial.get_or_insert_with(|| (BytesMut::with_capacity(ROUTE_LEN + HEADER_LEN), Vec::new()));
             if c.first {
@@ -364,31 +383,60 @@ impl UcxPath {
             if frame_head.len() == HEADER_LEN {
                 set_send_time(&mut header[at..], now);
             }
-            sent.push((i, self.endpoint.send(AM_FRAME, header.freeze(), parts)));
+            let bytes: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            self.in_flight.push_back((bytes, self.endpoint.send(AM_FRAME, header.freeze(), parts)));
+            self.in_flight_bytes += bytes;
         }
-        let wait_all = async {
-            for (i, done) in sent {
-                match done.await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err((i, std::io::Error::other(e))),
-                    Err(_) => return Err((i, std::io::Error::other(UcxError::WorkerGone))),
+        match self.settle(peer_gone, false).await {
+            Ok(()) => (chunks.len(), Ok(())),
+            Err(e) => (chunks.len(), Err(e)),
+        }
+    }
+
+    /// Takes the completions that are in; waits for the oldest while over the window
+    /// (`all`: until none is left).
+    async fn settle(&mut self, peer_gone: impl std::future::Future<Output = ()>, all: bool) -> std::io::Result<()> {
+        let gone = std::pin::pin!(peer_gone);
+        let mut gone = gone;
+        loop {
+            let over = self.in_flight_bytes > IN_FLIGHT_BYTES || self.in_flight.len() > IN_FLIGHT_MESSAGES;
+            let Some((bytes, front)) = self.in_flight.front_mut() else {
+                return Ok(());
+            };
+            let result = if all || over {
+                tokio::select! {
+                    r = front => r,
+                    _ = &mut gone => {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::ConnectionReset,
+                            "the builder closed its connection",
+                        ));
+                    }
                 }
-            }
-            Ok(())
-        };
-        tokio::select! {
-            r = wait_all => match r {
-                Ok(()) => (chunks.len(), Ok(())),
-                Err((i, e)) => (i, Err(e)),
-            },
-            _ = peer_gone => {
-                (0, Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "the builder closed its connection")))
+            } else {
+                match front.try_recv() {
+                    Ok(r) => Ok(r),
+                    Err(tokio::sync::oneshot::error::TryRecvError::Empty) => return Ok(()),
+                    Err(tokio::sync::oneshot::error::TryRecvError::Closed) => Ok(Err(UcxError::WorkerGone)),
+                }
+            };
+            let bytes = *bytes;
+            self.in_flight.pop_front();
+            self.in_flight_bytes -= bytes;
+            match result {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(std::io::Error::other(e)),
+                Err(_) => return Err(std::io::Error::other(UcxError::WorkerGone)),
             }
         }
     }
 
-    /// The link's end: no message follows.
+    /// The link's end: what is in flight completes, then the end goes (no message follows).
     pub async fn bye(&mut self) {
+        if let Err(e) = self.settle(std::future::pending(), true).await {
+            warn!(error = %e, "UCX messages in flight at the link's end");
+            return;
+        }
         self.seq += 1;
         let done = self.endpoint.send(AM_BYE, Bytes::copy_from_slice(&route(self.conn, self.seq)), Vec::new());
         if let Ok(Err(e)) = done.await {
