@@ -37,6 +37,10 @@ pub struct TestbedOptions {
     pub loss_ppm: u32,
     /// How `shoal run` starts the processes in their namespaces.
     pub launch: TestbedLaunch,
+    /// The data path over `run.transport = "ucx"` (UCX's own tcp transport across the
+    /// namespaces unless `UCX_TLS` says otherwise) instead of TCP; the scenario, and the
+    /// hosts model that would simulate it, stay TCP's.
+    pub ucx: bool,
 }
 
 /// How the testbed's processes are started.
@@ -314,7 +318,13 @@ pub fn cluster_file(
     seconds: f64,
     ssh: Option<&SshKeys>,
 ) -> anyhow::Result<ClusterFile> {
-    let config = testbed_config(sc, plan, seconds)?;
+    let mut config = testbed_config(sc, plan, seconds)?;
+    if opts.ucx {
+        if config.run.transport != "tcp" {
+            bail!("--ucx runs a TCP scenario's data path over UCX; this one is {}", config.run.transport);
+        }
+        config.run.transport = "ucx".into();
+    }
     // The scenario's source clocks, the simulator's very ones (docs/clocks.md).
     let n_sources = plan.hosts.iter().filter(|h| matches!(h.role, HostRole::Source(_))).count() as u32;
     let clocks = sc.clocks.source_clocks(n_sources, sc.seed);
@@ -614,7 +624,13 @@ fn run_on(
         shore_ber: plan.shore_ber,
         shore_delay_us: plan.shore_delay_us,
         delay_lines: Vec::new(),
-        transport: if sc.traffic.transport == "udp" { "udp".into() } else { "tcp".into() },
+        transport: if opts.ucx {
+            "ucx".into()
+        } else if sc.traffic.transport == "udp" {
+            "udp".into()
+        } else {
+            "tcp".into()
+        },
         udp,
         ledger,
         cpu_idle_pct: idle,
@@ -648,6 +664,8 @@ fn run_shoal(
         // of its own would have its own core) halves the time they wait for a CPU at 15 x 5
         // (docs/validation.md). Set in the environment, it is left as it is.
         .env("TOKIO_WORKER_THREADS", std::env::var("TOKIO_WORKER_THREADS").unwrap_or_else(|_| "1".into()))
+        // Across namespaces UCX's shared memory would bypass the emulated network.
+        .env("UCX_TLS", std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into()))
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(opts.dir.join("run.json"))?)
         .stderr(Stdio::piped())

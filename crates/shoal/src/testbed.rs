@@ -63,6 +63,10 @@ pub enum TestbedCommand {
         /// in every host namespace, keys made for the run; Debian openssh-server).
         #[arg(long, default_value = "netns")]
         launch: TestbedLaunch,
+        /// The data path over `run.transport = "ucx"`: UCX's tcp transport across the
+        /// namespaces (`UCX_TLS`, default `tcp`), the scenario still a TCP one.
+        #[arg(long)]
+        ucx: bool,
     },
     /// Hold every packet this namespace forwards for a constant delay (a netfilter queue;
     /// started by the testbed in each sector switch when the shore links have a
@@ -197,6 +201,7 @@ fn options(common: &TestbedCommon, dir: PathBuf, seconds: Option<f64>) -> anyhow
     Ok(TestbedOptions {
         loss_ppm: 0,
         launch: TestbedLaunch::Netns,
+        ucx: false,
         prefix: common.prefix.clone(),
         congestion: common.congestion,
         dir: std::path::absolute(dir)?,
@@ -270,9 +275,9 @@ pub fn command(args: TestbedArgs) -> anyhow::Result<ExitCode> {
             println!("removed {n} namespaces");
             Ok(ExitCode::SUCCESS)
         }
-        TestbedCommand::Run { scenario, common, seconds, dir, json, loss_pct, launch } => {
+        TestbedCommand::Run { scenario, common, seconds, dir, json, loss_pct, launch, ucx } => {
             let sc = load(&scenario)?;
-            let opts = TestbedOptions { loss_ppm: loss_ppm(loss_pct)?, launch, ..options(&common, dir, seconds)? };
+            let opts = TestbedOptions { loss_ppm: loss_ppm(loss_pct)?, launch, ucx, ..options(&common, dir, seconds)? };
             let s = shoal_testbed::run::run(&sc, &opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);

@@ -104,6 +104,13 @@ fn a_pull_scenario_runs_on_the_emulated_network_with_its_manager() {
     run_small_scenario(&Small::tcp("pull:4", "p"));
 }
 
+/// The data over UCX (`run.transport = "ucx"`, UCX's tcp transport) across the emulated
+/// network: the welcome and the endpoints between namespaces, every slice built.
+#[test]
+fn a_scenario_over_ucx_tcp_runs_on_the_emulated_network() {
+    run_small_scenario(&Small { ucx: true, ..Small::tcp("direct", "v") });
+}
+
 /// Pull over datagrams: the sources greet the builders with a `SYNC`, the builders' requests
 /// cross the emulated network as `REQUEST` datagrams.
 #[test]
@@ -135,6 +142,7 @@ fn a_udp_scenario_recovers_every_fragment_through_lossy_switch_ports() {
         launch: "netns",
         shore_delay_us: 0.0,
         clock_spread_us: 0.0,
+        ucx: false,
     });
     let Some(s) = s else { return };
     let b = &s["ledger"]["buckets"];
@@ -283,6 +291,8 @@ struct Small {
     shore_delay_us: f64,
     /// The source hosts' clocks spread over this (`[clocks]`), corrected by run control.
     clock_spread_us: f64,
+    /// The data over UCX's tcp transport (`shoal testbed run --ucx`).
+    ucx: bool,
 }
 
 impl Small {
@@ -298,6 +308,7 @@ impl Small {
             launch: "netns",
             shore_delay_us: 0.0,
             clock_spread_us: 0.0,
+            ucx: false,
         }
     }
 }
@@ -316,6 +327,7 @@ fn run_small_scenario(small: &Small) -> Option<serde_json::Value> {
         launch,
         shore_delay_us,
         clock_spread_us,
+        ucx,
     } = *small;
     if let Some(why) = shoal_testbed::netns::unavailable() {
         eprintln!("SKIPPED: the testbed test needs root and iproute2/ethtool: {why}");
@@ -356,6 +368,7 @@ correct = true
     .unwrap();
     let out = shoal()
         .args(["testbed", "run", "--prefix", &prefix, "--json", "--loss-pct", &loss_pct.to_string()])
+        .args(if ucx { &["--ucx"][..] } else { &[] })
         .args(["--launch", launch, "--dir"])
         .arg(dir.join("out"))
         .arg(&scenario)
@@ -381,9 +394,15 @@ correct = true
     let recovered = ledger["buckets"]["recovered"].as_u64().unwrap_or(0);
     assert_eq!(ledger["buckets"]["delivered"].as_u64().map(|d| d + recovered), Some(produced), "{s}");
     assert_eq!(s["slices_incomplete"], 0, "{s}");
-    assert_eq!(s["transport"], transport, "{s}");
+    assert_eq!(s["transport"], if ucx { "ucx" } else { transport }, "{s}");
     if transport == "tcp" {
         assert!(s["tcp_segments"].as_u64().unwrap() > 0, "the data crossed TCP in the namespaces");
+    }
+    if ucx {
+        // The builders read their frames only from UCX in this mode: every slice built
+        // means UCX's tcp transport carried them between the namespaces.
+        let cluster = std::fs::read_to_string(dir.join("out").join("cluster.toml")).unwrap();
+        assert!(cluster.contains("transport = \"ucx\""), "{cluster}");
     }
     // Connection set-up (run control, the first connections) is counted apart from the
     // run: the processes talked to the dispatcher before data taking started.
