@@ -356,7 +356,6 @@ pub fn cluster_file(
             }
         }
     }
-    let mut config = config;
     config.writer.out_dir = opts.dir.join("data");
     let file = ClusterFile {
         cluster: ClusterSettings {

@@ -109,8 +109,11 @@ fn over_ucx_a_builder_killed_mid_run_is_restarted_and_the_sources_reconnect() {
     no_process_left(&dir);
 }
 
+/// Whether the stop costs slices depends on what the sources could hold meanwhile (their
+/// queues and 16 MiB in flight per link): sometimes nothing is lost. The hang is named
+/// either way, and what is lost is put down to it.
 #[test]
-fn over_ucx_a_builder_stopped_for_6_s_costs_counted_data_and_the_run_goes_on() {
+fn over_ucx_a_builder_stopped_for_6_s_is_named_and_whatever_it_costs_is_put_down_to_it() {
     let c = Cluster::start_run("ucx-stop-builder", 16, UCX_RUN, ["", "", "wall_timeout_ms = 1500", ""], &[], &|_| {
         String::new()
     });
@@ -125,7 +128,7 @@ fn over_ucx_a_builder_stopped_for_6_s_costs_counted_data_and_the_run_goes_on() {
     let b0 = reports.iter().find(|r| r["name"] == "builder0").unwrap();
     assert!(b0["slices_complete"].as_u64().unwrap() > 0, "builder0 built again after it resumed: {b0}");
     assert!(timeline(&record).contains(&("process_hung".into(), "builder0".into())), "{}", record["diagnosis"]);
-    let causes = assert_causes(&record, &[("process_hung", "builder0")]);
+    let causes = assert_causes_allowing(&record, &[], &[("process_hung", "builder0")]);
     println!("ucx builder SIGSTOP 6 s: diagnosis {causes:?}; ledger {}", record["ledger"]);
     no_process_left(&dir);
 }
