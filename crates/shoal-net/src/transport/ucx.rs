@@ -178,6 +178,32 @@ impl UcxReceiver {
     }
 }
 
+impl Drop for UcxReceiver {
+    /// What the worker moved, and what it refused, said once at the builder's end.
+    fn drop(&mut self) {
+        let w = self.worker.stats();
+        let get = shoal_ucx::WorkerStats::get;
+        let (unknown, malformed) =
+            (self.counts.unknown_connection.load(Ordering::Relaxed), self.counts.malformed.load(Ordering::Relaxed));
+        tracing::info!(
+            messages = get(&w.messages_received),
+            bytes = get(&w.bytes_received),
+            rendezvous = get(&w.rendezvous_received),
+            receive_errors = get(&w.receive_errors),
+            endpoint_failures = get(&w.endpoint_failures),
+            unknown_connection = unknown,
+            malformed,
+            "UCX receive"
+        );
+        if unknown + malformed > 0 {
+            warn!(
+                unknown_connection = unknown,
+                malformed, "UCX messages for no open connection, or without a route, were dropped"
+            );
+        }
+    }
+}
+
 /// On the worker's thread: a message to its connection, in sequence.
 fn deliver(table: &Mutex<Table>, counts: &ReceiveCounts, m: Message) {
     if m.header.len() < ROUTE_LEN {
@@ -188,7 +214,11 @@ fn deliver(table: &Mutex<Table>, counts: &ReceiveCounts, m: Message) {
     let seq = u64::from_le_bytes(m.header[8..16].try_into().expect("8"));
     let mut t = table.lock().expect("ucx table");
     let Some(r) = t.routes.get_mut(&conn) else {
-        counts.unknown_connection.fetch_add(1, Ordering::Relaxed);
+        // A link's end after its builder closed the connection (at the run's end it stops
+        // reading once every source has ended) is no stranger's.
+        if m.id != AM_BYE {
+            counts.unknown_connection.fetch_add(1, Ordering::Relaxed);
+        }
         return;
     };
     let item = match m.id {
@@ -447,5 +477,63 @@ impl UcxPath {
     /// The endpoint's failure as UCX reported it, if it has.
     pub fn failure(&self) -> Option<UcxError> {
         self.endpoint.failure()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(id: u16, conn: u64, seq: u64, tag: u8) -> Message {
+        let mut header = route(conn, seq).to_vec();
+        header.push(tag);
+        Message { id, header: Bytes::from(header), data: Ok(Bytes::new()), rendezvous: false }
+    }
+
+    /// Completions out of order reach the connection in sequence; a stranger's message
+    /// (a number not open) is counted and dropped, a late end is not counted.
+    #[test]
+    fn messages_are_put_back_in_sequence_and_strangers_counted() {
+        let table = Mutex::new(Table::default());
+        let counts = ReceiveCounts::default();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        table.lock().unwrap().routes.insert(7, Route { next: 1, waiting: BTreeMap::new(), tx });
+        for (seq, tag) in [(2, b'b'), (3, b'c'), (1, b'a')] {
+            deliver(&table, &counts, message(AM_FRAME, 7, seq, tag));
+        }
+        deliver(&table, &counts, message(AM_BYE, 7, 4, 0));
+        let mut got = Vec::new();
+        while let Ok(item) = rx.try_recv() {
+            got.push(match item {
+                Item::Frame { header, .. } => header[0],
+                Item::Bye => b'.',
+                Item::Overrun => b'!',
+            });
+        }
+        assert_eq!(got, b"abc.");
+        deliver(&table, &counts, message(AM_FRAME, 8, 1, 0));
+        deliver(&table, &counts, message(AM_FRAME, 7, 2, 0));
+        assert_eq!(counts.unknown_connection.load(Ordering::Relaxed), 2, "a stranger and a repeat");
+        table.lock().unwrap().routes.clear();
+        deliver(&table, &counts, message(AM_BYE, 7, 5, 0));
+        assert_eq!(counts.unknown_connection.load(Ordering::Relaxed), 2, "an end after the close is no stranger's");
+        deliver(
+            &table,
+            &counts,
+            Message { id: AM_FRAME, header: Bytes::from_static(b"short"), data: Ok(Bytes::new()), rendezvous: false },
+        );
+        assert_eq!(counts.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_welcome_reads_back_and_garbage_is_refused() {
+        let w = welcome(42, b"some worker address");
+        let (conn, addr) = read_welcome(&mut &w[..]).await.unwrap();
+        assert_eq!((conn, &addr[..]), (42, &b"some worker address"[..]));
+        let e = read_welcome(&mut &b"GET / HTTP/1.1\r\n\r\nxxxxxxxx"[..]).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        let mut huge = welcome(1, b"").to_vec();
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(read_welcome(&mut &huge[..]).await.unwrap_err().kind(), std::io::ErrorKind::InvalidData);
     }
 }
