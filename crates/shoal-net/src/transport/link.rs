@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
 use shoal_core::frame::{DEFAULT_MAX_PAYLOAD, HEADER_LEN, set_send_time};
 use shoal_core::pullmsg::PullMessage;
 use shoal_core::{SourceId, slice::SliceNumber};
@@ -35,34 +34,7 @@ use tracing::{debug, info, warn};
 use crate::clock::WallClock;
 use crate::transport::framed::{FrameReader, ReadEnd};
 
-/// A piece of one frame to write: `head` (a part of the header) then `body` (a part of the
-/// payload), either possibly empty. Payloads are never copied into a frame buffer.
-#[derive(Debug)]
-pub struct Chunk {
-    pub source: SourceId,
-    pub slice: SliceNumber,
-    /// Starts a frame: `head` is the whole header and gets the send time stamped.
-    pub first: bool,
-    /// Ends a frame: a report follows.
-    pub last: bool,
-    pub head: Bytes,
-    pub body: Bytes,
-}
-
-impl Chunk {
-    /// A whole frame in one chunk.
-    pub fn frame(source: SourceId, slice: SliceNumber, header: [u8; HEADER_LEN], payload: Bytes) -> Chunk {
-        Chunk { source, slice, first: true, last: true, head: Bytes::copy_from_slice(&header), body: payload }
-    }
-
-    pub fn len(&self) -> usize {
-        self.head.len() + self.body.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+pub use crate::transport::chunk::Chunk;
 
 /// The fate of a frame handed to a link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -450,20 +422,28 @@ async fn run(
             }
         }
     }
-    if let Some(mut c) = stream {
+    if let Some(c) = stream {
+        c.close(options.wait_for_peer_close).await;
+        info!(link = id, %addr, "closed");
+    }
+}
+
+impl Connection {
+    /// The link's end on an open connection: the `ucx` end message, the write side shut,
+    /// then (`wait_for_peer`) the peer's close.
+    async fn close(mut self, wait_for_peer: bool) {
         // The counters are read one last time while the socket is open.
-        c.registered = None;
-        if let Some(u) = &mut c.ucx {
+        self.registered = None;
+        if let Some(u) = &mut self.ucx {
             tokio::select! {
                 _ = u.bye() => {}
-                _ = c.peer.gone() => {}
+                _ = self.peer.gone() => {}
             }
         }
-        let _ = c.write.shutdown().await;
-        if options.wait_for_peer_close {
-            c.peer.closed().await;
+        let _ = self.write.shutdown().await;
+        if wait_for_peer {
+            self.peer.closed().await;
         }
-        info!(link = id, %addr, "closed");
     }
 }
 
@@ -589,6 +569,7 @@ fn fail(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use tokio::io::AsyncReadExt;
 
     /// A link to a peer that reads everything and stays open; returns the link's task once

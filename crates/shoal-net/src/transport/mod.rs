@@ -4,6 +4,7 @@
 //!   used by sources (to each builder) and builders (to the writer);
 //! - [`listen`]: bound ports, the accept loop with its connection limit and kernel-memory
 //!   share;
+//! - [`chunk`]: the pieces of frames a link writes ([`chunk::Chunk`]);
 //! - [`framed`]: frames read from a byte stream ([`framed::FrameReader`]);
 //! - [`write_queue`]: control frames queued to one connection's write half;
 //! - [`udp`]: the datagram transport (selective retransmission, batched system calls);
@@ -17,6 +18,7 @@
 //! Nothing here knows a role: the roles (`crate::source`, `crate::builder`,
 //! `crate::writer`, `crate::dfm`) compose these pieces.
 
+pub mod chunk;
 pub mod framed;
 pub mod link;
 pub mod listen;

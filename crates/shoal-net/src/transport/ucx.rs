@@ -35,8 +35,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::transport::chunk::Chunk;
 use crate::transport::framed::{Frames, ReadEnd, log_closing};
-use crate::transport::link::Chunk;
 
 /// A frame (its route and header, then its payload).
 pub const AM_FRAME: u16 = 0;
@@ -256,7 +256,7 @@ impl Drop for Inbox {
 
 /// A builder's connection over UCX as the frames `serve_frames` reads: those of its
 /// inbox, checked, until the source's end (or its TCP side closes and the end does not
-/// follow within [`END_WAIT`]).
+/// follow within `END_WAIT`, 5 s).
 pub struct UcxFrames {
     inbox: Inbox,
     tcp: shoal_tls::data::DataRead,
