@@ -94,13 +94,14 @@ enum Command {
     Close { endpoint: u64 },
 }
 
-/// A UCX context and worker on a thread of their own; dropping it closes its endpoints
-/// (bounded wait for the ones in flight) and ends the thread.
+/// A UCX context and worker on a thread of their own. The thread ends once this and every
+/// [`Endpoint`] of it are dropped (each holds a way to it): it closes the endpoints left,
+/// waits a bounded time for what is in flight, and destroys the worker.
 pub struct Worker {
     commands: mpsc::UnboundedSender<Command>,
     address: Bytes,
     stats: Arc<WorkerStats>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _thread: std::thread::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -127,7 +128,7 @@ impl Worker {
             let stats = Arc::new(WorkerStats::default());
             let (commands, rx) = mpsc::unbounded_channel();
             let (address, thread) = thread::spawn(name, receive.to_vec(), sink, rx, stats.clone())?;
-            Ok(Worker { commands, address, stats, thread: Some(thread) })
+            Ok(Worker { commands, address, stats, _thread: thread })
         }
     }
 
@@ -146,20 +147,6 @@ impl Worker {
         self.commands.send(Command::Connect { remote: remote.to_vec(), reply }).map_err(|_| UcxError::WorkerGone)?;
         let (id, failed) = rx.await.map_err(|_| UcxError::WorkerGone)??;
         Ok(Endpoint { id, commands: self.commands.clone(), failed })
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // The thread ends once every sender is gone: endpoints still held elsewhere keep
-        // it (they hold senders too), so it is not joined here unless this was the last.
-        let (tx, _) = mpsc::unbounded_channel();
-        drop(std::mem::replace(&mut self.commands, tx));
-        if let Some(t) = self.thread.take()
-            && t.is_finished()
-        {
-            let _ = t.join();
-        }
     }
 }
 

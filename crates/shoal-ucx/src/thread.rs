@@ -479,7 +479,7 @@ async fn run(
     // The end: close every endpoint, let what is in flight finish (bounded), then
     // destroy the worker.
     for (_, e) in endpoints.drain() {
-        close(&ucx, e, false, &mut closing);
+        close(e, false, &mut closing);
     }
     let deadline = std::time::Instant::now() + END_WAIT;
     while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
@@ -536,7 +536,7 @@ fn handle(
         Command::Close { endpoint } => {
             if let Some(e) = endpoints.remove(&endpoint) {
                 let failed = e.state.failed.borrow().is_some();
-                close(ucx, e, failed, closing);
+                close(e, failed, closing);
             }
         }
     }
@@ -652,8 +652,7 @@ fn send(
     }
 }
 
-fn close(ucx: &Ucx, e: EndpointEntry, force: bool, closing: &mut Vec<Closing>) {
-    let _ = ucx;
+fn close(e: EndpointEntry, force: bool, closing: &mut Vec<Closing>) {
     // SAFETY: an endpoint this worker created, closed once.
     let req = unsafe {
         let mut p: ucp_request_param_t = std::mem::zeroed();

@@ -101,13 +101,24 @@ async fn read_connection(
     cancel: CancellationToken,
 ) {
     let (read, write) = stream.into_split();
-    // Pull requests for the sources that greet us go back on this connection.
+    let reader = FrameReader::new(read, peer, max_payload, cancel)
+        .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
+    serve_with_requests(reader, write, clock, edge, tx).await;
+}
+
+/// [`serve_frames`] on a task's connection: pull requests for the sources that greet it
+/// go back on its write half, written by a task of their own until the frames end.
+async fn serve_with_requests<F: Frames>(
+    frames: F,
+    write: shoal_tls::data::DataWrite,
+    clock: WallClock,
+    edge: Option<Arc<WindowEdge>>,
+    tx: ToBuilder,
+) {
     let (requests, requests_rx) = mpsc::unbounded_channel();
     let ended = CancellationToken::new();
     tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
-    let reader = FrameReader::new(read, peer, max_payload, cancel)
-        .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
-    serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
+    serve_frames(frames, requests, clock, ConnectionGate::new(edge), tx).await;
     ended.cancel();
 }
 
@@ -132,11 +143,7 @@ async fn ucx_connection(
             return;
         }
     };
-    let (requests, requests_rx) = mpsc::unbounded_channel();
-    let ended = CancellationToken::new();
-    tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
-    serve_frames(frames, requests, clock, ConnectionGate::new(edge), tx).await;
-    ended.cancel();
+    serve_with_requests(frames, write, clock, edge, tx).await;
 }
 
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.

@@ -111,21 +111,8 @@ impl PeerEnd {
     }
 
     /// Returns once the peer has closed (or the connection failed).
-    async fn closed(self) {
-        match self {
-            PeerEnd::Read(mut r) => {
-                let mut discard = [0u8; 512];
-                // Nothing is expected here; whatever comes is read and dropped until the end.
-                while let Ok(n) = tokio::io::AsyncReadExt::read(&mut r, &mut discard).await {
-                    if n == 0 {
-                        return;
-                    }
-                }
-            }
-            PeerEnd::Reader(task) => {
-                let _ = task.await;
-            }
-        }
+    async fn closed(mut self) {
+        self.gone().await;
     }
 }
 
