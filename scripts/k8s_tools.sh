@@ -17,13 +17,15 @@ CACHE=${SHOAL_K8S_CACHE:-$HOME/.cache/shoal-k8s}
 BIN="$CACHE/bin-$KUBE_VERSION-kwok-$KWOK_VERSION"
 export GOMODCACHE="$CACHE/gomod" GOCACHE="$CACHE/gobuild" GOFLAGS=-mod=mod GOTOOLCHAIN=local
 
+log() { echo "k8s_tools: $*" >&2; }
+command -v etcd >/dev/null || log "note: no etcd on PATH (Debian package etcd-server); the test needs it too"
+
 if [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kwok" ]; then
   echo "$BIN"
   exit 0
 fi
-command -v go >/dev/null || { echo "k8s_tools: no go command" >&2; exit 1; }
+command -v go >/dev/null || { log "no go command"; exit 1; }
 mkdir -p "$BIN"
-log() { echo "k8s_tools: $*" >&2; }
 
 if [ ! -x "$BIN/kwok" ]; then
   log "building kwok $KWOK_VERSION"
