@@ -131,6 +131,9 @@ pub struct SlurmSettings {
     pub allocate_timeout_s: u32,
     /// A Slurm configuration other than the hosts' (`SLURM_CONF` for salloc, srun, scancel).
     pub conf: Option<PathBuf>,
+    /// How long `salloc` may take to exit after the job is cancelled at the end (Slurm
+    /// first ends every step: `KillWait`, epilogs, a busy slurmctld).
+    pub release_timeout_s: u32,
 }
 
 impl Default for SlurmSettings {
@@ -142,6 +145,7 @@ impl Default for SlurmSettings {
             srun_args: Vec::new(),
             allocate_timeout_s: 60,
             conf: None,
+            release_timeout_s: 120,
         }
     }
 }

@@ -305,7 +305,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     exits.finish(Duration::from_secs(10)).await;
     if let Some(a) = allocation {
         let id = a.job.id;
-        if let Err(e) = a.release(Duration::from_secs(10)).await {
+        if let Err(e) = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await {
             eprintln!("the Slurm job {id}: {e:#}");
             ok = false;
         }

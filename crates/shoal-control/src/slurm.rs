@@ -171,7 +171,9 @@ impl Allocation {
     }
 
     /// Ends the job (`scancel`: every step still running is ended by Slurm) and waits up to
-    /// `grace` for `salloc` to exit.
+    /// `grace` for `salloc` to exit. An error only when Slurm refused the cancel: once it
+    /// took it, the job ends whatever `salloc` does, so a `salloc` still there after
+    /// `grace` is a warning (and killed), not a failed run.
     pub async fn release(mut self, grace: Duration) -> anyhow::Result<()> {
         let cancel = slurm_command("scancel", &self.job.conf)
             .arg(self.job.id.to_string())
@@ -179,13 +181,20 @@ impl Allocation {
             .await
             .context("running scancel")?;
         self.hold.take();
-        let exited = tokio::time::timeout(grace, self.salloc.wait()).await;
         if !cancel.status.success() {
+            let _ = self.salloc.start_kill();
             bail!("scancel {} failed: {}", self.job.id, String::from_utf8_lossy(&cancel.stderr).trim());
         }
-        if exited.is_err() {
-            let _ = self.salloc.start_kill();
-            bail!("salloc of job {} did not exit {grace:?} after scancel", self.job.id);
+        let started = tokio::time::Instant::now();
+        match tokio::time::timeout(grace, self.salloc.wait()).await {
+            Ok(_) => tracing::info!(job = self.job.id, after = ?started.elapsed(), "Slurm job ended"),
+            Err(_) => {
+                tracing::warn!(
+                    job = self.job.id,
+                    "salloc still there {grace:?} after scancel was accepted; killing it (Slurm ends the job)"
+                );
+                let _ = self.salloc.start_kill();
+            }
         }
         Ok(())
     }
