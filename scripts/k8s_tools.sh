@@ -3,7 +3,7 @@
 # kube-apiserver and kwok (nodes and Pod phases without a kubelet) from the Go module
 # proxy; etcd is Debian's etcd-server. Everything goes into a cache outside the repo
 # ($SHOAL_K8S_CACHE, default ~/.cache/shoal-k8s), so that only a cold machine pays
-# (about 13 minutes on 2 cores; a warm one returns at once). Prints the bin directory.
+# (about 4.5 minutes on 2 cores, measured; a warm one returns at once). Prints the bin directory.
 #
 # kube-apiserver cannot be `go install`ed: k8s.io/kubernetes's go.mod replaces every
 # k8s.io/* staging module with ./staging/..., which go install refuses. So a wrapper
@@ -33,7 +33,7 @@ if [ ! -x "$BIN/kwok" ]; then
 fi
 
 if [ ! -x "$BIN/kube-apiserver" ]; then
-  log "building kube-apiserver $KUBE_VERSION (about 10 minutes on 2 cores)"
+  log "building kube-apiserver $KUBE_VERSION (about 3 minutes on 2 cores)"
   work="$CACHE/wrapper-$KUBE_VERSION"
   rm -rf "$work"
   mkdir -p "$work"

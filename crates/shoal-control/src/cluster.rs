@@ -48,7 +48,7 @@ pub struct ClusterSettings {
     /// the dispatcher). Default false: a run with a missing builder or source loses data by
     /// design, so run control refuses and says which processes are missing.
     pub start_with_missing: bool,
-    /// Processes started by run control (`local`, `netns`, `ssh`, `slurm`) that exit without being
+    /// Processes started by run control (`local`, `netns`, `ssh`, `slurm`, `k8s`) that exit without being
     /// told OFF (a crash, a kill) are started again, at most this many times each per
     /// `shoal run`; during a run they rejoin it (0: never restart).
     pub restarts: u32,
@@ -74,6 +74,8 @@ pub struct ClusterSettings {
     pub insecure: bool,
     /// How the `launch = "slurm"` processes' job is asked for (docs/deployment.md).
     pub slurm: SlurmSettings,
+    /// Where and how the `launch = "k8s"` processes' Pods are made (docs/deployment.md).
+    pub k8s: K8sSettings,
 }
 
 /// One rule's automatic recovery.
@@ -111,6 +113,7 @@ impl Default for ClusterSettings {
             security: None,
             insecure: false,
             slurm: Default::default(),
+            k8s: Default::default(),
         }
     }
 }
@@ -150,6 +153,52 @@ impl Default for SlurmSettings {
     }
 }
 
+/// `[cluster.k8s]`: the Pods of the `launch = "k8s"` processes (crate::k8s).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct K8sSettings {
+    /// The container image with the shoal binary (deploy/Containerfile); needed by any
+    /// `k8s` process.
+    pub image: Option<String>,
+    /// The shoal executable inside the image.
+    pub binary: PathBuf,
+    /// The namespace of the Pods (default: the kubeconfig context's, else `default`).
+    pub namespace: Option<String>,
+    /// A kubeconfig to read (default: `KUBECONFIG`, `~/.kube/config`, or the in-cluster
+    /// service account when run control itself runs in a Pod).
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context (default: its current one).
+    pub context: Option<String>,
+    /// The Pods' service account (default: the namespace's `default`).
+    pub service_account: Option<String>,
+    /// `imagePullPolicy` (`Always`, `IfNotPresent`, `Never`; default: Kubernetes's).
+    pub image_pull_policy: Option<String>,
+    /// Environment for every process's container, e.g. `{ UCX_TLS = "rc_mlx5,self" }`.
+    pub env: std::collections::BTreeMap<String, String>,
+    /// `hostIPC`: the host's System V shared memory (UCX's `sysv`, shm consumers on the
+    /// host).
+    pub host_ipc: bool,
+    /// How long run control waits for its Pods to be gone at the end.
+    pub delete_timeout_s: u32,
+}
+
+impl Default for K8sSettings {
+    fn default() -> Self {
+        Self {
+            image: None,
+            binary: PathBuf::from("/usr/local/bin/shoal"),
+            namespace: None,
+            kubeconfig: None,
+            context: None,
+            service_account: None,
+            image_pull_policy: None,
+            env: Default::default(),
+            host_ipc: false,
+            delete_timeout_s: 60,
+        }
+    }
+}
+
 /// How a process gets started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -168,6 +217,9 @@ pub enum Launch {
     /// A step of the cluster's Slurm job on the Slurm node named by `host` (`srun --jobid
     /// J --nodelist <host> <binary> node ...`; crate::slurm).
     Slurm,
+    /// A Pod on the Kubernetes node named by `host` (`nodeName`, `hostNetwork`,
+    /// `restartPolicy: Never`; crate::k8s).
+    K8s,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -208,7 +260,7 @@ impl ProcessSpec {
     pub fn clock(&self) -> String {
         let host = match self.launch {
             Launch::Local | Launch::Netns => "this machine".to_string(),
-            Launch::Ssh | Launch::External | Launch::Slurm => self.host.clone(),
+            Launch::Ssh | Launch::External | Launch::Slurm | Launch::K8s => self.host.clone(),
         };
         if self.test_clock_offset_us != 0.0 || self.test_clock_drift_ppm != 0.0 {
             format!("{host} {:+} us {:+} ppm ({})", self.test_clock_offset_us, self.test_clock_drift_ppm, self.name)
@@ -297,6 +349,7 @@ impl ClusterFile {
                 }
             }
         }
+        self.check_k8s()?;
         if writers != 1 {
             bail!("exactly one writer process is needed, found {writers}");
         }
@@ -376,6 +429,31 @@ impl ClusterFile {
                     "cluster.security.web_config {}: run control's API takes tokens, not basic_auth_users",
                     w.display()
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// `k8s` processes need an image, and names a Pod can carry.
+    fn check_k8s(&self) -> anyhow::Result<()> {
+        let pods: Vec<&ProcessSpec> = self.processes.iter().filter(|p| p.launch == Launch::K8s).collect();
+        if pods.is_empty() {
+            return Ok(());
+        }
+        let k = &self.cluster.k8s;
+        if k.image.as_deref().is_none_or(str::is_empty) {
+            bail!("launch = \"k8s\" needs [cluster.k8s] image = \"...\" (the image with shoal: deploy/Containerfile)");
+        }
+        if let Some(p) = &k.image_pull_policy
+            && !["Always", "IfNotPresent", "Never"].contains(&p.as_str())
+        {
+            bail!("cluster.k8s.image_pull_policy {p:?}: one of Always, IfNotPresent, Never");
+        }
+        for p in pods {
+            crate::k8s_names::pod_name(&self.cluster.name, &p.name, "00000000", 0)
+                .with_context(|| format!("process {:?}", p.name))?;
+            if p.host.is_empty() || p.host == "localhost" {
+                bail!("process {:?}: launch = \"k8s\" needs host = the Kubernetes node to run on", p.name);
             }
         }
         Ok(())

@@ -16,6 +16,7 @@
 //! - [`security`], [`audit`], [`credentials`]: tokens and roles, the audit log, and the
 //!   certificates run control hands the processes it launches;
 //! - [`slurm`]: `launch = "slurm"`, the processes as the steps of one Slurm job;
+//! - [`k8s`]: `launch = "k8s"`, the processes as Pods pinned to their nodes;
 //! - [`command`]: the whole of `shoal run`, given [`RunOptions`].
 //!
 //! `shoal run` starts a dispatcher and every process of the cluster file (each role its own OS
@@ -32,6 +33,8 @@ pub mod control;
 pub mod credentials;
 pub mod diagnose;
 pub mod http;
+pub mod k8s;
+pub mod k8s_names;
 pub mod security;
 pub mod slurm;
 pub mod status;
@@ -73,15 +76,62 @@ pub struct RunOptions {
 
 struct Launched {
     spec: ProcessSpec,
-    child: Child,
+    child: Proc,
+}
+
+/// A launched process: a child of run control's (local, netns, ssh, a Slurm step's
+/// `srun`) or a Pod.
+enum Proc {
+    Child(Child),
+    Pod(k8s::PodHandle),
+}
+
+impl Proc {
+    fn pid(&self) -> Option<u32> {
+        match self {
+            Proc::Child(c) => c.id(),
+            Proc::Pod(_) => None,
+        }
+    }
+
+    /// Until it ends: how, and whether that was a failure.
+    async fn wait(&mut self) -> (String, bool) {
+        match self {
+            Proc::Child(c) => match c.wait().await {
+                Ok(st) => (st.to_string(), !st.success()),
+                Err(e) => (e.to_string(), true),
+            },
+            Proc::Pod(p) => {
+                let end = p.wait().await;
+                (end.how, end.failed)
+            }
+        }
+    }
+
+    async fn kill(&mut self) {
+        match self {
+            Proc::Child(c) => {
+                let _ = c.start_kill();
+                let _ = c.wait().await;
+            }
+            Proc::Pod(p) => p.kill().await,
+        }
+    }
+}
+
+/// The schedulers' hold on the run: the Slurm job, the Kubernetes session.
+#[derive(Clone, Default)]
+struct Engines {
+    slurm: Option<slurm::SlurmJob>,
+    k8s: Option<std::sync::Arc<k8s::Session>>,
 }
 
 /// How to start a process again after it died.
 #[derive(Clone)]
 struct Relaunch {
     file: ClusterFile,
-    /// The Slurm job of the `slurm` processes, if any.
-    slurm: Option<slurm::SlurmJob>,
+    /// The Slurm job of the `slurm` processes, the Kubernetes session of the `k8s` ones.
+    engines: Engines,
     binary: std::path::PathBuf,
     logs: std::path::PathBuf,
     shared: std::sync::Arc<Shared>,
@@ -157,43 +207,60 @@ pub(crate) fn on_path(tool: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
 }
 
-fn launch(
+/// Starts `spec` as its launch kind says (`attempt` > 0: a restart); None for `external`.
+async fn launch(
     spec: &ProcessSpec,
     file: &ClusterFile,
     binary: &Path,
     logs: &Path,
-    append: bool,
-    slurm: Option<&slurm::SlurmJob>,
-) -> anyhow::Result<Option<Child>> {
+    attempt: u32,
+    engines: &Engines,
+) -> anyhow::Result<Option<Proc>> {
+    let append = attempt > 0;
     let mut args = process_args(spec, file);
     if matches!(spec.launch, Launch::Local | Launch::Netns) {
         // Our child (`ip netns exec` execs): if this process is killed, it stops too.
         args.push("--exit-with-parent".into());
     }
     let log = logs.join(format!("{}.log", spec.name));
-    match spec.launch {
-        Launch::External => Ok(None),
-        Launch::Local => spawn_logged(binary, &args, &log, append, None).map(Some),
+    let child = match spec.launch {
+        Launch::External => return Ok(None),
+        Launch::K8s => {
+            let session = engines.k8s.as_ref().context("a k8s process without the cluster's Kubernetes session")?;
+            let pod = session.launch(spec, &args, attempt).await?;
+            let line = format!(
+                "{} runs in Pod {} on node {}: kubectl -n {} logs {}\n",
+                spec.name, pod.name, spec.host, session.namespace, pod.name
+            );
+            let _ = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+            return Ok(Some(Proc::Pod(pod)));
+        }
+        Launch::Local => spawn_logged(binary, &args, &log, append, None),
         Launch::Ssh => {
             let mut ssh = vec!["-o".into(), "BatchMode=yes".into()];
             ssh.extend(file.cluster.ssh_options.iter().cloned());
             ssh.push(spec.host.clone());
             ssh.push(binary.display().to_string());
             ssh.extend(args);
-            spawn_logged(Path::new("ssh"), &ssh, &log, append, None).map(Some)
+            spawn_logged(Path::new("ssh"), &ssh, &log, append, None)
         }
         Launch::Netns => {
             let mut exec = vec!["netns".into(), "exec".into(), spec.host.clone(), binary.display().to_string()];
             exec.extend(args);
-            spawn_logged(Path::new("ip"), &exec, &log, append, None).map(Some)
+            spawn_logged(Path::new("ip"), &exec, &log, append, None)
         }
         Launch::Slurm => {
-            let job = slurm.context("a slurm process without the cluster's Slurm job")?;
+            let job = engines.slurm.as_ref().context("a slurm process without the cluster's Slurm job")?;
             let (srun, args) = job.step(spec, binary, &args);
             let conf = job.conf.as_deref().map(|c| ("SLURM_CONF", c));
-            spawn_logged(&srun, &args, &log, append, conf).map(Some)
+            spawn_logged(&srun, &args, &log, append, conf)
         }
-    }
+    }?;
+    Ok(Some(Proc::Child(child)))
 }
 
 async fn wait_for_port(addr: std::net::SocketAddr, timeout: Duration) -> anyhow::Result<()> {
@@ -274,11 +341,34 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     if let Some(a) = &allocation {
         shared.update(|s| s.note(format!("Slurm job {} over {}", a.job.id, slurm::hosts(&file).join(","))));
     }
-    let job = allocation.as_ref().map(|a| a.job.clone());
-    let launched = launch_all(&file, &binary, &logs, &shared, job.as_ref())?;
+    let k8s_session = match k8s::Session::open(&file, &shared).await {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(a) = allocation {
+                let _ = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await;
+            }
+            return Err(e.context("launch = \"k8s\""));
+        }
+    };
+    let engines = Engines { slurm: allocation.as_ref().map(|a| a.job.clone()), k8s: k8s_session.clone() };
+    let launched = match launch_all(&file, &binary, &logs, &shared, &engines).await {
+        Ok(l) => l,
+        Err(e) => {
+            // Nothing half-started is left: the Pods already made, the job.
+            if let Some(s) = &k8s_session
+                && let Err(end) = s.end().await
+            {
+                eprintln!("Kubernetes: {end:#}");
+            }
+            if let Some(a) = allocation {
+                let _ = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await;
+            }
+            return Err(e);
+        }
+    };
     let relaunch = Relaunch {
         file: file.clone(),
-        slurm: job,
+        engines,
         binary: binary.clone(),
         logs: logs.clone(),
         shared: shared.clone(),
@@ -309,6 +399,12 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
             eprintln!("the Slurm job {id}: {e:#}");
             ok = false;
         }
+    }
+    if let Some(s) = &k8s_session
+        && let Err(e) = s.end().await
+    {
+        eprintln!("Kubernetes, session {}: {e:#}", s.run);
+        ok = false;
     }
     listen_task.abort();
     if let Some(d) = dispatcher_child {
@@ -428,12 +524,12 @@ fn start_dispatcher(
 
 /// Launches every process the file's launch kinds start, writer first (the order does
 /// not matter for correctness: nothing flows before START).
-fn launch_all(
+async fn launch_all(
     file: &ClusterFile,
     binary: &std::path::Path,
     logs: &std::path::Path,
     shared: &std::sync::Arc<Shared>,
-    slurm: Option<&slurm::SlurmJob>,
+    engines: &Engines,
 ) -> anyhow::Result<Vec<Launched>> {
     let mut launched = Vec::new();
     let mut specs: Vec<&ProcessSpec> = file.processes.iter().collect();
@@ -444,8 +540,8 @@ fn launch_all(
         Role::Source => 3,
     });
     for spec in specs {
-        if let Some(child) = launch(spec, file, binary, logs, false, slurm)? {
-            let pid = child.id();
+        if let Some(child) = launch(spec, file, binary, logs, 0, engines).await? {
+            let pid = child.pid();
             shared.update(|s| {
                 if let Some(p) = s.process_mut(&spec.name) {
                     p.pid = pid;
@@ -703,22 +799,16 @@ fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming
             let task = tokio::spawn(async move {
                 let mut restarts = 0;
                 loop {
-                    let status = tokio::select! {
-                        st = l.child.wait() => st,
+                    let (how, failed) = tokio::select! {
+                        end = l.child.wait() => end,
                         _ = kill.cancelled() => {
                             eprintln!("{} did not exit after OFF; killing it", l.spec.name);
-                            let _ = l.child.start_kill();
-                            let _ = l.child.wait().await;
+                            l.child.kill().await;
                             return;
                         }
                     };
-                    let how = match &status {
-                        Ok(st) => st.to_string(),
-                        Err(e) => e.to_string(),
-                    };
                     // The controller decides whether that was expected (after OFF) or not.
                     let _ = incoming.send(Incoming::Exited(l.spec.name.clone(), how.clone()));
-                    let failed = status.as_ref().map_or(true, |st| !st.success());
                     if !failed || restarts >= relaunch.limit || kill.is_cancelled() {
                         return;
                     }
@@ -729,16 +819,15 @@ fn watch_exits(launched: Vec<Launched>, incoming: mpsc::UnboundedSender<Incoming
                             l.spec.name, relaunch.limit
                         ))
                     });
-                    match launch(
-                        &l.spec,
-                        &relaunch.file,
-                        &relaunch.binary,
-                        &relaunch.logs,
-                        true,
-                        relaunch.slurm.as_ref(),
-                    ) {
+                    if let Proc::Pod(_) = l.child {
+                        // A Pod ended is still there (Failed): out of the way first.
+                        l.child.kill().await;
+                    }
+                    match launch(&l.spec, &relaunch.file, &relaunch.binary, &relaunch.logs, restarts, &relaunch.engines)
+                        .await
+                    {
                         Ok(Some(child)) => {
-                            let pid = child.id();
+                            let pid = child.pid();
                             relaunch.shared.update(|s| {
                                 if let Some(p) = s.process_mut(&l.spec.name) {
                                     p.pid = pid;
