@@ -425,8 +425,8 @@ impl Controller {
                     continue;
                 }
                 let spec = self.file.processes.iter().find(|p| p.name == e.process);
-                let launched = spec
-                    .is_some_and(|p| matches!(p.launch, crate::cluster::Launch::Local | crate::cluster::Launch::Netns));
+                let launch = spec.map(|p| p.launch);
+                let launched = matches!(launch, Some(crate::cluster::Launch::Local | crate::cluster::Launch::Netns));
                 let pid = status.processes.iter().find(|p| p.name == e.process).and_then(|p| p.pid);
                 let action = match (launched, pid) {
                     (true, Some(pid)) => {
@@ -436,7 +436,10 @@ impl Controller {
                             Err(err) => format!("kill of pid {pid} failed ({err})"),
                         }
                     }
-                    (false, _) => "not launched by run control: nothing done".to_string(),
+                    (false, _) => format!(
+                        "launch = {:?}: run control kills only its local and netns processes: nothing done",
+                        launch.map(|l| format!("{l:?}").to_lowercase()).unwrap_or_default()
+                    ),
                     (true, None) => "no pid known: nothing done".to_string(),
                 };
                 self.shared.update(|s| {
