@@ -345,7 +345,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
         Ok(s) => s,
         Err(e) => {
             if let Some(a) = allocation {
-                let _ = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await;
+                let _ = a.release().await;
             }
             return Err(e.context("launch = \"k8s\""));
         }
@@ -361,7 +361,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
                 eprintln!("Kubernetes: {end:#}");
             }
             if let Some(a) = allocation {
-                let _ = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await;
+                let _ = a.release().await;
             }
             return Err(e);
         }
@@ -395,7 +395,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     exits.finish(Duration::from_secs(10)).await;
     if let Some(a) = allocation {
         let id = a.job.id;
-        if let Err(e) = a.release(Duration::from_secs(file.cluster.slurm.release_timeout_s.into())).await {
+        if let Err(e) = a.release().await {
             eprintln!("the Slurm job {id}: {e:#}");
             ok = false;
         }

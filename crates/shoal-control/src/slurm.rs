@@ -74,6 +74,8 @@ pub struct Allocation {
     salloc: Child,
     /// `cat`'s input: closing it ends the allocation.
     hold: Option<ChildStdin>,
+    /// How long `salloc` may take to go after the end's `scancel` (`release_timeout_s`).
+    grace: Duration,
 }
 
 /// The hosts of the `slurm` processes, in the file's order, each once.
@@ -167,14 +169,16 @@ impl Allocation {
             }
         });
         tracing::info!(job = id, hosts = %hosts.join(","), "Slurm allocation granted");
-        Ok(Some(Allocation { job: SlurmJob { id, srun_args: s.srun_args, conf: s.conf }, salloc, hold }))
+        let grace = Duration::from_secs(s.release_timeout_s.into());
+        Ok(Some(Allocation { job: SlurmJob { id, srun_args: s.srun_args, conf: s.conf }, salloc, hold, grace }))
     }
 
     /// Ends the job (`scancel`: every step still running is ended by Slurm) and waits up to
-    /// `grace` for `salloc` to exit. An error only when Slurm refused the cancel: once it
-    /// took it, the job ends whatever `salloc` does, so a `salloc` still there after
-    /// `grace` is a warning (and killed), not a failed run.
-    pub async fn release(mut self, grace: Duration) -> anyhow::Result<()> {
+    /// `[cluster.slurm] release_timeout_s` for `salloc` to exit. An error only when Slurm
+    /// refused the cancel: once it took it, the job ends whatever `salloc` does, so a
+    /// `salloc` still there after that time is a warning (and killed), not a failed run.
+    pub async fn release(mut self) -> anyhow::Result<()> {
+        let grace = self.grace;
         let cancel = slurm_command("scancel", &self.job.conf)
             .arg(self.job.id.to_string())
             .output()

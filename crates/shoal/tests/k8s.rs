@@ -509,7 +509,6 @@ fn cluster_file(dir: &Path, name: &str, kubeconfig: &Path, restarts: u32) -> Pat
 
 /// `shoal run` of `file` for `seconds` (long: the test ends it with Ctrl-C's SIGINT).
 fn shoal_run(dir: &Path, file: &Path, seconds: u32) -> Cluster {
-    use std::io::BufRead;
     let mut child = shoal()
         .args(["run", file.to_str().unwrap(), "--seconds", &seconds.to_string(), "--http", "127.0.0.1:0"])
         .current_dir(dir)
@@ -518,15 +517,7 @@ fn shoal_run(dir: &Path, file: &Path, seconds: u32) -> Cluster {
         .process_group(0)
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix("run control UI: http://") {
-                let _ = tx.send(rest.trim_end_matches('/').to_string());
-            }
-        }
-    });
+    let rx = ui_address(&mut child);
     let ui = rx.recv_timeout(Duration::from_secs(180)).unwrap_or_else(|_| {
         panic!("shoal run printed no UI address: {}", std::fs::read_to_string(dir.join("run-control.log")).unwrap())
     });

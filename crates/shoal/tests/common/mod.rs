@@ -96,6 +96,20 @@ pub fn status(ui: &str) -> Option<serde_json::Value> {
     http_get(ui, "/api/status").and_then(|b| serde_json::from_str(&b).ok())
 }
 
+/// The address `shoal run` (its stdout piped) prints for its UI, when it prints it.
+pub fn ui_address(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    let stdout = child.stdout.take().expect("shoal run's stdout piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("run control UI: http://") {
+                let _ = tx.send(rest.trim_end_matches('/').to_string());
+            }
+        }
+    });
+    rx
+}
+
 /// A `shoal run` of 2 builders and 3 single-source processes, killed as a group if the
 /// test fails half-way.
 pub struct Cluster {
@@ -245,15 +259,7 @@ impl Cluster {
             .process_group(0)
             .spawn()
             .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.strip_prefix("run control UI: http://") {
-                    let _ = tx.send(rest.trim_end_matches('/').to_string());
-                }
-            }
-        });
+        let rx = ui_address(&mut child);
         // Started as soon as the dispatcher listens: run control waits 10 s for them to
         // announce themselves.
         if !external.is_empty() {
