@@ -8,8 +8,9 @@
 //! touches a UCX handle.
 //!
 //! What it offers is what the transport needs and no more:
-//! - [`Worker::start`]: the thread, with the active-message ids it receives and the
-//!   [`Sink`] that gets them (called on the worker thread, in the order they complete);
+//! - [`Worker::start`]: the thread, with what it [`Receive`]s: the active-message ids, the
+//!   [`Sink`] that gets them (called on the worker thread, in the order they complete) and
+//!   the size of its receive [`Region`];
 //! - [`Worker::address`]: the worker's address, for the peer to connect to (exchanged out
 //!   of band: shoal sends it over the TCP connection it already has);
 //! - [`Worker::connect`] → [`Endpoint`]: an endpoint with peer-failure handling
@@ -17,9 +18,15 @@
 //!   gone;
 //! - [`Endpoint::send`]: one active message (`ucp_am_send_nbx`), a header and a payload in
 //!   parts (an iovec: the payload is never copied into one buffer). UCX picks eager or
-//!   rendezvous by size; a rendezvous receive lands the payload straight in the buffer the
-//!   receiver allocated (`ucp_am_recv_data_nbx`): over `cma` one copy between processes,
+//!   rendezvous by size; a rendezvous receive lands the payload straight in a slot of the
+//!   receiver's region (`ucp_am_recv_data_nbx`): over `cma` one copy between processes,
 //!   over RDMA none by the CPU.
+//!
+//! The [`Region`] is registered with UCX once (`ucp_mem_map`, its handle passed with every
+//! receive), as flesnet and ALICE register their buffers, instead of UCX registering (on
+//! RDMA: pinning) each buffer as it comes. It is also the receiver's back-pressure: while it
+//! is full a rendezvous waits (the handler returns `UCS_INPROGRESS` and the receive is
+//! posted when a slot comes back), which holds its sender's operation and so its window.
 //!
 //! Built without the system's UCX (ucx-sys's probe failed), [`Worker::start`] returns
 //! [`UcxError::Unavailable`] saying what is missing.
@@ -30,8 +37,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
+pub mod region;
 #[cfg(not(ucx_missing))]
 mod thread;
+
+pub use region::Region;
 
 /// Why a UCX operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +74,17 @@ pub struct Message {
 /// Where a worker's received messages go, called on the worker's thread.
 pub type Sink = Box<dyn FnMut(Message) + Send>;
 
+/// What a worker receives and where it puts it.
+pub struct Receive {
+    /// The active-message ids it takes, each handed to `sink`.
+    pub ids: Vec<u16>,
+    pub sink: Sink,
+    /// Bytes registered with UCX once (`ucp_mem_map`) for the payloads to land in: a
+    /// rendezvous waits (holding its sender) while the region is full, so this is the
+    /// most payload the receiver holds. 0: a buffer allocated per message, no limit.
+    pub region_bytes: usize,
+}
+
 /// A worker's counters, readable from any thread.
 #[derive(Debug, Default)]
 pub struct WorkerStats {
@@ -73,6 +94,10 @@ pub struct WorkerStats {
     pub messages_received: AtomicU64,
     pub bytes_received: AtomicU64,
     pub rendezvous_received: AtomicU64,
+    /// Rendezvous receives that waited for room in the region (its holder's back-pressure).
+    pub receives_deferred: AtomicU64,
+    /// Payloads received outside the region (larger than it, or no region).
+    pub received_outside_region: AtomicU64,
     pub receive_errors: AtomicU64,
     pub endpoint_failures: AtomicU64,
 }
@@ -101,6 +126,7 @@ pub struct Worker {
     commands: mpsc::UnboundedSender<Command>,
     address: Bytes,
     stats: Arc<WorkerStats>,
+    region: Option<Arc<Region>>,
     _thread: std::thread::JoinHandle<()>,
 }
 
@@ -114,22 +140,34 @@ impl std::fmt::Debug for Worker {
 pub const AVAILABLE: bool = !cfg!(ucx_missing);
 
 impl Worker {
-    /// Starts the worker's thread; `receive` lists the active-message ids it takes, each
-    /// handed to `sink`. The transports and devices are UCX's choice under its usual
+    /// Starts the worker's thread, receiving what `receive` says (nothing: a worker that
+    /// only sends). The transports and devices are UCX's choice under its usual
     /// environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...).
-    pub fn start(name: &str, receive: &[u16], sink: Option<Sink>) -> Result<Worker, UcxError> {
+    pub fn start(name: &str, receive: Option<Receive>) -> Result<Worker, UcxError> {
         #[cfg(ucx_missing)]
         {
-            let _ = (name, receive, sink);
+            let _ = (name, receive);
             Err(UcxError::Unavailable)
         }
         #[cfg(not(ucx_missing))]
         {
             let stats = Arc::new(WorkerStats::default());
             let (commands, rx) = mpsc::unbounded_channel();
-            let (address, thread) = thread::spawn(name, receive.to_vec(), sink, rx, stats.clone())?;
-            Ok(Worker { commands, address, stats, _thread: thread })
+            let region = match &receive {
+                Some(r) if r.region_bytes > 0 => Some(
+                    Region::new(r.region_bytes)
+                        .map_err(|e| UcxError::Status { call: "mapping the receive region", status: e.to_string() })?,
+                ),
+                _ => None,
+            };
+            let (address, thread) = thread::spawn(name, receive, region.clone(), rx, stats.clone())?;
+            Ok(Worker { commands, address, stats, region, _thread: thread })
         }
+    }
+
+    /// The memory rendezvous payloads land in, if the worker has one.
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        self.region.as_ref()
     }
 
     /// This worker's address, for a peer's [`Worker::connect`].
@@ -206,8 +244,8 @@ mod tests {
         let sink: Sink = Box::new(move |m| {
             let _ = tx.send(m);
         });
-        let receiver = Worker::start("test-rx", &[7], Some(sink)).unwrap();
-        let sender = Worker::start("test-tx", &[], None).unwrap();
+        let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes: 0 })).unwrap();
+        let sender = Worker::start("test-tx", None).unwrap();
         let ep = sender.connect(receiver.address()).await.unwrap();
         let sizes = [0usize, 1, 100, 8 << 10, 1 << 20, 4 << 20, 3];
         let mut done = Vec::new();
@@ -236,9 +274,66 @@ mod tests {
         assert!(WorkerStats::get(&receiver.stats().rendezvous_received) >= 1, "4 MiB went by rendezvous");
     }
 
+    /// A region with room for two 1 MiB payloads: while the receiver holds two, the third
+    /// waits (deferred, its sender held); once they are dropped every payload lands, whole,
+    /// and the region is empty again. One larger than the region arrives outside it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_region_holds_its_senders_back_and_loses_nothing() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink: Sink = Box::new(move |m| {
+            let _ = tx.send(m);
+        });
+        let region_bytes = (5 << 20) / 2;
+        let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes })).unwrap();
+        let region = receiver.region().expect("a region").clone();
+        let sender = Worker::start("test-tx", None).unwrap();
+        let ep = sender.connect(receiver.address()).await.unwrap();
+        let mut sizes = vec![1usize << 20; 6];
+        sizes.push(3 << 20);
+        let body = |i: usize, n: usize| -> Vec<u8> { (0..n).map(|k| (k * 7 + i) as u8).collect() };
+        let done: Vec<_> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| ep.send(7, Bytes::from(vec![i as u8; 16]), vec![Bytes::from(body(i, n))]))
+            .collect();
+        let check = |m: Message| {
+            let i = m.header[0] as usize;
+            let data = m.data.unwrap();
+            assert_eq!(data.len(), sizes[i], "message {i}");
+            assert!(data[..] == body(i, sizes[i])[..], "message {i}'s bytes");
+            i
+        };
+        // Hold what lands until the region is full and a receive has had to wait.
+        let mut held = Vec::new();
+        let mut seen = Vec::new();
+        for _ in 0..6000 {
+            if WorkerStats::get(&receiver.stats().receives_deferred) > 0 {
+                break;
+            }
+            match tokio::time::timeout(std::time::Duration::from_millis(10), rx.recv()).await {
+                Ok(m) => held.push(m.unwrap()),
+                Err(_) => continue,
+            }
+        }
+        assert!(WorkerStats::get(&receiver.stats().receives_deferred) > 0, "a receive waited for room");
+        assert!(region.in_use() > 0 && region.in_use() <= region.len());
+        seen.extend(held.drain(..).map(check));
+        while seen.len() < sizes.len() {
+            seen.push(check(rx.recv().await.unwrap()));
+        }
+        for d in done {
+            d.await.unwrap().unwrap();
+        }
+        seen.sort();
+        assert_eq!(seen, (0..sizes.len()).collect::<Vec<_>>());
+        assert_eq!(region.in_use(), 0, "every slot came back");
+        assert!(region.peak_in_use.load(Ordering::Relaxed) as usize <= region.len());
+        assert_eq!(WorkerStats::get(&receiver.stats().received_outside_region), 1, "the 3 MiB one");
+    }
+
     #[tokio::test]
     async fn an_address_that_is_not_one_is_an_error_not_a_crash() {
-        let w = Worker::start("test", &[], None).unwrap();
+        let w = Worker::start("test", None).unwrap();
         // UCX parses the address; garbage must come back as a status, not abort.
         let short = w.connect(&[0u8; 2]).await;
         assert!(short.is_err(), "{short:?}");

@@ -11,7 +11,7 @@
 #![allow(clippy::unnecessary_cast)]
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_void};
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr;
@@ -25,7 +25,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 use ucx_sys::*;
 
-use crate::{Command, Message, Sink, UcxError, WorkerStats};
+use crate::region::{Region, Slot};
+use crate::{Command, Message, Receive, Sink, UcxError, WorkerStats};
 
 thread_local! {
     /// Operations handed to UCX and not yet completed: while any are, the loop also
@@ -68,13 +69,19 @@ impl AsRawFd for Efd {
 struct Ucx {
     context: ucp_context_h,
     worker: ucp_worker_h,
+    /// The receive region's registration (null: none).
+    memh: ucp_mem_h,
 }
 
 impl Drop for Ucx {
     fn drop(&mut self) {
-        // SAFETY: both were created by `Ucx::new` and are released once, worker first.
+        // SAFETY: all were created by `Ucx::new` and `Ucx::map` and are released once,
+        // the worker (and what it has in flight) first, the context last.
         unsafe {
             ucp_worker_destroy(self.worker);
+            if !self.memh.is_null() {
+                ucp_mem_unmap(self.context, self.memh);
+            }
             ucp_cleanup(self.context);
         }
     }
@@ -110,8 +117,33 @@ impl Ucx {
                 ucp_cleanup(context);
                 return Err(status_error("ucp_worker_create", s));
             }
-            Ok(Ucx { context, worker })
+            Ok(Ucx { context, worker, memh: ptr::null_mut() })
         }
+    }
+
+    /// Registers the receive region once: rendezvous payloads land in it without UCX
+    /// registering (on RDMA: pinning) each buffer on its own.
+    fn map(&mut self, region: &Region) -> Result<(), UcxError> {
+        // SAFETY: the region's memory lives longer than the registration (the region is
+        // held by every slot and by the thread, which unmaps before it lets go).
+        unsafe {
+            let mut p: ucp_mem_map_params_t = std::mem::zeroed();
+            p.field_mask = (UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | UCP_MEM_MAP_PARAM_FIELD_PROT) as u64;
+            p.address = region.base() as *mut c_void;
+            p.length = region.len();
+            p.prot = (UCP_MEM_MAP_PROT_LOCAL_READ
+                | UCP_MEM_MAP_PROT_LOCAL_WRITE
+                | UCP_MEM_MAP_PROT_REMOTE_READ
+                | UCP_MEM_MAP_PROT_REMOTE_WRITE) as u32;
+            let s = ucp_mem_map(self.context, &p, &mut self.memh);
+            if s != UCS_OK {
+                self.memh = ptr::null_mut();
+                return Err(status_error("ucp_mem_map", s));
+            }
+        }
+        Ok(())
     }
 
     fn address(&self) -> Result<Bytes, UcxError> {
@@ -169,11 +201,31 @@ impl Ucx {
 }
 
 /// What a receive handler needs: the worker (for `ucp_am_recv_data_nbx`), the sink, the
-/// counters; one per process thread, reached from each id's [`Handler`].
+/// counters, the region and its registration, the receives waiting for room in it; one
+/// per worker thread, reached from each id's [`Handler`].
 struct Receiving {
     worker: ucp_worker_h,
     sink: Sink,
     stats: Arc<WorkerStats>,
+    region: Option<Arc<Region>>,
+    memh: ucp_mem_h,
+    /// Rendezvous receives waiting for room, in the order they came: UCX holds their
+    /// senders' operations (and so their windows) until they are posted.
+    deferred: VecDeque<Deferred>,
+}
+
+/// A rendezvous kept (the callback returned `UCS_INPROGRESS`) until the region has room.
+struct Deferred {
+    id: u16,
+    header: Bytes,
+    desc: *mut c_void,
+    length: usize,
+}
+
+/// Where a rendezvous payload lands.
+enum Target {
+    Slot(Slot),
+    Heap(Vec<u8>),
 }
 
 /// The argument of one active-message id's handler.
@@ -186,7 +238,7 @@ struct Handler {
 struct ReceiveOp {
     id: u16,
     header: Bytes,
-    buffer: Vec<u8>,
+    target: Target,
     receiving: *mut Receiving,
 }
 
@@ -253,14 +305,19 @@ fn finish_receive(op: ReceiveOp, status: ucs_status_t, length: usize) {
     // SAFETY: the Receiving outlives every operation of its worker (dropped after the
     // worker is destroyed).
     let r = unsafe { &mut *op.receiving };
-    let ReceiveOp { id, header, mut buffer, .. } = op;
+    let ReceiveOp { id, header, target, .. } = op;
     let data = if status == UCS_OK {
-        // SAFETY: UCX wrote `length` bytes (at most the capacity it was given).
-        unsafe { buffer.set_len(length.min(buffer.capacity())) };
         r.stats.messages_received.fetch_add(1, Ordering::Relaxed);
         r.stats.rendezvous_received.fetch_add(1, Ordering::Relaxed);
         r.stats.bytes_received.fetch_add(length as u64, Ordering::Relaxed);
-        Ok(Bytes::from(buffer))
+        Ok(match target {
+            Target::Slot(slot) => slot.into_bytes(length),
+            Target::Heap(mut buffer) => {
+                // SAFETY: UCX wrote `length` bytes (at most the capacity it was given).
+                unsafe { buffer.set_len(length.min(buffer.capacity())) };
+                Bytes::from(buffer)
+            }
+        })
     } else {
         r.stats.receive_errors.fetch_add(1, Ordering::Relaxed);
         Err(status_error("ucp_am_recv_data_nbx", status))
@@ -290,37 +347,74 @@ unsafe extern "C" fn on_message(
     // SAFETY: as in `finish_receive`.
     let r = unsafe { &mut *handler.receiving };
     if attr & UCP_AM_RECV_ATTR_FLAG_RNDV as u64 == 0 {
-        // Eager: the data is UCX's until this returns; small, so it is copied.
+        // Eager: the data is UCX's until this returns; small, so it is copied (into the
+        // region when it has room at once).
         let bytes = if length == 0 {
             Bytes::new()
         } else {
             // SAFETY: `length` bytes at `data`, valid during this call.
-            Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
+            let eager = unsafe { std::slice::from_raw_parts(data as *const u8, length) };
+            match r.region.as_ref().and_then(|g| g.take(length, false)) {
+                Some(slot) => slot.fill(eager),
+                None => Bytes::copy_from_slice(eager),
+            }
         };
         r.stats.messages_received.fetch_add(1, Ordering::Relaxed);
         r.stats.bytes_received.fetch_add(length as u64, Ordering::Relaxed);
         (r.sink)(Message { id: handler.id, header, data: Ok(bytes), rendezvous: false });
         return UCS_OK;
     }
-    // Rendezvous: the payload is fetched into a buffer of its own, from which the frame
-    // is taken without another copy.
-    let mut op = Box::new(ReceiveOp {
-        id: handler.id,
-        header,
-        buffer: Vec::with_capacity(length),
-        receiving: handler.receiving,
-    });
-    let target = op.buffer.as_mut_ptr() as *mut c_void;
+    // Rendezvous: the payload is fetched into a slot of the region (or, without one, a
+    // buffer of its own), from which the frame is taken without another copy. While the
+    // region is full the receive waits, in order behind those already waiting.
+    let target = match &r.region {
+        Some(region) if length <= region.len() => {
+            match r.deferred.is_empty().then(|| region.take(length, true)).flatten() {
+                Some(slot) => Target::Slot(slot),
+                None => {
+                    r.stats.receives_deferred.fetch_add(1, Ordering::Relaxed);
+                    r.deferred.push_back(Deferred { id: handler.id, header, desc: data, length });
+                    return UCS_INPROGRESS;
+                }
+            }
+        }
+        _ => {
+            r.stats.received_outside_region.fetch_add(1, Ordering::Relaxed);
+            Target::Heap(Vec::with_capacity(length))
+        }
+    };
+    post_receive(handler.receiving, handler.id, header, data, length, target);
+    UCS_OK
+}
+
+/// Starts fetching a rendezvous payload into `target`.
+fn post_receive(receiving: *mut Receiving, id: u16, header: Bytes, desc: *mut c_void, length: usize, target: Target) {
+    // SAFETY: as in `finish_receive`.
+    let r = unsafe { &mut *receiving };
+    let memh = match target {
+        Target::Slot(_) => r.memh,
+        Target::Heap(_) => ptr::null_mut(),
+    };
+    let mut op = Box::new(ReceiveOp { id, header, target, receiving });
+    let dest = match &mut op.target {
+        Target::Slot(slot) => slot.as_mut_ptr() as *mut c_void,
+        Target::Heap(buffer) => buffer.as_mut_ptr() as *mut c_void,
+    };
     let op = Box::into_raw(op);
     // SAFETY: a zeroed parameter block is valid with only the masked fields set; the
-    // ReceiveOp (and its buffer) passes to UCX until the callback or an immediate result.
+    // ReceiveOp (and its buffer) passes to UCX until the callback or an immediate result;
+    // `desc` is a rendezvous descriptor UCX handed to `on_message`, used once.
     unsafe {
         let mut p: ucp_request_param_t = std::mem::zeroed();
         p.op_attr_mask = (UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE) as u32;
         p.cb.recv_am = Some(on_receive_data);
         p.user_data = op as *mut c_void;
         p.datatype = DATATYPE_BYTES;
-        let req = ucp_am_recv_data_nbx(r.worker, data, target, length, &p);
+        if !memh.is_null() {
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH as u32;
+            p.memh = memh;
+        }
+        let req = ucp_am_recv_data_nbx(r.worker, desc, dest, length, &p);
         if req.is_null() {
             finish_receive(*Box::from_raw(op), UCS_OK, length);
         } else if let Some(s) = ptr_status(req) {
@@ -329,7 +423,28 @@ unsafe extern "C" fn on_message(
             OUTSTANDING.with(|o| o.set(o.get() + 1));
         }
     }
-    UCS_OK
+}
+
+/// Posts the waiting receives the region now has room for, in order.
+fn post_deferred(receiving: *mut Receiving) {
+    loop {
+        // SAFETY: as in `finish_receive`; no reference is held across `post_receive`.
+        let r = unsafe { &mut *receiving };
+        let (Some(region), Some(front)) = (r.region.clone(), r.deferred.front()) else {
+            return;
+        };
+        let Some(slot) = region.take(front.length, true) else {
+            return;
+        };
+        let d = r.deferred.pop_front().expect("front above");
+        post_receive(receiving, d.id, d.header, d.desc, d.length, Target::Slot(slot));
+    }
+}
+
+/// Whether receives wait for room.
+fn has_deferred(receiving: *mut Receiving) -> bool {
+    // SAFETY: as in `finish_receive`.
+    !unsafe { &*receiving }.deferred.is_empty()
 }
 
 /// An open endpoint, or one closing.
@@ -346,8 +461,8 @@ struct Closing {
 /// Starts the thread; returns the worker's address once it is up, or why it is not.
 pub(crate) fn spawn(
     name: &str,
-    receive: Vec<u16>,
-    sink: Option<Sink>,
+    receive: Option<Receive>,
+    region: Option<Arc<Region>>,
     commands: mpsc::UnboundedReceiver<Command>,
     stats: Arc<WorkerStats>,
 ) -> Result<(Bytes, std::thread::JoinHandle<()>), UcxError> {
@@ -363,7 +478,7 @@ pub(crate) fn spawn(
                     return;
                 }
             };
-            rt.block_on(run(name, receive, sink, commands, stats, ready_tx));
+            rt.block_on(run(name, receive, region, commands, stats, ready_tx));
         })
         .map_err(|e| UcxError::Status { call: "thread", status: e.to_string() })?;
     match ready.recv() {
@@ -375,25 +490,41 @@ pub(crate) fn spawn(
 
 async fn run(
     name: String,
-    receive: Vec<u16>,
-    sink: Option<Sink>,
+    receive: Option<Receive>,
+    region: Option<Arc<Region>>,
     mut commands: mpsc::UnboundedReceiver<Command>,
     stats: Arc<WorkerStats>,
     ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
 ) {
-    let ucx = match Ucx::new(&name) {
+    let mut ucx = match Ucx::new(&name) {
         Ok(u) => u,
         Err(e) => {
             let _ = ready.send(Err(e));
             return;
         }
     };
-    let sink = sink.unwrap_or_else(|| Box::new(|_| {}));
+    if let Some(region) = &region
+        && let Err(e) = ucx.map(region)
+    {
+        let _ = ready.send(Err(e));
+        return;
+    }
+    let (ids, sink) = match receive {
+        Some(r) => (r.ids, r.sink),
+        None => (Vec::new(), Box::new(|_| {}) as Sink),
+    };
     // Raw pointers, freed by hand once the worker is destroyed: until then a callback
     // may reach them.
-    let receiving = Box::into_raw(Box::new(Receiving { worker: ucx.worker, sink, stats: stats.clone() }));
+    let receiving = Box::into_raw(Box::new(Receiving {
+        worker: ucx.worker,
+        sink,
+        stats: stats.clone(),
+        region: region.clone(),
+        memh: ucx.memh,
+        deferred: VecDeque::new(),
+    }));
     let handlers: Vec<*mut Handler> =
-        receive.iter().map(|&id| Box::into_raw(Box::new(Handler { id, receiving }))).collect();
+        ids.iter().map(|&id| Box::into_raw(Box::new(Handler { id, receiving }))).collect();
     for &h in &handlers {
         // SAFETY: the handler argument lives until after the worker is destroyed.
         let s = unsafe {
@@ -463,7 +594,15 @@ async fn run(
             continue;
         }
         let busy = OUTSTANDING.with(Cell::get) > 0 || !closing.is_empty();
+        let waiting_for_room = has_deferred(receiving);
+        let room = async {
+            match &region {
+                Some(r) => r.room().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            _ = room, if waiting_for_room => post_deferred(receiving),
             c = commands.recv() => match c {
                 Some(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
                 None => break,
@@ -491,6 +630,12 @@ async fn run(
         debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
     }
     drop(efd);
+    // SAFETY: descriptors UCX handed to `on_message` and never posted, each released once.
+    unsafe {
+        for d in (*receiving).deferred.drain(..) {
+            ucp_am_data_release(ucx.worker, d.desc);
+        }
+    }
     // Requests not completed are released with the worker; their boxes are leaked rather
     // than freed under UCX's feet.
     std::mem::forget(closing);

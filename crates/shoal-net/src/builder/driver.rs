@@ -471,7 +471,7 @@ fn start_accept(
     };
     let ucx = match s.transport {
         Transport::Ucx => Some(
-            crate::transport::ucx::UcxReceiver::start(&format!("builder{}", s.id))
+            crate::transport::ucx::UcxReceiver::start(&format!("builder{}", s.id), ucx_region_bytes(s))
                 .map_err(|e| ConfigError::Invalid(format!("run.transport = \"ucx\": {e}")))?,
         ),
         _ => None,
@@ -490,6 +490,15 @@ fn start_accept(
         edge,
         readers.clone(),
     )))
+}
+
+/// The UCX receive region: the builder's memory budget and a quarter more, so that the
+/// assembler's budget (which drops or marks a slice) is what limits a builder, and the
+/// region's back-pressure (a rendezvous waits for room) only catches what the budget does
+/// not count (a payload between worker and assembler, the allocator's gaps).
+fn ucx_region_bytes(s: &BuilderSettings) -> usize {
+    let budget = s.node.assembler.memory_budget.min(1 << 40) as usize;
+    budget.saturating_add(budget / 4).max(64 << 20)
 }
 
 /// The link to the writer, with its failed sends counted.

@@ -64,7 +64,7 @@ impl SourceDriver {
         let requests_to = s.node.policy.pull().is_some().then_some(request_tx);
         let ucx = match s.transport {
             crate::config::Transport::Ucx => Some(Arc::new(
-                shoal_ucx::Worker::start("source", &[], None)
+                shoal_ucx::Worker::start("source", None)
                     .map_err(|e| ConfigError::Invalid(format!("run.transport = \"ucx\": {e}")))?,
             )),
             _ => None,

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use shoal_core::frame::{Frame, HEADER_LEN, set_send_time};
-use shoal_ucx::{Endpoint, Message, UcxError, Worker};
+use shoal_ucx::{Endpoint, Message, Receive, UcxError, Worker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -149,15 +149,16 @@ impl std::fmt::Debug for UcxReceiver {
 }
 
 impl UcxReceiver {
-    /// Starts the builder's worker.
-    pub fn start(name: &str) -> Result<Arc<UcxReceiver>, UcxError> {
+    /// Starts the builder's worker, its payloads landing in a region of `region_bytes`
+    /// registered once (0: a buffer per payload).
+    pub fn start(name: &str, region_bytes: usize) -> Result<Arc<UcxReceiver>, UcxError> {
         let table = Arc::new(Mutex::new(Table::default()));
         let counts = Arc::new(ReceiveCounts::default());
         let sink = {
             let (table, counts) = (table.clone(), counts.clone());
             Box::new(move |m: Message| deliver(&table, &counts, m))
         };
-        let worker = Worker::start(name, &[AM_FRAME, AM_BYE], Some(sink))?;
+        let worker = Worker::start(name, Some(Receive { ids: vec![AM_FRAME, AM_BYE], sink, region_bytes }))?;
         // Connection numbers start at a value of this process's own, so that a number from
         // an earlier builder at the same address opens nothing here.
         let start =
@@ -189,6 +190,9 @@ impl Drop for UcxReceiver {
             messages = get(&w.messages_received),
             bytes = get(&w.bytes_received),
             rendezvous = get(&w.rendezvous_received),
+            deferred_for_room = get(&w.receives_deferred),
+            outside_region = get(&w.received_outside_region),
+            region_peak_mb = self.worker.region().map_or(0, |r| r.peak_in_use.load(Ordering::Relaxed) >> 20),
             receive_errors = get(&w.receive_errors),
             endpoint_failures = get(&w.endpoint_failures),
             unknown_connection = unknown,
