@@ -216,6 +216,23 @@ struct Receiving {
     deferred: VecDeque<Deferred>,
 }
 
+impl Receiving {
+    /// The ids to handle and their receiving state (leaked: freed by hand at the end).
+    fn new(
+        ucx: &Ucx,
+        receive: Option<Receive>,
+        region: Option<Arc<Region>>,
+        stats: Arc<WorkerStats>,
+    ) -> (Vec<u16>, *mut Receiving) {
+        let (ids, sink) = match receive {
+            Some(r) => (r.ids, r.sink),
+            None => (Vec::new(), Box::new(|_| {}) as Sink),
+        };
+        let r = Receiving { worker: ucx.worker, sink, stats, region, memh: ucx.memh, deferred: VecDeque::new() };
+        (ids, Box::into_raw(Box::new(r)))
+    }
+}
+
 /// A rendezvous kept (the callback returned `UCS_INPROGRESS`) until the region has room.
 struct Deferred {
     id: u16,
@@ -490,41 +507,8 @@ pub(crate) fn spawn(
     }
 }
 
-async fn run(
-    name: String,
-    receive: Option<Receive>,
-    region: Option<Arc<Region>>,
-    mut commands: mpsc::UnboundedReceiver<Command>,
-    stats: Arc<WorkerStats>,
-    ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
-) {
-    let mut ucx = match Ucx::new(&name) {
-        Ok(u) => u,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    if let Some(region) = &region
-        && let Err(e) = ucx.map(region)
-    {
-        let _ = ready.send(Err(e));
-        return;
-    }
-    let (ids, sink) = match receive {
-        Some(r) => (r.ids, r.sink),
-        None => (Vec::new(), Box::new(|_| {}) as Sink),
-    };
-    // Raw pointers, freed by hand once the worker is destroyed: until then a callback
-    // may reach them.
-    let receiving = Box::into_raw(Box::new(Receiving {
-        worker: ucx.worker,
-        sink,
-        stats: stats.clone(),
-        region: region.clone(),
-        memh: ucx.memh,
-        deferred: VecDeque::new(),
-    }));
+/// Registers `on_message` for each id, its argument a [`Handler`] reaching `receiving`.
+fn set_handlers(ucx: &Ucx, ids: &[u16], receiving: *mut Receiving) -> Result<Vec<*mut Handler>, UcxError> {
     let handlers: Vec<*mut Handler> =
         ids.iter().map(|&id| Box::into_raw(Box::new(Handler { id, receiving }))).collect();
     for &h in &handlers {
@@ -542,10 +526,43 @@ async fn run(
             ucp_worker_set_am_recv_handler(ucx.worker, &p)
         };
         if s != UCS_OK {
-            let _ = ready.send(Err(status_error("ucp_worker_set_am_recv_handler", s)));
-            return;
+            return Err(status_error("ucp_worker_set_am_recv_handler", s));
         }
     }
+    Ok(handlers)
+}
+
+async fn run(
+    name: String,
+    receive: Option<Receive>,
+    region: Option<Arc<Region>>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    stats: Arc<WorkerStats>,
+    ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
+) {
+    let registered = Ucx::new(&name).and_then(|mut u| {
+        if let Some(region) = &region {
+            u.map(region)?;
+        }
+        Ok(u)
+    });
+    let ucx = match registered {
+        Ok(u) => u,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    // Raw pointers, freed by hand once the worker is destroyed: until then a callback
+    // may reach them.
+    let (ids, receiving) = Receiving::new(&ucx, receive, region.clone(), stats.clone());
+    let handlers = match set_handlers(&ucx, &ids, receiving) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let efd = match ucx.efd().and_then(|fd| {
         // SAFETY: the descriptor is the worker's, open until `ucx` is dropped, which
         // happens after `efd` is (below).
