@@ -37,6 +37,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
+#[cfg(not(ucx_missing))]
+mod exit;
 pub mod region;
 #[cfg(not(ucx_missing))]
 mod thread;
@@ -121,13 +123,13 @@ enum Command {
 
 /// A UCX context and worker on a thread of their own. The thread ends once this and every
 /// [`Endpoint`] of it are dropped (each holds a way to it): it closes the endpoints left,
-/// waits a bounded time for what is in flight, and destroys the worker.
+/// waits a bounded time for what is in flight, and destroys the worker; at the process's
+/// exit every worker thread does so before UCX's libraries go (`exit`).
 pub struct Worker {
     commands: mpsc::UnboundedSender<Command>,
     address: Bytes,
     stats: Arc<WorkerStats>,
     region: Option<Arc<Region>>,
-    _thread: std::thread::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -160,8 +162,8 @@ impl Worker {
                 ),
                 _ => None,
             };
-            let (address, thread) = thread::spawn(name, receive, region.clone(), rx, stats.clone())?;
-            Ok(Worker { commands, address, stats, region, _thread: thread })
+            let address = thread::spawn(name, receive, region.clone(), rx, stats.clone())?;
+            Ok(Worker { commands, address, stats, region })
         }
     }
 

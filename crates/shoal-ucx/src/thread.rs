@@ -484,7 +484,7 @@ pub(crate) fn spawn(
     region: Option<Arc<Region>>,
     commands: mpsc::UnboundedReceiver<Command>,
     stats: Arc<WorkerStats>,
-) -> Result<(Bytes, std::thread::JoinHandle<()>), UcxError> {
+) -> Result<Bytes, UcxError> {
     let (ready_tx, ready) = std::sync::mpsc::channel();
     let name = name.to_string();
     let thread = std::thread::Builder::new()
@@ -500,8 +500,9 @@ pub(crate) fn spawn(
             rt.block_on(run(name, receive, region, commands, stats, ready_tx));
         })
         .map_err(|e| UcxError::Status { call: "thread", status: e.to_string() })?;
+    crate::exit::track(thread);
     match ready.recv() {
-        Ok(Ok(address)) => Ok((address, thread)),
+        Ok(Ok(address)) => Ok(address),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(UcxError::WorkerGone),
     }
@@ -601,7 +602,7 @@ async fn run(
                 }
             }
         }
-        if ended {
+        if ended || crate::exit::stopping() {
             break;
         }
         ucx.progress();
@@ -625,7 +626,14 @@ async fn run(
                 None => std::future::pending().await,
             }
         };
+        // Enabled before the flag is read, so that a stop between the two still wakes it.
+        let mut stop = std::pin::pin!(crate::exit::STOP.notified());
+        stop.as_mut().enable();
+        if crate::exit::stopping() {
+            break;
+        }
         tokio::select! {
+            _ = stop => break,
             _ = room, if waiting_for_room => post_deferred(receiving),
             c = commands.recv() => match c {
                 Some(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
