@@ -848,6 +848,8 @@ fn close(e: EndpointEntry, force: bool, closing: &mut Vec<Closing>) {
 /// request its user never released aborts in UCX (`ucp_ep.c`, seen with 30,000 endpoints
 /// closing at a full-shape demo's end). Returns their failure states, which UCX's error
 /// callback may still reach until the worker is gone.
+// Boxed: UCX holds each state's address (its error callback's argument), so it must not move.
+#[allow(clippy::vec_box)]
 fn release(closing: Vec<Closing>) -> Vec<Box<EndpointState>> {
     closing
         .into_iter()
