@@ -13,7 +13,7 @@
 //!   with the count held back.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -218,28 +218,25 @@ pub async fn serve_with(
         let service = TowerToHyperService::new(router.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer))));
         let (stats, cancel, tls) = (stats.clone(), cancel.clone(), tls.clone());
         connections.spawn(async move {
-            let result = match tls {
-                None => serve_connection(stream, service, limits, &cancel).await,
-                Some(tls) => match tokio::time::timeout(limits.header_timeout, tls.accept(stream)).await {
-                    Ok(Ok(stream)) => serve_connection(stream, service, limits, &cancel).await,
-                    Ok(Err(e)) => {
-                        stats.tls_refused.fetch_add(1, Ordering::Relaxed);
-                        say(name, &format!("TLS handshake from {peer} refused: {e}"));
-                        Ok(())
+            // Each path frees the place and counts how the connection ended before its
+            // socket closes: a peer that sees its connection end may connect again at once,
+            // and finds the end already counted.
+            let ended = Ended { slot, stats: &stats, name, peer };
+            match tls {
+                None => serve_connection(stream, service, limits, &cancel, ended).await,
+                Some(tls) => {
+                    // Pinned here, the handshake (and its socket) outlives a timeout's arm.
+                    let handshake = tls.accept(stream).into_fallible();
+                    tokio::pin!(handshake);
+                    match tokio::time::timeout(limits.header_timeout, handshake.as_mut()).await {
+                        Ok(Ok(stream)) => serve_connection(stream, service, limits, &cancel, ended).await,
+                        Ok(Err((e, stream))) => {
+                            ended.tls_refused(&format!("TLS handshake from {peer} refused: {e}"));
+                            drop(stream);
+                        }
+                        Err(_) => ended.tls_refused(&format!("no TLS handshake from {peer} in time: closed")),
                     }
-                    Err(_) => {
-                        stats.tls_refused.fetch_add(1, Ordering::Relaxed);
-                        say(name, &format!("no TLS handshake from {peer} in time: closed"));
-                        Ok(())
-                    }
-                },
-            };
-            // The place is free before the socket closes (with the connection, at the
-            // end): a peer that sees its connection end may connect again at once.
-            drop(slot);
-            if let Err(e) = result {
-                stats.connection_errors.fetch_add(1, Ordering::Relaxed);
-                say(name, &format!("connection from {peer} ended: {e}"));
+                }
             }
         });
     }
@@ -249,14 +246,39 @@ pub async fn serve_with(
     Ok(())
 }
 
-/// One HTTP/1 connection (plain or TLS) until it ends or `cancel` (then gracefully).
+/// How a connection ended, told while its socket is still open.
+struct Ended<'a> {
+    slot: Slot,
+    stats: &'a HttpStats,
+    name: &'static str,
+    peer: SocketAddr,
+}
+
+impl Ended<'_> {
+    fn tls_refused(self, why: &str) {
+        drop(self.slot);
+        self.stats.tls_refused.fetch_add(1, Ordering::Relaxed);
+        say(self.name, why);
+    }
+
+    fn served(self, result: Result<(), hyper::Error>) {
+        drop(self.slot);
+        if let Err(e) = result {
+            self.stats.connection_errors.fetch_add(1, Ordering::Relaxed);
+            say(self.name, &format!("connection from {} ended: {e}", self.peer));
+        }
+    }
+}
+
+/// One HTTP/1 connection (plain or TLS) until it ends or `cancel` (then gracefully). The
+/// end is told (`ended`) before the connection, and with it the socket, is dropped.
 async fn serve_connection<I>(
     io: I,
     service: TowerToHyperService<Router>,
     limits: HttpLimits,
     cancel: &CancellationToken,
-) -> Result<(), hyper::Error>
-where
+    ended: Ended<'_>,
+) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let conn = http1::Builder::new()
@@ -265,11 +287,12 @@ where
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     tokio::pin!(conn);
-    tokio::select! {
+    let result = tokio::select! {
         r = conn.as_mut() => r,
         _ = cancel.cancelled() => {
             conn.as_mut().graceful_shutdown();
             conn.as_mut().await
         }
-    }
+    };
+    ended.served(result);
 }
