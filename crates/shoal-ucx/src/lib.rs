@@ -14,7 +14,8 @@
 //! - [`Worker::address`]: the worker's address, for the peer to connect to (exchanged out
 //!   of band: shoal sends it over the TCP connection it already has);
 //! - [`Worker::connect`] → [`Endpoint`]: an endpoint with peer-failure handling
-//!   (`UCP_ERR_HANDLING_MODE_PEER`); [`Endpoint::failed`] resolves when UCX reports the peer
+//!   (`UCP_ERR_HANDLING_MODE_PEER`), one UCX endpoint per peer worker shared by every
+//!   [`Endpoint`] to it; [`Endpoint::failed`] resolves when UCX reports the peer
 //!   gone;
 //! - [`Endpoint::send`]: one active message (`ucp_am_send_nbx`), a header and a payload in
 //!   parts (an iovec: the payload is never copied into one buffer). UCX picks eager or
@@ -102,6 +103,8 @@ pub struct WorkerStats {
     pub received_outside_region: AtomicU64,
     pub receive_errors: AtomicU64,
     pub endpoint_failures: AtomicU64,
+    /// UCX endpoints made (one per peer worker, shared by the [`Endpoint`]s to it).
+    pub endpoints_created: AtomicU64,
 }
 
 impl WorkerStats {
@@ -181,7 +184,8 @@ impl Worker {
         &self.stats
     }
 
-    /// An endpoint to the worker at `remote` (its [`Worker::address`]).
+    /// An endpoint to the worker at `remote` (its [`Worker::address`]): the UCX endpoint
+    /// this worker already has to it, if it has a well one, else a new one.
     pub async fn connect(&self, remote: &[u8]) -> Result<Endpoint, UcxError> {
         let (reply, rx) = oneshot::channel();
         self.commands.send(Command::Connect { remote: remote.to_vec(), reply }).map_err(|_| UcxError::WorkerGone)?;
@@ -190,7 +194,7 @@ impl Worker {
     }
 }
 
-/// An endpoint to one peer worker; dropping it closes it.
+/// A use of the endpoint to one peer worker; dropping the last use of it closes it.
 #[derive(Debug)]
 pub struct Endpoint {
     id: u64,
@@ -331,6 +335,43 @@ mod tests {
         assert_eq!(region.in_use(), 0, "every slot came back");
         assert!(region.peak_in_use.load(Ordering::Relaxed) as usize <= region.len());
         assert_eq!(WorkerStats::get(&receiver.stats().received_outside_region), 1, "the 3 MiB one");
+    }
+
+    /// Two connections to one peer share its UCX endpoint: both carry messages, the first
+    /// one's drop leaves the second's working, and once both are gone a new connection
+    /// makes a new endpoint.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_to_one_peer_share_its_endpoint() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let sink: Sink = Box::new(move |m| {
+            let _ = tx.send(m);
+        });
+        let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes: 0 })).unwrap();
+        let sender = Worker::start("test-tx", None).unwrap();
+        let created = || WorkerStats::get(&sender.stats().endpoints_created);
+        let (a, b) =
+            (sender.connect(receiver.address()).await.unwrap(), sender.connect(receiver.address()).await.unwrap());
+        assert_eq!(created(), 1, "the second connection made an endpoint of its own");
+        let sent =
+            |ep: &Endpoint, tag: u8| ep.send(7, Bytes::from(vec![tag; 4]), vec![Bytes::from(vec![tag; 100_000])]);
+        let (da, db) = (sent(&a, 1), sent(&b, 2));
+        da.await.unwrap().unwrap();
+        db.await.unwrap().unwrap();
+        drop(a);
+        sent(&b, 3).await.unwrap().unwrap();
+        let mut tags: Vec<u8> = Vec::new();
+        for _ in 0..3 {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data.unwrap().len(), 100_000);
+            tags.push(m.header[0]);
+        }
+        tags.sort();
+        assert_eq!(tags, [1, 2, 3]);
+        drop(b);
+        let c = sender.connect(receiver.address()).await.unwrap();
+        assert_eq!(created(), 2, "a connection after the last one closed reused a closed endpoint");
+        sent(&c, 4).await.unwrap().unwrap();
+        assert_eq!(rx.recv().await.unwrap().header[0], 4);
     }
 
     #[tokio::test]

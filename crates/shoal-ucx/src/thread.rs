@@ -67,33 +67,41 @@ impl AsRawFd for Efd {
     }
 }
 
-/// The UCX objects of one thread, released in reverse order on drop.
-struct Ucx {
-    context: ucp_context_h,
-    worker: ucp_worker_h,
-    /// The receive region's registration (null: none).
-    memh: ucp_mem_h,
-}
+/// The process's UCX context, shared by its workers (`mt_workers_shared`: UCX locks what
+/// they share). One context per worker cost the embedded full shape (101 workers) most of
+/// its time in the memory-event hooks, where UCX calls every context's handler under one
+/// global lock at each `mmap`/`munmap` of the process; one context has one handler, one
+/// configuration read and one set of transport resources.
+struct Context(ucp_context_h);
 
-impl Drop for Ucx {
+// SAFETY: created with `mt_workers_shared`, the context may be used by workers on
+// different threads; it is released once, by the last holder (`Drop`).
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: all were created by `Ucx::new` and `Ucx::map` and are released once,
-        // the worker (and what it has in flight) first, the context last.
-        unsafe {
-            ucp_worker_destroy(self.worker);
-            if !self.memh.is_null() {
-                ucp_mem_unmap(self.context, self.memh);
-            }
-            ucp_cleanup(self.context);
-        }
+        // SAFETY: every worker of it is destroyed (each holds the context until it is).
+        unsafe { ucp_cleanup(self.0) };
     }
 }
 
-impl Ucx {
-    fn new(name: &str) -> Result<Ucx, UcxError> {
-        let name = std::ffi::CString::new(name).unwrap_or_default();
+impl Context {
+    /// The process's context: the one its workers hold, or a new one if none is alive.
+    fn shared() -> Result<Arc<Context>, UcxError> {
+        static SHARED: std::sync::Mutex<std::sync::Weak<Context>> = std::sync::Mutex::new(std::sync::Weak::new());
+        let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = shared.upgrade() {
+            return Ok(c);
+        }
+        let c = Arc::new(Context::new()?);
+        *shared = Arc::downgrade(&c);
+        Ok(c)
+    }
+
+    fn new() -> Result<Context, UcxError> {
         // SAFETY: UCX's documented order (read the configuration from the environment,
-        // init a context, create a worker); every out-pointer is a local.
+        // init a context); every out-pointer is a local.
         unsafe {
             let mut config: *mut ucp_config_t = ptr::null_mut();
             let s = ucp_config_read(ptr::null(), ptr::null(), &mut config);
@@ -101,22 +109,55 @@ impl Ucx {
                 return Err(status_error("ucp_config_read", s));
             }
             let mut params: ucp_params_t = std::mem::zeroed();
-            params.field_mask = (UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME) as u64;
+            params.field_mask =
+                (UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
             params.features = (UCP_FEATURE_AM | UCP_FEATURE_WAKEUP) as u64;
-            params.name = name.as_ptr();
+            params.name = c"shoal".as_ptr();
+            params.mt_workers_shared = 1;
             let mut context: ucp_context_h = ptr::null_mut();
             let s = ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut context);
             ucp_config_release(config);
             if s != UCS_OK {
                 return Err(status_error("ucp_init", s));
             }
+            Ok(Context(context))
+        }
+    }
+}
+
+/// The UCX objects of one thread, released in reverse order on drop.
+struct Ucx {
+    context: Arc<Context>,
+    worker: ucp_worker_h,
+    /// The receive region's registration (null: none).
+    memh: ucp_mem_h,
+}
+
+impl Drop for Ucx {
+    fn drop(&mut self) {
+        // SAFETY: the worker and the registration were created by `Ucx::new` and
+        // `Ucx::map` and are released once, the worker (and what it has in flight) first;
+        // the context goes with its last worker.
+        unsafe {
+            ucp_worker_destroy(self.worker);
+            if !self.memh.is_null() {
+                ucp_mem_unmap(self.context.0, self.memh);
+            }
+        }
+    }
+}
+
+impl Ucx {
+    fn new() -> Result<Ucx, UcxError> {
+        let context = Context::shared()?;
+        // SAFETY: a live context; the out-pointer is a local.
+        unsafe {
             let mut wparams: ucp_worker_params_t = std::mem::zeroed();
             wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
             wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
             let mut worker: ucp_worker_h = ptr::null_mut();
-            let s = ucp_worker_create(context, &wparams, &mut worker);
+            let s = ucp_worker_create(context.0, &wparams, &mut worker);
             if s != UCS_OK {
-                ucp_cleanup(context);
                 return Err(status_error("ucp_worker_create", s));
             }
             Ok(Ucx { context, worker, memh: ptr::null_mut() })
@@ -139,7 +180,7 @@ impl Ucx {
                 | UCP_MEM_MAP_PROT_LOCAL_WRITE
                 | UCP_MEM_MAP_PROT_REMOTE_READ
                 | UCP_MEM_MAP_PROT_REMOTE_WRITE) as u32;
-            let s = ucp_mem_map(self.context, &p, &mut self.memh);
+            let s = ucp_mem_map(self.context.0, &p, &mut self.memh);
             if s != UCS_OK {
                 self.memh = ptr::null_mut();
                 return Err(status_error("ucp_mem_map", s));
@@ -466,10 +507,81 @@ fn has_deferred(receiving: *mut Receiving) -> bool {
     !unsafe { &*receiving }.deferred.is_empty()
 }
 
-/// An open endpoint, or one closing.
+/// An open endpoint, and how many [`crate::Endpoint`]s use it.
 struct EndpointEntry {
     ep: ucp_ep_h,
     state: Box<EndpointState>,
+    remote: Vec<u8>,
+    users: usize,
+}
+
+/// The worker's open endpoints, one per peer worker address: every connection of this
+/// process to the same peer shares it (the messages' own headers say which connection
+/// they are for). At full shape a source process has 30,000 links to 100 builders: one
+/// endpoint each had UCX's progress walk 30,000 endpoints' pending queues and the
+/// builders answer 300 wire-ups each.
+#[derive(Default)]
+struct Endpoints {
+    by_id: HashMap<u64, EndpointEntry>,
+    /// The well endpoint to each address (a failed one is not handed out again).
+    by_remote: HashMap<Vec<u8>, u64>,
+    next_id: u64,
+}
+
+impl Endpoints {
+    /// An endpoint to `remote`: the open one to it, or a new one.
+    fn connect(
+        &mut self,
+        ucx: &Ucx,
+        remote: Vec<u8>,
+        stats: &Arc<WorkerStats>,
+    ) -> Result<(u64, watch::Receiver<Option<UcxError>>), UcxError> {
+        if let Some(&id) = self.by_remote.get(&remote) {
+            let e = self.by_id.get_mut(&id).expect("by_remote names open endpoints");
+            if e.state.failed.borrow().is_none() {
+                e.users += 1;
+                return Ok((id, e.state.failed.subscribe()));
+            }
+            // Failed: its users still hold it until they close; a new connection gets a
+            // new endpoint (the peer may be back at the same address).
+            self.by_remote.remove(&remote);
+        }
+        let (failed, failed_rx) = watch::channel(None);
+        let state = Box::new(EndpointState { failed, stats: stats.clone() });
+        let ep = connect(ucx, &remote, &state)?;
+        stats.endpoints_created.fetch_add(1, Ordering::Relaxed);
+        self.next_id += 1;
+        self.by_remote.insert(remote.clone(), self.next_id);
+        self.by_id.insert(self.next_id, EndpointEntry { ep, state, remote, users: 1 });
+        Ok((self.next_id, failed_rx))
+    }
+
+    /// One user of `id` is done with it; the last closes it.
+    fn release(&mut self, id: u64, closing: &mut Vec<Closing>) {
+        let Some(e) = self.by_id.get_mut(&id) else {
+            return;
+        };
+        e.users -= 1;
+        if e.users > 0 {
+            return;
+        }
+        let e = self.by_id.remove(&id).expect("just seen");
+        if self.by_remote.get(&e.remote) == Some(&id) {
+            self.by_remote.remove(&e.remote);
+        }
+        let failed = e.state.failed.borrow().is_some();
+        close(e, failed, closing);
+    }
+
+    fn get(&self, id: u64) -> Option<ucp_ep_h> {
+        self.by_id.get(&id).map(|e| e.ep)
+    }
+
+    /// Every endpoint, for the worker's end.
+    fn drain(&mut self) -> impl Iterator<Item = EndpointEntry> + '_ {
+        self.by_remote.clear();
+        self.by_id.drain().map(|(_, e)| e)
+    }
 }
 
 struct Closing {
@@ -541,7 +653,7 @@ async fn run(
     stats: Arc<WorkerStats>,
     ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
 ) {
-    let registered = Ucx::new(&name).and_then(|mut u| {
+    let registered = Ucx::new().and_then(|mut u| {
         if let Some(region) = &region {
             u.map(region)?;
         }
@@ -585,16 +697,15 @@ async fn run(
             return;
         }
     }
-    let mut endpoints: HashMap<u64, EndpointEntry> = HashMap::new();
+    let mut endpoints = Endpoints::default();
     let mut closing: Vec<Closing> = Vec::new();
-    let mut next_endpoint = 0u64;
     loop {
         // Every command waiting is taken before the worker progresses: sends queued
         // together go out together.
         let mut ended = false;
         loop {
             match commands.try_recv() {
-                Ok(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
+                Ok(c) => handle(&ucx, c, &mut endpoints, &mut closing, &stats),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => {
                     ended = true;
@@ -636,7 +747,7 @@ async fn run(
             _ = stop => break,
             _ = room, if waiting_for_room => post_deferred(receiving),
             c = commands.recv() => match c {
-                Some(c) => handle(&ucx, c, &mut endpoints, &mut closing, &mut next_endpoint, &stats),
+                Some(c) => handle(&ucx, c, &mut endpoints, &mut closing, &stats),
                 None => break,
             },
             g = efd.readable() => {
@@ -649,7 +760,7 @@ async fn run(
     }
     // The end: close every endpoint, let what is in flight finish (bounded), then
     // destroy the worker.
-    for (_, e) in endpoints.drain() {
+    for e in endpoints.drain() {
         close(e, false, &mut closing);
     }
     let deadline = std::time::Instant::now() + END_WAIT;
@@ -678,38 +789,21 @@ async fn run(
 fn handle(
     ucx: &Ucx,
     command: Command,
-    endpoints: &mut HashMap<u64, EndpointEntry>,
+    endpoints: &mut Endpoints,
     closing: &mut Vec<Closing>,
-    next_endpoint: &mut u64,
     stats: &Arc<WorkerStats>,
 ) {
     match command {
         Command::Connect { remote, reply } => {
-            let (failed, failed_rx) = watch::channel(None);
-            let state = Box::new(EndpointState { failed, stats: stats.clone() });
-            match connect(ucx, &remote, &state) {
-                Ok(ep) => {
-                    *next_endpoint += 1;
-                    endpoints.insert(*next_endpoint, EndpointEntry { ep, state });
-                    let _ = reply.send(Ok((*next_endpoint, failed_rx)));
-                }
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                }
-            }
+            let _ = reply.send(endpoints.connect(ucx, remote, stats));
         }
-        Command::Send { endpoint, id, header, data, done } => match endpoints.get(&endpoint) {
-            Some(e) => send(e.ep, id, header, data, done, stats),
+        Command::Send { endpoint, id, header, data, done } => match endpoints.get(endpoint) {
+            Some(ep) => send(ep, id, header, data, done, stats),
             None => {
                 let _ = done.send(Err(UcxError::WorkerGone));
             }
         },
-        Command::Close { endpoint } => {
-            if let Some(e) = endpoints.remove(&endpoint) {
-                let failed = e.state.failed.borrow().is_some();
-                close(e, failed, closing);
-            }
-        }
+        Command::Close { endpoint } => endpoints.release(endpoint, closing),
     }
 }
 

@@ -63,10 +63,10 @@ impl SourceDriver {
         let closing = CancellationToken::new();
         let requests_to = s.node.policy.pull().is_some().then_some(request_tx);
         let ucx = match s.transport {
-            crate::config::Transport::Ucx => Some(Arc::new(
-                shoal_ucx::Worker::start("source", None)
+            crate::config::Transport::Ucx => Some(
+                crate::transport::ucx::sending_worker()
                     .map_err(|e| ConfigError::Invalid(format!("run.transport = \"ucx\": {e}")))?,
-            )),
+            ),
             _ => None,
         };
         let ends = LinkEnds { reports: report_tx, closing: closing.clone(), requests: requests_to, ucx };
