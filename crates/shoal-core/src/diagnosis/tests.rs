@@ -212,8 +212,15 @@ fn a_path_that_retransmits_stalls_or_loses_connections_with_its_peers_up_is_name
     // ... but a builder that died or was restarted meanwhile broke it: not the path.
     let mut down = b.clone();
     down.presence = Presence::Down("exited".into());
-    let f = found_after(vec![s.clone(), down], vec![failed.clone(), b.clone()]);
+    let f = found_after(vec![s.clone(), down.clone()], vec![failed.clone(), b.clone()]);
     assert!(f.iter().all(|x| x.0 != Rule::NetworkPath), "{f:?}");
+    // ... as are segments sent again just after it came back (its catch-up burst).
+    let mut lossy = s.clone();
+    lossy.counters.tcp_segments_out += 240;
+    lossy.counters.tcp_retransmitted = 3;
+    let f = found_after(vec![s.clone(), down], vec![lossy.clone(), b.clone()]);
+    assert!(f.iter().all(|x| x.0 != Rule::NetworkPath), "{f:?}");
+    assert_eq!(found_after(vec![s.clone(), b.clone()], vec![lossy, b.clone()])[0].0, Rule::NetworkPath);
     let (mut old, mut new) = (b.clone(), b.clone());
     old.pid = Some(10);
     new.pid = Some(11);
