@@ -125,8 +125,9 @@ enum Command {
 }
 
 /// A UCX context and worker on a thread of their own. The thread ends once this and every
-/// [`Endpoint`] of it are dropped (each holds a way to it): it closes the endpoints left,
-/// waits a bounded time for what is in flight, and destroys the worker; at the process's
+/// [`Endpoint`] of it are dropped (each holds a way to it): it waits a bounded time for
+/// what is in flight, closes the endpoints (cancelling what is still in flight then), and
+/// destroys the worker; at the process's
 /// exit every worker thread does so before UCX's libraries go (`exit`).
 pub struct Worker {
     commands: mpsc::UnboundedSender<Command>,
@@ -194,7 +195,9 @@ impl Worker {
     }
 }
 
-/// A use of the endpoint to one peer worker; dropping the last use of it closes it.
+/// A use of the endpoint to one peer worker. The endpoint stays open once its last use is
+/// dropped (for the next connection to that peer) until the worker ends; one whose peer
+/// failed is closed with its last use.
 #[derive(Debug)]
 pub struct Endpoint {
     id: u64,
@@ -338,8 +341,8 @@ mod tests {
     }
 
     /// Two connections to one peer share its UCX endpoint: both carry messages, the first
-    /// one's drop leaves the second's working, and once both are gone a new connection
-    /// makes a new endpoint.
+    /// one's drop leaves the second's working, and once both are gone the endpoint stays
+    /// open for the next connection to that peer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn connections_to_one_peer_share_its_endpoint() {
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -369,7 +372,7 @@ mod tests {
         assert_eq!(tags, [1, 2, 3]);
         drop(b);
         let c = sender.connect(receiver.address()).await.unwrap();
-        assert_eq!(created(), 2, "a connection after the last one closed reused a closed endpoint");
+        assert_eq!(created(), 1, "a connection after the last one's end did not take the open endpoint");
         sent(&c, 4).await.unwrap().unwrap();
         assert_eq!(rx.recv().await.unwrap().header[0], 4);
     }

@@ -556,21 +556,22 @@ impl Endpoints {
         Ok((self.next_id, failed_rx))
     }
 
-    /// One user of `id` is done with it; the last closes it.
+    /// One user of `id` is done with it. A failed endpoint is closed with its last user;
+    /// a well one stays open without users (for the next connection to its peer, and so
+    /// that what its last user left in flight can still complete) until the worker ends.
     fn release(&mut self, id: u64, closing: &mut Vec<Closing>) {
         let Some(e) = self.by_id.get_mut(&id) else {
             return;
         };
         e.users -= 1;
-        if e.users > 0 {
+        if e.users > 0 || e.state.failed.borrow().is_none() {
             return;
         }
         let e = self.by_id.remove(&id).expect("just seen");
         if self.by_remote.get(&e.remote) == Some(&id) {
             self.by_remote.remove(&e.remote);
         }
-        let failed = e.state.failed.borrow().is_some();
-        close(e, failed, closing);
+        close(e, true, closing);
     }
 
     fn get(&self, id: u64) -> Option<ucp_ep_h> {
@@ -758,10 +759,22 @@ async fn run(
             _ = tokio::time::sleep(Duration::from_micros(200)), if busy => {}
         }
     }
-    // The end: close every endpoint, let what is in flight finish (bounded), then
-    // destroy the worker.
+    // The end: what is in flight finishes first (bounded: a send completes once its peer
+    // has fetched it). Then every endpoint is closed, what is still in flight cancelled
+    // (forced): a peer that has not fetched it by then will not (gone, or it released the
+    // message unread at its own end), a flush would never end, and destroying the worker
+    // would leave UCX's requests behind (thousands of "not returned to mpool" warnings at
+    // an overloaded full shape's end). Then the worker is destroyed.
+    let deadline = std::time::Instant::now() + END_WAIT;
+    while OUTSTANDING.with(Cell::get) > 0 && std::time::Instant::now() < deadline {
+        ucx.progress();
+        reap(&mut closing);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let force = OUTSTANDING.with(Cell::get) > 0;
     for e in endpoints.drain() {
-        close(e, false, &mut closing);
+        let failed = e.state.failed.borrow().is_some();
+        close(e, force || failed, &mut closing);
     }
     let deadline = std::time::Instant::now() + END_WAIT;
     while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
