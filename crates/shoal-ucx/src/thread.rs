@@ -759,32 +759,7 @@ async fn run(
             _ = tokio::time::sleep(Duration::from_micros(200)), if busy => {}
         }
     }
-    // The end: what is in flight finishes first (bounded: a send completes once its peer
-    // has fetched it). Then every endpoint is closed, what is still in flight cancelled
-    // (forced): a peer that has not fetched it by then will not (gone, or it released the
-    // message unread at its own end), a flush would never end, and destroying the worker
-    // would leave UCX's requests behind (thousands of "not returned to mpool" warnings at
-    // an overloaded full shape's end). Then the worker is destroyed.
-    let deadline = std::time::Instant::now() + END_WAIT;
-    while OUTSTANDING.with(Cell::get) > 0 && std::time::Instant::now() < deadline {
-        ucx.progress();
-        reap(&mut closing);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    let force = OUTSTANDING.with(Cell::get) > 0;
-    for e in endpoints.drain() {
-        let failed = e.state.failed.borrow().is_some();
-        close(e, force || failed, &mut closing);
-    }
-    let deadline = std::time::Instant::now() + END_WAIT;
-    while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
-        ucx.progress();
-        reap(&mut closing);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    if !closing.is_empty() || OUTSTANDING.with(Cell::get) > 0 {
-        debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
-    }
+    end_wait(&ucx, &mut endpoints, &mut closing, &name).await;
     drop(efd);
     release_deferred(&ucx, receiving);
     let states = release(closing);
@@ -796,6 +771,36 @@ async fn run(
             drop(Box::from_raw(h));
         }
         drop(Box::from_raw(receiving));
+    }
+}
+
+/// The worker's end before its destruction: what is in flight finishes first (bounded: a
+/// send completes once its peer has fetched it). Then every endpoint is closed, what is
+/// still in flight cancelled (forced): a peer that has not fetched it by then will not
+/// (gone, or it released the message unread at its own end) and a flush would never end.
+/// UCX cancels them where it tracks requests per endpoint (peer-failure mode); over
+/// shared memory alone it cannot, and warns at the worker's destruction that they were
+/// "not returned to mpool".
+async fn end_wait(ucx: &Ucx, endpoints: &mut Endpoints, closing: &mut Vec<Closing>, name: &str) {
+    let deadline = std::time::Instant::now() + END_WAIT;
+    while OUTSTANDING.with(Cell::get) > 0 && std::time::Instant::now() < deadline {
+        ucx.progress();
+        reap(closing);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let force = OUTSTANDING.with(Cell::get) > 0;
+    for e in endpoints.drain() {
+        let failed = e.state.failed.borrow().is_some();
+        close(e, force || failed, closing);
+    }
+    let deadline = std::time::Instant::now() + END_WAIT;
+    while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
+        ucx.progress();
+        reap(closing);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    if !closing.is_empty() || OUTSTANDING.with(Cell::get) > 0 {
+        debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
     }
 }
 
