@@ -38,8 +38,10 @@ def run(shoal, cfg_text, prefix=(), timeout=600):
         path = os.path.join(d, "cfg.toml")
         with open(path, "w") as f:
             f.write(cfg_text)
+        # UCX writes its own messages on stdout unless told otherwise: keep the JSON alone.
+        env = {**os.environ, "UCX_LOG_FILE": os.environ.get("UCX_LOG_FILE", "stderr")}
         out = subprocess.run([*prefix, shoal, "demo", "--config", path, "--out", os.path.join(d, "out"), "--json"],
-                             capture_output=True, text=True, timeout=timeout)
+                             capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"shoal demo failed ({out.returncode}): {out.stderr[-2000:]}")
     # The summary is the first JSON value; anything after it (a library's warnings at the
