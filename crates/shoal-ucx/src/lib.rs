@@ -127,8 +127,8 @@ enum Command {
 /// A UCX context and worker on a thread of their own. The thread ends once this and every
 /// [`Endpoint`] of it are dropped (each holds a way to it): it waits a bounded time for
 /// what is in flight, closes the endpoints (cancelling what is still in flight then), and
-/// destroys the worker; at the process's
-/// exit every worker thread does so before UCX's libraries go (`exit`).
+/// destroys the worker; at the process's exit every worker thread does so before UCX's
+/// libraries go (`exit`).
 pub struct Worker {
     commands: mpsc::UnboundedSender<Command>,
     address: Bytes,
@@ -243,16 +243,22 @@ impl Drop for Endpoint {
 mod tests {
     use super::*;
 
+    /// A sink that hands every message to the test.
+    fn collecting_sink() -> (Sink, mpsc::UnboundedReceiver<Message>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sink: Sink = Box::new(move |m| {
+            let _ = tx.send(m);
+        });
+        (sink, rx)
+    }
+
     /// Two workers of one process over whatever UCX picks (shared memory, cma, tcp):
     /// small and large messages arrive whole, payload parts joined. Not necessarily in
     /// order: an eager message sent after a rendezvous one can complete first (seen here:
     /// the 3-byte one before the 4 MiB one), which is why the transport numbers them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn messages_small_and_large_arrive_whole() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let sink: Sink = Box::new(move |m| {
-            let _ = tx.send(m);
-        });
+        let (sink, mut rx) = collecting_sink();
         let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes: 0 })).unwrap();
         let sender = Worker::start("test-tx", None).unwrap();
         let ep = sender.connect(receiver.address()).await.unwrap();
@@ -288,10 +294,7 @@ mod tests {
     /// and the region is empty again. One larger than the region arrives outside it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_full_region_holds_its_senders_back_and_loses_nothing() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let sink: Sink = Box::new(move |m| {
-            let _ = tx.send(m);
-        });
+        let (sink, mut rx) = collecting_sink();
         let region_bytes = (5 << 20) / 2;
         let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes })).unwrap();
         let region = receiver.region().expect("a region").clone();
@@ -345,10 +348,7 @@ mod tests {
     /// open for the next connection to that peer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn connections_to_one_peer_share_its_endpoint() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let sink: Sink = Box::new(move |m| {
-            let _ = tx.send(m);
-        });
+        let (sink, mut rx) = collecting_sink();
         let receiver = Worker::start("test-rx", Some(Receive { ids: vec![7], sink, region_bytes: 0 })).unwrap();
         let sender = Worker::start("test-tx", None).unwrap();
         let created = || WorkerStats::get(&sender.stats().endpoints_created);

@@ -517,9 +517,9 @@ struct EndpointEntry {
 
 /// The worker's open endpoints, one per peer worker address: every connection of this
 /// process to the same peer shares it (the messages' own headers say which connection
-/// they are for). At full shape a source process has 30,000 links to 100 builders: one
-/// endpoint each had UCX's progress walk 30,000 endpoints' pending queues and the
-/// builders answer 300 wire-ups each.
+/// they are for). The embedded full shape's source links (7,500 to 100 builders) had an
+/// endpoint each: UCX's progress walked thousands of endpoints' pending queues and each
+/// builder answered 75 wire-ups.
 #[derive(Default)]
 struct Endpoints {
     by_id: HashMap<u64, EndpointEntry>,
@@ -782,25 +782,26 @@ async fn run(
 /// shared memory alone it cannot, and warns at the worker's destruction that they were
 /// "not returned to mpool".
 async fn end_wait(ucx: &Ucx, endpoints: &mut Endpoints, closing: &mut Vec<Closing>, name: &str) {
-    let deadline = std::time::Instant::now() + END_WAIT;
-    while OUTSTANDING.with(Cell::get) > 0 && std::time::Instant::now() < deadline {
-        ucx.progress();
-        reap(closing);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    let force = OUTSTANDING.with(Cell::get) > 0;
+    let in_flight = || OUTSTANDING.with(Cell::get) > 0;
+    progress_while(ucx, closing, |_| in_flight()).await;
+    let force = in_flight();
     for e in endpoints.drain() {
         let failed = e.state.failed.borrow().is_some();
         close(e, force || failed, closing);
     }
+    progress_while(ucx, closing, |closing| !closing.is_empty() || in_flight()).await;
+    if !closing.is_empty() || in_flight() {
+        debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
+    }
+}
+
+/// Progresses (reaping completed closes) while `busy`, for at most [`END_WAIT`].
+async fn progress_while(ucx: &Ucx, closing: &mut Vec<Closing>, busy: impl Fn(&[Closing]) -> bool) {
     let deadline = std::time::Instant::now() + END_WAIT;
-    while (!closing.is_empty() || OUTSTANDING.with(Cell::get) > 0) && std::time::Instant::now() < deadline {
+    while busy(closing) && std::time::Instant::now() < deadline {
         ucx.progress();
         reap(closing);
         tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    if !closing.is_empty() || OUTSTANDING.with(Cell::get) > 0 {
-        debug!(worker = %name, closing = closing.len(), "UCX operations still in flight at the worker's end");
     }
 }
 
