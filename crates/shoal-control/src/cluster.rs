@@ -465,7 +465,10 @@ impl ClusterFile {
     }
 
     /// The CONFIGURE payload of the run.
-    /// `[cluster.security] data` is the run configuration's `[security] data`.
+    /// `[cluster.security] data` is the run configuration's `[security] data`, and with it
+    /// `[security] peers` says what each process may send as: a source process its source
+    /// ids (none listed: every source), a builder its builder id. Run control writes it from
+    /// the processes of this file, whatever the file's `config` says of it.
     pub fn config_text(&self) -> anyhow::Result<String> {
         let mut config = self.config.clone();
         if let Some(s) = &self.cluster.security
@@ -473,7 +476,23 @@ impl ClusterFile {
         {
             config.security.data = s.data;
         }
+        if config.security.data != shoal_tls::DataSecurity::Off {
+            config.security.peers = self.peers();
+        }
         Ok(toml::to_string(&config)?)
+    }
+
+    /// The ids each data-sending process of the cluster holds, by name (its certificate's).
+    pub fn peers(&self) -> shoal_net::transport::secure::Peers {
+        let all_sources = || (0..self.config.run.sources).collect();
+        self.processes
+            .iter()
+            .filter_map(|p| match p.role {
+                Role::Source if p.ids.is_empty() => Some((p.name.clone(), all_sources())),
+                Role::Source | Role::Builder => Some((p.name.clone(), p.ids.clone())),
+                Role::Writer | Role::Dfm => None,
+            })
+            .collect()
     }
 
     /// The data path's security as the processes get it.

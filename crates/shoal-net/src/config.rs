@@ -42,6 +42,11 @@ pub struct SecurityConfig {
     /// builders to the writer and to the data-flow manager) prove their certificate from
     /// the cluster CA at connect, then plain TCP; `tls`: TLS 1.3 for the connection's life.
     pub data: shoal_tls::DataSecurity,
+    /// With `data`: the ids each process may send as, by the name its certificate gives it
+    /// (a source process its source ids, a builder its builder id), e.g. `source0 = [0, 1]`.
+    /// Run control fills it from the cluster file; a connection that sends another id is
+    /// closed (reason `identity`), as is one whose certificate names no process here.
+    pub peers: crate::transport::secure::Peers,
     /// This process's certificates (never in a file: a node loads its own, the embedded
     /// demo makes throw-away ones).
     #[serde(skip)]
@@ -1034,10 +1039,18 @@ impl Config {
         sec.credentials.connector(sec.data, role, peer_role).map_err(|e| ConfigError::Invalid(format!("{e:#}")))
     }
 
-    /// The handshake on the ports of `role` (`[security] data`).
-    pub fn data_acceptor(&self, role: &str) -> Result<shoal_tls::Acceptor, ConfigError> {
+    /// The handshake on the ports of `role` and what each peer may send as (`[security]
+    /// data` and `peers`).
+    pub fn data_port(&self, role: &str) -> Result<crate::transport::secure::DataPort, ConfigError> {
         let sec = &self.security;
-        sec.credentials.acceptor(sec.data, role).map_err(|e| ConfigError::Invalid(format!("{e:#}")))
+        if sec.data != shoal_tls::DataSecurity::Off && sec.peers.is_empty() {
+            return invalid(format!(
+                "security.data = {:?} needs [security.peers]: which ids each certificate's process may send as \
+                 (run control fills it from the cluster file; docs/security.md)",
+                sec.data.as_str()
+            ));
+        }
+        sec.credentials.data_port(sec.data, role, &sec.peers).map_err(|e| ConfigError::Invalid(format!("{e:#}")))
     }
 
     /// The data path's transport.

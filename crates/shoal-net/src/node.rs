@@ -829,6 +829,17 @@ fn register_refusals(reg: &mut prometheus_client::registry::Registry, labels: &[
         "Data connections refused in the handshake (security.data): no or a foreign certificate, another role's, expired, not TLS, too slow",
         fam,
     );
+    let fam = Family::<Vec<(String, String)>, Counter>::default();
+    for (reason, n) in crate::transport::secure::DATA_REFUSED.snapshot() {
+        let mut l = labels.to_vec();
+        l.push(("reason".into(), reason.into()));
+        fam.get_or_create(&l).inc_by(n);
+    }
+    reg.register(
+        "shoal_data_refused",
+        "Data refused after the handshake: identity (an id the certificate does not hold, or a certificate naming no process of the cluster), window (a slice outside what the run can hold)",
+        fam,
+    );
 }
 
 async fn serve_metrics(listener: TcpListener, opts: NodeOptions, live: Arc<Live>, cancel: CancellationToken) {

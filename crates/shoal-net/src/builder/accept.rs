@@ -18,6 +18,7 @@ use tracing::warn;
 use crate::builder::hold::{ConnectionGate, ReadGate, WindowEdge};
 use crate::clock::WallClock;
 use crate::transport::framed::{FrameReader, Frames, ReadEnd};
+use crate::transport::secure::{DataPort, Speaker};
 use crate::transport::ucx::{UcxFrames, UcxReceiver};
 use crate::transport::write_queue::write_queued_until;
 
@@ -90,70 +91,60 @@ impl ToBuilder {
     }
 }
 
+/// What every connection of the data port is read with.
+#[derive(Clone)]
+pub(super) struct Reading {
+    pub(super) max_payload: u32,
+    pub(super) clock: WallClock,
+    /// Free-running sources: how far their connections may run ahead.
+    pub(super) edge: Option<Arc<WindowEdge>>,
+    pub(super) to: ToBuilder,
+    pub(super) cancel: CancellationToken,
+}
+
+/// One accepted connection: who it is and what it may send as.
+struct Peer {
+    addr: SocketAddr,
+    speaker: Speaker,
+}
+
 /// Reads one source connection (epoll path): validated frames go to the assembler task.
-async fn read_connection(
-    stream: shoal_tls::DataStream,
-    peer: SocketAddr,
-    max_payload: u32,
-    clock: WallClock,
-    edge: Option<Arc<WindowEdge>>,
-    tx: ToBuilder,
-    cancel: CancellationToken,
-) {
+async fn read_connection(stream: shoal_tls::DataStream, peer: Peer, r: Reading) {
     let (read, write) = stream.into_split();
-    let reader = FrameReader::new(read, peer, max_payload, cancel)
+    let reader = FrameReader::new(read, peer.addr, r.max_payload, r.cancel.clone())
         .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
-    serve_with_requests(reader, write, clock, edge, tx).await;
+    serve_with_requests(reader, write, peer.speaker, r).await;
 }
 
 /// [`serve_frames`] on a task's connection: pull requests for the sources that greet it
 /// go back on its write half, written by a task of their own until the frames end.
-async fn serve_with_requests<F: Frames>(
-    frames: F,
-    write: shoal_tls::data::DataWrite,
-    clock: WallClock,
-    edge: Option<Arc<WindowEdge>>,
-    tx: ToBuilder,
-) {
+async fn serve_with_requests<F: Frames>(frames: F, write: shoal_tls::data::DataWrite, speaker: Speaker, r: Reading) {
     let (requests, requests_rx) = mpsc::unbounded_channel();
     let ended = CancellationToken::new();
     tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
-    serve_frames(frames, requests, clock, ConnectionGate::new(edge), tx).await;
+    serve_frames(frames, requests, speaker, r.clock, ConnectionGate::new(r.edge), r.to).await;
     ended.cancel();
 }
 
 /// The `ucx` path's [`read_connection`]: the welcome on the TCP side, then the frames
 /// that come as UCX messages ([`crate::transport::ucx`]).
-#[allow(clippy::too_many_arguments)]
-async fn ucx_connection(
-    receiver: Arc<UcxReceiver>,
-    stream: shoal_tls::DataStream,
-    peer: SocketAddr,
-    max_payload: u32,
-    clock: WallClock,
-    edge: Option<Arc<WindowEdge>>,
-    tx: ToBuilder,
-    cancel: CancellationToken,
-) {
-    let (frames, write) = match UcxFrames::open(&receiver, stream, peer, max_payload, cancel).await {
+async fn ucx_connection(receiver: Arc<UcxReceiver>, stream: shoal_tls::DataStream, peer: Peer, r: Reading) {
+    let opened = UcxFrames::open(&receiver, stream, peer.addr, r.max_payload, r.cancel.clone()).await;
+    let (frames, write) = match opened {
         Ok(f) => f,
         Err(e) => {
             // Gone before its welcome: as a TCP connection that closes at once.
-            tracing::debug!(%peer, error = %e, "writing the UCX welcome");
+            tracing::debug!(peer = %peer.addr, error = %e, "writing the UCX welcome");
             return;
         }
     };
-    serve_with_requests(frames, write, clock, edge, tx).await;
+    serve_with_requests(frames, write, peer.speaker, r).await;
 }
 
 /// The io_uring path's [`read_connection`]: the same frames, read on the io_uring thread.
 fn uring_connection(
-    peer: SocketAddr,
-    max_payload: u32,
-    clock: WallClock,
-    edge: Option<Arc<WindowEdge>>,
-    tx: ToBuilder,
-    cancel: CancellationToken,
+    peer: Peer,
+    r: Reading,
     place: tokio::sync::OwnedSemaphorePermit,
 ) -> crate::transport::uring::ConnectionTask {
     Box::new(move |stream| {
@@ -161,9 +152,9 @@ fn uring_connection(
             let (requests, requests_rx) = mpsc::unbounded_channel();
             let ended = CancellationToken::new();
             tokio_uring::spawn(stream.clone().write_queued(requests_rx, ended.clone()));
-            let reader = FrameReader::new(stream, peer, max_payload, cancel)
+            let reader = FrameReader::new(stream, peer.addr, r.max_payload, r.cancel)
                 .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
-            serve_frames(reader, requests, clock, ConnectionGate::new(edge), tx).await;
+            serve_frames(reader, requests, peer.speaker, r.clock, ConnectionGate::new(r.edge), r.to).await;
             ended.cancel();
             drop(place);
         })
@@ -177,6 +168,7 @@ fn uring_connection(
 async fn serve_frames<F: Frames>(
     mut reader: F,
     requests: mpsc::UnboundedSender<Bytes>,
+    speaker: Speaker,
     clock: WallClock,
     mut gate: ConnectionGate,
     to: ToBuilder,
@@ -193,7 +185,7 @@ async fn serve_frames<F: Frames>(
         let arrival = clock.now();
         let mut ended = None;
         while let Some(frame) = next.take() {
-            match check_frame(&reader, &frame) {
+            match check_frame(&reader, &frame, &speaker) {
                 Err(end) => {
                     ended = Some(end);
                     break;
@@ -234,8 +226,14 @@ async fn serve_frames<F: Frames>(
 }
 
 /// A frame on a data port checked: `Some(source)` for a source's hello (pull), `None` for
-/// a fragment to take in, or the end of the connection for anything else.
-fn check_frame<F: Frames>(reader: &F, frame: &Frame) -> Result<Option<SourceId>, ReadEnd> {
+/// a fragment to take in, or the end of the connection for anything else. Every source id
+/// (a fragment's, an end of stream's, a hello's) must be one the connection's certificate
+/// holds: another closes the connection before anything of the frame goes on.
+fn check_frame<F: Frames>(reader: &F, frame: &Frame, speaker: &Speaker) -> Result<Option<SourceId>, ReadEnd> {
+    let h = &frame.header;
+    if !speaker.may_send_as(h.source) {
+        return Err(reader.reject("identity", &speaker.refuse("source", h.source)));
+    }
     match PullMessage::from_frame(frame) {
         Ok(None) => {}
         Ok(Some(PullMessage::SourceHello { source })) => return Ok(Some(source)),
@@ -244,7 +242,6 @@ fn check_frame<F: Frames>(reader: &F, frame: &Frame) -> Result<Option<SourceId>,
         }
         Err(e) => return Err(reader.reject(e.kind(), &e.to_string())),
     }
-    let h = &frame.header;
     if h.flags.contains(Flags::EVENTS) {
         return Err(reader.reject("unexpected_events", "an EVENTS frame on a data port"));
     }
@@ -262,91 +259,60 @@ fn check_frame<F: Frames>(reader: &F, frame: &Frame) -> Result<Option<SourceId>,
     Ok(None)
 }
 
-/// Accepts the data port's connections until `cancel`, each read by a task of its own (or
-/// on the io_uring thread), at most `limit` at once; returns how many it accepted.
-#[allow(clippy::too_many_arguments)]
+/// Accepts the data port's connections until the reading's `cancel`, each read by a task
+/// of its own (or on the io_uring thread), at most `limit` at once; returns how many it
+/// accepted.
 pub(super) async fn accept_connections(
     listener: tokio::net::TcpListener,
     limit: crate::transport::listen::ConnectionLimit,
-    to: ToBuilder,
     uring: Option<crate::transport::uring::UringReceiver>,
     ucx: Option<Arc<UcxReceiver>>,
-    secure: shoal_tls::Acceptor,
-    max_payload: u32,
-    clock: WallClock,
-    edge: Option<Arc<WindowEdge>>,
-    cancel: CancellationToken,
+    port: DataPort,
+    reading: Reading,
 ) -> u64 {
     let uring = uring.map(Arc::new);
-    let serve = |stream: tokio::net::TcpStream, peer, place| {
+    let cancel = reading.cancel.clone();
+    let rejected_to = reading.to.tx.clone();
+    let serve = |stream: tokio::net::TcpStream, addr, place| {
         let _ = stream.set_nodelay(true);
-        let (tx, c, edge) = (to.clone(), cancel.clone(), edge.clone());
-        if let Some(receiver) = ucx.clone() {
-            // The handshake (if any) first, in the connection's own task, as below.
-            let secure = secure.clone();
-            tokio::spawn(async move {
-                let stream = match secure.mode() {
-                    shoal_tls::DataSecurity::Off => shoal_tls::DataStream::Plain(stream),
-                    _ => match crate::transport::secure::accept(&secure, stream, peer, "data").await {
-                        Some(s) => s,
-                        None => return,
-                    },
-                };
-                ucx_connection(receiver, stream, peer, max_payload, clock, edge, tx, c).await;
-                drop(place);
-            });
-            return;
-        }
-        let to_uring = |uring: &crate::transport::uring::UringReceiver, stream, place| {
-            if !uring
-                .submit(stream, uring_connection(peer, max_payload, clock, edge.clone(), tx.clone(), c.clone(), place))
-            {
+        let (port, uring, ucx, r) = (port.clone(), uring.clone(), ucx.clone(), reading.clone());
+        let to_uring = |uring: &crate::transport::uring::UringReceiver, tcp, peer: Peer, r, place| {
+            let addr = peer.addr;
+            if !uring.submit(tcp, uring_connection(peer, r, place)) {
                 // Closed: the source reconnects, and its link counts it.
-                warn!(%peer, "the io_uring receive thread is gone: connection closed");
+                warn!(peer = %addr, "the io_uring receive thread is gone: connection closed");
             }
         };
-        if secure.mode() == shoal_tls::DataSecurity::Off {
-            match &uring {
-                Some(uring) => to_uring(uring, stream, place),
-                None => {
-                    tokio::spawn(async move {
-                        read_connection(shoal_tls::DataStream::Plain(stream), peer, max_payload, clock, edge, tx, c)
-                            .await;
-                        drop(place);
-                    });
-                }
+        if port.mode() == shoal_tls::DataSecurity::Off && ucx.is_none() {
+            // Nothing to wait for: a plain connection goes to the io_uring thread as it is.
+            if let Some(uring) = &uring {
+                return to_uring(uring, stream, Peer { addr, speaker: Speaker::anyone() }, r, place);
             }
-            return;
         }
-        // The handshake first, in the connection's own task: a slow or hostile peer holds
-        // only its own place.
-        let (secure, uring) = (secure.clone(), uring.clone());
+        // The handshake (if any) first, in the connection's own task: a slow or hostile
+        // peer holds only its own place.
         tokio::spawn(async move {
-            let Some(stream) = crate::transport::secure::accept(&secure, stream, peer, "data").await else {
+            let Some((stream, speaker)) = crate::transport::secure::accept(&port, stream, addr, "data").await else {
                 return;
             };
-            match (stream, &uring) {
+            let peer = Peer { addr, speaker };
+            match (stream, &uring, ucx) {
+                (stream, _, Some(receiver)) => ucx_connection(receiver, stream, peer, r).await,
                 // `authenticated`: a plain socket after the handshake, read where plain ones are.
-                (shoal_tls::DataStream::Plain(tcp), Some(uring)) => {
-                    if !uring.submit(tcp, uring_connection(peer, max_payload, clock, edge, tx, c, place)) {
-                        warn!(%peer, "the io_uring receive thread is gone: connection closed");
-                    }
-                }
+                (shoal_tls::DataStream::Plain(tcp), Some(uring), None) => return to_uring(uring, tcp, peer, r, place),
                 // TLS is read by a task (io_uring reads bytes the TLS layer has to decrypt).
-                (stream, _) => {
-                    read_connection(stream, peer, max_payload, clock, edge, tx, c).await;
-                    drop(place);
-                }
+                (stream, _, None) => read_connection(stream, peer, r).await,
             }
+            drop(place);
         });
     };
     let rejected = || {
-        let tx = to.tx.clone();
+        let tx = rejected_to.clone();
         async move {
             let _ = tx.send(Incoming::Rejected { reason: "connection_limit" }).await;
         }
     };
-    crate::transport::listen::accept_loop(listener, "data", limit, cancel.clone(), serve, rejected).await
+    crate::transport::listen::accept_loop(listener, "data", limit, cancel, serve, rejected).await
 }
 
 #[cfg(test)]
@@ -384,7 +350,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(4096);
         let to = ToBuilder::new(tx, &Arc::new(tokio::sync::Semaphore::new(BATCHED_IN_FLIGHT)));
         let (requests, _) = mpsc::unbounded_channel();
-        let task = tokio::spawn(serve_frames(reader, requests, WallClock::new(), ConnectionGate::new(edge), to));
+        let task = tokio::spawn(serve_frames(reader, requests, Speaker::anyone(), WallClock::new(), ConnectionGate::new(edge), to));
         (task, peer, rx)
     }
 

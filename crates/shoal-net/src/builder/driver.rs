@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{info, warn};
 
-use crate::builder::accept::{BATCHED_IN_FLIGHT, Incoming, ToBuilder, accept_connections};
+use crate::builder::accept::{BATCHED_IN_FLIGHT, Incoming, Reading, ToBuilder, accept_connections};
 use crate::builder::assemble::{Assembly, Measured};
 use crate::builder::filter::{FilterJob, FilterStage, FilterThread, FilterThreadReport, filter_stage, slice_publisher};
 use crate::builder::forward::{Forwarding, RawSampler, Unfiltered};
@@ -477,19 +477,8 @@ fn start_accept(
         _ => None,
     };
     let limit = ConnectionLimit::new(s.sources as usize);
-    let secure = s.data_port.clone();
-    Ok(tokio::spawn(accept_connections(
-        listener,
-        limit,
-        to,
-        uring,
-        ucx,
-        secure,
-        s.max_payload,
-        clock,
-        edge,
-        readers.clone(),
-    )))
+    let reading = Reading { max_payload: s.max_payload, clock, edge, to, cancel: readers.clone() };
+    Ok(tokio::spawn(accept_connections(listener, limit, uring, ucx, s.data_port.clone(), reading)))
 }
 
 /// The UCX receive region: the builder's memory budget and a quarter more, so that the

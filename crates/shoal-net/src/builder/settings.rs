@@ -45,7 +45,7 @@ pub struct BuilderSettings {
     pub writer_backoff: Backoff,
     /// The handshakes (`[security] data`): on the data port, to the writer, to the
     /// data-flow manager.
-    pub data_port: shoal_tls::Acceptor,
+    pub data_port: crate::transport::secure::DataPort,
     pub to_writer: shoal_tls::Connector,
     pub to_dfm: shoal_tls::Connector,
     pub saver: Option<SaverSettings>,
@@ -121,7 +121,7 @@ impl BuilderSettings {
                 min: StdDuration::from_millis(cfg.source.reconnect_min_ms.max(1)),
                 max: StdDuration::from_millis(cfg.source.reconnect_max_ms.max(1)),
             },
-            data_port: cfg.data_acceptor("builder")?,
+            data_port: cfg.data_port("builder")?,
             to_writer: cfg.data_connector("builder", "writer")?,
             to_dfm: cfg.data_connector("builder", "dfm")?,
             saver,

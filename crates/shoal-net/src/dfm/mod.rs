@@ -66,13 +66,13 @@ fn serve_builder(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     conn: u64,
-    port: shoal_tls::Acceptor,
+    port: crate::transport::secure::DataPort,
     wrx: mpsc::UnboundedReceiver<Bytes>,
     tx: mpsc::UnboundedSender<FromBuilder>,
     readers: CancellationToken,
 ) {
     tokio::spawn(async move {
-        let Some(stream) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
+        let Some((stream, speaker)) = crate::transport::secure::accept(&port, stream, peer, "dfm").await else {
             // Refused (counted and logged there): its writer's place goes too, or every
             // stranger's connection would leave one behind in the manager's loop.
             let _ = tx.send(FromBuilder::Closed { conn, rejected: true });
@@ -80,13 +80,14 @@ fn serve_builder(
         };
         let (read, write) = stream.into_split();
         tokio::spawn(write_queued(write, wrx));
-        read_builder(read, peer, conn, tx, readers).await;
+        read_builder(read, peer, speaker, conn, tx, readers).await;
     });
 }
 
 async fn read_builder(
     stream: shoal_tls::data::DataRead,
     peer: SocketAddr,
+    speaker: crate::transport::secure::Speaker,
     conn: u64,
     tx: mpsc::UnboundedSender<FromBuilder>,
     cancel: CancellationToken,
@@ -97,6 +98,12 @@ async fn read_builder(
             Ok(f) => f,
             Err(end) => break matches!(end, ReadEnd::Rejected(_)),
         };
+        // Every message names its builder in the header (hellos, credits, the end of stream):
+        // it must be the one the certificate holds.
+        if !speaker.may_send_as(frame.header.source) {
+            reader.reject("identity", &speaker.refuse("builder", frame.header.source));
+            break true;
+        }
         match PullMessage::from_frame(&frame) {
             Ok(Some(msg @ (PullMessage::BuilderHello { .. } | PullMessage::Credit { .. }))) => {
                 if tx.send(FromBuilder::Message { conn, msg }).is_err() {
@@ -138,7 +145,7 @@ pub struct DfmSettings {
     /// `run.policy` as written, for the log.
     pub policy: String,
     /// The handshake on the manager's port (`[security] data`).
-    pub port: shoal_tls::Acceptor,
+    pub port: crate::transport::secure::DataPort,
 }
 
 impl DfmSettings {
@@ -153,7 +160,7 @@ impl DfmSettings {
             builders: cfg.run.builders,
             memory_limit: (cfg.builder.memory_budget_mb << 20) / 4 * 3,
             policy: cfg.run.policy.clone(),
-            port: cfg.data_acceptor("dfm")?,
+            port: cfg.data_port("dfm")?,
         })
     }
 }

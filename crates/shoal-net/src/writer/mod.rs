@@ -23,6 +23,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::live::Live;
+use crate::transport::secure::Speaker;
 use crate::transport::framed::{FrameReader, ReadEnd};
 
 /// What the writer reports at the end (also written as `run{N:06}.writer.json`).
@@ -310,6 +311,7 @@ const READ_BATCH: usize = 64;
 async fn read_connection(
     stream: shoal_tls::DataStream,
     peer: SocketAddr,
+    speaker: Speaker,
     tx: mpsc::Sender<Vec<Incoming>>,
     cancel: CancellationToken,
 ) {
@@ -323,7 +325,7 @@ async fn read_connection(
         let mut batch = Vec::new();
         let mut ended = None;
         while let Some(frame) = next.take() {
-            match incoming(&frame) {
+            match incoming(&frame, &speaker) {
                 Ok(msg) => batch.push(msg),
                 Err((reason, detail)) => {
                     ended = Some(reader.reject(reason, &detail));
@@ -351,18 +353,25 @@ async fn read_connection(
 }
 
 /// What a frame from a builder says, or why it is refused (a counter label and a detail).
-fn incoming(frame: &shoal_core::frame::Frame) -> Result<Incoming, (&'static str, String)> {
+/// Every builder id a frame carries must be one the connection's certificate holds.
+fn incoming(frame: &shoal_core::frame::Frame, speaker: &Speaker) -> Result<Incoming, (&'static str, String)> {
     let h = &frame.header;
+    let builder = |id: u32| match speaker.may_send_as(id) {
+        true => Ok(id),
+        false => Err(("identity", speaker.refuse("builder", id))),
+    };
     if h.flags.contains(Flags::END_OF_STREAM) {
-        Ok(Incoming::Ended { builder: h.source })
+        Ok(Incoming::Ended { builder: builder(h.source)? })
     } else if h.flags.contains(Flags::RAW) {
-        RawRecord::from_frame(frame).map(Incoming::Raw).map_err(|e| (e.kind(), e.to_string()))
+        let raw = RawRecord::from_frame(frame).map_err(|e| (e.kind(), e.to_string()))?;
+        builder(raw.head.builder)?;
+        Ok(Incoming::Raw(raw))
     } else if !h.flags.contains(Flags::EVENTS) {
         Err(("not_events", "a data frame on the event port".into()))
     } else {
         match decode_events(&frame.payload) {
             Ok(events) => Ok(Incoming::Slice {
-                builder: h.source,
+                builder: builder(h.source)?,
                 slice: h.slice,
                 slice_start_ns: h.slice_start.as_nanos(),
                 events,
@@ -585,7 +594,7 @@ pub struct WriterSettings {
     /// A new events file every so much data time (0: one file).
     pub checkpoint_ns: u64,
     /// The handshake on the writer's port (`[security] data`).
-    pub data_port: shoal_tls::Acceptor,
+    pub data_port: crate::transport::secure::DataPort,
 }
 
 impl WriterSettings {
@@ -597,7 +606,7 @@ impl WriterSettings {
             out_dir: w.out_dir.clone(),
             keep_existing: w.keep_existing,
             checkpoint_ns: (w.checkpoint_s.max(0.0) * 1e9) as u64,
-            data_port: cfg.data_acceptor("writer")?,
+            data_port: cfg.data_port("writer")?,
         })
     }
 }
@@ -640,8 +649,8 @@ pub async fn run_writer_with(
         let serve = |stream, peer, place| {
             let (tx, c, secure) = (tx.clone(), accept_cancel.clone(), secure.clone());
             tokio::spawn(async move {
-                if let Some(stream) = crate::transport::secure::accept(&secure, stream, peer, "writer").await {
-                    read_connection(stream, peer, tx, c).await;
+                if let Some((stream, speaker)) = crate::transport::secure::accept(&secure, stream, peer, "writer").await {
+                    read_connection(stream, peer, speaker, tx, c).await;
                 }
                 drop(place);
             });
