@@ -37,13 +37,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::audit::{Audit, AuditEvent};
-use super::security::{Identity, Refusal, Role, Tokens};
+use super::security::{Identity, Refusal, Role, WatchedTokens};
 use super::status::Shared;
 
 /// The HTTP API's door: tokens (none: security off, loopback only), the origins besides
 /// the UI's own allowed to POST, and the audit log.
 pub struct Guard {
-    pub tokens: Option<Tokens>,
+    /// The token file, watched: a token removed from it is refused at the next request.
+    pub tokens: Option<Arc<WatchedTokens>>,
     pub allowed_origins: Vec<String>,
     pub audit: Arc<Audit>,
     /// TLS for the API and UI (`[cluster.security] web_config`).
@@ -116,7 +117,7 @@ async fn check_caller(
             identity: identity.map(|i| i.name.clone()).unwrap_or_default(),
             role: identity.map(|i| i.role.to_string()).unwrap_or_default(),
             address: address.clone(),
-            held_back: 0,
+            ..Default::default()
         });
         refusal_response(r)
     };
@@ -125,7 +126,8 @@ async fn check_caller(
     }
     let identity = match &s.guard.tokens {
         None => None,
-        Some(tokens) => {
+        Some(watched) => {
+            let tokens = watched.current();
             let need = if writes { Role::Operator } else { Role::Viewer };
             let presented = presented(req.headers(), websocket);
             match tokens.authorize(presented.as_deref(), need) {
@@ -159,10 +161,10 @@ fn refusal_response(r: Refusal) -> Response {
         Refusal::Role { have, need } => {
             (StatusCode::FORBIDDEN, format!("a {have} token may not do this; it needs {need}")).into_response()
         }
-        Refusal::Expired => (
+        Refusal::Expired | Refusal::Revoked => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer realm=\"shoal run control\", error=\"invalid_token\"")],
-            "this token has expired",
+            if r == Refusal::Expired { "this token has expired" } else { "this token has been revoked" },
         )
             .into_response(),
         Refusal::Origin => (StatusCode::FORBIDDEN, "a page of another origin may not do this").into_response(),
@@ -181,7 +183,7 @@ fn audit_outcome(s: &AppState, caller: &Caller, kind: &str, what: String, status
         identity: caller.identity.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
         role: caller.identity.as_ref().map(|i| i.role.to_string()).unwrap_or_default(),
         address: caller.address.clone(),
-        held_back: 0,
+        ..Default::default()
     });
 }
 

@@ -585,8 +585,21 @@ async fn serve_ui(
         }
         None => {}
     }
+    let audit = guard.audit.clone();
     tokio::spawn(http::serve(l, shared.clone(), cmd_tx, state_dir.to_path_buf(), dispatcher, guard, cancel.clone()));
+    tokio::spawn(flush_audit(audit, cancel.clone()));
     Ok(())
+}
+
+/// Writes the audit's gathered refusals every second, and what is left at the end.
+async fn flush_audit(audit: std::sync::Arc<audit::Audit>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => audit.flush_at(std::time::SystemTime::now()),
+            _ = cancel.cancelled() => return audit.flush(),
+        }
+    }
 }
 
 /// The HTTP API's guard from `[cluster.security]`: its tokens, the origins it allows, and
@@ -594,7 +607,7 @@ async fn serve_ui(
 fn guard_of(file: &ClusterFile) -> anyhow::Result<http::Guard> {
     let security = file.cluster.security.clone().unwrap_or_default();
     let tokens = match &security.tokens {
-        Some(path) => Some(security::Tokens::new(security::TokenFile::load(path)?)),
+        Some(path) => Some(std::sync::Arc::new(security::WatchedTokens::load(path)?)),
         None => None,
     };
     let audit = std::sync::Arc::new(audit::Audit::new(&file.cluster.state_dir));

@@ -201,6 +201,20 @@ impl TokenFile {
     }
 }
 
+impl TokenFile {
+    /// Removes the token named `name` from the file at `path`; the entry removed.
+    pub fn remove(path: &Path, name: &str) -> anyhow::Result<TokenEntry> {
+        let mut file = Self::load(path)?;
+        let Some(i) = file.tokens.iter().position(|t| t.name == name) else {
+            let names: Vec<&str> = file.tokens.iter().map(|t| t.name.as_str()).collect();
+            bail!("{}: no token named {name:?} (it has: {})", path.display(), names.join(", "));
+        };
+        let removed = file.tokens.remove(i);
+        write_private(path, &toml::to_string(&file)?)?;
+        Ok(removed)
+    }
+}
+
 /// Writes `text` to `path` readable by its owner only, replacing it whole.
 fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     use std::io::Write;
@@ -223,6 +237,79 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
 #[derive(Clone, Debug, Default)]
 pub struct Tokens {
     entries: Vec<TokenEntry>,
+    /// The SHA-256 of tokens removed from the file while run control read it: refused as
+    /// `revoked`, not `bad_token`.
+    revoked: Vec<String>,
+}
+
+/// The token file as it is now: read again whenever it changed (its inode, size or
+/// modification time, looked at on every request, a `stat` each), so that a token removed
+/// from it is refused from the next request on. A file that cannot be read or parsed keeps
+/// the tokens last read (logged, at most once a second); a file that is gone takes every
+/// token with it.
+#[derive(Debug)]
+pub struct WatchedTokens {
+    path: PathBuf,
+    state: std::sync::Mutex<(Option<FileStamp>, Tokens)>,
+    bad_file_log: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+/// What says a file changed without reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileStamp {
+    inode: u64,
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(Self { inode: m.ino(), len: m.len(), modified: m.modified().ok() })
+    }
+}
+
+impl WatchedTokens {
+    /// The file at `path`, read now (an error if it cannot be: run control does not start).
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let stamp = FileStamp::of(path);
+        let tokens = Tokens::new(TokenFile::load(path)?);
+        Ok(Self {
+            path: path.to_path_buf(),
+            state: std::sync::Mutex::new((stamp, tokens)),
+            bad_file_log: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The tokens as the file says now.
+    pub fn current(&self) -> Tokens {
+        let stamp = FileStamp::of(&self.path);
+        let mut state = self.state.lock().expect("tokens lock");
+        if stamp != state.0 {
+            let read = match stamp {
+                None => Ok(TokenFile::default()),
+                Some(_) => TokenFile::load(&self.path),
+            };
+            match read {
+                Ok(file) => {
+                    let next = state.1.replaced_by(file);
+                    for name in state.1.entries.iter().filter(|e| next.revoked.contains(&e.sha256)).map(|e| &e.name) {
+                        tracing::warn!(token = %name, file = %self.path.display(), "token removed from the file: revoked");
+                    }
+                    *state = (stamp, next);
+                }
+                Err(e) => {
+                    let mut last = self.bad_file_log.lock().expect("log lock");
+                    if last.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1)) {
+                        *last = Some(std::time::Instant::now());
+                        tracing::error!(error = %format!("{e:#}"), "the token file changed and cannot be read: the tokens read before stay");
+                    }
+                }
+            }
+        }
+        state.1.clone()
+    }
 }
 
 /// Why a request was refused.
@@ -238,6 +325,8 @@ pub enum Refusal {
     Expired,
     /// A browser page of another origin (403).
     Origin,
+    /// A token that was in the file and has been removed from it (401).
+    Revoked,
 }
 
 impl Refusal {
@@ -248,13 +337,23 @@ impl Refusal {
             Refusal::Role { .. } => "role",
             Refusal::Expired => "expired",
             Refusal::Origin => "origin",
+            Refusal::Revoked => "revoked",
         }
     }
 }
 
 impl Tokens {
     pub fn new(file: TokenFile) -> Self {
-        Self { entries: file.tokens }
+        Self { entries: file.tokens, revoked: Vec::new() }
+    }
+
+    /// The tokens of `file`, which replaces this one's: what this one had and `file` has
+    /// not is revoked from now on (a token added again under a new name is not).
+    fn replaced_by(&self, file: TokenFile) -> Tokens {
+        let kept = |h: &String| file.tokens.iter().all(|t| &t.sha256 != h);
+        let mut revoked: Vec<String> = self.revoked.iter().filter(|h| kept(h)).cloned().collect();
+        revoked.extend(self.entries.iter().map(|e| e.sha256.clone()).filter(kept));
+        Tokens { entries: file.tokens, revoked }
     }
 
     /// Whose token `presented` is. Every entry is compared, in constant time each.
@@ -281,7 +380,11 @@ impl Tokens {
     /// [`Tokens::authorize`] at `now` (UNIX seconds).
     pub fn authorize_at(&self, authorization: Option<&str>, need: Role, now: u64) -> Result<Identity, Refusal> {
         let token = authorization.and_then(|v| v.strip_prefix("Bearer ")).map(str::trim).ok_or(Refusal::NoToken)?;
-        let entry = self.entry(token).ok_or(Refusal::BadToken)?;
+        let Some(entry) = self.entry(token) else {
+            let hash = sha256_hex(token.as_bytes());
+            let revoked = self.revoked.iter().any(|h| constant_time_eq(h.as_bytes(), hash.as_bytes()));
+            return Err(if revoked { Refusal::Revoked } else { Refusal::BadToken });
+        };
         if entry.expires != 0 && now >= entry.expires {
             return Err(Refusal::Expired);
         }
@@ -392,6 +495,34 @@ mod tests {
         let tokens = Tokens::new(TokenFile::load(&path).unwrap());
         assert_eq!(tokens.authorize_at(Some(&bearer(&shift)), Role::Operator, until - 1).unwrap().name, "carol");
         assert_eq!(tokens.authorize_at(Some(&bearer(&shift)), Role::Viewer, until), Err(Refusal::Expired));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_token_removed_from_the_watched_file_is_refused_as_revoked_at_the_next_request() {
+        let dir = std::env::temp_dir().join(format!("shoal-tokens-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tokens.toml");
+        let _ = std::fs::remove_file(&path);
+        let alice = TokenFile::add(&path, "alice", Role::Operator).unwrap();
+        let bob = TokenFile::add(&path, "bob", Role::Viewer).unwrap();
+        let watched = WatchedTokens::load(&path).unwrap();
+        let bearer = |t: &str| format!("Bearer {t}");
+        assert_eq!(watched.current().authorize(Some(&bearer(&alice)), Role::Operator).unwrap().name, "alice");
+        assert_eq!(TokenFile::remove(&path, "alice").unwrap().name, "alice");
+        assert!(TokenFile::remove(&path, "alice").unwrap_err().to_string().contains("bob"), "names what there is");
+        assert_eq!(watched.current().authorize(Some(&bearer(&alice)), Role::Viewer), Err(Refusal::Revoked));
+        assert_eq!(watched.current().authorize(Some(&bearer(&bob)), Role::Viewer).unwrap().name, "bob");
+        // A token added meanwhile is taken; one never known is a bad token.
+        let carol = TokenFile::add(&path, "carol", Role::Viewer).unwrap();
+        assert_eq!(watched.current().authorize(Some(&bearer(&carol)), Role::Viewer).unwrap().name, "carol");
+        assert_eq!(watched.current().authorize(Some(&bearer("shoal_00")), Role::Viewer), Err(Refusal::BadToken));
+        // A file broken by hand keeps what was read; one removed takes every token.
+        std::fs::write(&path, "[[token]]\nname = 1\n").unwrap();
+        assert_eq!(watched.current().authorize(Some(&bearer(&bob)), Role::Viewer).unwrap().name, "bob");
+        assert_eq!(watched.current().authorize(Some(&bearer(&alice)), Role::Viewer), Err(Refusal::Revoked));
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(watched.current().authorize(Some(&bearer(&bob)), Role::Viewer), Err(Refusal::Revoked));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

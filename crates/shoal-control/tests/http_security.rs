@@ -1,7 +1,8 @@
 //! Run control's HTTP API as a stranger, a viewer and an operator would call it
 //! (docs/security.md, the attack matrix's HTTP rows): no, bad token: 401; a viewer
 //! commanding: 403; a page of another origin POSTing: 403; the live view without a token:
-//! 401, with its subprotocol token: upgraded. Every refusal and command in the audit log.
+//! 401, with its subprotocol token: upgraded; a token removed from the file while the API
+//! runs: 401, audited as revoked. Every refusal and command in the audit log.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use shoal_control::audit::{Audit, read};
 use shoal_control::http::{Guard, serve};
-use shoal_control::security::{Role, TokenFile, Tokens};
+use shoal_control::security::{Role, TokenFile, WatchedTokens};
 use shoal_control::status::{ClusterStatus, Shared};
 use tokio_util::sync::CancellationToken;
 
@@ -31,7 +32,7 @@ async fn start(secured: bool) -> (Api, String, String) {
     let file = dir.join("tokens.toml");
     let viewer = TokenFile::add(&file, "alice", Role::Viewer).unwrap();
     let operator = TokenFile::add(&file, "bob", Role::Operator).unwrap();
-    let tokens = secured.then(|| Tokens::new(TokenFile::load(&file).unwrap()));
+    let tokens = secured.then(|| Arc::new(WatchedTokens::load(&file).unwrap()));
     let audit = Arc::new(Audit::new(&dir));
     let guard = Guard { tokens, allowed_origins: vec!["https://ops.example".into()], audit: audit.clone(), web: None };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -129,6 +130,16 @@ async fn tokens_and_roles_decide_who_reads_and_who_commands() {
     let accepted = events.iter().find(|e| e.outcome == "accepted").unwrap();
     assert_eq!((accepted.identity.as_str(), accepted.what.as_str()), ("bob", "INIT"));
     assert!(!events.iter().any(|e| e.what.contains(&viewer) || e.what.contains(&operator)), "no token in the log");
+    // `shoal token remove`: the running API refuses the operator's token at its next
+    // request, audited as revoked; the viewer's goes on.
+    TokenFile::remove(&api.dir.join("tokens.toml"), "bob").unwrap();
+    let (code, body) = request(a, post("/api/command/INIT", Some(&operator), None)).await;
+    assert_eq!(code, 401, "a removed token: {body}");
+    assert!(body.contains("revoked"), "{body}");
+    assert!(api.commands.try_recv().is_err(), "nothing queued by the revoked token");
+    assert_eq!(request(a, get("/api/status", Some(&viewer))).await.0, 200);
+    let (events, _) = read(api.audit.path()).unwrap();
+    assert_eq!(events.iter().filter(|e| e.reason == "revoked").count(), 1, "{events:?}");
     api.cancel.cancel();
     std::fs::remove_dir_all(&api.dir).unwrap();
 }

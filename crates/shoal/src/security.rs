@@ -29,6 +29,14 @@ pub enum TokenCommand {
         #[arg(long)]
         days: Option<u32>,
     },
+    /// Remove a token from a token file: a running run control refuses it at once (it
+    /// watches the file) and audits its uses as `revoked`.
+    Remove {
+        /// The token file.
+        file: PathBuf,
+        /// The holder's name given at `add`.
+        name: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -119,6 +127,11 @@ pub fn token(args: TokenArgs) -> anyhow::Result<()> {
                 file.display()
             );
             println!("{token}");
+            Ok(())
+        }
+        TokenCommand::Remove { file, name } => {
+            let removed = TokenFile::remove(&file, &name)?;
+            eprintln!("removed {} token {name:?} from {}", removed.role, file.display());
             Ok(())
         }
     }
