@@ -26,7 +26,7 @@
 //! from the web UI / HTTP API. Ctrl-C stops a run in progress cleanly and switches
 //! everything off. Each run leaves a record in `<state_dir>/runs/`.
 
-pub mod audit;
+pub use shoal_dispatcher::audit;
 pub mod clocks;
 pub mod cluster;
 pub mod control;

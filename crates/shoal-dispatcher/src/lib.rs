@@ -8,12 +8,15 @@
 //!   Prometheus `/metrics` over HTTP;
 //! - [`client`]: [`client::ChClient`], the async client that run control, the nodes' agents
 //!   and the tests use;
+//! - [`audit`]: the audit log (commands, alerts and refusals, with who and from where)
+//!   that run control and the dispatcher write;
 //! - [`httpd`]: the HTTP server every shoal process uses (limits per peer and in all,
 //!   header and request timeouts), so a hostile HTTP client cannot hold a process.
 //!
 //! Real third-party clients (Python `controlhost`, `km3pipe`) talk to it unchanged; see
 //! `docs/dispatcher.md`.
 
+pub mod audit;
 pub mod client;
 pub mod httpd;
 pub mod lograte;
