@@ -100,9 +100,10 @@ pub async fn listen(
             RC_STATS => {
                 let Ok(stats) = serde_json::from_slice::<NodeStats>(&msg.payload) else { continue };
                 let rates = last_stats.get(&stats.name).map(|prev| Rates::between(prev, &stats));
+                // A process's pid comes only from whoever launched it (`pid` below): one
+                // learnt from a message is shown with its statistics, never acted on.
                 shared.update(|s| {
                     if let Some(p) = s.process_mut(&stats.name) {
-                        p.pid = Some(stats.pid);
                         p.metrics_addr = stats.metrics_addr.clone();
                         if let Some(r) = rates {
                             p.rates = r;
@@ -121,7 +122,9 @@ pub async fn listen(
                     Ok(())
                 }
             },
-            "Died" => incoming.send(Incoming::Left(text.trim_end_matches('\0').to_string())),
+            "Died" | shoal_dispatcher::authority::RC_GONE => {
+                incoming.send(Incoming::Left(text.trim_end_matches('\0').to_string()))
+            }
             ALERT_REPLY_TAG => {
                 let Ok(value) = serde_json::from_slice::<serde_json::Value>(&msg.payload) else { continue };
                 let line = match serde_json::from_value::<shoal_core::saver::AlertReport>(value.clone()) {
@@ -143,12 +146,36 @@ pub async fn listen(
     }
 }
 
-/// Subscribes the listener connection.
-pub async fn subscribe_listener(client: &mut ChClient) -> anyhow::Result<()> {
+/// Whether `r` is a report a process of `file` may make: its name, its role, and the ids
+/// the file gives it (a builder's id, a source process's sources).
+fn report_belongs(file: &ClusterFile, r: &NodeReport) -> Result<(), String> {
+    let Some(p) = file.processes.iter().find(|p| p.name == r.name) else {
+        return Err("no process of this cluster".into());
+    };
+    if p.role.name() != r.role {
+        return Err(format!("a {} reporting as a {}", p.role.name(), r.role));
+    }
+    if let Some((id, _)) = &r.builder
+        && (p.role != Role::Builder || p.ids.first() != Some(id))
+    {
+        return Err(format!("builder {id}'s tally from {}", r.name));
+    }
+    let hosts = |s: &u32| p.ids.is_empty() || p.ids.contains(s);
+    if let Some(s) = r.source_tallies.keys().find(|s| p.role != Role::Source || !hosts(s)) {
+        return Err(format!("source {s}'s tally from {}", r.name));
+    }
+    Ok(())
+}
+
+/// Subscribes the listener connection. On an authenticated control plane a process's
+/// departure is the dispatcher's `RC_GONE` (only it publishes that, for a certificate's
+/// own connection), never `Died`, which any client can cause under any nickname.
+pub async fn subscribe_listener(client: &mut ChClient, authenticated: bool) -> anyhow::Result<()> {
+    let departures = if authenticated { shoal_dispatcher::authority::RC_GONE } else { "Died" };
     for (tag, mode) in [
         (RC_REPLY, Mode::All),
         (RC_REPORT, Mode::All),
-        ("Died", Mode::All),
+        (departures, Mode::All),
         (RC_STATS, Mode::Any),
         (ALERT_REPLY_TAG, Mode::All),
         (RC_TIME_REPLY, Mode::All),
@@ -681,6 +708,13 @@ impl Controller {
                 }
             }
             Incoming::Report(r) => {
+                // Only the cluster's own processes report, each as the role the file gives
+                // it: anything else is refused, never part of the run record.
+                if let Err(why) = report_belongs(&self.file, &r) {
+                    warn!(process = %r.name, why, "an end-of-run report refused");
+                    self.shared.update(|s| s.warn(format!("an end-of-run report for {:?} refused: {why}", r.name)));
+                    return;
+                }
                 if self.control.run().is_some_and(|a| a.run == r.run) {
                     // A process asked again repeats its report: keep one per process.
                     self.reports.retain(|old| old.name != r.name);

@@ -6,6 +6,12 @@
 //! the address peers dial it at; the process gets `--credentials` pointing there. Processes
 //! on other hosts (`ssh`, `external`) read theirs from `credentials_dir` on their host,
 //! issued there with `shoal ca issue` (docs/security.md, "Several hosts").
+//!
+//! The control plane ([`control_plane`]): with `ca_dir` run control also issues itself
+//! (`runcontrol`) and the dispatcher it starts (`dispatcher`, naming the dispatcher's
+//! address) certificates there, and every connection to the dispatcher is mutual TLS;
+//! with `credentials_dir` alone it reads `runcontrol.pem` (and the dispatcher its
+//! `dispatcher.pem`) from there.
 
 use std::path::{Path, PathBuf};
 
@@ -64,6 +70,55 @@ pub fn issue_all(file: &ClusterFile) -> anyhow::Result<usize> {
         n += 1;
     }
     Ok(n)
+}
+
+/// The control plane's credentials: where run control's (`runcontrol`) and the started
+/// dispatcher's (`dispatcher`) certificates are, and run control's identity. `None` where the
+/// cluster has no CA and no `runcontrol.pem` in `credentials_dir`: the control plane is then
+/// plain, as without security.
+#[derive(Clone, Debug)]
+pub struct ControlPlane {
+    pub dir: PathBuf,
+    pub tls: shoal_dispatcher::client::ControlTls,
+}
+
+/// Run control's own certificate's name.
+pub const RUN_CONTROL: &str = "runcontrol";
+/// The started dispatcher's certificate's name.
+pub const DISPATCHER: &str = "dispatcher";
+
+/// Whether the cluster's control plane is authenticated ([`control_plane`] finds credentials),
+/// without issuing anything.
+pub fn has_control_plane(file: &ClusterFile) -> bool {
+    file.cluster.security.as_ref().is_some_and(|s| {
+        s.ca_dir.is_some() || s.credentials_dir.as_ref().is_some_and(|d| d.join(format!("{RUN_CONTROL}.pem")).exists())
+    })
+}
+
+/// Issues (with `ca_dir`) or finds (in `credentials_dir`) the control plane's certificates.
+pub fn control_plane(file: &ClusterFile) -> anyhow::Result<Option<ControlPlane>> {
+    let Some(s) = file.cluster.security.as_ref() else { return Ok(None) };
+    let dir = match (&s.ca_dir, &s.credentials_dir) {
+        (Some(ca_dir), _) => {
+            let ca = shoal_tls::ca::ClusterCa::load(ca_dir)
+                .with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
+            let out = issued_dir(file);
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            restrict(&out)?;
+            std::fs::write(out.join(shoal_tls::ca::CA_CERT), ca.cert_pem())?;
+            let local = ["127.0.0.1".to_string(), "::1".into(), "localhost".into()];
+            ca.issue_into(&out, &shoal_tls::ca::IssueRequest::new(RUN_CONTROL, "runcontrol", &local, 30)?)?;
+            let addr = file.dispatcher_addr()?.ip().to_string();
+            let hosts: Vec<String> = std::iter::once(addr).chain(local).collect();
+            ca.issue_into(&out, &shoal_tls::ca::IssueRequest::new(DISPATCHER, "dispatcher", &hosts, 30)?)?;
+            out
+        }
+        (None, Some(dir)) if dir.join(format!("{RUN_CONTROL}.pem")).exists() => dir.clone(),
+        (None, _) => return Ok(None),
+    };
+    let identity = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(&dir, RUN_CONTROL))
+        .context("run control's certificate for the control plane")?;
+    Ok(Some(ControlPlane { dir, tls: shoal_dispatcher::client::ControlTls::new(&identity)? }))
 }
 
 fn restrict(dir: &Path) -> anyhow::Result<()> {

@@ -49,6 +49,8 @@ pub struct Guard {
     pub audit: Arc<Audit>,
     /// TLS for the API and UI (`[cluster.security] web_config`).
     pub web: Option<Arc<shoal_tls::web::WebConfig>>,
+    /// Run control's credentials for a secured dispatcher (alerts go through it).
+    pub control: Option<shoal_dispatcher::client::ControlTls>,
 }
 
 /// Who is calling, as the guard found it: the token's holder (none with security off) and
@@ -246,7 +248,7 @@ fn queue_command(s: &AppState, name: &str) -> (StatusCode, String) {
 async fn alert(State(s): State<AppState>, Extension(caller): Extension<Caller>, body: axum::body::Bytes) -> Response {
     let (status, answer) = match shoal_core::alert::Alert::parse(&body) {
         Err(e) => (StatusCode::BAD_REQUEST, format!("alert refused: {e}")),
-        Ok(alert) => match send_alert(s.dispatcher, &alert).await {
+        Ok(alert) => match send_alert(s.dispatcher, s.guard.control.clone(), &alert).await {
             Ok(()) => {
                 s.shared.update(|st| st.note(format!("alert sent: {alert}")));
                 (StatusCode::ACCEPTED, format!("alert {} sent", alert.name))
@@ -259,8 +261,12 @@ async fn alert(State(s): State<AppState>, Extension(caller): Extension<Caller>, 
 }
 
 /// Publishes one alert on the dispatcher (a connection of its own, closed after).
-pub async fn send_alert(dispatcher: std::net::SocketAddr, alert: &shoal_core::alert::Alert) -> anyhow::Result<()> {
-    let mut client = shoal_dispatcher::client::ChClient::connect(dispatcher).await?;
+pub async fn send_alert(
+    dispatcher: std::net::SocketAddr,
+    control: Option<shoal_dispatcher::client::ControlTls>,
+    alert: &shoal_core::alert::Alert,
+) -> anyhow::Result<()> {
+    let mut client = shoal_dispatcher::client::ChClient::connect_with(dispatcher, control).await?;
     client.publish(shoal_core::alert::ALERT_TAG, alert.encode().as_bytes()).await?;
     Ok(())
 }

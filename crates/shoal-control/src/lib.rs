@@ -164,6 +164,11 @@ fn process_args(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
     if let Some(dir) = credentials::dir_for(spec, file) {
         args.push("--credentials".into());
         args.push(dir.display().to_string());
+        // A process with credentials proves them to the dispatcher too, unless run control
+        // has none for the control plane (it is then plain for everyone).
+        if !credentials::has_control_plane(file) {
+            args.push("--control-plain".into());
+        }
     }
     if let Some(web) = file.cluster.security.as_ref().and_then(|s| s.metrics_web_config.as_ref()) {
         args.push("--web-config".into());
@@ -319,12 +324,19 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     }
 
     let shared = Shared::new(initial_status(&file, &state_dir));
-    let dispatcher_child = start_dispatcher(&file, &binary, &logs, &shared)?;
+    let control_plane = credentials::control_plane(&file)?;
+    if control_plane.is_none() && file.cluster.security.is_some() {
+        shared.update(|s| {
+            s.warn("the control plane is not authenticated: [cluster.security] has no ca_dir, nor runcontrol.pem in credentials_dir (docs/security.md)")
+        });
+    }
+    let control_tls = control_plane.as_ref().map(|c| c.tls.clone());
+    let dispatcher_child = start_dispatcher(&file, &binary, &logs, &shared, control_plane.as_ref())?;
     wait_for_port(dispatcher, Duration::from_secs(10)).await.context("waiting for the dispatcher")?;
-    let mut listener_client = ChClient::connect(dispatcher).await?;
-    let mut client = ChClient::connect(dispatcher).await?;
+    let mut listener_client = ChClient::connect_with(dispatcher, control_tls.clone()).await?;
+    let mut client = ChClient::connect_with(dispatcher, control_tls.clone()).await?;
     client.set_nickname("runcontrol").await?;
-    control::subscribe_listener(&mut listener_client).await?;
+    control::subscribe_listener(&mut listener_client, control_tls.is_some()).await?;
     await_subscription(&mut client, &mut listener_client).await?;
 
     let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
@@ -377,7 +389,7 @@ pub async fn command(args: RunOptions) -> anyhow::Result<ExitCode> {
     let exits = watch_exits(launched, incoming_tx, relaunch);
 
     let mut controller = Controller::new(file.clone(), client, shared.clone(), incoming_rx, clock)?;
-    let guard = guard_of(&file)?;
+    let guard = guard_of(&file, control_tls.clone())?;
     controller.set_audit(guard.audit.clone());
     controller.discover().await?;
 
@@ -477,6 +489,7 @@ fn start_dispatcher(
     binary: &std::path::Path,
     logs: &std::path::Path,
     shared: &std::sync::Arc<Shared>,
+    control_plane: Option<&credentials::ControlPlane>,
 ) -> anyhow::Result<Option<KeptDispatcher>> {
     if !file.cluster.start_dispatcher {
         return Ok(None);
@@ -498,6 +511,17 @@ fn start_dispatcher(
         args.push("--web-config".into());
         args.push(web.display().to_string());
     }
+    // Secured: shoal's tags by certificate; the plain port's command tags only from the
+    // networks the file names (none by default), audited in the state directory.
+    if let Some(cp) = control_plane {
+        args.extend(["--credentials".into(), cp.dir.display().to_string()]);
+        args.extend(["--name".into(), credentials::DISPATCHER.into()]);
+        args.extend(["--audit-dir".into(), file.cluster.state_dir.display().to_string()]);
+        for net in &file.cluster.command_from {
+            args.extend(["--control-from".into(), net.clone()]);
+        }
+        return keep_started(file, binary, args, logs, shared, dispatcher).map(Some);
+    }
     // Command tags from this host (run control itself, `shoal alert`; on the dispatcher's
     // own address where it is not loopback, as in the testbed's control namespace) and
     // from the networks the file names.
@@ -511,15 +535,27 @@ fn start_dispatcher(
         args.push("--control-from".into());
         args.push(net);
     }
+    keep_started(file, binary, args, logs, shared, dispatcher).map(Some)
+}
+
+/// Starts the dispatcher with `args` and keeps it (restarted if it dies).
+fn keep_started(
+    file: &ClusterFile,
+    binary: &std::path::Path,
+    args: Vec<String>,
+    logs: &std::path::Path,
+    shared: &std::sync::Arc<Shared>,
+    dispatcher: std::net::SocketAddr,
+) -> anyhow::Result<KeptDispatcher> {
     let first = spawn_logged(binary, &args, &logs.join("dispatcher.log"), false, None)?;
-    Ok(Some(keep_dispatcher(
+    Ok(keep_dispatcher(
         first,
         binary.to_path_buf(),
         args,
         logs.join("dispatcher.log"),
         file.cluster.restarts,
         KeepWatch { shared: shared.clone(), addr: dispatcher },
-    )))
+    ))
 }
 
 /// Launches every process the file's launch kinds start, writer first (the order does
@@ -604,7 +640,7 @@ async fn flush_audit(audit: std::sync::Arc<audit::Audit>, cancel: CancellationTo
 
 /// The HTTP API's guard from `[cluster.security]`: its tokens, the origins it allows, and
 /// the audit log in the state directory.
-fn guard_of(file: &ClusterFile) -> anyhow::Result<http::Guard> {
+fn guard_of(file: &ClusterFile, control: Option<shoal_dispatcher::client::ControlTls>) -> anyhow::Result<http::Guard> {
     let security = file.cluster.security.clone().unwrap_or_default();
     let tokens = match &security.tokens {
         Some(path) => Some(std::sync::Arc::new(security::WatchedTokens::load(path)?)),
@@ -615,7 +651,7 @@ fn guard_of(file: &ClusterFile) -> anyhow::Result<http::Guard> {
         Some(path) => Some(std::sync::Arc::new(shoal_tls::web::WebConfig::load(path)?)),
         None => None,
     };
-    Ok(http::Guard { tokens, allowed_origins: security.allowed_origins, audit, web })
+    Ok(http::Guard { tokens, allowed_origins: security.allowed_origins, audit, web, control })
 }
 
 /// `--interactive`: the UI's and API's commands, one at a time, until OFF (or Ctrl-C,

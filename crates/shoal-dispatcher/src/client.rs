@@ -11,15 +11,88 @@
 //! the greeting can end with a *hello* of the client's choosing ([`ChClient::set_hello`]):
 //! a run-controlled process re-announces its state with it, and run control sends again
 //! what the process missed.
+//!
+//! On a secured cluster the client proves itself with its process's certificate
+//! ([`ControlTls`], [`ChClient::connect_with`]): mutual TLS 1.3 with the dispatcher, whose
+//! certificate must have the `dispatcher` role and name the address dialled.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Buf;
 use shoal_core::controlhost::{Message, MessageDecoder, Mode, Tag, encode_prefix};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
+
+/// A client's credentials for a secured dispatcher (mutual TLS).
+#[derive(Clone)]
+pub struct ControlTls {
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl std::fmt::Debug for ControlTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ControlTls")
+    }
+}
+
+impl ControlTls {
+    /// This process's `identity`, taking only a dispatcher's certificate.
+    pub fn new(identity: &shoal_tls::Identity) -> anyhow::Result<Self> {
+        Ok(Self { connector: tokio_rustls::TlsConnector::from(identity.client_config(&["dispatcher"])?) })
+    }
+}
+
+/// A connection to the dispatcher: plain, or TLS.
+#[derive(Debug)]
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
 
 /// Whether the peer has closed the connection (a FIN or a reset is waiting), seen
 /// without reading: a peek that does not wait.
@@ -47,7 +120,9 @@ pub enum ClientError {
 #[derive(Debug)]
 pub struct ChClient {
     addr: SocketAddr,
-    stream: Option<TcpStream>,
+    /// Mutual TLS with a secured dispatcher.
+    tls: Option<ControlTls>,
+    stream: Option<Stream>,
     decoder: MessageDecoder,
     subs: Vec<(Tag, Mode)>,
     /// Sent as `_MyId` again after a reconnect.
@@ -68,6 +143,17 @@ pub struct ChClient {
 /// How long one connection attempt may take before it is abandoned and made again.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The name a dispatcher's certificate must carry: the IP address dialled.
+fn rustls_name(addr: SocketAddr) -> tokio_rustls::rustls::pki_types::ServerName<'static> {
+    tokio_rustls::rustls::pki_types::ServerName::IpAddress(addr.ip().into())
+}
+
+/// Writes `buf` whole and flushes it (a TLS layer holds what it has not sent until then).
+async fn write_all_flushed(s: &mut Stream, buf: &mut impl Buf) -> std::io::Result<()> {
+    s.write_all_buf(buf).await?;
+    s.flush().await
+}
+
 pub fn tag(name: &str) -> Result<Tag, ClientError> {
     Tag::new(name.as_bytes()).ok_or_else(|| ClientError::BadTag(name.into()))
 }
@@ -75,8 +161,14 @@ pub fn tag(name: &str) -> Result<Tag, ClientError> {
 impl ChClient {
     /// Connects (retrying with backoff up to `max_attempts`).
     pub async fn connect(addr: SocketAddr) -> Result<Self, ClientError> {
+        Self::connect_with(addr, None).await
+    }
+
+    /// [`ChClient::connect`], proving this process's identity with `tls` where given.
+    pub async fn connect_with(addr: SocketAddr, tls: Option<ControlTls>) -> Result<Self, ClientError> {
         let mut c = Self {
             addr,
+            tls,
             stream: None,
             decoder: MessageDecoder::new(u32::MAX >> 1),
             subs: Vec::new(),
@@ -91,7 +183,17 @@ impl ChClient {
         Ok(c)
     }
 
-    async fn ensure_connected(&mut self) -> Result<&mut TcpStream, ClientError> {
+    /// Mutual TLS on a connected socket, when this client has credentials.
+    async fn secure(&self, tcp: TcpStream) -> std::io::Result<Stream> {
+        let Some(tls) = &self.tls else { return Ok(Stream::Plain(tcp)) };
+        let name = rustls_name(self.addr);
+        match tokio::time::timeout(CONNECT_TIMEOUT, tls.connector.connect(name, tcp)).await {
+            Ok(s) => Ok(Stream::Tls(Box::new(s?))),
+            Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")),
+        }
+    }
+
+    async fn ensure_connected(&mut self) -> Result<&mut Stream, ClientError> {
         if self.stream.is_none() {
             let mut delay = Duration::from_millis(50);
             let mut attempt = 0;
@@ -106,7 +208,7 @@ impl ChClient {
                     Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")),
                 };
                 let greeted = match connected {
-                    Ok(mut s) => {
+                    Ok(s) => {
                         let _ = s.set_nodelay(true);
                         // A client that only reads (run control's listener) would wait
                         // forever on a connection whose dispatcher vanished without a FIN
@@ -117,7 +219,10 @@ impl ChClient {
                             .with_interval(Duration::from_secs(1))
                             .with_retries(3);
                         let _ = socket2::SockRef::from(&s).set_tcp_keepalive(&probes);
-                        self.greet(&mut s).await.map(|()| s)
+                        match self.secure(s).await {
+                            Ok(mut s) => self.greet(&mut s).await.map(|()| s),
+                            Err(e) => Err(e),
+                        }
                     }
                     Err(e) => Err(e),
                 };
@@ -147,7 +252,7 @@ impl ChClient {
     }
 
     /// Nickname and subscription on a new connection, before it is the client's.
-    async fn greet(&self, s: &mut TcpStream) -> std::io::Result<()> {
+    async fn greet(&self, s: &mut Stream) -> std::io::Result<()> {
         if let Some(nick) = &self.nickname {
             s.write_all(&encode_prefix(Tag::MY_ID, nick.len())).await?;
             s.write_all(nick.as_bytes()).await?;
@@ -163,7 +268,7 @@ impl ChClient {
             s.write_all(&encode_prefix(*tag, payload.len())).await?;
             s.write_all(payload).await?;
         }
-        Ok(())
+        s.flush().await
     }
 
     /// The message published at the end of the greeting on every reconnection (after
@@ -188,7 +293,7 @@ impl ChClient {
         let prefix = encode_prefix(tag, payload.len());
         let mut last_err = None;
         for _ in 0..3 {
-            if self.stream.as_ref().is_some_and(peer_closed) {
+            if self.stream.as_ref().is_some_and(|s| peer_closed(s.tcp())) {
                 // The dispatcher went away (it was restarted): a write would still be
                 // taken by our socket and then lost. Reconnect first.
                 warn!("the dispatcher closed the connection; reconnecting");
@@ -198,7 +303,7 @@ impl ChClient {
             self.ensure_connected().await?;
             let s = self.stream.as_mut().expect("connected");
             let mut buf = Buf::chain(&prefix[..], payload);
-            match s.write_all_buf(&mut buf).await {
+            match write_all_flushed(s, &mut buf).await {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     warn!(error = %e, "write to dispatcher failed; reconnecting");
@@ -217,7 +322,7 @@ impl ChClient {
         for (tag, payload) in [(Tag::SUBSCRIBE, text.as_bytes()), (Tag::ALWAYS, &b""[..])] {
             let prefix = encode_prefix(tag, payload.len());
             let mut buf = Buf::chain(&prefix[..], payload);
-            if let Err(e) = s.write_all_buf(&mut buf).await {
+            if let Err(e) = write_all_flushed(s, &mut buf).await {
                 warn!(error = %e, "subscribing failed");
                 self.stream = None;
                 break;

@@ -8,6 +8,7 @@
 //!   Prometheus `/metrics` over HTTP;
 //! - [`client`]: [`client::ChClient`], the async client that run control, the nodes' agents
 //!   and the tests use;
+//! - [`authority`]: who may publish and subscribe what on a secured dispatcher;
 //! - [`audit`]: the audit log (commands, alerts and refusals, with who and from where)
 //!   that run control and the dispatcher write;
 //! - [`httpd`]: the HTTP server every shoal process uses (limits per peer and in all,
@@ -17,6 +18,7 @@
 //! `docs/dispatcher.md`.
 
 pub mod audit;
+pub mod authority;
 pub mod client;
 pub mod httpd;
 pub mod lograte;

@@ -15,6 +15,15 @@
 //!   connection stays, its other messages and its subscriptions go on (KM3NeT's clients
 //!   reconnect on errors, so closing would only make them publish again).
 //!
+//! - secured (`shoal dispatcher --credentials DIR`, what run control starts whenever the
+//!   cluster has a CA): the same port also takes mutual TLS (a connection whose first byte
+//!   opens a TLS handshake), and each such connection is known by its certificate's process
+//!   name and role for its life. Every message is judged by [`Authority`] (who may publish
+//!   which of shoal's tags, and about whom; what plain connections may subscribe to); one
+//!   refused is dropped, counted by tag, identity and reason, logged at a bounded rate and
+//!   audited. A process's control connection that closes is announced on `RC_GONE`, which
+//!   nobody else can publish.
+//!
 //! HTTP (optional): `/status` (JSON: clients, nicknames, subscriptions, queues) and
 //! `/metrics` (Prometheus text).
 
@@ -26,11 +35,15 @@ use bytes::Buf;
 use serde::Serialize;
 use shoal_core::controlhost::router::{ClientStatus, TagStats};
 use shoal_core::controlhost::{
-    ClientId, CommandAccess, Message, MessageDecoder, Output, Router, RouterConfig, encode_prefix,
+    ClientId, CommandAccess, Message, MessageDecoder, Output, Router, RouterConfig, Tag, encode_prefix,
+    parse_subscription,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use shoal_tls::peer::PeerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::audit::{Audit, AuditEvent};
+use crate::authority::{Authority, Publisher, RC_GONE};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -47,9 +60,41 @@ pub struct DispatcherConfig {
     /// Most clients connected at once; a connection beyond is closed at once and counted
     /// (`connection_limit`), so a flood cannot take every descriptor of the process.
     pub max_clients: usize,
-    /// Who may publish command tags (default: this host only).
+    /// Who may publish command tags (default: this host only); unsecured dispatchers.
     pub access: CommandAccess,
+    /// Mutual TLS beside the plain port and the rules of a secured control plane.
+    pub secure: Option<SecureControl>,
 }
+
+/// A secured dispatcher's credentials and rules.
+#[derive(Clone)]
+pub struct SecureControl {
+    acceptor: tokio_rustls::TlsAcceptor,
+    pub authority: Authority,
+    /// Where refusals and the plain port's commands are audited.
+    pub audit: Option<std::sync::Arc<Audit>>,
+}
+
+impl std::fmt::Debug for SecureControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecureControl").field("authority", &self.authority).finish_non_exhaustive()
+    }
+}
+
+impl SecureControl {
+    /// The dispatcher's `identity` (role `dispatcher`), taking clients of any role of the
+    /// cluster CA, with `authority`'s rules.
+    pub fn new(identity: &shoal_tls::Identity, authority: Authority, audit: Option<std::sync::Arc<Audit>>) -> anyhow::Result<Self> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(identity.server_config(&[])?);
+        Ok(Self { acceptor, authority, audit })
+    }
+}
+
+/// The first byte of a TLS handshake record: ControlHost tags are text.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// How long a connection has to send its first byte (plain) or finish its TLS handshake.
+const FIRST_BYTE_WITHIN: Duration = Duration::from_secs(10);
 
 impl Default for DispatcherConfig {
     fn default() -> Self {
@@ -58,6 +103,7 @@ impl Default for DispatcherConfig {
             max_payload: 64 << 20,
             max_clients: 16_000,
             access: CommandAccess::default(),
+            secure: None,
         }
     }
 }
@@ -66,6 +112,7 @@ enum Event {
     Connected {
         id: ClientId,
         peer: SocketAddr,
+        identity: Option<PeerName>,
         writer: mpsc::UnboundedSender<Message>,
         close: CancellationToken,
     },
@@ -86,6 +133,10 @@ enum Event {
 
 struct Conn {
     peer: SocketAddr,
+    /// Its certificate's process (mutual TLS), or none (the plain port).
+    identity: Option<PeerName>,
+    /// Its nickname, where it named itself.
+    nick: Option<String>,
     writer: mpsc::UnboundedSender<Message>,
     close: CancellationToken,
     since: Instant,
@@ -114,6 +165,20 @@ pub struct Snapshot {
     pub rejected: BTreeMap<String, u64>,
     /// Command tags refused for their publisher's address, by tag.
     pub commands_refused: BTreeMap<String, u64>,
+    /// A secured dispatcher's refusals: messages dropped and subscriptions cut, by tag,
+    /// identity (the certificate's name, or `plain`) and reason.
+    pub refused: Vec<Refused>,
+    /// Connections of a secured dispatcher by kind: `tls` (authenticated) and `plain`.
+    pub authenticated: BTreeMap<String, u64>,
+}
+
+/// Messages (or subscriptions) of one tag refused for one identity and reason.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Refused {
+    pub tag: String,
+    pub identity: String,
+    pub reason: String,
+    pub count: u64,
 }
 
 /// A handle to ask a running dispatcher for its state.
@@ -151,6 +216,8 @@ pub fn spawn_dispatcher(
     let accept_events = ev_tx.clone();
     let accept_cancel = cancel.clone();
     let places = std::sync::Arc::new(tokio::sync::Semaphore::new(cfg.max_clients));
+    let (max_payload, max_clients) = (cfg.max_payload, cfg.max_clients);
+    let acceptor = cfg.secure.as_ref().map(|s| s.acceptor.clone());
     tokio::spawn(async move {
         let mut next_id: ClientId = 1;
         loop {
@@ -160,12 +227,12 @@ pub fn spawn_dispatcher(
                         let Ok(place) = places.clone().try_acquire_owned() else {
                             drop(stream);
                             if let Some(held_back) = LIMITED.check() {
-                                warn!(%peer, max_clients = cfg.max_clients, held_back, "at the client limit: connection closed");
+                                warn!(%peer, max_clients, held_back, "at the client limit: connection closed");
                             }
                             let _ = accept_events.send(Event::Refused { reason: "connection_limit" });
                             continue;
                         };
-                        start_connection(next_id, stream, peer, cfg.max_payload, &accept_events, &in_tx, place);
+                        start_connection(next_id, stream, peer, max_payload, acceptor.clone(), &accept_events, &in_tx, place);
                         next_id += 1;
                     }
                     Err(e) => {
@@ -177,38 +244,96 @@ pub fn spawn_dispatcher(
             }
         }
     });
-    let core = tokio::spawn(run_core(Router::new(cfg.router), cfg.access, ev_rx, in_rx, cancel));
+    if let Some(audit) = cfg.secure.as_ref().and_then(|s| s.audit.clone()) {
+        tokio::spawn(flush_audit(audit, cancel.clone()));
+    }
+    let authority = cfg.secure.map(|s| (s.authority, s.audit));
+    let core = tokio::spawn(run_core(Router::new(cfg.router), cfg.access, authority, ev_rx, in_rx, cancel));
     info!(%addr, "dispatcher listening");
     Ok((DispatcherHandle { events: ev_tx, addr }, core))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn start_connection(
     id: ClientId,
     stream: TcpStream,
     peer: SocketAddr,
     max_payload: u32,
+    secure: Option<tokio_rustls::TlsAcceptor>,
     events: &mpsc::UnboundedSender<Event>,
     input: &mpsc::Sender<(ClientId, Message)>,
     place: tokio::sync::OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
     let _ = socket2::SockRef::from(&stream).set_keepalive(true);
-    let (r, w) = stream.into_split();
+    let (events, input) = (events.clone(), input.clone());
+    let Some(acceptor) = secure else {
+        let (r, w) = stream.into_split();
+        return serve_connection(id, r, w, peer, None, max_payload, events, input, place);
+    };
+    // Secured: TLS or plain, told by the first byte, in the connection's own task.
+    tokio::spawn(async move {
+        let mut first = [0u8; 1];
+        let tls = match tokio::time::timeout(FIRST_BYTE_WITHIN, stream.peek(&mut first)).await {
+            Ok(Ok(1)) => first[0] == TLS_HANDSHAKE,
+            Ok(_) => return, // closed, or failed, before its first byte
+            Err(_) => false, // silent: a plain client that has not spoken yet
+        };
+        if !tls {
+            let (r, w) = stream.into_split();
+            return serve_connection(id, r, w, peer, None, max_payload, events, input, place);
+        }
+        let handshake = tokio::time::timeout(FIRST_BYTE_WITHIN, acceptor.accept(stream)).await;
+        let s = match handshake {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return refuse_handshake(&events, peer, &e.to_string()),
+            Err(_) => return refuse_handshake(&events, peer, "no TLS handshake within 10 s"),
+        };
+        let identity = s.get_ref().1.peer_certificates().and_then(|c| c.first()).and_then(PeerName::of);
+        let (r, w) = tokio::io::split(s);
+        serve_connection(id, r, w, peer, identity, max_payload, events, input, place);
+    });
+}
+
+/// A TLS handshake refused on a secured dispatcher: counted, logged at a bounded rate.
+fn refuse_handshake(events: &mpsc::UnboundedSender<Event>, peer: SocketAddr, why: &str) {
+    if let Some(held_back) = REFUSED.check() {
+        warn!(%peer, error = why, held_back, "TLS handshake on the dispatcher's port refused: connection closed");
+    }
+    let _ = events.send(Event::Refused { reason: "tls_handshake" });
+}
+
+/// The reader and the writer of one connection.
+#[allow(clippy::too_many_arguments)]
+fn serve_connection<R, W>(
+    id: ClientId,
+    r: R,
+    w: W,
+    peer: SocketAddr,
+    identity: Option<PeerName>,
+    max_payload: u32,
+    events: mpsc::UnboundedSender<Event>,
+    input: mpsc::Sender<(ClientId, Message)>,
+    place: tokio::sync::OwnedSemaphorePermit,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     let (wtx, wrx) = mpsc::unbounded_channel();
     let close = CancellationToken::new();
     // Register before the reader can produce anything, so the core knows the client.
-    let _ = events.send(Event::Connected { id, peer, writer: wtx, close: close.clone() });
-    let (input, read_events, read_close) = (input.clone(), events.clone(), close.clone());
+    let _ = events.send(Event::Connected { id, peer, identity, writer: wtx, close: close.clone() });
+    let (read_events, read_close) = (events.clone(), close.clone());
     tokio::spawn(async move {
         read_loop(id, r, peer, max_payload, input, read_events, read_close).await;
         drop(place);
     });
-    tokio::spawn(write_loop(id, w, wrx, events.clone(), close));
+    tokio::spawn(write_loop(id, w, wrx, events, close));
 }
 
 async fn read_loop(
     id: ClientId,
-    mut r: OwnedReadHalf,
+    mut r: impl AsyncRead + Unpin,
     peer: SocketAddr,
     max_payload: u32,
     input: mpsc::Sender<(ClientId, Message)>,
@@ -261,7 +386,7 @@ async fn read_loop(
 
 async fn write_loop(
     id: ClientId,
-    mut w: OwnedWriteHalf,
+    mut w: impl AsyncWrite + Unpin,
     mut rx: mpsc::UnboundedReceiver<Message>,
     events: mpsc::UnboundedSender<Event>,
     close: CancellationToken,
@@ -306,6 +431,10 @@ async fn write_loop(
         if !failed && !out.is_empty() && w.write_all_buf(&mut out).await.is_err() {
             failed = true;
         }
+        // A TLS writer keeps what it has not sent until flushed.
+        if !failed && w.flush().await.is_err() {
+            failed = true;
+        }
         if failed {
             debug!(client = id, "write failed");
             close.cancel();
@@ -320,6 +449,10 @@ async fn write_loop(
 struct Core {
     router: Router,
     access: CommandAccess,
+    /// A secured dispatcher's rules and audit.
+    authority: Option<(Authority, Option<std::sync::Arc<Audit>>)>,
+    refused: BTreeMap<(String, String, String), u64>,
+    authenticated: BTreeMap<String, u64>,
     conns: HashMap<ClientId, Conn>,
     rejected: BTreeMap<String, u64>,
     commands_refused: BTreeMap<String, u64>,
@@ -331,10 +464,13 @@ struct Core {
 impl Core {
     fn on_event(&mut self, event: Event) {
         match event {
-            Event::Connected { id, peer, writer, close } => {
+            Event::Connected { id, peer, identity, writer, close } => {
                 self.connections_total += 1;
+                if self.authority.is_some() {
+                    *self.authenticated.entry(if identity.is_some() { "tls" } else { "plain" }.into()).or_default() += 1;
+                }
                 self.router.handle_connect(id);
-                self.conns.insert(id, Conn { peer, writer, close, since: Instant::now() });
+                self.conns.insert(id, Conn { peer, identity, nick: None, writer, close, since: Instant::now() });
             }
             Event::Closed { id, reason } => {
                 if let Some(r) = reason {
@@ -342,6 +478,12 @@ impl Core {
                 }
                 if let Some(c) = self.conns.remove(&id) {
                     c.close.cancel();
+                    // A process's control connection (named as its certificate) is gone:
+                    // said on a tag only the dispatcher publishes.
+                    if let Some(p) = c.identity.filter(|p| c.nick.as_deref() == Some(p.name.as_str())) {
+                        let gone = Message { tag: Tag::new(RC_GONE.as_bytes()).expect("a valid tag"), payload: p.name.into() };
+                        self.router.handle_message(id, gone);
+                    }
                 }
                 self.router.handle_disconnect(id);
             }
@@ -351,6 +493,17 @@ impl Core {
                 let bp = self.backpressure + self.paused_since.map_or(Duration::ZERO, |t| t.elapsed());
                 let mut snap = snapshot(&self.router, &self.conns, &self.rejected, self.connections_total, bp);
                 snap.commands_refused = self.commands_refused.clone();
+                snap.refused = self
+                    .refused
+                    .iter()
+                    .map(|((tag, identity, reason), n)| Refused {
+                        tag: tag.clone(),
+                        identity: identity.clone(),
+                        reason: reason.clone(),
+                        count: *n,
+                    })
+                    .collect();
+                snap.authenticated = self.authenticated.clone();
                 let _ = reply.send(snap);
             }
         }
@@ -364,6 +517,12 @@ impl Core {
         while let Ok(e) = events.try_recv() {
             self.on_event(e);
         }
+        if self.authority.is_some() {
+            if let Some(m) = self.judge(id, m) {
+                self.router.handle_message(id, m);
+            }
+            return;
+        }
         if let Some(c) = self.conns.get(&id)
             && !self.access.allows(&m.tag, c.peer.ip())
         {
@@ -375,6 +534,70 @@ impl Core {
             return;
         }
         self.router.handle_message(id, m);
+    }
+
+    /// A secured dispatcher's rules on one message: what goes on (a subscription without
+    /// the tags the connection may not have), or `None` once its refusal is counted,
+    /// logged and audited.
+    fn judge(&mut self, id: ClientId, m: Message) -> Option<Message> {
+        let (authority, audit) = self.authority.as_ref()?;
+        let c = self.conns.get_mut(&id)?;
+        let who = match &c.identity {
+            Some(p) => Publisher::Certified { name: &p.name, role: &p.role },
+            None => Publisher::Plain { ip: c.peer.ip() },
+        };
+        let identity = c.identity.as_ref().map_or_else(|| "plain".to_string(), |p| p.name.clone());
+        let what = String::from_utf8_lossy(&m.payload[..m.payload.len().min(80)]).into_owned();
+        let audit_event = |outcome: &str, reason: &str, what: String| {
+            if let Some(audit) = audit {
+                audit.record(AuditEvent {
+                    kind: "dispatcher".into(),
+                    what,
+                    outcome: outcome.into(),
+                    reason: reason.into(),
+                    identity: c.identity.as_ref().map(|p| p.name.clone()).unwrap_or_default(),
+                    role: c.identity.as_ref().map(|p| p.role.clone()).unwrap_or_default(),
+                    address: c.peer.to_string(),
+                    ..Default::default()
+                });
+            }
+        };
+        if m.tag == Tag::SUBSCRIBE {
+            let mut sub = parse_subscription(&m.payload);
+            let cut = authority.judge_subscribe(who, &sub);
+            if cut.is_empty() {
+                return Some(m);
+            }
+            for t in &cut {
+                sub.tags.remove(t);
+                *self.refused.entry((t.to_string(), identity.clone(), "subscribe".into())).or_default() += 1;
+                audit_event("refused", "subscribe", format!("subscribe {t}"));
+            }
+            if let Some(held_back) = REFUSED.check() {
+                warn!(peer = %c.peer, identity, tags = ?cut.iter().map(Tag::to_string).collect::<Vec<_>>(), held_back,
+                    "a subscription to tags this connection may not read: those tags taken out");
+            }
+            return Some(Message { tag: m.tag, payload: sub.to_text().into() });
+        }
+        if let Err(r) = authority.judge_publish(who, &m.tag, &m.payload) {
+            *self.refused.entry((m.tag.to_string(), identity.clone(), r.reason().into())).or_default() += 1;
+            audit_event("refused", r.reason(), format!("{} {what}", m.tag));
+            if let Some(held_back) = REFUSED.check() {
+                warn!(peer = %c.peer, identity, tag = %m.tag, reason = r.reason(), held_back,
+                    "a message this connection may not publish: dropped");
+            }
+            return None;
+        }
+        if c.identity.is_none() && crate::authority::is_command(&m.tag) {
+            // A command from the plain port (a network command_from names): audited as
+            // run control's API's commands are.
+            audit_event("accepted", "", format!("{} {what}", m.tag));
+        }
+        if m.tag == Tag::MY_ID || m.tag == Tag::UNIQUE_ID {
+            let end = m.payload.iter().position(|&b| b == 0).unwrap_or(m.payload.len());
+            c.nick = Some(String::from_utf8_lossy(&m.payload[..end]).into_owned());
+        }
+        Some(m)
     }
 
     fn flush(&mut self) {
@@ -399,6 +622,7 @@ impl Core {
 async fn run_core(
     router: Router,
     access: CommandAccess,
+    authority: Option<(Authority, Option<std::sync::Arc<Audit>>)>,
     mut events: mpsc::UnboundedReceiver<Event>,
     mut input: mpsc::Receiver<(ClientId, Message)>,
     cancel: CancellationToken,
@@ -406,6 +630,9 @@ async fn run_core(
     let mut core = Core {
         router,
         access,
+        authority,
+        refused: BTreeMap::new(),
+        authenticated: BTreeMap::new(),
         conns: HashMap::new(),
         rejected: BTreeMap::new(),
         commands_refused: BTreeMap::new(),
@@ -483,6 +710,8 @@ fn snapshot(
         connections_total,
         rejected: rejected.clone(),
         commands_refused: BTreeMap::new(),
+        refused: Vec::new(),
+        authenticated: BTreeMap::new(),
     }
 }
 
@@ -543,9 +772,34 @@ pub fn metrics_text(s: &Snapshot) -> String {
         "Command tags dropped for their publisher's address (docs/security.md)",
         refused,
     );
+    let refused = Family::<Labels, Counter>::default();
+    for r in &s.refused {
+        let labels = vec![
+            ("tag".into(), r.tag.clone()),
+            ("identity".into(), r.identity.clone()),
+            ("reason".into(), r.reason.clone()),
+        ];
+        refused.get_or_create(&labels).inc_by(r.count);
+    }
+    reg.register(
+        "shoal_dispatcher_messages_refused",
+        "A secured dispatcher's refusals by tag, identity (certificate name or plain) and reason (role, subject, plain, dispatcher, subscribe)",
+        refused,
+    );
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out
+}
+
+/// Writes the audit's gathered refusals every second, and what is left at the end.
+async fn flush_audit(audit: std::sync::Arc<Audit>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => audit.flush_at(std::time::SystemTime::now()),
+            _ = cancel.cancelled() => return audit.flush(),
+        }
+    }
 }
 
 /// "a command tag from an address not allowed" warnings, at most one a second.

@@ -61,6 +61,8 @@ pub struct NodeOptions {
     /// This process's certificate for `[security] data` (`--credentials DIR`; none: the
     /// data path can only be `off`).
     pub credentials: crate::transport::secure::DataCredentials,
+    /// The same certificate for the dispatcher (mutual TLS), on a secured cluster.
+    pub control_tls: Option<shoal_dispatcher::client::ControlTls>,
     /// The Prometheus web configuration of `/metrics` (`--web-config FILE`: TLS, client
     /// certificates, basic-auth users).
     pub web_config: Option<Arc<shoal_tls::web::WebConfig>>,
@@ -229,7 +231,7 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
     let stall_watch = crate::stallwatch::StallWatch::start()
         .map_err(|e| warn!(error = %e, "no stall watch: stalls shorter than the hung threshold go unseen"))
         .ok();
-    let mut agent = RcAgent::connect(opts.dispatcher, &opts.name, clock)
+    let mut agent = RcAgent::connect_with(opts.dispatcher, opts.control_tls.clone(), &opts.name, clock)
         .await
         .with_context(|| format!("connecting to the dispatcher at {}", opts.dispatcher))?;
     // Builders answer alerts: they arrive here and go to the running data path; what it
@@ -239,7 +241,7 @@ pub async fn run_controlled(opts: NodeOptions, cancel: CancellationToken) -> any
         agent.subscribe_alerts().await?;
         // Monitoring taps: sampled raw slices and selected events, on a connection of
         // their own so a slow dispatcher never holds up commands.
-        live.tap.open(opts.dispatcher, cancel.clone());
+        live.tap.open(opts.dispatcher, opts.control_tls.clone(), cancel.clone());
     }
     info!(name = %opts.name, role = opts.role.name(), "run-controlled process up");
     let mut config: Option<Config> = None;

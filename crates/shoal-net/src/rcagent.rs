@@ -29,7 +29,7 @@ use shoal_core::controlhost::Mode;
 use shoal_core::runstate::{Command, CommandParseError, Reply, RunControl, RunState, TransitionError};
 
 use crate::clock::WallClock;
-use shoal_dispatcher::client::{ChClient, ClientError};
+use shoal_dispatcher::client::{ChClient, ClientError, ControlTls};
 use tokio_util::sync::CancellationToken;
 
 /// Tag of run-control commands.
@@ -102,12 +102,23 @@ impl RcAgent {
     /// Connects, names the connection (`_MyId`), subscribes to commands (lossless) and
     /// announces the initial state.
     pub async fn connect(addr: SocketAddr, name: &str, clock: WallClock) -> Result<Self, ClientError> {
-        let mut client = ChClient::connect(addr).await?;
+        Self::connect_with(addr, None, name, clock).await
+    }
+
+    /// [`RcAgent::connect`] proving this process's certificate to a secured dispatcher
+    /// (`tls`), its clock answers too.
+    pub async fn connect_with(
+        addr: SocketAddr,
+        tls: Option<ControlTls>,
+        name: &str,
+        clock: WallClock,
+    ) -> Result<Self, ClientError> {
+        let mut client = ChClient::connect_with(addr, tls.clone()).await?;
         client.set_nickname(name).await?;
         client.subscribe(RC_CMD, Mode::All).await?;
         let clock_cell = Arc::new(ClockCell::new(clock));
         let stop = tokio_util::sync::CancellationToken::new();
-        spawn_clock_responder(addr, name.to_string(), clock_cell.clone(), stop.clone());
+        spawn_clock_responder(addr, tls, name.to_string(), clock_cell.clone(), stop.clone());
         let mut agent = Self {
             client,
             rc: RunControl::new(clock.now()),
@@ -255,18 +266,24 @@ impl ClockCell {
 
 /// Answers run control's clock probes and corrections for process `name` on a dispatcher
 /// connection of its own, until `stop` (reconnecting when the dispatcher goes away).
-pub fn spawn_clock_responder(addr: SocketAddr, name: String, cell: Arc<ClockCell>, stop: CancellationToken) {
+pub fn spawn_clock_responder(
+    addr: SocketAddr,
+    tls: Option<ControlTls>,
+    name: String,
+    cell: Arc<ClockCell>,
+    stop: CancellationToken,
+) {
     tokio::spawn(async move {
         tokio::select! {
             _ = stop.cancelled() => {}
-            _ = answer_clock_probes(addr, &name, &cell) => {}
+            _ = answer_clock_probes(addr, tls, &name, &cell) => {}
         }
     });
 }
 
-async fn answer_clock_probes(addr: SocketAddr, name: &str, cell: &ClockCell) {
+async fn answer_clock_probes(addr: SocketAddr, tls: Option<ControlTls>, name: &str, cell: &ClockCell) {
     let mut client = loop {
-        match ChClient::connect(addr).await {
+        match ChClient::connect_with(addr, tls.clone()).await {
             Ok(c) => break c,
             Err(_) => tokio::time::sleep(std::time::Duration::from_millis(500)).await,
         }

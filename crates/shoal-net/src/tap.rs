@@ -50,10 +50,15 @@ pub struct Tap {
 
 impl Tap {
     /// Starts publishing to `dispatcher` until `cancel`.
-    pub fn open(self: &std::sync::Arc<Self>, dispatcher: SocketAddr, cancel: CancellationToken) {
+    pub fn open(
+        self: &std::sync::Arc<Self>,
+        dispatcher: SocketAddr,
+        tls: Option<shoal_dispatcher::client::ControlTls>,
+        cancel: CancellationToken,
+    ) {
         let (tx, rx) = mpsc::channel(QUEUE);
         *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
-        tokio::spawn(publish(self.clone(), dispatcher, rx, cancel));
+        tokio::spawn(publish(self.clone(), dispatcher, tls, rx, cancel));
     }
 
     pub fn is_open(&self) -> bool {
@@ -88,6 +93,7 @@ impl Tap {
 async fn publish(
     tap: std::sync::Arc<Tap>,
     dispatcher: SocketAddr,
+    tls: Option<shoal_dispatcher::client::ControlTls>,
     mut rx: mpsc::Receiver<(&'static str, Bytes)>,
     cancel: CancellationToken,
 ) {
@@ -100,7 +106,7 @@ async fn publish(
         };
         tap.queued_bytes.fetch_sub(payload.len() as u64, Ordering::AcqRel);
         if client.is_none() {
-            match ChClient::connect(dispatcher).await {
+            match ChClient::connect_with(dispatcher, tls.clone()).await {
                 Ok(mut c) => {
                     let _ = c.set_nickname("shoal-tap").await;
                     client = Some(c);

@@ -113,6 +113,7 @@ async fn node_refuses_bad_configuration_and_reports_at_stop() {
         stats_interval: Duration::from_secs(3600),
         clock: WallClock::new(),
         credentials: Default::default(),
+        control_tls: None,
         web_config: None,
     };
     let node = tokio::spawn(run_controlled(opts, CancellationToken::new()));

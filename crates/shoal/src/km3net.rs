@@ -503,7 +503,7 @@ impl KmDemo {
             dispatcher_cancel.clone(),
         )?;
         let dispatcher = handle.addr;
-        live.tap.open(dispatcher, dispatcher_cancel.clone());
+        live.tap.open(dispatcher, None, dispatcher_cancel.clone());
         let mut client = shoal_dispatcher::client::ChClient::connect(dispatcher).await?;
         for tag in shoal_net::config::KM3NET_TAGS {
             client.subscribe(tag, Mode::All).await?;

@@ -222,6 +222,20 @@ struct DispatcherArgs {
     /// Exit when the process that started this one exits, even killed (`shoal run`).
     #[arg(long)]
     exit_with_parent: bool,
+    /// This dispatcher's credentials: a directory with ca.pem, NAME.pem and NAME.key (`shoal
+    /// ca issue DIR dispatcher --host ...`). The port then also takes mutual TLS, knows each
+    /// such client by its certificate, and enforces who may publish and subscribe shoal's
+    /// tags; plain clients keep their data tags, and command tags only from --control-from
+    /// (loopback no longer implied) (docs/security.md).
+    #[arg(long, value_name = "DIR")]
+    credentials: Option<PathBuf>,
+    /// The certificate's name in --credentials.
+    #[arg(long, default_value = "dispatcher")]
+    name: String,
+    /// With --credentials: append refusals and the plain port's commands to DIR/audit.jsonl
+    /// (run control's state directory).
+    #[arg(long, value_name = "DIR")]
+    audit_dir: Option<PathBuf>,
 }
 
 #[derive(Parser)]
@@ -251,8 +265,14 @@ struct NodeArgs {
     metrics: Option<std::net::SocketAddr>,
     /// This process's certificate for `[security] data`: DIR/ca.pem, DIR/NAME.pem and
     /// DIR/NAME.key, as `shoal ca issue` writes them (run control passes its own).
+    /// The same certificate proves this process to the dispatcher (mutual TLS), unless
+    /// --control-plain.
     #[arg(long)]
     credentials: Option<PathBuf>,
+    /// Reach the dispatcher in plain ControlHost although --credentials is given (a
+    /// dispatcher that is not shoal's, or one started without credentials).
+    #[arg(long)]
+    control_plain: bool,
     /// A Prometheus web configuration (web.yml) for /metrics: TLS, client certificates,
     /// bcrypt basic-auth users.
     #[arg(long)]
@@ -643,7 +663,19 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     if args.queue_limit == 0 || args.max_payload_mb == 0 {
         anyhow::bail!("--queue-limit and --max-payload-mb must be at least 1");
     }
+    let secure = match &args.credentials {
+        None => None,
+        Some(dir) => {
+            let identity = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(dir, &args.name))
+                .with_context(|| format!("--credentials {}", dir.display()))?;
+            let authority = shoal_dispatcher::authority::Authority::new(args.control_from.clone());
+            let audit = args.audit_dir.as_deref().map(|d| std::sync::Arc::new(shoal_dispatcher::audit::Audit::new(d)));
+            Some(shoal_dispatcher::server::SecureControl::new(&identity, authority, audit)?)
+        }
+    };
+    let secured = secure.is_some();
     let cfg = DispatcherConfig {
+        secure,
         router: RouterConfig {
             queue_limit: args.queue_limit,
             memory_limit: args.memory_limit_mb << 20,
@@ -661,7 +693,7 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
     // Off loopback, the ControlHost port is safe for commands once the operator has said
     // whose command tags it takes (ControlHost has no credentials to check); the status page
     // once a web configuration protects it.
-    if !args.insecure && !args.listen.ip().is_loopback() && args.control_from.is_empty() {
+    if !args.insecure && !secured && !args.listen.ip().is_loopback() && args.control_from.is_empty() {
         anyhow::bail!(
             "the dispatcher authenticates nobody: --listen {} off loopback would let anyone who reaches it publish \
              run-control commands; say whose command tags it takes (--control-from NET), or add --insecure on a \
@@ -694,11 +726,18 @@ async fn dispatcher(args: DispatcherArgs) -> anyhow::Result<ExitCode> {
         .and_then(|()| socket.listen(4096))
         .with_context(|| format!("binding the dispatcher port {}", args.listen))?;
     let (handle, core) = spawn_dispatcher(listener, cfg, cancel.clone())?;
-    eprintln!(
-        "shoal dispatcher listening on {}; command tags from {}",
-        handle.addr,
-        cfg_access_text(&args.control_from)
-    );
+    match secured {
+        true => eprintln!(
+            "shoal dispatcher listening on {} (plain and mutual TLS: shoal's tags by certificate; plain command tags from {})",
+            handle.addr,
+            if args.control_from.is_empty() { "nowhere".to_string() } else { cfg_access_text(&args.control_from) }
+        ),
+        false => eprintln!(
+            "shoal dispatcher listening on {}; command tags from {}",
+            handle.addr,
+            cfg_access_text(&args.control_from)
+        ),
+    }
     if args.http != "off" {
         let addr: std::net::SocketAddr = args.http.parse().with_context(|| format!("--http {:?}", args.http))?;
         let http = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding HTTP port {addr}"))?;
@@ -750,6 +789,13 @@ fn apply_ids(cfg: &mut Config, role: Role, ids: &[u32]) -> anyhow::Result<()> {
 async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let role = args.role;
     if let Some(dispatcher) = args.dispatcher {
+        let identity = match &args.credentials {
+            Some(dir) => {
+                let name = args.name.as_deref().expect("clap requires --name");
+                Some(shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(dir, name))?)
+            }
+            None => None,
+        };
         let opts = shoal_net::node::NodeOptions {
             role,
             name: args.name.clone().expect("clap requires --name"),
@@ -760,13 +806,13 @@ async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             stats_interval: Duration::from_millis(args.stats_ms.max(50)),
             clock: WallClock::new()
                 .skewed((args.test_clock_offset_us * 1e3) as i64, (args.test_clock_drift_ppm * 1e3) as i64),
-            credentials: match &args.credentials {
-                Some(dir) => {
-                    let name = args.name.as_deref().expect("clap requires --name");
-                    let id = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(dir, name))?;
-                    shoal_net::transport::secure::DataCredentials::single(id)?
-                }
+            credentials: match &identity {
+                Some(id) => shoal_net::transport::secure::DataCredentials::single(id.clone())?,
                 None => Default::default(),
+            },
+            control_tls: match (&identity, args.control_plain) {
+                (Some(id), false) => Some(shoal_dispatcher::client::ControlTls::new(id)?),
+                _ => None,
             },
             web_config: match &args.web_config {
                 Some(f) => Some(std::sync::Arc::new(shoal_tls::web::WebConfig::load(f)?)),
