@@ -34,8 +34,13 @@ async fn start(secured: bool) -> (Api, String, String) {
     let operator = TokenFile::add(&file, "bob", Role::Operator).unwrap();
     let tokens = secured.then(|| Arc::new(WatchedTokens::load(&file).unwrap()));
     let audit = Arc::new(Audit::new(&dir));
-    let guard =
-        Guard { tokens, allowed_origins: vec!["https://ops.example".into()], audit: audit.clone(), web: None, control: None };
+    let guard = Guard {
+        tokens,
+        allowed_origins: vec!["https://ops.example".into()],
+        audit: audit.clone(),
+        web: None,
+        control: None,
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, commands) = tokio::sync::mpsc::channel(8);

@@ -129,9 +129,11 @@ pub struct Authority {
 }
 
 fn reserved(tag: &Tag) -> Option<Publishers> {
-    RESERVED.iter().find(|(t, _)| t.as_bytes() == tag.name()).map(|(_, p)| *p).or_else(|| {
-        (tag.name() == RC_GONE.as_bytes()).then_some(Publishers::Dispatcher)
-    })
+    RESERVED
+        .iter()
+        .find(|(t, _)| t.as_bytes() == tag.name())
+        .map(|(_, p)| *p)
+        .or_else(|| (tag.name() == RC_GONE.as_bytes()).then_some(Publishers::Dispatcher))
 }
 
 /// The subject a process's message names, `None` where it has none readable.
@@ -174,7 +176,9 @@ impl Authority {
             (Publishers::RunControl | Publishers::RunControlOrCommandFrom, Publisher::Certified { role, .. }) => {
                 ok_if(role == "runcontrol")
             }
-            (Publishers::Commanders, Publisher::Certified { role, .. }) => ok_if(role == "runcontrol" || role == "client"),
+            (Publishers::Commanders, Publisher::Certified { role, .. }) => {
+                ok_if(role == "runcontrol" || role == "client")
+            }
             (Publishers::Builders, Publisher::Certified { role, .. }) => ok_if(role == "builder"),
             (Publishers::Process(form), Publisher::Certified { name, role }) => {
                 if !PROCESS_ROLES.contains(&role) {
@@ -232,7 +236,11 @@ mod tests {
         let km3net_rc = Publisher::Plain { ip: "192.0.2.10".parse().unwrap() };
         assert_eq!(a.judge_publish(rc, &tag("RC_CMD"), b"* STOP"), Ok(()));
         assert_eq!(a.judge_publish(b0, &tag("RC_CMD"), b"* STOP"), Err(Refusal::Role));
-        assert_eq!(a.judge_publish(stranger, &tag("RC_CMD"), b"* STOP"), Err(Refusal::Plain), "loopback is not implied");
+        assert_eq!(
+            a.judge_publish(stranger, &tag("RC_CMD"), b"* STOP"),
+            Err(Refusal::Plain),
+            "loopback is not implied"
+        );
         assert_eq!(a.judge_publish(km3net_rc, &tag("RC_CMD"), b"* STOP"), Ok(()), "command_from names it");
         assert_eq!(a.judge_publish(km3net_rc, &tag("RC_TIME"), b"* PROBE 1 2"), Err(Refusal::Plain));
         assert_eq!(a.judge_publish(certified("ops", "client"), &tag("RC_CMD"), b"* STOP"), Err(Refusal::Role));

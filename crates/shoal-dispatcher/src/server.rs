@@ -51,6 +51,19 @@ use tracing::{debug, info, warn};
 /// Messages decoded by readers and not yet taken by the core, for all connections together.
 const INPUT_QUEUE: usize = 32;
 
+/// Where a message came from: its connection's address and certificate.
+#[derive(Debug)]
+struct Origin {
+    peer: SocketAddr,
+    identity: Option<PeerName>,
+}
+
+/// A message from a reader, with where it came from. The origin travels with the message
+/// because the connection's `Closed` event may overtake its last messages to the core (a
+/// client that publishes and leaves at once): judged by a connection the core no longer
+/// knows, they would be lost, or let through unjudged.
+type Input = (ClientId, std::sync::Arc<Origin>, Message);
+
 /// Dispatcher settings (`shoal dispatcher` flags).
 #[derive(Clone, Debug)]
 pub struct DispatcherConfig {
@@ -84,7 +97,11 @@ impl std::fmt::Debug for SecureControl {
 impl SecureControl {
     /// The dispatcher's `identity` (role `dispatcher`), taking clients of any role of the
     /// cluster CA, with `authority`'s rules.
-    pub fn new(identity: &shoal_tls::Identity, authority: Authority, audit: Option<std::sync::Arc<Audit>>) -> anyhow::Result<Self> {
+    pub fn new(
+        identity: &shoal_tls::Identity,
+        authority: Authority,
+        audit: Option<std::sync::Arc<Audit>>,
+    ) -> anyhow::Result<Self> {
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.server_config(&[])?);
         Ok(Self { acceptor, authority, audit })
     }
@@ -212,7 +229,7 @@ pub fn spawn_dispatcher(
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
     // Small on purpose: messages waiting here are outside the router's memory accounting,
     // so while publishers are paused at most this many more can pile up.
-    let (in_tx, in_rx) = mpsc::channel::<(ClientId, Message)>(INPUT_QUEUE);
+    let (in_tx, in_rx) = mpsc::channel::<Input>(INPUT_QUEUE);
     let accept_events = ev_tx.clone();
     let accept_cancel = cancel.clone();
     let places = std::sync::Arc::new(tokio::sync::Semaphore::new(cfg.max_clients));
@@ -261,7 +278,7 @@ fn start_connection(
     max_payload: u32,
     secure: Option<tokio_rustls::TlsAcceptor>,
     events: &mpsc::UnboundedSender<Event>,
-    input: &mpsc::Sender<(ClientId, Message)>,
+    input: &mpsc::Sender<Input>,
     place: tokio::sync::OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
@@ -313,7 +330,7 @@ fn serve_connection<R, W>(
     identity: Option<PeerName>,
     max_payload: u32,
     events: mpsc::UnboundedSender<Event>,
-    input: mpsc::Sender<(ClientId, Message)>,
+    input: mpsc::Sender<Input>,
     place: tokio::sync::OwnedSemaphorePermit,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
@@ -322,10 +339,12 @@ fn serve_connection<R, W>(
     let (wtx, wrx) = mpsc::unbounded_channel();
     let close = CancellationToken::new();
     // Register before the reader can produce anything, so the core knows the client.
+    let identity_for_reader = identity.clone();
     let _ = events.send(Event::Connected { id, peer, identity, writer: wtx, close: close.clone() });
     let (read_events, read_close) = (events.clone(), close.clone());
     tokio::spawn(async move {
-        read_loop(id, r, peer, max_payload, input, read_events, read_close).await;
+        let origin = std::sync::Arc::new(Origin { peer, identity: identity_for_reader });
+        read_loop(id, r, origin, max_payload, input, read_events, read_close).await;
         drop(place);
     });
     tokio::spawn(write_loop(id, w, wrx, events, close));
@@ -334,12 +353,13 @@ fn serve_connection<R, W>(
 async fn read_loop(
     id: ClientId,
     mut r: impl AsyncRead + Unpin,
-    peer: SocketAddr,
+    origin: std::sync::Arc<Origin>,
     max_payload: u32,
-    input: mpsc::Sender<(ClientId, Message)>,
+    input: mpsc::Sender<Input>,
     events: mpsc::UnboundedSender<Event>,
     close: CancellationToken,
 ) {
+    let peer = origin.peer;
     let mut dec = MessageDecoder::new(max_payload);
     let reason = loop {
         dec.buffer_mut().reserve(16 * 1024);
@@ -359,7 +379,7 @@ async fn read_loop(
         loop {
             match dec.next_message() {
                 Ok(Some(m)) => {
-                    if input.send((id, m)).await.is_err() {
+                    if input.send((id, origin.clone(), m)).await.is_err() {
                         return;
                     }
                 }
@@ -467,7 +487,8 @@ impl Core {
             Event::Connected { id, peer, identity, writer, close } => {
                 self.connections_total += 1;
                 if self.authority.is_some() {
-                    *self.authenticated.entry(if identity.is_some() { "tls" } else { "plain" }.into()).or_default() += 1;
+                    *self.authenticated.entry(if identity.is_some() { "tls" } else { "plain" }.into()).or_default() +=
+                        1;
                 }
                 self.router.handle_connect(id);
                 self.conns.insert(id, Conn { peer, identity, nick: None, writer, close, since: Instant::now() });
@@ -481,7 +502,8 @@ impl Core {
                     // A process's control connection (named as its certificate) is gone:
                     // said on a tag only the dispatcher publishes.
                     if let Some(p) = c.identity.filter(|p| c.nick.as_deref() == Some(p.name.as_str())) {
-                        let gone = Message { tag: Tag::new(RC_GONE.as_bytes()).expect("a valid tag"), payload: p.name.into() };
+                        let gone =
+                            Message { tag: Tag::new(RC_GONE.as_bytes()).expect("a valid tag"), payload: p.name.into() };
                         self.router.handle_message(id, gone);
                     }
                 }
@@ -513,22 +535,20 @@ impl Core {
     /// `Connected` was sent before its reader existed, but the core may have looked at
     /// the events just before it came, and a greeting (`_Subscri`, `_Always`) handled
     /// for a connection the router does not know yet would be lost.
-    fn on_message(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, id: ClientId, m: Message) {
+    fn on_message(&mut self, events: &mut mpsc::UnboundedReceiver<Event>, id: ClientId, origin: &Origin, m: Message) {
         while let Ok(e) = events.try_recv() {
             self.on_event(e);
         }
         if self.authority.is_some() {
-            if let Some(m) = self.judge(id, m) {
+            if let Some(m) = self.judge(id, origin, m) {
                 self.router.handle_message(id, m);
             }
             return;
         }
-        if let Some(c) = self.conns.get(&id)
-            && !self.access.allows(&m.tag, c.peer.ip())
-        {
+        if !self.access.allows(&m.tag, origin.peer.ip()) {
             *self.commands_refused.entry(m.tag.to_string()).or_default() += 1;
             if let Some(held_back) = REFUSED.check() {
-                warn!(peer = %c.peer, tag = %m.tag, held_back, allowed = ?self.access.allowed(),
+                warn!(peer = %origin.peer, tag = %m.tag, held_back, allowed = ?self.access.allowed(),
                     "a command tag from an address not allowed to command: dropped");
             }
             return;
@@ -539,9 +559,8 @@ impl Core {
     /// A secured dispatcher's rules on one message: what goes on (a subscription without
     /// the tags the connection may not have), or `None` once its refusal is counted,
     /// logged and audited.
-    fn judge(&mut self, id: ClientId, m: Message) -> Option<Message> {
+    fn judge(&mut self, id: ClientId, c: &Origin, m: Message) -> Option<Message> {
         let (authority, audit) = self.authority.as_ref()?;
-        let c = self.conns.get_mut(&id)?;
         let who = match &c.identity {
             Some(p) => Publisher::Certified { name: &p.name, role: &p.role },
             None => Publisher::Plain { ip: c.peer.ip() },
@@ -593,9 +612,11 @@ impl Core {
             // run control's API's commands are.
             audit_event("accepted", "", format!("{} {what}", m.tag));
         }
-        if m.tag == Tag::MY_ID || m.tag == Tag::UNIQUE_ID {
+        if (m.tag == Tag::MY_ID || m.tag == Tag::UNIQUE_ID)
+            && let Some(conn) = self.conns.get_mut(&id)
+        {
             let end = m.payload.iter().position(|&b| b == 0).unwrap_or(m.payload.len());
-            c.nick = Some(String::from_utf8_lossy(&m.payload[..end]).into_owned());
+            conn.nick = Some(String::from_utf8_lossy(&m.payload[..end]).into_owned());
         }
         Some(m)
     }
@@ -624,7 +645,7 @@ async fn run_core(
     access: CommandAccess,
     authority: Option<(Authority, Option<std::sync::Arc<Audit>>)>,
     mut events: mpsc::UnboundedReceiver<Event>,
-    mut input: mpsc::Receiver<(ClientId, Message)>,
+    mut input: mpsc::Receiver<Input>,
     cancel: CancellationToken,
 ) {
     let mut core = Core {
@@ -658,8 +679,8 @@ async fn run_core(
                 None => break,
             },
             m = input.recv(), if accepting => match m {
-                Some((id, m)) => {
-                    core.on_message(&mut events, id, m);
+                Some((id, origin, m)) => {
+                    core.on_message(&mut events, id, &origin, m);
                     // Take what else is waiting before flushing outputs, so that writers
                     // wake once per batch rather than once per message.
                     for _ in 0..255 {
@@ -667,7 +688,7 @@ async fn run_core(
                             break;
                         }
                         match input.try_recv() {
-                            Ok((id, m)) => core.on_message(&mut events, id, m),
+                            Ok((id, origin, m)) => core.on_message(&mut events, id, &origin, m),
                             Err(_) => break,
                         }
                     }

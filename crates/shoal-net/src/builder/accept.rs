@@ -350,7 +350,14 @@ mod tests {
         let (tx, rx) = mpsc::channel(4096);
         let to = ToBuilder::new(tx, &Arc::new(tokio::sync::Semaphore::new(BATCHED_IN_FLIGHT)));
         let (requests, _) = mpsc::unbounded_channel();
-        let task = tokio::spawn(serve_frames(reader, requests, Speaker::anyone(), WallClock::new(), ConnectionGate::new(edge), to));
+        let task = tokio::spawn(serve_frames(
+            reader,
+            requests,
+            Speaker::anyone(),
+            WallClock::new(),
+            ConnectionGate::new(edge),
+            to,
+        ));
         (task, peer, rx)
     }
 

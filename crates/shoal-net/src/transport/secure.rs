@@ -32,10 +32,8 @@ pub static REFUSED: RefusalCounts = RefusalCounts {
 };
 
 /// Data refused after a handshake, by reason, for `/metrics` (`shoal_data_refused_total`).
-pub static DATA_REFUSED: DataRefusals = DataRefusals {
-    identity: std::sync::atomic::AtomicU64::new(0),
-    window: std::sync::atomic::AtomicU64::new(0),
-};
+pub static DATA_REFUSED: DataRefusals =
+    DataRefusals { identity: std::sync::atomic::AtomicU64::new(0), window: std::sync::atomic::AtomicU64::new(0) };
 
 /// Counts of [`DATA_REFUSED`].
 #[derive(Debug)]
@@ -224,7 +222,12 @@ impl Speaker {
 /// once the refusal is counted ([`REFUSED`], [`DATA_REFUSED`]) and logged with the peer's
 /// address. A certificate of the cluster CA whose name is no process of this cluster is
 /// refused here (reason `identity`): it holds no id to send as.
-pub async fn accept(port: &DataPort, tcp: TcpStream, peer: SocketAddr, what: &'static str) -> Option<(DataStream, Speaker)> {
+pub async fn accept(
+    port: &DataPort,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    what: &'static str,
+) -> Option<(DataStream, Speaker)> {
     if port.mode() == DataSecurity::Off {
         return Some((DataStream::Plain(tcp), Speaker::anyone()));
     }

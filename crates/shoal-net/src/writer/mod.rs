@@ -23,8 +23,8 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::live::Live;
-use crate::transport::secure::Speaker;
 use crate::transport::framed::{FrameReader, ReadEnd};
+use crate::transport::secure::Speaker;
 
 /// What the writer reports at the end (also written as `run{N:06}.writer.json`).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -649,7 +649,8 @@ pub async fn run_writer_with(
         let serve = |stream, peer, place| {
             let (tx, c, secure) = (tx.clone(), accept_cancel.clone(), secure.clone());
             tokio::spawn(async move {
-                if let Some((stream, speaker)) = crate::transport::secure::accept(&secure, stream, peer, "writer").await {
+                if let Some((stream, speaker)) = crate::transport::secure::accept(&secure, stream, peer, "writer").await
+                {
                     read_connection(stream, peer, speaker, tx, c).await;
                 }
                 drop(place);
