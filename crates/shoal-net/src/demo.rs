@@ -168,7 +168,8 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
     if cfg.security.data != shoal_tls::DataSecurity::Off && cfg.security.credentials.is_empty() {
         cfg.security.credentials = crate::transport::secure::DataCredentials::ephemeral()?;
         // Each of those certificates is named for its role and speaks for all of it.
-        cfg.security.peers = crate::transport::secure::DataCredentials::ephemeral_peers(&cfg);
+        cfg.security.peers =
+            crate::transport::secure::DataCredentials::ephemeral_peers(cfg.run.sources, cfg.run.builders);
     }
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();

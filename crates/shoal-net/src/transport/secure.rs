@@ -114,13 +114,10 @@ impl DataCredentials {
         Ok(Self { by_role: Arc::new(by_role) })
     }
 
-    /// What the [`DataCredentials::ephemeral`] certificates speak for in `cfg`'s run: the
-    /// one named `source` every source, `builder` every builder.
-    pub fn ephemeral_peers(cfg: &crate::config::Config) -> Peers {
-        Peers::from([
-            ("source".to_string(), (0..cfg.run.sources).collect()),
-            ("builder".to_string(), (0..cfg.run.builders).collect()),
-        ])
+    /// What the [`DataCredentials::ephemeral`] certificates speak for in a run of `sources`
+    /// and `builders`: the one named `source` every source, `builder` every builder.
+    pub fn ephemeral_peers(sources: u32, builders: u32) -> Peers {
+        Peers::from([("source".to_string(), (0..sources).collect()), ("builder".to_string(), (0..builders).collect())])
     }
 
     pub fn is_empty(&self) -> bool {
