@@ -34,6 +34,15 @@ pub struct AlertArgs {
     /// Most seconds to wait for the builders' answers.
     #[arg(long, default_value_t = 10.0)]
     wait: f64,
+    /// A secured cluster's dispatcher: a directory with ca.pem, NAME.pem and NAME.key of a
+    /// certificate with the `client` (or `runcontrol`) role (`shoal ca issue DIR NAME --role
+    /// client`); without it the alert goes in plain ControlHost, which a secured dispatcher
+    /// takes only from `command_from` (docs/security.md).
+    #[arg(long, value_name = "DIR")]
+    credentials: Option<std::path::PathBuf>,
+    /// The certificate's name in --credentials.
+    #[arg(long, default_value = "alert")]
+    cert_name: String,
 }
 
 /// Reads `now`, `now-25s`, `now+2.5s` or UNIX seconds, as UNIX nanoseconds.
@@ -63,7 +72,15 @@ pub async fn command(args: AlertArgs) -> anyhow::Result<ExitCode> {
     let from = parse_time(&args.from, now).context("--from")?;
     let to = parse_time(&args.to, now).context("--to")?;
     let alert = Alert::new(&args.name, Instant::from_nanos(from), Instant::from_nanos(to), &args.origin)?;
-    let mut client = ChClient::connect(args.dispatcher)
+    let tls = match &args.credentials {
+        Some(dir) => {
+            let id = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(dir, &args.cert_name))
+                .with_context(|| format!("--credentials {}", dir.display()))?;
+            Some(shoal_dispatcher::client::ControlTls::new(&id)?)
+        }
+        None => None,
+    };
+    let mut client = ChClient::connect_with(args.dispatcher, tls)
         .await
         .with_context(|| format!("connecting to the dispatcher at {}", args.dispatcher))?;
     client.subscribe(ALERT_REPLY_TAG, Mode::All).await?;
