@@ -237,3 +237,53 @@ def test_a_stranger_s_control_tags_are_refused_while_chpump_keeps_receiving(shoa
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_chpump_keeps_the_plain_port_of_a_secured_dispatcher(shoal_bin, tmp_path):
+    """docs/security.md, the control plane: on a secured dispatcher (`--credentials`) shoal's
+    processes speak mutual TLS and KM3NeT's clients stay on the plain port, unchanged: CHPump
+    subscribes and receives what a builder (a certificate with that role) publishes and what
+    any plain client publishes on a tag of its own, while the plain client's forged builder
+    data and commands are refused and its subscription to the commands is cut."""
+    import ssl
+
+    from km3pipe.io.ch import CHPump
+
+    ca = tmp_path / "ca"
+    for args in (
+        ["ca", "init", ca, "--cluster", "interop"],
+        ["ca", "issue", ca, "dispatcher", "--host", "127.0.0.1"],
+        ["ca", "issue", ca, "builder0"],
+    ):
+        subprocess.run([str(shoal_bin), *map(str, args)], check=True, capture_output=True, timeout=60)
+    proc, d = start_dispatcher(shoal_bin, "--credentials", ca)
+    try:
+        pump = CHPump(host=d[0], port=d[1], tags="IO_EVT,MSG,RC_CMD", timeout=TIMEOUT, max_queue=10)
+        try:
+            # RC_CMD is taken out of the pump's subscription; the rest stands.
+            subscribed(d, "w IO_EVT w MSG")
+            stranger = KClient(*d[:2])
+            stranger.put_message("IO_EVT", b"forged")  # builders' data
+            stranger.put_message("RC_CMD", b"* STOP")  # commands nothing here
+            stranger.put_message("MSG", b"plain data")
+            blob = pump.get_blob(0) if hasattr(pump, "get_blob") else pump.process({})
+            assert (str(blob["CHPrefix"].tag), blob["CHData"]) == ("MSG", b"plain data")
+            tls = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca / "ca.pem"))
+            tls.load_cert_chain(str(ca / "builder0.pem"), str(ca / "builder0.key"))
+            with tls.wrap_socket(socket.create_connection(d[:2], timeout=TIMEOUT), server_hostname="127.0.0.1") as b:
+                b.sendall(raw_frame(b"IO_EVT", b"\xde\xad\xbe\xef"))
+                blob = pump.get_blob(0) if hasattr(pump, "get_blob") else pump.process({})
+            assert (str(blob["CHPrefix"].tag), blob["CHData"]) == ("IO_EVT", b"\xde\xad\xbe\xef")
+            s = wait_for(d, lambda s: len(s.get("refused", [])) == 3, "the refusals counted")
+            refused = {(r["tag"], r["identity"], r["reason"]): r["count"] for r in s["refused"]}
+            assert refused == {
+                ("IO_EVT", "plain", "plain"): 1,
+                ("RC_CMD", "plain", "plain"): 1,
+                ("RC_CMD", "plain", "subscribe"): 1,
+            }, refused
+            assert s["authenticated"] == {"plain": 2, "tls": 1}, s["authenticated"]
+        finally:
+            pump.finish()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

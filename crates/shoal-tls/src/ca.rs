@@ -109,7 +109,7 @@ impl ClusterCa {
             bail!("{} exists: a cluster keeps its CA (remove it by hand to start over)", key_path.display());
         }
         let ca = Self::generate(cluster, days)?;
-        write_private(&key_path, &ca.issuer.key().serialize_pem())?;
+        write_private(&key_path, &pkcs8_v1_pem(ca.issuer.key()))?;
         std::fs::write(dir.join(CA_CERT), &ca.cert_pem)
             .with_context(|| format!("writing {}", dir.join(CA_CERT).display()))?;
         Ok(ca)
@@ -150,7 +150,7 @@ impl ClusterCa {
         params.not_before = req.not_before;
         params.not_after = req.not_after;
         let cert = params.signed_by(&key, &self.issuer).context("signing the certificate")?;
-        Ok(Issued { cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+        Ok(Issued { cert_pem: cert.pem(), key_pem: pkcs8_v1_pem(&key) })
     }
 
     /// `shoal ca issue DIR NAME`: [`ClusterCa::issue`] written to `DIR/NAME.pem` and
@@ -181,4 +181,42 @@ pub fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
         .open(path)
         .with_context(|| format!("creating {}", path.display()))?;
     f.write_all(text.as_bytes()).with_context(|| format!("writing {}", path.display()))
+}
+
+/// An Ed25519 key as PKCS#8 v1 (RFC 5208: the seed alone). *ring*, and so rcgen, write v2
+/// (RFC 5958, the public key beside it), which OpenSSL 3.0 cannot read ("unsupported"): a
+/// key shoal issued did not work with curl, Python's `ssl` or other OpenSSL tools. *ring*
+/// and rustls read either. A key of another shape is written as it is.
+fn pkcs8_v1_pem(key: &KeyPair) -> String {
+    // SEQUENCE { INTEGER 0, SEQUENCE { OID 1.3.101.112 }, OCTET STRING { OCTET STRING (32) } }
+    const V1_PREFIX: [u8; 16] =
+        [0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
+    // v2 differs in its length, its version (1) and the public key after the seed.
+    const V2_SEED_AT: [u8; 11] = [0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
+    let der = key.serialize_der();
+    if der.len() < 48 || der[5..16] != V2_SEED_AT {
+        return key.serialize_pem();
+    }
+    let mut v1 = V1_PREFIX.to_vec();
+    v1.extend_from_slice(&der[16..48]);
+    let config = pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF);
+    pem::encode_config(&pem::Pem::new("PRIVATE KEY", v1), config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_issued_key_is_pkcs8_v1_and_still_the_certificate_s() {
+        let ca = ClusterCa::generate("t", 1).unwrap();
+        let issued = ca.issue(&IssueRequest::new("builder0", "builder", &["127.0.0.1".into()], 1).unwrap()).unwrap();
+        let der = pem::parse(&issued.key_pem).unwrap().into_contents();
+        assert_eq!((der.len(), der[4]), (48, 0), "version 0 (v1), the seed alone");
+        // rustls takes it with its certificate (a mismatch fails here).
+        crate::Identity::from_pem(ca.cert_pem().as_bytes(), issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())
+            .unwrap()
+            .server_config(&[])
+            .unwrap();
+    }
 }
