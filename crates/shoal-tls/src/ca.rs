@@ -202,21 +202,3 @@ fn pkcs8_v1_pem(key: &KeyPair) -> String {
     let config = pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF);
     pem::encode_config(&pem::Pem::new("PRIVATE KEY", v1), config)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_issued_key_is_pkcs8_v1_and_still_the_certificate_s() {
-        let ca = ClusterCa::generate("t", 1).unwrap();
-        let issued = ca.issue(&IssueRequest::new("builder0", "builder", &["127.0.0.1".into()], 1).unwrap()).unwrap();
-        let der = pem::parse(&issued.key_pem).unwrap().into_contents();
-        assert_eq!((der.len(), der[4]), (48, 0), "version 0 (v1), the seed alone");
-        // rustls takes it with its certificate (a mismatch fails here).
-        crate::Identity::from_pem(ca.cert_pem().as_bytes(), issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())
-            .unwrap()
-            .server_config(&[])
-            .unwrap();
-    }
-}

@@ -269,3 +269,18 @@ async fn a_recorded_connection_replayed_is_refused() {
         assert!(matches!(r, Refusal::Io(_) | Refusal::Certificate(_)), "{mode:?}: {r}");
     }
 }
+
+#[test]
+fn an_issued_key_is_pkcs8_v1_and_still_the_certificate_s() {
+    // OpenSSL 3.0 reads v1 only: a v2 key failed in curl and Python's ssl.
+    let ca = shoal_tls::ca::ClusterCa::generate("t", 1).unwrap();
+    let req = shoal_tls::ca::IssueRequest::new("builder0", "builder", &["127.0.0.1".into()], 1).unwrap();
+    let issued = ca.issue(&req).unwrap();
+    let der = pem::parse(&issued.key_pem).unwrap().into_contents();
+    assert_eq!((der.len(), der[4]), (48, 0), "version 0 (v1), the seed alone");
+    // rustls takes it with its certificate (a key that is not the certificate's fails here).
+    shoal_tls::Identity::from_pem(ca.cert_pem().as_bytes(), issued.cert_pem.as_bytes(), issued.key_pem.as_bytes())
+        .unwrap()
+        .server_config(&[])
+        .unwrap();
+}

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use shoal_core::frame::{Flags, Frame};
 use shoal_core::hit::HitPayload;
 use shoal_core::pullmsg::PullMessage;
-use shoal_core::slice::SliceNumber;
+use shoal_core::slice::{SliceClock, SliceNumber};
 use shoal_core::{Instant, SourceId};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -100,6 +100,9 @@ pub(super) struct Reading {
     pub(super) edge: Option<Arc<WindowEdge>>,
     pub(super) to: ToBuilder,
     pub(super) cancel: CancellationToken,
+    /// The run's slice clock and how far ahead of now a fragment may be
+    /// ([`crate::builder::settings::FUTURE_HORIZON`]); none for free-running sources.
+    pub(super) horizon: Option<(SliceClock, std::time::Duration)>,
 }
 
 /// One accepted connection: who it is and what it may send as.
@@ -122,7 +125,8 @@ async fn serve_with_requests<F: Frames>(frames: F, write: shoal_tls::data::DataW
     let (requests, requests_rx) = mpsc::unbounded_channel();
     let ended = CancellationToken::new();
     tokio::spawn(write_queued_until(write, requests_rx, ended.clone()));
-    serve_frames(frames, requests, speaker, r.clock, ConnectionGate::new(r.edge), r.to).await;
+    let checks = Checks { speaker, horizon: r.horizon };
+    serve_frames(frames, requests, checks, r.clock, ConnectionGate::new(r.edge), r.to).await;
     ended.cancel();
 }
 
@@ -154,7 +158,8 @@ fn uring_connection(
             tokio_uring::spawn(stream.clone().write_queued(requests_rx, ended.clone()));
             let reader = FrameReader::new(stream, peer.addr, r.max_payload, r.cancel)
                 .first_frame_within(crate::transport::listen::FIRST_FRAME_WITHIN);
-            serve_frames(reader, requests, peer.speaker, r.clock, ConnectionGate::new(r.edge), r.to).await;
+            let checks = Checks { speaker: peer.speaker, horizon: r.horizon };
+            serve_frames(reader, requests, checks, r.clock, ConnectionGate::new(r.edge), r.to).await;
             ended.cancel();
             drop(place);
         })
@@ -168,7 +173,7 @@ fn uring_connection(
 async fn serve_frames<F: Frames>(
     mut reader: F,
     requests: mpsc::UnboundedSender<Bytes>,
-    speaker: Speaker,
+    checks: Checks,
     clock: WallClock,
     mut gate: ConnectionGate,
     to: ToBuilder,
@@ -185,7 +190,7 @@ async fn serve_frames<F: Frames>(
         let arrival = clock.now();
         let mut ended = None;
         while let Some(frame) = next.take() {
-            match check_frame(&reader, &frame, &speaker) {
+            match check_frame(&reader, &frame, &checks, arrival) {
                 Err(end) => {
                     ended = Some(end);
                     break;
@@ -225,14 +230,38 @@ async fn serve_frames<F: Frames>(
     }
 }
 
+/// What a connection's frames are checked against besides their format.
+struct Checks {
+    /// Who the connection is: the source ids it may send as.
+    speaker: Speaker,
+    /// The run's slice clock and how far ahead a fragment may be.
+    horizon: Option<(SliceClock, std::time::Duration)>,
+}
+
 /// A frame on a data port checked: `Some(source)` for a source's hello (pull), `None` for
 /// a fragment to take in, or the end of the connection for anything else. Every source id
 /// (a fragment's, an end of stream's, a hello's) must be one the connection's certificate
-/// holds: another closes the connection before anything of the frame goes on.
-fn check_frame<F: Frames>(reader: &F, frame: &Frame, speaker: &Speaker) -> Result<Option<SourceId>, ReadEnd> {
+/// holds, and a fragment's slice must begin within the horizon of `now`: either refusal
+/// closes the connection before anything of the frame goes on.
+fn check_frame<F: Frames>(
+    reader: &F,
+    frame: &Frame,
+    checks: &Checks,
+    now: Instant,
+) -> Result<Option<SourceId>, ReadEnd> {
     let h = &frame.header;
+    let speaker = &checks.speaker;
     if !speaker.may_send_as(h.source) {
         return Err(reader.reject("identity", &speaker.refuse("source", h.source)));
+    }
+    let is_data = !h.flags.intersects(Flags::CONTROL) && !h.flags.contains(Flags::END_OF_STREAM);
+    if let Some((clock, horizon)) = &checks.horizon
+        && is_data
+        && clock.start_of(h.slice) > now + shoal_core::Duration::from_nanos(horizon.as_nanos() as u64)
+    {
+        crate::transport::secure::DATA_REFUSED.window.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let detail = format!("slice {} begins more than {horizon:?} after now, source {}", h.slice, h.source);
+        return Err(reader.reject("window", &detail));
     }
     match PullMessage::from_frame(frame) {
         Ok(None) => {}
@@ -343,6 +372,14 @@ mod tests {
     async fn reader_and_peer(
         edge: Option<Arc<WindowEdge>>,
     ) -> (tokio::task::JoinHandle<()>, TcpStream, mpsc::Receiver<Incoming>) {
+        reader_checking(edge, None).await
+    }
+
+    /// [`reader_and_peer`] with the run's slice clock and a horizon.
+    async fn reader_checking(
+        edge: Option<Arc<WindowEdge>>,
+        horizon: Option<(SliceClock, std::time::Duration)>,
+    ) -> (tokio::task::JoinHandle<()>, TcpStream, mpsc::Receiver<Incoming>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let peer = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
         let (stream, addr) = listener.accept().await.unwrap();
@@ -353,7 +390,7 @@ mod tests {
         let task = tokio::spawn(serve_frames(
             reader,
             requests,
-            Speaker::anyone(),
+            Checks { speaker: Speaker::anyone(), horizon },
             WallClock::new(),
             ConnectionGate::new(edge),
             to,
@@ -416,6 +453,29 @@ mod tests {
         assert_eq!(slices, (1..=8).collect::<Vec<_>>());
         drop(peer);
         assert!(next_message(&mut rx).await.is_none(), "a clean end sends nothing more");
+        task.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fragment_for_a_slice_beyond_the_horizon_closes_its_connection_after_those_before() {
+        // 10 ms slices; a horizon of 2 s: slice 1 (1970) is long past, the slice of now
+        // plus a minute is not to be.
+        let clock = SliceClock::new(shoal_core::Duration::from_millis(10));
+        let (task, mut peer, mut rx) = reader_checking(None, Some((clock, StdDuration::from_secs(2)))).await;
+        let ahead = clock.slice_at(WallClock::new().now() + shoal_core::Duration::from_secs(60));
+        let before = crate::transport::secure::DATA_REFUSED.window.load(std::sync::atomic::Ordering::Relaxed);
+        let bytes: Vec<u8> = [1, 2, ahead, 3].iter().flat_map(|&s| fragment(s).to_vec()).collect();
+        peer.write_all(&bytes).await.unwrap();
+        let mut slices = Vec::new();
+        let reason = loop {
+            match next_message(&mut rx).await.expect("a rejection ends it") {
+                Ok(s) => slices.extend(s),
+                Err(reason) => break reason,
+            }
+        };
+        assert_eq!((slices, reason), (vec![1, 2], "window"));
+        let after = crate::transport::secure::DATA_REFUSED.window.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(after > before, "counted");
         task.await.unwrap();
     }
 }

@@ -477,7 +477,8 @@ fn start_accept(
         _ => None,
     };
     let limit = ConnectionLimit::new(s.sources as usize);
-    let reading = Reading { max_payload: s.max_payload, clock, edge, to, cancel: readers.clone() };
+    let horizon = s.future_horizon.map(|h| (s.slice_clock, h));
+    let reading = Reading { max_payload: s.max_payload, clock, edge, to, cancel: readers.clone(), horizon };
     Ok(tokio::spawn(accept_connections(listener, limit, uring, ucx, s.data_port.clone(), reading)))
 }
 

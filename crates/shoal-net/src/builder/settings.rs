@@ -18,6 +18,12 @@ use crate::config::{Config, ConfigError, ConsumersConfig, ReceivePath, Transport
 use crate::transport::link::Backoff;
 
 /// What builder `id` runs with.
+/// How far ahead of the builder's clock a fragment's slice may begin: sources send a slice
+/// once it has ended by their clock, and run control keeps the clocks within milliseconds,
+/// so only a broken or hostile source sends further ahead (a slice opened there would push
+/// the run's real slices out of the window, incomplete).
+pub const FUTURE_HORIZON: StdDuration = StdDuration::from_secs(2);
+
 #[derive(Clone, Debug)]
 pub struct BuilderSettings {
     pub id: u32,
@@ -39,6 +45,10 @@ pub struct BuilderSettings {
     /// Free-running sources over TCP are held back by their connections
     /// (`builder::hold`) rather than pushed out incomplete.
     pub holds_connections: bool,
+    /// Sources on the run's slice clock: a fragment for a slice that begins more than this
+    /// after the builder's now is refused with its connection (`window`). None where the
+    /// sources' data time is not the wall clock's (free-running, KM3NeT's CLB packets).
+    pub future_horizon: Option<StdDuration>,
     /// `builder.held_receive_buffer` as asked (0: a share of the host's TCP memory).
     pub held_receive_buffer: u64,
     pub writer_addr: SocketAddr,
@@ -115,6 +125,7 @@ impl BuilderSettings {
             receive: cfg.builder.receive,
             max_payload: cfg.max_payload(),
             holds_connections: cfg.source.saturate && matches!(transport, Transport::Tcp),
+            future_horizon: (!cfg.source.saturate && !cfg.km3net.is_on()).then_some(FUTURE_HORIZON),
             held_receive_buffer: cfg.builder.held_receive_buffer,
             writer_addr: cfg.writer_addr()?,
             writer_backoff: Backoff {

@@ -3,10 +3,11 @@
 //!
 //! A source's link connects over TCP exactly as with `tcp` (the `[security] data`
 //! handshake included). The builder answers with a welcome on that connection
-//! ([`welcome`]): a connection number it has just opened for this connection and its UCX
-//! worker's address. The source makes an endpoint to that address and from then on sends
+//! ([`welcome`]): a connection key it has just opened for this connection (128 bits from
+//! the OS's random source: a secret handed over the connection, which `[security] data`
+//! authenticates) and its UCX worker's address. The source makes an endpoint to that address and from then on sends
 //! every frame (hellos, fragments, its end of stream) as one active message
-//! ([`AM_FRAME`]): the 16-byte route (connection, sequence number) and the frame's header
+//! ([`AM_FRAME`]): the 24-byte route (connection key, sequence number) and the frame's header
 //! as the message's header, the payload (in parts, never joined) as its data. UCX sends
 //! small messages eagerly and large ones by rendezvous: the builder allocates the frame's
 //! buffer and UCX lands the payload in it (`ucp_am_recv_data_nbx`; over `cma` one copy
@@ -18,8 +19,8 @@
 //! `serve_frames`, which checks every frame as it does a TCP stream's. What goes from the
 //! builder to the source (pull requests) stays on the TCP connection, as does liveness:
 //! the connection's end, or the endpoint's failure where the transports report one,
-//! ends the link. Messages for a connection number the builder has not opened (a
-//! stranger, or one closed) are counted and dropped.
+//! ends the link. Messages for a connection key the builder has not opened (a stranger,
+//! who would have to guess 128 random bits, or one closed) are counted and dropped.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -43,8 +44,19 @@ pub const AM_FRAME: u16 = 0;
 /// The link's end: nothing follows this sequence number.
 pub const AM_BYE: u16 = 1;
 
-/// The route before every message's frame header: connection number, sequence number.
-const ROUTE_LEN: usize = 16;
+/// The route before every message's frame header: connection key, sequence number.
+const ROUTE_LEN: usize = 24;
+
+/// A connection's key: 128 random bits, the secret every message of it carries.
+pub type ConnKey = u128;
+
+/// A fresh key from the OS's random source.
+fn new_key() -> std::io::Result<ConnKey> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b)
+        .map_err(|e| std::io::Error::other(format!("no randomness for a UCX connection key: {e}")))?;
+    Ok(ConnKey::from_le_bytes(b))
+}
 const WELCOME_MAGIC: &[u8; 8] = b"SHOALUCX";
 /// A UCX worker address is a few hundred bytes; anything much larger is not one.
 const MAX_ADDRESS_LEN: usize = 64 << 10;
@@ -56,22 +68,25 @@ const END_WAIT: Duration = Duration::from_secs(5);
 /// Most messages of one connection held waiting for an earlier one.
 const MAX_OUT_OF_ORDER: usize = 65_536;
 
-/// The welcome a builder writes on a new connection: its connection number and its
-/// worker's address.
-pub fn welcome(conn: u64, address: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(20 + address.len());
+/// The welcome a builder writes on a new connection: its connection key and its worker's
+/// address.
+pub fn welcome(conn: ConnKey, address: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(WELCOME_HEAD + address.len());
     b.put_slice(WELCOME_MAGIC);
-    b.put_u64_le(conn);
+    b.put_u128_le(conn);
     b.put_u32_le(address.len() as u32);
     b.put_slice(address);
     b.freeze()
 }
 
-/// Reads a builder's welcome: the connection number and the worker address.
-pub async fn read_welcome<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> std::io::Result<(u64, Vec<u8>)> {
+/// A welcome's fixed part: magic, key, address length.
+const WELCOME_HEAD: usize = 8 + 16 + 4;
+
+/// Reads a builder's welcome: the connection key and the worker address.
+pub async fn read_welcome<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> std::io::Result<(ConnKey, Vec<u8>)> {
     let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
     let read = async {
-        let mut head = [0u8; 20];
+        let mut head = [0u8; WELCOME_HEAD];
         r.read_exact(&mut head).await?;
         if &head[..8] != WELCOME_MAGIC {
             return Err(bad(format!(
@@ -79,8 +94,8 @@ pub async fn read_welcome<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> std::io
                 &head[..8]
             )));
         }
-        let conn = u64::from_le_bytes(head[8..16].try_into().expect("8"));
-        let len = u32::from_le_bytes(head[16..20].try_into().expect("4")) as usize;
+        let conn = ConnKey::from_le_bytes(head[8..24].try_into().expect("16"));
+        let len = u32::from_le_bytes(head[24..28].try_into().expect("4")) as usize;
         if len > MAX_ADDRESS_LEN {
             return Err(bad(format!("a {len}-byte UCX address in the welcome")));
         }
@@ -93,10 +108,10 @@ pub async fn read_welcome<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> std::io
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no UCX welcome from the builder"))?
 }
 
-fn route(conn: u64, seq: u64) -> [u8; ROUTE_LEN] {
+fn route(conn: ConnKey, seq: u64) -> [u8; ROUTE_LEN] {
     let mut r = [0u8; ROUTE_LEN];
-    r[..8].copy_from_slice(&conn.to_le_bytes());
-    r[8..].copy_from_slice(&seq.to_le_bytes());
+    r[..16].copy_from_slice(&conn.to_le_bytes());
+    r[16..].copy_from_slice(&seq.to_le_bytes());
     r
 }
 
@@ -122,7 +137,7 @@ struct Route {
 /// The builder's open connections, reached from the worker's thread.
 #[derive(Default)]
 struct Table {
-    routes: HashMap<u64, Route>,
+    routes: HashMap<ConnKey, Route>,
 }
 
 /// What a builder's UCX receive counts (besides the worker's own [`shoal_ucx::WorkerStats`]).
@@ -138,7 +153,6 @@ pub struct ReceiveCounts {
 pub struct UcxReceiver {
     worker: Worker,
     table: Arc<Mutex<Table>>,
-    next_conn: AtomicU64,
     pub counts: Arc<ReceiveCounts>,
 }
 
@@ -159,23 +173,20 @@ impl UcxReceiver {
             Box::new(move |m: Message| deliver(&table, &counts, m))
         };
         let worker = Worker::start(name, Some(Receive { ids: vec![AM_FRAME, AM_BYE], sink, region_bytes }))?;
-        // Connection numbers start at a value of this process's own, so that a number from
-        // an earlier builder at the same address opens nothing here.
-        let start =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        Ok(Arc::new(UcxReceiver { worker, table, next_conn: AtomicU64::new(start | 1), counts }))
+        Ok(Arc::new(UcxReceiver { worker, table, counts }))
     }
 
     pub fn worker_stats(&self) -> &Arc<shoal_ucx::WorkerStats> {
         self.worker.stats()
     }
 
-    /// Opens a connection: its welcome (to write to the source) and its messages.
-    fn open(self: &Arc<Self>) -> (Bytes, Inbox) {
-        let conn = self.next_conn.fetch_add(2, Ordering::Relaxed);
+    /// Opens a connection under a fresh key: its welcome (to write to the source) and its
+    /// messages.
+    fn open(self: &Arc<Self>) -> std::io::Result<(Bytes, Inbox)> {
+        let conn = new_key()?;
         let (tx, rx) = mpsc::unbounded_channel();
         self.table.lock().expect("ucx table").routes.insert(conn, Route { next: 1, waiting: BTreeMap::new(), tx });
-        (welcome(conn, self.worker.address()), Inbox { conn, rx, receiver: self.clone() })
+        Ok((welcome(conn, self.worker.address()), Inbox { conn, rx, receiver: self.clone() }))
     }
 }
 
@@ -214,8 +225,8 @@ fn deliver(table: &Mutex<Table>, counts: &ReceiveCounts, m: Message) {
         counts.malformed.fetch_add(1, Ordering::Relaxed);
         return;
     }
-    let conn = u64::from_le_bytes(m.header[..8].try_into().expect("8"));
-    let seq = u64::from_le_bytes(m.header[8..16].try_into().expect("8"));
+    let conn = ConnKey::from_le_bytes(m.header[..16].try_into().expect("16"));
+    let seq = u64::from_le_bytes(m.header[16..24].try_into().expect("8"));
     let mut t = table.lock().expect("ucx table");
     let Some(r) = t.routes.get_mut(&conn) else {
         // A link's end after its builder closed the connection (at the run's end it stops
@@ -247,7 +258,7 @@ fn deliver(table: &Mutex<Table>, counts: &ReceiveCounts, m: Message) {
 
 /// One connection's messages, in sequence; closing it takes it out of the table.
 struct Inbox {
-    conn: u64,
+    conn: ConnKey,
     rx: mpsc::UnboundedReceiver<Item>,
     receiver: Arc<UcxReceiver>,
 }
@@ -281,7 +292,7 @@ impl UcxFrames {
         max_payload: u32,
         cancel: CancellationToken,
     ) -> std::io::Result<(UcxFrames, shoal_tls::data::DataWrite)> {
-        let (inbox_welcome, inbox) = receiver.open();
+        let (inbox_welcome, inbox) = receiver.open()?;
         let (tcp, mut write) = stream.into_split();
         write.write_all(&inbox_welcome).await?;
         Ok((UcxFrames { inbox, tcp, peer, max_payload, cancel, ending_by: None }, write))
@@ -376,7 +387,7 @@ pub fn sending_worker() -> Result<Arc<Worker>, UcxError> {
 /// A source link's UCX side: the endpoint to its builder and the connection's numbering.
 pub struct UcxPath {
     endpoint: Endpoint,
-    conn: u64,
+    conn: ConnKey,
     seq: u64,
     /// The frame being gathered from its chunks: its header bytes and payload parts.
     partial: Option<(BytesMut, Vec<Bytes>)>,
@@ -504,7 +515,7 @@ impl UcxPath {
 mod tests {
     use super::*;
 
-    fn message(id: u16, conn: u64, seq: u64, tag: u8) -> Message {
+    fn message(id: u16, conn: ConnKey, seq: u64, tag: u8) -> Message {
         let mut header = route(conn, seq).to_vec();
         header.push(tag);
         Message { id, header: Bytes::from(header), data: Ok(Bytes::new()), rendezvous: false }
@@ -550,10 +561,10 @@ mod tests {
         let w = welcome(42, b"some worker address");
         let (conn, addr) = read_welcome(&mut &w[..]).await.unwrap();
         assert_eq!((conn, &addr[..]), (42, &b"some worker address"[..]));
-        let e = read_welcome(&mut &b"GET / HTTP/1.1\r\n\r\nxxxxxxxx"[..]).await.unwrap_err();
+        let e = read_welcome(&mut &b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxx"[..]).await.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
         let mut huge = welcome(1, b"").to_vec();
-        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        huge[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(read_welcome(&mut &huge[..]).await.unwrap_err().kind(), std::io::ErrorKind::InvalidData);
     }
 }
