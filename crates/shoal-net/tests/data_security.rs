@@ -6,7 +6,8 @@
 //! source's sending another source's fragment or end of stream, a builder's ending another
 //! builder's stream at the writer, and one naming no process of the cluster is refused at
 //! once. The run keeps every fragment with its ledger balanced, and no stranger's byte
-//! reaches the frame reader.
+//! reaches the frame reader. A flood of connections from one address cannot lock the
+//! sources out of their port.
 
 mod common;
 
@@ -171,4 +172,54 @@ async fn strangers_and_insiders_on_the_data_ports_are_refused_and_the_run_keeps_
         assert!(REFUSED.accepted.load(Ordering::Relaxed) >= 2, "the real peers got through");
         std::fs::remove_dir_all(&out).unwrap();
     }
+    a_flood_from_one_address_cannot_lock_the_sources_out().await;
+}
+
+/// A flood of connections from one address while a secured run starts: the sources get
+/// their places (run after the first test's rows: both read process-wide counters).
+async fn a_flood_from_one_address_cannot_lock_the_sources_out() {
+    use shoal_net::transport::listen::PER_ADDRESS;
+    let ca = ClusterCa::generate("test", 1).unwrap();
+    let own =
+        DataCredentials::of_roles(["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)))).unwrap();
+    let out = temp_dir("data-security-flood");
+    let mut cfg = small_config(2, 1, 1.0, &out);
+    cfg.security.data = DataSecurity::Authenticated;
+    cfg.security.credentials = own;
+    cfg.security.peers =
+        shoal_net::transport::secure::Peers::from([("source".into(), vec![0, 1]), ("builder".into(), vec![0])]);
+    let (wl, mut bls) = bind_all(&mut cfg).await;
+    let addr = bls[0].local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.remove(0),
+        clock(),
+        live(),
+        never(),
+    ));
+    // 300 connections from 127.0.0.2 that never begin their handshake: more than every place
+    // of the port (2 sources + 256), each held until its handshake's 10 s run out.
+    let mut flood = Vec::new();
+    for _ in 0..300 {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        flood.push(s.connect(addr).await.unwrap());
+    }
+    // The sources connect (from 127.0.0.1) while the flood holds what it may.
+    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
+    let b = builder.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
+    assert!(ledger.is_balanced() && ledger.lost() == 0, "{ledger:?}");
+    assert!(b.node.slices_complete > 0 && b.node.slices_incomplete == 0, "{:?}", b.node);
+    let limited = b.node.rejected_connections.get("connection_limit").copied().unwrap_or(0);
+    assert_eq!(
+        limited,
+        300 - PER_ADDRESS as u64,
+        "one address held {PER_ADDRESS} places: {:?}",
+        b.node.rejected_connections
+    );
+    drop(flood);
+    std::fs::remove_dir_all(&out).unwrap();
 }

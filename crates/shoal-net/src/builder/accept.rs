@@ -149,7 +149,7 @@ async fn ucx_connection(receiver: Arc<UcxReceiver>, stream: shoal_tls::DataStrea
 fn uring_connection(
     peer: Peer,
     r: Reading,
-    place: tokio::sync::OwnedSemaphorePermit,
+    place: crate::transport::listen::ConnectionPlace,
 ) -> crate::transport::uring::ConnectionTask {
     Box::new(move |stream| {
         Box::pin(async move {
@@ -324,6 +324,10 @@ pub(super) async fn accept_connections(
             let Some((stream, speaker)) = crate::transport::secure::accept(&port, stream, addr, "data").await else {
                 return;
             };
+            let mut place = place;
+            if let Some(name) = speaker.identity() {
+                place.identify(name);
+            }
             let peer = Peer { addr, speaker };
             match (stream, &uring, ucx) {
                 (stream, _, Some(receiver)) => ucx_connection(receiver, stream, peer, r).await,

@@ -173,27 +173,66 @@ fn page_size() -> u64 {
 /// most 4 s).
 pub const FIRST_FRAME_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Most connections a data port keeps open at once. Beyond, a new connection is closed at
-/// once and counted (`connection_limit`), so a flood cannot take the process's descriptors
-/// from its data path; connections that never send a frame leave within
+/// Most connections a data port keeps open at once, and who may hold them.
+///
+/// Every connection takes a *pending* place when accepted: at most `expected + 256` of them
+/// at once, and on a port whose peers prove who they are (`[security] data`) at most
+/// [`PER_ADDRESS`] from one address. A connection whose handshake names a process of the
+/// cluster ([`ConnectionPlace::identify`]) gives its pending place back for one of that
+/// process's own ([`PER_PEER`] each), which no stranger can take: strangers share the
+/// pending places, one address a bounded part of them, and a source that reconnects while
+/// someone floods the port finds room for its handshake and keeps its place after it.
+/// Beyond, a new connection is closed at once and counted (`connection_limit`), so a flood
+/// cannot take the process's descriptors from its data path; connections that never finish
+/// their handshake leave within its 10 s, those that never send a frame within
 /// [`FIRST_FRAME_WITHIN`], making room again.
 #[derive(Clone, Debug)]
 pub struct ConnectionLimit {
-    places: std::sync::Arc<tokio::sync::Semaphore>,
+    places: std::sync::Arc<std::sync::Mutex<Places>>,
     limit: usize,
 }
 
+/// Most pending places one address holds on a port whose peers prove who they are.
+pub const PER_ADDRESS: usize = 64;
+/// Most places one process of the cluster holds (a reconnection may overlap the end of its
+/// connection before).
+pub const PER_PEER: usize = 4;
+
+#[derive(Debug, Default)]
+struct Places {
+    pending: usize,
+    by_address: std::collections::HashMap<std::net::IpAddr, usize>,
+    peers: std::collections::HashMap<String, usize>,
+    /// Pending places one address may hold (none: no bound but the total).
+    per_address: Option<usize>,
+}
+
 impl ConnectionLimit {
-    /// A port expecting up to `expected` legitimate connections: room for them and 256
-    /// more (reconnections whose old connection is not yet seen closed, monitoring).
+    /// A port expecting up to `expected` legitimate connections: pending places for them
+    /// and 256 more (reconnections whose old connection is not yet seen closed, monitoring).
     pub fn new(expected: usize) -> Self {
-        let limit = expected + 256;
-        Self { places: std::sync::Arc::new(tokio::sync::Semaphore::new(limit)), limit }
+        Self { places: Default::default(), limit: expected + 256 }
     }
 
-    /// A place for a new connection (given back when dropped), or `None` at the limit.
-    pub fn admit(&self) -> Option<ConnectionPlace> {
-        self.places.clone().try_acquire_owned().ok()
+    /// The same, on a port whose peers prove who they are: one address holds at most
+    /// [`PER_ADDRESS`] pending places.
+    pub fn identifying(expected: usize) -> Self {
+        let limit = Self::new(expected);
+        limit.places.lock().expect("places").per_address = Some(PER_ADDRESS);
+        limit
+    }
+
+    /// A pending place for a new connection from `addr` (given back when dropped), or
+    /// `None` at the limit.
+    pub fn admit(&self, addr: std::net::IpAddr) -> Option<ConnectionPlace> {
+        let mut p = self.places.lock().expect("places");
+        let from_addr = p.by_address.get(&addr).copied().unwrap_or(0);
+        if p.pending >= self.limit || p.per_address.is_some_and(|n| from_addr >= n) {
+            return None;
+        }
+        p.pending += 1;
+        *p.by_address.entry(addr).or_default() += 1;
+        Some(ConnectionPlace { places: self.places.clone(), held: Held::Pending(addr) })
     }
 
     pub fn limit(&self) -> usize {
@@ -201,12 +240,68 @@ impl ConnectionLimit {
     }
 }
 
+/// A place among a port's connections, given back when dropped ([`ConnectionLimit::admit`]).
+#[derive(Debug)]
+pub struct ConnectionPlace {
+    places: std::sync::Arc<std::sync::Mutex<Places>>,
+    held: Held,
+}
+
+#[derive(Debug)]
+enum Held {
+    Pending(std::net::IpAddr),
+    Peer(String),
+    Released,
+}
+
+impl ConnectionPlace {
+    /// The connection's handshake named process `name` of the cluster: its pending place
+    /// becomes one of `name`'s own. False (the place stays pending) when `name` holds
+    /// [`PER_PEER`] already.
+    pub fn identify(&mut self, name: &str) -> bool {
+        let mut p = self.places.lock().expect("places");
+        if p.peers.get(name).copied().unwrap_or(0) >= PER_PEER {
+            return false;
+        }
+        *p.peers.entry(name.to_string()).or_default() += 1;
+        if let Held::Pending(addr) = std::mem::replace(&mut self.held, Held::Peer(name.to_string())) {
+            release_pending(&mut p, addr);
+        }
+        true
+    }
+}
+
+fn release_pending(p: &mut Places, addr: std::net::IpAddr) {
+    p.pending -= 1;
+    if let Some(n) = p.by_address.get_mut(&addr) {
+        *n -= 1;
+        if *n == 0 {
+            p.by_address.remove(&addr);
+        }
+    }
+}
+
+impl Drop for ConnectionPlace {
+    fn drop(&mut self) {
+        let mut p = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::replace(&mut self.held, Held::Released) {
+            Held::Pending(addr) => release_pending(&mut p, addr),
+            Held::Peer(name) => {
+                if let Some(n) = p.peers.get_mut(&name) {
+                    *n -= 1;
+                    if *n == 0 {
+                        p.peers.remove(&name);
+                    }
+                }
+            }
+            Held::Released => {}
+        }
+    }
+}
+
 /// "at its connection limit" warnings of the whole process: at most one a second, with a
 /// count of those held back (a flood of connections must not flood the log).
 static LIMITED: crate::lograte::LogRate = crate::lograte::LogRate::new(std::time::Duration::from_secs(1));
-
-/// A place among a port's connections, given back when dropped ([`ConnectionLimit::admit`]).
-pub type ConnectionPlace = tokio::sync::OwnedSemaphorePermit;
 
 /// Accepts connections on the data port `port` names (`"data"`, `"writer"`) until `cancel`,
 /// and returns how many it admitted. Each admitted by `limit` goes to `serve` with its place,
@@ -228,7 +323,7 @@ where
     loop {
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, peer)) => match limit.admit() {
+                Ok((stream, peer)) => match limit.admit(peer.ip()) {
                     Some(place) => {
                         admitted += 1;
                         serve(stream, peer, place);
@@ -258,6 +353,35 @@ mod tests {
 
     /// This machine's figures: 24 GiB, pressure at 383,868 pages, 128-kB default buffers.
     const HOST: KernelShare = KernelShare { pressure_bytes: 383_868 * 4096, default_receive: 131_072 };
+
+    #[test]
+    fn a_flood_from_one_address_leaves_room_and_a_process_keeps_its_own_place() {
+        let a: std::net::IpAddr = "192.0.2.66".parse().unwrap();
+        let b: std::net::IpAddr = "192.0.2.7".parse().unwrap();
+        let limit = ConnectionLimit::identifying(3);
+        let flood: Vec<_> = std::iter::from_fn(|| limit.admit(a)).take(1000).collect();
+        assert_eq!(flood.len(), PER_ADDRESS, "one address holds a bounded part");
+        // A source reconnecting meanwhile: room for its handshake, then a place of its own
+        // that no pending connection takes.
+        let mut source = limit.admit(b).expect("room beside the flood");
+        assert!(source.identify("source0"));
+        let others: Vec<_> = (0..300u32)
+            .filter_map(|i| limit.admit(std::net::IpAddr::from([198, 51, (i >> 8) as u8, i as u8])))
+            .collect();
+        assert_eq!(flood.len() + others.len(), limit.limit(), "pending places up to the limit");
+        assert!(limit.admit(b).is_none(), "full of pending connections");
+        drop(others);
+        let mut again = limit.admit(b).unwrap();
+        assert!(again.identify("source0"), "a reconnection overlapping its old connection");
+        let extra: Vec<_> = (0..PER_PEER).map(|_| limit.admit(b).unwrap()).collect();
+        let identified: Vec<_> = extra.into_iter().filter_map(|mut p| p.identify("source0").then_some(p)).collect();
+        assert_eq!(identified.len(), PER_PEER - 2, "a process holds a bounded number of its own");
+        // Without identities (`data = "off"`) one address may take every place.
+        let open = ConnectionLimit::new(3);
+        let all: Vec<_> = std::iter::from_fn(|| open.admit(a)).take(1000).collect();
+        assert_eq!(all.len(), open.limit());
+        drop((flood, source, again, identified));
+    }
 
     #[test]
     fn only_many_held_connections_get_a_smaller_receive_buffer() {

@@ -163,6 +163,15 @@ pub struct DataPort {
 }
 
 impl DataPort {
+    /// The connection limit of a port expecting `expected` peers: one that knows its peers
+    /// by certificate keeps each a place of its own and bounds what one address holds.
+    pub fn limit(&self, expected: usize) -> crate::transport::listen::ConnectionLimit {
+        match self.mode() {
+            DataSecurity::Off => crate::transport::listen::ConnectionLimit::new(expected),
+            _ => crate::transport::listen::ConnectionLimit::identifying(expected),
+        }
+    }
+
     /// `acceptor` (off: no handshake, nothing bound) with `peers`.
     pub fn new(acceptor: Acceptor, peers: &Peers) -> Self {
         let peers = peers.iter().map(|(name, ids)| (name.clone(), Arc::new(ids.iter().copied().collect()))).collect();
@@ -199,6 +208,11 @@ impl Speaker {
     /// Whether this connection may send as `id` (a source id, a builder id).
     pub fn may_send_as(&self, id: u32) -> bool {
         self.ids.as_ref().is_none_or(|ids| ids.contains(&id))
+    }
+
+    /// The process the certificate names, where the connection was authenticated.
+    pub fn identity(&self) -> Option<&str> {
+        self.name.as_deref()
     }
 
     /// The certificate's name, for logs.

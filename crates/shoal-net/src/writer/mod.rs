@@ -643,14 +643,17 @@ pub async fn run_writer_with(
     let (tx, mut rx) = mpsc::channel::<Vec<Incoming>>(1024);
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
-    let limit = crate::transport::listen::ConnectionLimit::new(n_builders);
+    let limit = s.data_port.limit(n_builders);
     let secure = s.data_port.clone();
     let accept = tokio::spawn(async move {
-        let serve = |stream, peer, place| {
+        let serve = |stream, peer, mut place: crate::transport::listen::ConnectionPlace| {
             let (tx, c, secure) = (tx.clone(), accept_cancel.clone(), secure.clone());
             tokio::spawn(async move {
                 if let Some((stream, speaker)) = crate::transport::secure::accept(&secure, stream, peer, "writer").await
                 {
+                    if let Some(name) = speaker.identity() {
+                        place.identify(name);
+                    }
                     read_connection(stream, peer, speaker, tx, c).await;
                 }
                 drop(place);
