@@ -39,7 +39,7 @@ use crate::config::{ConfigError, ReceivePath, Transport};
 use crate::live::Live;
 use crate::report::DelayStats;
 use crate::transport::link::{Chunk, Link, LinkOptions, LinkReport};
-use crate::transport::listen::DataPort;
+use crate::transport::listen::{ConnectionLimit, DataPort};
 use crate::transport::udp::{Received, UdpReceiveReport};
 use crate::transport::uring::UringReceiver;
 
@@ -476,7 +476,7 @@ fn start_accept(
         ),
         _ => None,
     };
-    let limit = s.data_port.limit(s.sources as usize);
+    let limit = ConnectionLimit::for_port(s.sources as usize, s.data_port.identifies());
     let horizon = s.future_horizon.map(|h| (s.slice_clock, h));
     let reading = Reading { max_payload: s.max_payload, clock, edge, to, cancel: readers.clone(), horizon };
     Ok(tokio::spawn(accept_connections(listener, limit, uring, ucx, s.data_port.clone(), reading)))

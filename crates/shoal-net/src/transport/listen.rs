@@ -214,6 +214,11 @@ impl ConnectionLimit {
         Self { places: Default::default(), limit: expected + 256 }
     }
 
+    /// [`ConnectionLimit::identifying`] where `identifies`, else [`ConnectionLimit::new`].
+    pub fn for_port(expected: usize, identifies: bool) -> Self {
+        if identifies { Self::identifying(expected) } else { Self::new(expected) }
+    }
+
     /// The same, on a port whose peers prove who they are: one address holds at most
     /// [`PER_ADDRESS`] pending places.
     pub fn identifying(expected: usize) -> Self {

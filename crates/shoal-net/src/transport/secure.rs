@@ -163,13 +163,9 @@ pub struct DataPort {
 }
 
 impl DataPort {
-    /// The connection limit of a port expecting `expected` peers: one that knows its peers
-    /// by certificate keeps each a place of its own and bounds what one address holds.
-    pub fn limit(&self, expected: usize) -> crate::transport::listen::ConnectionLimit {
-        match self.mode() {
-            DataSecurity::Off => crate::transport::listen::ConnectionLimit::new(expected),
-            _ => crate::transport::listen::ConnectionLimit::identifying(expected),
-        }
+    /// Whether this port knows its peers by certificate (a handshake names each).
+    pub fn identifies(&self) -> bool {
+        self.mode() != DataSecurity::Off
     }
 
     /// `acceptor` (off: no handshake, nothing bound) with `peers`.

@@ -643,7 +643,7 @@ pub async fn run_writer_with(
     let (tx, mut rx) = mpsc::channel::<Vec<Incoming>>(1024);
     let readers = CancellationToken::new();
     let accept_cancel = readers.clone();
-    let limit = s.data_port.limit(n_builders);
+    let limit = crate::transport::listen::ConnectionLimit::for_port(n_builders, s.data_port.identifies());
     let secure = s.data_port.clone();
     let accept = tokio::spawn(async move {
         let serve = |stream, peer, mut place: crate::transport::listen::ConnectionPlace| {
