@@ -478,6 +478,9 @@ impl ClusterFile {
         }
         if config.security.data != shoal_tls::DataSecurity::Off {
             config.security.peers = self.peers();
+            // A fresh datagram key for every CONFIGURE: it goes to the processes with it
+            // (over the authenticated control plane) and is written nowhere.
+            config.security.udp_key = shoal_net::transport::udp::mac::DatagramMac::new_key_hex()?;
         }
         Ok(toml::to_string(&config)?)
     }

@@ -47,6 +47,11 @@ pub struct SecurityConfig {
     /// Run control fills it from the cluster file; a connection that sends another id is
     /// closed (reason `identity`), as is one whose certificate names no process here.
     pub peers: crate::transport::secure::Peers,
+    /// With `data` and `run.transport = "udp"`: the run's datagram key, 64 hex digits (a MAC
+    /// on every datagram, [`crate::transport::udp::mac`]). Run control draws a fresh one for
+    /// every run and hands it out with CONFIGURE; never write one into a file.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub udp_key: String,
     /// This process's certificates (never in a file: a node loads its own, the embedded
     /// demo makes throw-away ones).
     #[serde(skip)]
@@ -659,10 +664,9 @@ impl Config {
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
             return invalid("udp.max_payload must be at least 64 bytes");
         }
-        if self.transport()? == Transport::Udp && self.security.data != shoal_tls::DataSecurity::Off {
-            return invalid(
-                "security.data protects TCP connections; run.transport = \"udp\" has no per-run MAC yet (docs/security.md)",
-            );
+        if !self.security.udp_key.is_empty() {
+            crate::transport::udp::mac::DatagramMac::from_hex(&self.security.udp_key)
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         }
         if self.transport()? == Transport::Ucx {
             if !shoal_ucx::AVAILABLE {
@@ -1064,10 +1068,32 @@ impl Config {
     }
 
     /// The datagram transport's budgets.
+    /// The run's datagram MAC: with `[security] data` on the datagram transport, the key
+    /// must be given (run control and the demo draw one).
+    pub fn datagram_mac(&self) -> Result<Option<std::sync::Arc<crate::transport::udp::mac::DatagramMac>>, ConfigError> {
+        use crate::transport::udp::mac::DatagramMac;
+        if self.security.data == shoal_tls::DataSecurity::Off || self.transport()? != Transport::Udp {
+            return Ok(None);
+        }
+        if self.security.udp_key.is_empty() {
+            return invalid(
+                "security.data with run.transport = \"udp\" needs security.udp_key, the run's datagram key \
+                 (run control hands out a fresh one with every CONFIGURE; docs/security.md)",
+            );
+        }
+        let mac = DatagramMac::from_hex(&self.security.udp_key).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        Ok(Some(std::sync::Arc::new(mac)))
+    }
+
     pub fn udp_config(&self) -> shoal_core::datagram::UdpConfig {
         let u = &self.udp;
+        // A sealed datagram carries its tag within the configured size.
+        let tag = match self.datagram_mac() {
+            Ok(Some(_)) => crate::transport::udp::mac::TAG_LEN as u16,
+            _ => 0,
+        };
         shoal_core::datagram::UdpConfig {
-            max_payload: u.max_payload,
+            max_payload: u.max_payload.saturating_sub(tag),
             retransmit_bytes: u.retransmit_mb << 20,
             retransmit_age: Duration::from_millis(u.retransmit_age_ms),
             start_retransmit_age: Duration::from_millis(u.start_retransmit_age_ms),

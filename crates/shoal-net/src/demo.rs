@@ -171,6 +171,9 @@ pub async fn run_embedded(mut cfg: Config, live: Arc<Live>, cancel: Cancellation
         cfg.security.peers =
             crate::transport::secure::DataCredentials::ephemeral_peers(cfg.run.sources, cfg.run.builders);
     }
+    if cfg.security.data != shoal_tls::DataSecurity::Off && cfg.security.udp_key.is_empty() {
+        cfg.security.udp_key = crate::transport::udp::mac::DatagramMac::new_key_hex()?;
+    }
     let clock = WallClock::new();
     let fd_limit = raise_fd_limit();
     // An input socket (`source.input`) feeds one node: every source in it.

@@ -173,6 +173,7 @@ async fn strangers_and_insiders_on_the_data_ports_are_refused_and_the_run_keeps_
         std::fs::remove_dir_all(&out).unwrap();
     }
     a_flood_from_one_address_cannot_lock_the_sources_out().await;
+    udp_datagrams_carry_the_run_s_mac().await;
 }
 
 /// A flood of connections from one address while a secured run starts: the sources get
@@ -221,5 +222,49 @@ async fn a_flood_from_one_address_cannot_lock_the_sources_out() {
         b.node.rejected_connections
     );
     drop(flood);
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// `data` with the datagram transport: every datagram carries the run's MAC, and a
+/// stranger's datagrams (well-formed ones among them) are dropped and counted before the
+/// builder reads them, while the run keeps every fragment.
+async fn udp_datagrams_carry_the_run_s_mac() {
+    let ca = ClusterCa::generate("test", 1).unwrap();
+    let own =
+        DataCredentials::of_roles(["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)))).unwrap();
+    let out = temp_dir("data-security-udp");
+    let mut cfg = small_config(2, 1, 1.0, &out);
+    cfg.run.transport = "udp".into();
+    cfg.security.data = DataSecurity::Authenticated;
+    cfg.security.credentials = own;
+    cfg.security.peers =
+        shoal_net::transport::secure::Peers::from([("source".into(), vec![0, 1]), ("builder".into(), vec![0])]);
+    cfg.security.udp_key = shoal_net::transport::udp::mac::DatagramMac::new_key_hex().unwrap();
+    let (wl, mut bls) = bind_all(&mut cfg).await;
+    let addr = bls[0].local_addr().unwrap();
+    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+    let builder = tokio::spawn(run_builder(
+        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
+        bls.remove(0),
+        clock(),
+        live(),
+        never(),
+    ));
+    // A stranger's datagrams to the builder's port: well-formed ones without the MAC, and
+    // one sealed under another key.
+    let stranger = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let run = cfg.run.run_number as u32;
+    for slice in 0..40 {
+        stranger.send_to(&shoal_core::datagram::Datagram::request(run, 0, 0, slice), addr).await.unwrap();
+    }
+    let other = shoal_net::transport::udp::mac::DatagramMac::from_hex(&"ab".repeat(32)).unwrap();
+    stranger.send_to(&other.seal(b"a datagram under another key"), addr).await.unwrap();
+    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
+    let b = builder.await.unwrap().unwrap();
+    writer.await.unwrap().unwrap();
+    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
+    assert!(ledger.is_balanced() && ledger.lost() == 0, "{ledger:?}");
+    assert!(b.node.slices_complete > 0 && b.node.slices_incomplete == 0, "{:?}", b.node);
+    assert_eq!(b.udp.as_ref().expect("a datagram run").mac_refused, 41);
     std::fs::remove_dir_all(&out).unwrap();
 }

@@ -448,6 +448,7 @@ fn start_udp(
         clock,
         received,
         requests,
+        s.datagram_mac.clone(),
         cancel.clone(),
     ));
     Ok((Some(task), datagrams, udp_requests))

@@ -49,6 +49,8 @@ pub struct BuilderSettings {
     /// after the builder's now is refused with its connection (`window`). None where the
     /// sources' data time is not the wall clock's (free-running, KM3NeT's CLB packets).
     pub future_horizon: Option<StdDuration>,
+    /// `run.transport = "udp"` under `[security] data`: the run's datagram MAC.
+    pub datagram_mac: Option<std::sync::Arc<crate::transport::udp::mac::DatagramMac>>,
     /// `builder.held_receive_buffer` as asked (0: a share of the host's TCP memory).
     pub held_receive_buffer: u64,
     pub writer_addr: SocketAddr,
@@ -126,6 +128,7 @@ impl BuilderSettings {
             max_payload: cfg.max_payload(),
             holds_connections: cfg.source.saturate && matches!(transport, Transport::Tcp),
             future_horizon: (!cfg.source.saturate && !cfg.km3net.is_on()).then_some(FUTURE_HORIZON),
+            datagram_mac: cfg.datagram_mac()?,
             held_receive_buffer: cfg.builder.held_receive_buffer,
             writer_addr: cfg.writer_addr()?,
             writer_backoff: Backoff {

@@ -95,6 +95,7 @@ impl Links {
             wait_for_peer_close: true,
             connector: s.connector.clone(),
             ucx: ends.ucx.clone(),
+            mac: s.datagram_mac.clone(),
             ..LinkOptions::default()
         };
         if let Some(requests) = ends.requests {

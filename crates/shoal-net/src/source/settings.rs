@@ -37,6 +37,8 @@ pub struct SourceSettings {
     pub drain_timeout: StdDuration,
     /// The handshake of every link to a builder (`[security] data`).
     pub connector: shoal_tls::Connector,
+    /// `run.transport = "udp"` under `[security] data`: the run's datagram MAC.
+    pub datagram_mac: Option<std::sync::Arc<crate::transport::udp::mac::DatagramMac>>,
 }
 
 impl SourceSettings {
@@ -73,6 +75,7 @@ impl SourceSettings {
             ahead_limit_bytes: s.prefetch_limit_bytes.unwrap_or(prefetch::MAX_BYTES),
             drain_timeout: StdDuration::from_millis(s.drain_timeout_ms.max(1000)),
             connector: cfg.data_connector("source", "builder")?,
+            datagram_mac: cfg.datagram_mac()?,
         })
     }
 }

@@ -71,6 +71,8 @@ pub struct LinkOptions {
     /// `run.transport = "ucx"`: the process's UCX worker; the frames go as its messages
     /// and the TCP connection sets them up and watches the peer ([`crate::transport::ucx`]).
     pub ucx: Option<Arc<shoal_ucx::Worker>>,
+    /// `run.transport = "udp"` under `[security] data`: the run's datagram MAC.
+    pub mac: Option<Arc<crate::transport::udp::mac::DatagramMac>>,
 }
 
 /// What tells a link that its peer has closed the connection: the read half, or the task

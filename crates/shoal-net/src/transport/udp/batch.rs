@@ -28,6 +28,11 @@ pub struct BatchSocket {
     /// receive (a source's sockets only send: 30,000 of them must not hold 3 MB each).
     recv_buf: Vec<u8>,
     slot: usize,
+    /// `[security] data`: every datagram sent is sealed, every one received opened
+    /// ([`super::mac`]).
+    mac: Option<std::sync::Arc<super::mac::DatagramMac>>,
+    /// Datagrams received whose tag did not verify (dropped).
+    pub mac_refused: u64,
 }
 
 /// What one [`BatchSocket::send_all`] did.
@@ -46,7 +51,30 @@ impl BatchSocket {
     pub fn new(sock: UdpSocket, max_datagram: usize) -> io::Result<BatchSocket> {
         let state = UdpSocketState::new((&sock).into())?;
         let slot = (max_datagram * state.gro_segments()).clamp(65_536, 1 << 20);
-        Ok(BatchSocket { sock, state, recv_buf: Vec::new(), slot })
+        Ok(BatchSocket { sock, state, recv_buf: Vec::new(), slot, mac: None, mac_refused: 0 })
+    }
+
+    /// Seals what it sends and opens what it receives under `mac` (none: plain).
+    pub fn with_mac(mut self, mac: Option<std::sync::Arc<super::mac::DatagramMac>>) -> Self {
+        self.mac = mac;
+        self
+    }
+
+    /// One datagram to `dest`, sealed where a MAC is set.
+    pub async fn send_one(&self, dest: SocketAddr, datagram: &[u8]) -> io::Result<usize> {
+        match &self.mac {
+            Some(mac) => self.sock.send_to(&mac.seal(datagram), dest).await,
+            None => self.sock.send_to(datagram, dest).await,
+        }
+    }
+
+    /// A datagram received outside the batches (`recv_from` on [`BatchSocket::socket`]):
+    /// its contents, or `None` (counted) when its tag does not verify.
+    pub fn open_one(&mut self, datagram: &[u8]) -> Option<Bytes> {
+        let Some(mac) = &self.mac else { return Some(Bytes::copy_from_slice(datagram)) };
+        let opened = mac.open(&Bytes::copy_from_slice(datagram));
+        self.mac_refused += u64::from(opened.is_none());
+        opened
     }
 
     pub fn socket(&self) -> &UdpSocket {
@@ -62,6 +90,14 @@ impl BatchSocket {
     /// tail) into one call each. Waits while the socket buffer is full; an error other than
     /// that counts the call's datagrams refused and goes on.
     pub async fn send_all(&mut self, dest: SocketAddr, datagrams: &[Bytes]) -> SendOutcome {
+        let sealed: Vec<Bytes>;
+        let datagrams = match &self.mac {
+            Some(mac) => {
+                sealed = datagrams.iter().map(|d| mac.seal(d)).collect();
+                &sealed[..]
+            }
+            None => datagrams,
+        };
         let mut out = SendOutcome::default();
         let mut i = 0;
         while i < datagrams.len() {
@@ -105,7 +141,30 @@ impl BatchSocket {
             let (sock, state) = (&self.sock, &self.state);
             sock.async_io(Interest::READABLE, || state.recv(sock.into(), &mut bufs, &mut meta)).await?
         };
-        Ok(self.split(&meta[..n], out))
+        let from = out.len();
+        self.split(&meta[..n], out);
+        Ok(self.open_received(out, from))
+    }
+
+    /// Opens the datagrams appended to `out` from `from` on, dropping (and counting) those
+    /// whose tag does not verify; how many are left.
+    fn open_received(&mut self, out: &mut Vec<(SocketAddr, Bytes)>, from: usize) -> usize {
+        if let Some(mac) = &self.mac {
+            let mut refused = 0;
+            let mut kept = from;
+            for i in from..out.len() {
+                match mac.open(&out[i].1) {
+                    Some(d) => {
+                        out[kept] = (out[i].0, d);
+                        kept += 1;
+                    }
+                    None => refused += 1,
+                }
+            }
+            out.truncate(kept);
+            self.mac_refused += refused;
+        }
+        out.len() - from
     }
 
     /// As [`BatchSocket::recv`], but only what is waiting now: 0 when nothing is.
@@ -123,7 +182,9 @@ impl BatchSocket {
                 Err(e) => return Err(e),
             }
         };
-        Ok(self.split(&meta[..n], out))
+        let from = out.len();
+        self.split(&meta[..n], out);
+        Ok(self.open_received(out, from))
     }
 
     /// The datagrams of the filled slots.

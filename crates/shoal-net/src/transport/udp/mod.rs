@@ -28,6 +28,7 @@ use crate::clock::WallClock;
 use crate::transport::link::{Chunk, LinkOptions, LinkReport, PullRequestFrame};
 
 pub mod batch;
+pub mod mac;
 
 use batch::BatchSocket;
 
@@ -159,7 +160,8 @@ async fn run_link(
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
     let sock = match socket(unspecified, buffer_bytes)
-        .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN))
+        .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::TAG_LEN))
+        .map(|s| s.with_mac(options.mac.clone()))
     {
         Ok(s) => s,
         Err(e) => {
@@ -187,8 +189,10 @@ async fn run_link(
                 Some(c) => link.on_chunk(clock.now(), c),
                 None => open = false,
             },
-            r = link.sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r {
-                link.on_datagram(clock.now(), &buf[..n], from);
+            r = link.sock.socket().recv_from(&mut buf) => if let Ok((n, from)) = r
+                && let Some(d) = link.sock.open_one(&buf[..n])
+            {
+                link.on_datagram(clock.now(), &d, from);
             },
             _ = tokio::time::sleep_until(clock.deadline(wake)) => {}
         }
@@ -395,6 +399,9 @@ pub struct UdpReceiveReport {
     /// Reassembled frames whose own decoding failed (forged pieces): counted damaged.
     pub frames_undecodable: u64,
     pub send_errors: u64,
+    /// Datagrams whose MAC did not verify (`[security] data`): dropped before anything
+    /// read them.
+    pub mac_refused: u64,
 }
 
 /// What the receive task hands the builder's loop.
@@ -433,13 +440,14 @@ pub async fn receive(
     clock: WallClock,
     out: mpsc::Sender<Received>,
     mut requests: mpsc::UnboundedReceiver<(SourceId, shoal_core::slice::SliceNumber)>,
+    mac: Option<std::sync::Arc<mac::DatagramMac>>,
     cancel: CancellationToken,
 ) -> UdpReceiveReport {
     let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
     let mut peers: HashMap<SourceId, SocketAddr> = HashMap::new();
     let mut report = UdpReceiveReport::default();
-    let mut sock = match BatchSocket::new(sock, cfg.max_payload as usize + DATAGRAM_HEADER_LEN) {
-        Ok(s) => s,
+    let mut sock = match BatchSocket::new(sock, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::TAG_LEN) {
+        Ok(s) => s.with_mac(mac),
         Err(e) => {
             warn!(builder, error = %e, "cannot set up batched UDP receive; no datagram is received");
             cancel.cancelled().await;
@@ -463,7 +471,7 @@ pub async fn receive(
                 Some((source, slice)) => {
                     // Routed only to greeted sources, so the peer is known.
                     if let Some(peer) = peers.get(&source)
-                        && sock.socket().send_to(&Datagram::request(run, source, builder, slice), *peer).await.is_err()
+                        && sock.send_one(*peer, &Datagram::request(run, source, builder, slice)).await.is_err()
                     {
                         report.send_errors += 1;
                     }
@@ -506,7 +514,7 @@ pub async fn receive(
         }
         while let Some((source, d)) = ep.poll_transmit() {
             if let Some(peer) = peers.get(&source)
-                && sock.socket().send_to(&d, *peer).await.is_err()
+                && sock.send_one(*peer, &d).await.is_err()
             {
                 report.send_errors += 1;
             }
@@ -535,5 +543,9 @@ pub async fn receive(
     }
     report.endpoint = ep.stats().clone();
     report.streams = ep.receiver_totals();
+    report.mac_refused = sock.mac_refused;
+    if report.mac_refused > 0 {
+        warn!(builder, refused = report.mac_refused, "datagrams whose MAC did not verify were dropped");
+    }
     report
 }
