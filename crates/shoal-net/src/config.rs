@@ -664,6 +664,12 @@ impl Config {
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
             return invalid("udp.max_payload must be at least 64 bytes");
         }
+        if self.transport()? == Transport::Udp && self.security.data == shoal_tls::DataSecurity::Tls {
+            return invalid(
+                "security.data = \"tls\" encrypts TCP connections; run.transport = \"udp\" sends datagrams, \
+                 which a MAC authenticates but nothing encrypts: use \"authenticated\" (docs/security.md)",
+            );
+        }
         if !self.security.udp_key.is_empty() {
             crate::transport::udp::mac::DatagramMac::from_hex(&self.security.udp_key)
                 .map_err(|e| ConfigError::Invalid(e.to_string()))?;
