@@ -57,12 +57,7 @@ fn hosts_of(spec: &ProcessSpec, file: &ClusterFile) -> Vec<String> {
 /// and the CA's certificate beside them; returns how many.
 pub fn issue_all(file: &ClusterFile) -> anyhow::Result<usize> {
     let Some(ca_dir) = file.cluster.security.as_ref().and_then(|s| s.ca_dir.as_ref()) else { return Ok(0) };
-    let ca = shoal_tls::ca::ClusterCa::load(ca_dir)
-        .with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
-    let out = issued_dir(file);
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    restrict(&out)?;
-    std::fs::write(out.join(shoal_tls::ca::CA_CERT), ca.cert_pem())?;
+    let (ca, out) = open_issuing(file, ca_dir)?;
     let mut n = 0;
     for spec in file.processes.iter().filter(|p| matches!(p.launch, Launch::Local | Launch::Netns)) {
         let req = shoal_tls::ca::IssueRequest::new(&spec.name, spec.role.name(), &hosts_of(spec, file), 30)?;
@@ -100,12 +95,7 @@ pub fn control_plane(file: &ClusterFile) -> anyhow::Result<Option<ControlPlane>>
     let Some(s) = file.cluster.security.as_ref() else { return Ok(None) };
     let dir = match (&s.ca_dir, &s.credentials_dir) {
         (Some(ca_dir), _) => {
-            let ca = shoal_tls::ca::ClusterCa::load(ca_dir)
-                .with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
-            let out = issued_dir(file);
-            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            restrict(&out)?;
-            std::fs::write(out.join(shoal_tls::ca::CA_CERT), ca.cert_pem())?;
+            let (ca, out) = open_issuing(file, ca_dir)?;
             let local = ["127.0.0.1".to_string(), "::1".into(), "localhost".into()];
             ca.issue_into(&out, &shoal_tls::ca::IssueRequest::new(RUN_CONTROL, "runcontrol", &local, 30)?)?;
             let addr = file.dispatcher_addr()?.ip().to_string();
@@ -119,6 +109,18 @@ pub fn control_plane(file: &ClusterFile) -> anyhow::Result<Option<ControlPlane>>
     let identity = shoal_tls::Identity::load(&shoal_tls::Credentials::in_dir(&dir, RUN_CONTROL))
         .context("run control's certificate for the control plane")?;
     Ok(Some(ControlPlane { dir, tls: shoal_dispatcher::client::ControlTls::new(&identity)? }))
+}
+
+/// The cluster's CA from `ca_dir`, and the directory run control issues into (made 0700,
+/// the CA's certificate beside what it will hold).
+fn open_issuing(file: &ClusterFile, ca_dir: &Path) -> anyhow::Result<(shoal_tls::ca::ClusterCa, PathBuf)> {
+    let ca = shoal_tls::ca::ClusterCa::load(ca_dir)
+        .with_context(|| format!("cluster.security.ca_dir {}", ca_dir.display()))?;
+    let out = issued_dir(file);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    restrict(&out)?;
+    std::fs::write(out.join(shoal_tls::ca::CA_CERT), ca.cert_pem())?;
+    Ok((ca, out))
 }
 
 fn restrict(dir: &Path) -> anyhow::Result<()> {

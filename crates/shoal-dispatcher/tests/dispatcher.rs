@@ -1,7 +1,10 @@
 //! Robustness of the dispatcher runtime: slow subscribers, back-pressure, bad input.
 
+mod common;
+
 use std::time::Duration;
 
+use common::wait_until;
 use shoal_core::controlhost::{Mode, RouterConfig, Tag, encode_prefix};
 use shoal_dispatcher::client::ChClient;
 use shoal_dispatcher::server::{DispatcherConfig, DispatcherHandle, Snapshot, spawn_dispatcher};
@@ -14,18 +17,6 @@ async fn start(cfg: DispatcherConfig) -> (DispatcherHandle, CancellationToken) {
     let cancel = CancellationToken::new();
     let (h, _core) = spawn_dispatcher(l, cfg, cancel.clone()).unwrap();
     (h, cancel)
-}
-
-/// Polls the dispatcher's state until `pred` holds (bounded: 20 s).
-async fn wait_until(h: &DispatcherHandle, what: &str, pred: impl Fn(&Snapshot) -> bool) -> Snapshot {
-    for _ in 0..2000 {
-        let s = h.snapshot().await.unwrap();
-        if pred(&s) {
-            return s;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}: {:?}", h.snapshot().await);
 }
 
 fn frame(tag: &str, payload: &[u8]) -> Vec<u8> {

@@ -816,31 +816,30 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
     out
 }
 
-/// Handshakes refused on this process's data ports, by reason (`[security] data`).
+/// Handshakes refused on this process's data ports, by reason (`[security] data`), and data
+/// refused after them.
 fn register_refusals(reg: &mut prometheus_client::registry::Registry, labels: &[(String, String)]) {
+    use crate::transport::secure::{DATA_REFUSED, REFUSED};
+    let by_reason = |counts: &[(&'static str, u64)]| {
+        let fam = Family::<Vec<(String, String)>, Counter>::default();
+        for (reason, n) in counts {
+            let mut l = labels.to_vec();
+            l.push(("reason".into(), reason.to_string()));
+            fam.get_or_create(&l).inc_by(*n);
+        }
+        fam
+    };
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;
-    let fam = Family::<Vec<(String, String)>, Counter>::default();
-    for (reason, n) in crate::transport::secure::REFUSED.snapshot() {
-        let mut l = labels.to_vec();
-        l.push(("reason".into(), reason.into()));
-        fam.get_or_create(&l).inc_by(n);
-    }
     reg.register(
         "shoal_data_handshakes_refused",
         "Data connections refused in the handshake (security.data): no or a foreign certificate, another role's, expired, not TLS, too slow",
-        fam,
+        by_reason(&REFUSED.snapshot()),
     );
-    let fam = Family::<Vec<(String, String)>, Counter>::default();
-    for (reason, n) in crate::transport::secure::DATA_REFUSED.snapshot() {
-        let mut l = labels.to_vec();
-        l.push(("reason".into(), reason.into()));
-        fam.get_or_create(&l).inc_by(n);
-    }
     reg.register(
         "shoal_data_refused",
         "Data refused after the handshake: identity (an id the certificate does not hold, or a certificate naming no process of the cluster), window (a slice outside what the run can hold)",
-        fam,
+        by_reason(&DATA_REFUSED.snapshot()),
     );
 }
 

@@ -176,95 +176,85 @@ async fn strangers_and_insiders_on_the_data_ports_are_refused_and_the_run_keeps_
     udp_datagrams_carry_the_run_s_mac().await;
 }
 
+/// A run secured `authenticated` (over `transport`) whose writer and builder are running:
+/// its configuration, output directory, the builder's address and the two tasks.
+struct SecuredRun {
+    cfg: shoal_net::config::Config,
+    out: std::path::PathBuf,
+    addr: std::net::SocketAddr,
+    writer: tokio::task::JoinHandle<anyhow::Result<shoal_net::writer::WriterReport>>,
+    builder: tokio::task::JoinHandle<Result<shoal_net::builder::BuilderReport, shoal_net::config::ConfigError>>,
+}
+
+impl SecuredRun {
+    async fn start(name: &str, transport: &str) -> SecuredRun {
+        let ca = ClusterCa::generate("test", 1).unwrap();
+        let roles = ["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)));
+        let out = temp_dir(name);
+        let mut cfg = small_config(2, 1, 1.0, &out);
+        cfg.run.transport = transport.into();
+        cfg.security.data = DataSecurity::Authenticated;
+        cfg.security.credentials = DataCredentials::of_roles(roles).unwrap();
+        cfg.security.peers =
+            shoal_net::transport::secure::Peers::from([("source".into(), vec![0, 1]), ("builder".into(), vec![0])]);
+        cfg.security.udp_key = shoal_net::transport::udp::mac::DatagramMac::new_key_hex().unwrap();
+        let (wl, mut bls) = bind_all(&mut cfg).await;
+        let addr = bls[0].local_addr().unwrap();
+        let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
+        let settings = shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap();
+        let builder = tokio::spawn(run_builder(settings, bls.remove(0), clock(), live(), never()));
+        SecuredRun { cfg, out, addr, writer, builder }
+    }
+
+    /// Runs the sources to the end; the builder's report, once the run kept every
+    /// fragment with its ledger balanced.
+    async fn finish(self) -> shoal_net::builder::BuilderReport {
+        let sources = run_source_node(self.cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
+        let b = self.builder.await.unwrap().unwrap();
+        self.writer.await.unwrap().unwrap();
+        let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
+        assert!(ledger.is_balanced() && ledger.lost() == 0, "{ledger:?}");
+        assert!(b.node.slices_complete > 0 && b.node.slices_incomplete == 0, "{:?}", b.node);
+        std::fs::remove_dir_all(&self.out).unwrap();
+        b
+    }
+}
+
 /// A flood of connections from one address while a secured run starts: the sources get
 /// their places (run after the first test's rows: both read process-wide counters).
 async fn a_flood_from_one_address_cannot_lock_the_sources_out() {
     use shoal_net::transport::listen::PER_ADDRESS;
-    let ca = ClusterCa::generate("test", 1).unwrap();
-    let own =
-        DataCredentials::of_roles(["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)))).unwrap();
-    let out = temp_dir("data-security-flood");
-    let mut cfg = small_config(2, 1, 1.0, &out);
-    cfg.security.data = DataSecurity::Authenticated;
-    cfg.security.credentials = own;
-    cfg.security.peers =
-        shoal_net::transport::secure::Peers::from([("source".into(), vec![0, 1]), ("builder".into(), vec![0])]);
-    let (wl, mut bls) = bind_all(&mut cfg).await;
-    let addr = bls[0].local_addr().unwrap();
-    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(
-        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
-        bls.remove(0),
-        clock(),
-        live(),
-        never(),
-    ));
+    let run = SecuredRun::start("data-security-flood", "tcp").await;
     // 300 connections from 127.0.0.2 that never begin their handshake: more than every place
     // of the port (2 sources + 256), each held until its handshake's 10 s run out.
     let mut flood = Vec::new();
     for _ in 0..300 {
         let s = tokio::net::TcpSocket::new_v4().unwrap();
         s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-        flood.push(s.connect(addr).await.unwrap());
+        flood.push(s.connect(run.addr).await.unwrap());
     }
     // The sources connect (from 127.0.0.1) while the flood holds what it may.
-    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
-    let b = builder.await.unwrap().unwrap();
-    writer.await.unwrap().unwrap();
-    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
-    assert!(ledger.is_balanced() && ledger.lost() == 0, "{ledger:?}");
-    assert!(b.node.slices_complete > 0 && b.node.slices_incomplete == 0, "{:?}", b.node);
+    let b = run.finish().await;
     let limited = b.node.rejected_connections.get("connection_limit").copied().unwrap_or(0);
-    assert_eq!(
-        limited,
-        300 - PER_ADDRESS as u64,
-        "one address held {PER_ADDRESS} places: {:?}",
-        b.node.rejected_connections
-    );
+    let rejected = &b.node.rejected_connections;
+    assert_eq!(limited, 300 - PER_ADDRESS as u64, "one address held {PER_ADDRESS} places: {rejected:?}");
     drop(flood);
-    std::fs::remove_dir_all(&out).unwrap();
 }
 
 /// `data` with the datagram transport: every datagram carries the run's MAC, and a
 /// stranger's datagrams (well-formed ones among them) are dropped and counted before the
 /// builder reads them, while the run keeps every fragment.
 async fn udp_datagrams_carry_the_run_s_mac() {
-    let ca = ClusterCa::generate("test", 1).unwrap();
-    let own =
-        DataCredentials::of_roles(["source", "builder", "writer"].map(|r| identity(&ca, &ca, &request(r, r)))).unwrap();
-    let out = temp_dir("data-security-udp");
-    let mut cfg = small_config(2, 1, 1.0, &out);
-    cfg.run.transport = "udp".into();
-    cfg.security.data = DataSecurity::Authenticated;
-    cfg.security.credentials = own;
-    cfg.security.peers =
-        shoal_net::transport::secure::Peers::from([("source".into(), vec![0, 1]), ("builder".into(), vec![0])]);
-    cfg.security.udp_key = shoal_net::transport::udp::mac::DatagramMac::new_key_hex().unwrap();
-    let (wl, mut bls) = bind_all(&mut cfg).await;
-    let addr = bls[0].local_addr().unwrap();
-    let writer = tokio::spawn(run_writer(cfg.clone(), wl, never()));
-    let builder = tokio::spawn(run_builder(
-        shoal_net::builder::BuilderSettings::from_config(&cfg, 0).unwrap(),
-        bls.remove(0),
-        clock(),
-        live(),
-        never(),
-    ));
+    let run = SecuredRun::start("data-security-udp", "udp").await;
     // A stranger's datagrams to the builder's port: well-formed ones without the MAC, and
     // one sealed under another key.
     let stranger = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let run = cfg.run.run_number as u32;
+    let number = run.cfg.run.run_number as u32;
     for slice in 0..40 {
-        stranger.send_to(&shoal_core::datagram::Datagram::request(run, 0, 0, slice), addr).await.unwrap();
+        stranger.send_to(&shoal_core::datagram::Datagram::request(number, 0, 0, slice), run.addr).await.unwrap();
     }
     let other = shoal_net::transport::udp::mac::DatagramMac::from_hex(&"ab".repeat(32)).unwrap();
-    stranger.send_to(&other.seal(b"a datagram under another key"), addr).await.unwrap();
-    let sources = run_source_node(cfg.clone(), vec![0, 1], clock(), live(), never()).await.unwrap();
-    let b = builder.await.unwrap().unwrap();
-    writer.await.unwrap().unwrap();
-    let ledger = Ledger::combine(&sources.tallies, &BTreeMap::from([(0, b.node.tally.clone())]));
-    assert!(ledger.is_balanced() && ledger.lost() == 0, "{ledger:?}");
-    assert!(b.node.slices_complete > 0 && b.node.slices_incomplete == 0, "{:?}", b.node);
+    stranger.send_to(&other.seal(b"a datagram under another key"), run.addr).await.unwrap();
+    let b = run.finish().await;
     assert_eq!(b.udp.as_ref().expect("a datagram run").mac_refused, 41);
-    std::fs::remove_dir_all(&out).unwrap();
 }
