@@ -105,3 +105,98 @@ fn strangers_and_insiders_on_the_control_plane_are_refused_and_the_run_keeps_eve
     assert!(complete > 0 && complete < 1_000_000, "the forged report is not in the record: {complete}");
     no_process_left(&dir);
 }
+
+/// A network namespace with a veth pair to this host: the stranger's own network.
+struct StrangerNet {
+    netns: String,
+    host_if: String,
+}
+
+impl StrangerNet {
+    /// `198.18.77.1` here, `198.18.77.2` in the namespace.
+    fn up() -> StrangerNet {
+        let id = std::process::id() % 100_000;
+        let (netns, host_if, peer_if) = (format!("shoal-cp-{id}"), format!("cpa{id}"), format!("cpb{id}"));
+        let ip = |args: &[&str]| {
+            let ok = std::process::Command::new("ip").args(args).status().unwrap().success();
+            assert!(ok, "ip {args:?}");
+        };
+        ip(&["netns", "add", &netns]);
+        let net = StrangerNet { netns: netns.clone(), host_if: host_if.clone() };
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &peer_if]);
+        ip(&["link", "set", &peer_if, "netns", &netns]);
+        ip(&["addr", "add", "198.18.77.1/30", "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&["-n", &netns, "addr", "add", "198.18.77.2/30", "dev", &peer_if]);
+        ip(&["-n", &netns, "link", "set", &peer_if, "up"]);
+        ip(&["-n", &netns, "link", "set", "lo", "up"]);
+        net
+    }
+
+    /// Runs a Python program in the namespace; its exit status.
+    fn python(&self, program: &str) -> bool {
+        let python = std::env::var("SHOAL_PYTHON").unwrap_or_else(|_| "python3".into());
+        let st = std::process::Command::new("ip").args(["netns", "exec", &self.netns, &python, "-c", program]).status();
+        st.unwrap().success()
+    }
+}
+
+impl Drop for StrangerNet {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.host_if]).status();
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.netns]).status();
+    }
+}
+
+#[test]
+fn a_stranger_in_a_network_of_its_own_commands_nothing_on_a_secured_cluster() {
+    if let Some(why) = shoal_testbed::netns::unavailable() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let net = StrangerNet::up();
+    let ca = tempfile::tempdir().unwrap();
+    let ca_dir = ca.path().join("ca");
+    assert!(shoal().args(["ca", "init"]).arg(&ca_dir).args(["--cluster", "cp"]).status().unwrap().success());
+    let security =
+        format!("[cluster.security]\nca_dir = {:?}\ndata = \"authenticated\"\n", ca_dir.display().to_string());
+    let tables = [security.as_str(), "", "wall_timeout_ms = 1500", ""];
+    let cluster =
+        Cluster::start_run_on("198.18.77.1", "control-plane-netns", 4, "policy = \"direct\"\n", tables, &[], &|_| {
+            String::new()
+        });
+    let (host, port) = cluster.dispatcher.rsplit_once(':').unwrap();
+    // From its own network: a STOP, a forged report, a clock moved; then it lingers to be
+    // sure they were read before it goes.
+    let program = format!(
+        "import socket, struct, time\n\
+         s = socket.create_connection(('{host}', {port}), timeout=10)\n\
+         def send(tag, payload):\n    s.sendall(tag.ljust(8, b'\\0') + struct.pack('>i', len(payload)) + b'\\0' * 4 + payload)\n\
+         send(b'RC_CMD', b'* STOP')\n\
+         send(b'RC_END', b'{{\"name\":\"builder0\",\"role\":\"builder\",\"run\":1}}')\n\
+         send(b'RC_TIME', b'source0 ADJUST 300000000')\n\
+         s.shutdown(socket.SHUT_WR)\n\
+         s.recv(1)\n"
+    );
+    assert!(net.python(&program), "the stranger's program ran");
+    let state = cluster.dir.join("state");
+    let waiting = Instant::now();
+    let from_netns = || {
+        let Ok((events, _)) = shoal_dispatcher::audit::read(&state.join("audit.jsonl")) else { return 0 };
+        events
+            .iter()
+            .filter(|e| e.kind == "dispatcher" && e.address.starts_with("198.18.77.2:"))
+            .map(|e| e.events())
+            .sum()
+    };
+    while from_netns() < 3 && waiting.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(from_netns(), 3, "the stranger's three messages refused and audited with its address");
+    let (record, dir) = cluster.finish();
+    assert_accounted(&record);
+    assert_eq!(record["slices_incomplete"], 0, "{}", record["slices_incomplete"]);
+    assert_eq!(record["departures"], serde_json::json!([]));
+    no_process_left(&dir);
+    drop(net);
+}

@@ -199,12 +199,25 @@ impl Cluster {
         external: &[(&str, &str)],
         placed: &dyn Fn(&str) -> String,
     ) -> Cluster {
+        Self::start_run_on("127.0.0.1", name, seconds, run, tables, external, placed)
+    }
+
+    /// ... with the dispatcher on `dispatcher_ip` (an address of this host's).
+    pub fn start_run_on(
+        dispatcher_ip: &str,
+        name: &str,
+        seconds: u32,
+        run: &str,
+        tables: [&str; 4],
+        external: &[(&str, &str)],
+        placed: &dyn Fn(&str) -> String,
+    ) -> Cluster {
         let [cluster, source, builder, writer] = tables;
         let dir = std::env::temp_dir().join(format!("shoal-fault-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let (sources, builders) = (3u32, 2u32);
-        let dispatcher = format!("127.0.0.1:{}", free_port());
+        let dispatcher = format!("{dispatcher_ip}:{}", free_port());
         let mut text = format!(
             "[cluster]\nname = \"{name}\"\ndispatcher = \"{dispatcher}\"\ndispatcher_http = \"off\"\nstate_dir = \"{}\"\n\
              reply_timeout_ms = 10000\nstats_interval_ms = 500\n{cluster}\n\n[[process]]\nname = \"writer\"\nrole = \"writer\"\n{}",
