@@ -417,19 +417,25 @@ mod tests {
         })
     }
 
+    /// The slices of every fragment that went in, and the reason of the rejection that ended
+    /// the connection.
+    async fn until_rejected(rx: &mut mpsc::Receiver<Incoming>) -> (Vec<u64>, &'static str) {
+        let mut slices = Vec::new();
+        loop {
+            match next_message(rx).await.expect("a rejection ends it") {
+                Ok(s) => slices.extend(s),
+                Err(reason) => return (slices, reason),
+            }
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_fragments_before_a_bad_frame_go_in_in_order_then_the_connection_is_rejected() {
         let (task, mut peer, mut rx) = reader_and_peer(None).await;
         let mut bytes: Vec<u8> = (1..=200).flat_map(|s| fragment(s).to_vec()).collect();
         bytes.extend_from_slice(b"GET / HTTP/1.1\r\n\r\n");
         peer.write_all(&bytes).await.unwrap();
-        let mut slices = Vec::new();
-        let reason = loop {
-            match next_message(&mut rx).await.expect("a rejection ends it") {
-                Ok(s) => slices.extend(s),
-                Err(reason) => break reason,
-            }
-        };
+        let (slices, reason) = until_rejected(&mut rx).await;
         assert_eq!(slices, (1..=200).collect::<Vec<_>>());
         assert_eq!(reason, "bad_magic");
         task.await.unwrap();
@@ -470,13 +476,7 @@ mod tests {
         let before = crate::transport::secure::DATA_REFUSED.window.load(std::sync::atomic::Ordering::Relaxed);
         let bytes: Vec<u8> = [1, 2, ahead, 3].iter().flat_map(|&s| fragment(s).to_vec()).collect();
         peer.write_all(&bytes).await.unwrap();
-        let mut slices = Vec::new();
-        let reason = loop {
-            match next_message(&mut rx).await.expect("a rejection ends it") {
-                Ok(s) => slices.extend(s),
-                Err(reason) => break reason,
-            }
-        };
+        let (slices, reason) = until_rejected(&mut rx).await;
         assert_eq!((slices, reason), (vec![1, 2], "window"));
         let after = crate::transport::secure::DATA_REFUSED.window.load(std::sync::atomic::Ordering::Relaxed);
         assert!(after > before, "counted");
