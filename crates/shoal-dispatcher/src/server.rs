@@ -565,8 +565,9 @@ impl Core {
             Some(p) => Publisher::Certified { name: &p.name, role: &p.role },
             None => Publisher::Plain { ip: c.peer.ip() },
         };
-        let identity = c.identity.as_ref().map_or_else(|| "plain".to_string(), |p| p.name.clone());
-        let what = String::from_utf8_lossy(&m.payload[..m.payload.len().min(80)]).into_owned();
+        // Named only for a refusal or an audited command: most messages are data.
+        let identity = || c.identity.as_ref().map_or_else(|| "plain".to_string(), |p| p.name.clone());
+        let what = || String::from_utf8_lossy(&m.payload[..m.payload.len().min(80)]).into_owned();
         let audit_event = |outcome: &str, reason: &str, what: String| {
             if let Some(audit) = audit {
                 audit.record(AuditEvent {
@@ -589,20 +590,20 @@ impl Core {
             }
             for t in &cut {
                 sub.tags.remove(t);
-                *self.refused.entry((t.to_string(), identity.clone(), "subscribe".into())).or_default() += 1;
+                *self.refused.entry((t.to_string(), identity(), "subscribe".into())).or_default() += 1;
                 audit_event("refused", "subscribe", format!("subscribe {t}"));
             }
             if let Some(held_back) = REFUSED.check() {
-                warn!(peer = %c.peer, identity, tags = ?cut.iter().map(Tag::to_string).collect::<Vec<_>>(), held_back,
+                warn!(peer = %c.peer, identity = identity(), tags = ?cut.iter().map(Tag::to_string).collect::<Vec<_>>(), held_back,
                     "a subscription to tags this connection may not read: those tags taken out");
             }
             return Some(Message { tag: m.tag, payload: sub.to_text().into() });
         }
         if let Err(r) = authority.judge_publish(who, &m.tag, &m.payload) {
-            *self.refused.entry((m.tag.to_string(), identity.clone(), r.reason().into())).or_default() += 1;
-            audit_event("refused", r.reason(), format!("{} {what}", m.tag));
+            *self.refused.entry((m.tag.to_string(), identity(), r.reason().into())).or_default() += 1;
+            audit_event("refused", r.reason(), format!("{} {}", m.tag, what()));
             if let Some(held_back) = REFUSED.check() {
-                warn!(peer = %c.peer, identity, tag = %m.tag, reason = r.reason(), held_back,
+                warn!(peer = %c.peer, identity = identity(), tag = %m.tag, reason = r.reason(), held_back,
                     "a message this connection may not publish: dropped");
             }
             return None;
@@ -610,7 +611,7 @@ impl Core {
         if c.identity.is_none() && crate::authority::is_command(&m.tag) {
             // A command from the plain port (a network command_from names): audited as
             // run control's API's commands are.
-            audit_event("accepted", "", format!("{} {what}", m.tag));
+            audit_event("accepted", "", format!("{} {}", m.tag, what()));
         }
         if (m.tag == Tag::MY_ID || m.tag == Tag::UNIQUE_ID)
             && let Some(conn) = self.conns.get_mut(&id)
