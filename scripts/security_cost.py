@@ -11,7 +11,7 @@ median CPU seconds per GB delivered; the limits; the ratios to `off`. Exit 1 if 
 does not balance or a run fails.
 
 With `--transport udp` the same over the datagram transport, `off` against `authenticated`
-(every datagram then carries the run's BLAKE3 MAC), in turn.
+(every datagram then sealed with AES-256-GCM under the run's key), in turn.
 
 usage: scripts/security_cost.py [--bin target/release/shoal] [--rounds 3] [--seconds 5] [--saturate]
                                 [--transport udp]

@@ -47,8 +47,8 @@ pub struct SecurityConfig {
     /// Run control fills it from the cluster file; a connection that sends another id is
     /// closed (reason `identity`), as is one whose certificate names no process here.
     pub peers: crate::transport::secure::Peers,
-    /// With `data` and `run.transport = "udp"`: the run's datagram key, 64 hex digits (a MAC
-    /// on every datagram, [`crate::transport::udp::mac`]). Run control draws a fresh one for
+    /// With `data` and `run.transport = "udp"`: the run's datagram key, 64 hex digits
+    /// (AES-256-GCM on every datagram, [`crate::transport::udp::mac`]). Run control draws a fresh one for
     /// every run and hands it out with CONFIGURE; never write one into a file.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub udp_key: String,
@@ -664,12 +664,6 @@ impl Config {
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
             return invalid("udp.max_payload must be at least 64 bytes");
         }
-        if self.transport()? == Transport::Udp && self.security.data == shoal_tls::DataSecurity::Tls {
-            return invalid(
-                "security.data = \"tls\" encrypts TCP connections; run.transport = \"udp\" sends datagrams, \
-                 which a MAC authenticates but nothing encrypts: use \"authenticated\" (docs/security.md)",
-            );
-        }
         if !self.security.udp_key.is_empty() {
             crate::transport::udp::mac::DatagramMac::from_hex(&self.security.udp_key)
                 .map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -1073,9 +1067,9 @@ impl Config {
         }
     }
 
-    /// The datagram transport's budgets.
-    /// The run's datagram MAC: with `[security] data` on the datagram transport, the key
-    /// must be given (run control and the demo draw one).
+    /// The run's datagram seal: with `[security] data` (`authenticated` or `tls`, the same
+    /// for datagrams) on the datagram transport, the key must be given (run control and the
+    /// demo draw one).
     pub fn datagram_mac(&self) -> Result<Option<std::sync::Arc<crate::transport::udp::mac::DatagramMac>>, ConfigError> {
         use crate::transport::udp::mac::DatagramMac;
         if self.security.data == shoal_tls::DataSecurity::Off || self.transport()? != Transport::Udp {
@@ -1091,11 +1085,12 @@ impl Config {
         Ok(Some(std::sync::Arc::new(mac)))
     }
 
+    /// The datagram transport's budgets.
     pub fn udp_config(&self) -> shoal_core::datagram::UdpConfig {
         let u = &self.udp;
-        // A sealed datagram carries its tag within the configured size.
+        // A sealed datagram carries its nonce and tag within the configured size.
         let tag = match self.datagram_mac() {
-            Ok(Some(_)) => crate::transport::udp::mac::TAG_LEN as u16,
+            Ok(Some(_)) => crate::transport::udp::mac::SEAL_LEN as u16,
             _ => 0,
         };
         shoal_core::datagram::UdpConfig {

@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use quinn_udp::{RecvMeta, Transmit, UdpSocketState};
+
+use super::mac::SEAL_LEN;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
@@ -72,7 +74,7 @@ impl BatchSocket {
     /// its contents, or `None` (counted) when its tag does not verify.
     pub fn open_one(&mut self, datagram: &[u8]) -> Option<Bytes> {
         let Some(mac) = &self.mac else { return Some(Bytes::copy_from_slice(datagram)) };
-        let opened = mac.open(&Bytes::copy_from_slice(datagram));
+        let opened = mac.open(datagram);
         self.mac_refused += u64::from(opened.is_none());
         opened
     }
@@ -88,30 +90,33 @@ impl BatchSocket {
 
     /// Sends `datagrams` to `dest` in order, batching runs of equal size (plus one shorter
     /// tail) into one call each. Waits while the socket buffer is full; an error other than
-    /// that counts the call's datagrams refused and goes on.
+    /// that counts the call's datagrams refused and goes on. Sealed datagrams are sealed
+    /// into the call's buffer, the one copy either way.
     pub async fn send_all(&mut self, dest: SocketAddr, datagrams: &[Bytes]) -> SendOutcome {
-        let sealed: Vec<Bytes>;
-        let datagrams = match &self.mac {
-            Some(mac) => {
-                sealed = datagrams.iter().map(|d| mac.seal(d)).collect();
-                &sealed[..]
-            }
-            None => datagrams,
-        };
         let mut out = SendOutcome::default();
+        let extra = if self.mac.is_some() { SEAL_LEN } else { 0 };
         let mut i = 0;
         while i < datagrams.len() {
-            let n = gso_run(&datagrams[i..], self.state.max_gso_segments());
-            let segment = datagrams[i].len();
+            let n = gso_run(&datagrams[i..], self.state.max_gso_segments(), extra);
+            let segment = datagrams[i].len() + extra;
             // A GSO buffer: the run's datagrams back to back. Allocated per call, not kept:
             // a source process has a socket per builder (30,000 at full shape), and 64 kB
             // kept in each would be 2 GB.
             let gso_buf: Vec<u8>;
-            let contents: &[u8] = if n == 1 {
-                &datagrams[i]
-            } else {
-                gso_buf = datagrams[i..i + n].concat();
-                &gso_buf
+            let contents: &[u8] = match &self.mac {
+                None if n == 1 => &datagrams[i],
+                None => {
+                    gso_buf = datagrams[i..i + n].concat();
+                    &gso_buf
+                }
+                Some(mac) => {
+                    let mut buf = Vec::with_capacity(n * segment);
+                    for d in &datagrams[i..i + n] {
+                        mac.seal_into(d, &mut buf);
+                    }
+                    gso_buf = buf;
+                    &gso_buf
+                }
             };
             let transmit = Transmit {
                 destination: dest,
@@ -141,30 +146,7 @@ impl BatchSocket {
             let (sock, state) = (&self.sock, &self.state);
             sock.async_io(Interest::READABLE, || state.recv(sock.into(), &mut bufs, &mut meta)).await?
         };
-        let from = out.len();
-        self.split(&meta[..n], out);
-        Ok(self.open_received(out, from))
-    }
-
-    /// Opens the datagrams appended to `out` from `from` on, dropping (and counting) those
-    /// whose tag does not verify; how many are left.
-    fn open_received(&mut self, out: &mut Vec<(SocketAddr, Bytes)>, from: usize) -> usize {
-        if let Some(mac) = &self.mac {
-            let mut refused = 0;
-            let mut kept = from;
-            for i in from..out.len() {
-                match mac.open(&out[i].1) {
-                    Some(d) => {
-                        out[kept] = (out[i].0, d);
-                        kept += 1;
-                    }
-                    None => refused += 1,
-                }
-            }
-            out.truncate(kept);
-            self.mac_refused += refused;
-        }
-        out.len() - from
+        Ok(self.split(&meta[..n], out))
     }
 
     /// As [`BatchSocket::recv`], but only what is waiting now: 0 when nothing is.
@@ -182,24 +164,35 @@ impl BatchSocket {
                 Err(e) => return Err(e),
             }
         };
-        let from = out.len();
-        self.split(&meta[..n], out);
-        Ok(self.open_received(out, from))
+        Ok(self.split(&meta[..n], out))
     }
 
-    /// The datagrams of the filled slots.
-    fn split(&self, meta: &[RecvMeta], out: &mut Vec<(SocketAddr, Bytes)>) -> usize {
+    /// Appends the datagrams of the filled slots to `out` (one copy per slot; each
+    /// datagram a slice of it), opening each in place first where a seal is set and
+    /// dropping (counting) those whose tag does not verify. Returns how many were appended.
+    fn split(&mut self, meta: &[RecvMeta], out: &mut Vec<(SocketAddr, Bytes)>) -> usize {
         let slot = self.slot;
         let before = out.len();
+        let mut kept: Vec<(SocketAddr, std::ops::Range<usize>)> = Vec::new();
         for (i, m) in meta.iter().enumerate() {
             let len = m.len.min(slot);
-            let chunk = Bytes::copy_from_slice(&self.recv_buf[i * slot..i * slot + len]);
+            let buf = &mut self.recv_buf[i * slot..i * slot + len];
             let stride = if m.stride == 0 { len.max(1) } else { m.stride };
             let mut at = 0;
             while at < len {
                 let end = (at + stride).min(len);
-                out.push((m.addr, chunk.slice(at..end)));
+                match &self.mac {
+                    None => kept.push((m.addr, at..end)),
+                    Some(mac) => match mac.open_in_place(&mut buf[at..end]) {
+                        Some(r) => kept.push((m.addr, at + r.start..at + r.end)),
+                        None => self.mac_refused += 1,
+                    },
+                }
                 at = end;
+            }
+            if !kept.is_empty() {
+                let chunk = Bytes::copy_from_slice(&buf[..kept.last().map_or(0, |k| k.1.end)]);
+                out.extend(kept.drain(..).map(|(addr, r)| (addr, chunk.slice(r))));
             }
         }
         out.len() - before
@@ -216,13 +209,13 @@ fn receive_slots(buf: &mut Vec<u8>, slot: usize) -> Vec<IoSliceMut<'_>> {
 
 /// How many datagrams from the start of `ds` one GSO call can carry: a run of the first
 /// one's size, optionally ended by one shorter datagram, at most `max_segments` and
-/// [`GSO_MAX_BYTES`] in all.
-fn gso_run(ds: &[Bytes], max_segments: usize) -> usize {
+/// [`GSO_MAX_BYTES`] in all, each `extra` bytes longer on the wire (a seal).
+fn gso_run(ds: &[Bytes], max_segments: usize, extra: usize) -> usize {
     let segment = ds[0].len();
     if segment == 0 {
         return 1;
     }
-    let limit = max_segments.min(GSO_MAX_BYTES / segment).max(1).min(ds.len());
+    let limit = max_segments.min(GSO_MAX_BYTES / (segment + extra)).max(1).min(ds.len());
     let mut n = 1;
     while n < limit && ds[n].len() == segment {
         n += 1;
@@ -243,23 +236,46 @@ mod tests {
 
     #[test]
     fn a_run_takes_equal_segments_and_one_shorter_tail() {
-        assert_eq!(gso_run(&sizes(&[1472, 1472, 1472, 300, 1472]), 64), 4);
-        assert_eq!(gso_run(&sizes(&[1472, 1472, 1500]), 64), 2);
-        assert_eq!(gso_run(&sizes(&[300, 1472]), 64), 1);
-        assert_eq!(gso_run(&sizes(&[1472; 10]), 4), 4);
-        assert_eq!(gso_run(&sizes(&[1472; 100]), 64), GSO_MAX_BYTES / 1472);
-        assert_eq!(gso_run(&sizes(&[40_000, 40_000]), 64), 1);
-        assert_eq!(gso_run(&sizes(&[1472]), 1), 1);
+        assert_eq!(gso_run(&sizes(&[1472, 1472, 1472, 300, 1472]), 64, 0), 4);
+        assert_eq!(gso_run(&sizes(&[1472, 1472, 1500]), 64, 0), 2);
+        assert_eq!(gso_run(&sizes(&[300, 1472]), 64, 0), 1);
+        assert_eq!(gso_run(&sizes(&[1472; 10]), 4, 0), 4);
+        assert_eq!(gso_run(&sizes(&[1472; 100]), 64, 0), GSO_MAX_BYTES / 1472);
+        assert_eq!(gso_run(&sizes(&[40_000, 40_000]), 64, 0), 1);
+        assert_eq!(gso_run(&sizes(&[1472]), 1, 0), 1);
+        // Sealed, each is longer on the wire: fewer fit in one call.
+        assert_eq!(gso_run(&sizes(&[1472; 100]), 64, SEAL_LEN), GSO_MAX_BYTES / (1472 + SEAL_LEN));
     }
 
     /// Whatever the kernel batches, the receiver gets every datagram, in order, intact.
     #[tokio::test]
     async fn batched_datagrams_arrive_whole_and_in_order() {
+        send_and_receive_batches(None).await;
+    }
+
+    /// Sealed, the same; and a datagram without the seal is dropped and counted.
+    #[tokio::test]
+    async fn sealed_batches_arrive_whole_and_strangers_are_counted() {
+        let key = super::super::mac::DatagramMac::new_key_hex().unwrap();
+        let rx = send_and_receive_batches(Some(&key)).await;
+        assert_eq!(rx.mac_refused, 1);
+    }
+
+    async fn send_and_receive_batches(key: Option<&str>) -> BatchSocket {
+        let mac = || key.map(|k| std::sync::Arc::new(super::super::mac::DatagramMac::from_hex(k).unwrap()));
         let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let to = rx.local_addr().unwrap();
-        let mut rx = BatchSocket::new(rx, 1472).unwrap();
-        let mut tx = BatchSocket::new(UdpSocket::bind("127.0.0.1:0").await.unwrap(), 1472).unwrap();
+        let mut rx = BatchSocket::new(rx, 1472 + SEAL_LEN).unwrap().with_mac(mac());
+        let mut tx = BatchSocket::new(UdpSocket::bind("127.0.0.1:0").await.unwrap(), 1472).unwrap().with_mac(mac());
         let from = tx.socket().local_addr().unwrap();
+        // A stranger's datagram first (refused where sealed; counted as one datagram here).
+        let stranger = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        stranger.send_to(&[9; 100], to).unwrap();
+        let mut got = Vec::new();
+        while got.is_empty() && rx.mac_refused == 0 {
+            rx.recv(&mut got).await.unwrap();
+        }
+        got.clear();
         // Three frames' pieces: 40 full ones and a tail, 1 short, 5 full.
         let mut ds = Vec::new();
         for (i, len) in std::iter::repeat_n(1472, 40).chain([700, 90]).chain(std::iter::repeat_n(1472, 5)).enumerate() {
@@ -268,13 +284,12 @@ mod tests {
         let sent = tx.send_all(to, &ds).await;
         assert_eq!((sent.datagrams, sent.refused), (ds.len() as u64, 0));
         // With GSO the 40 full pieces and their tail leave in one call (at most 44 fit in
-        // 65,000 bytes), the 90-byte one alone, the last five together: 3 calls.
+        // 65,000 bytes, 43 sealed), the 90-byte one alone, the last five together.
         if tx.max_gso_segments() >= 64 {
             assert_eq!(sent.calls, 3);
         } else {
             assert!(sent.calls <= ds.len() as u64);
         }
-        let mut got = Vec::new();
         while got.len() < ds.len() {
             rx.recv(&mut got).await.unwrap();
         }
@@ -284,6 +299,7 @@ mod tests {
             assert_eq!(*addr, from);
             assert_eq!(d, want);
         }
+        rx
     }
 
     /// What is already in the socket is taken without waiting, in order; an empty socket

@@ -160,7 +160,7 @@ async fn run_link(
     let unspecified: SocketAddr =
         if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
     let sock = match socket(unspecified, buffer_bytes)
-        .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::TAG_LEN))
+        .and_then(|s| BatchSocket::new(s, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::SEAL_LEN))
         .map(|s| s.with_mac(options.mac.clone()))
     {
         Ok(s) => s,
@@ -446,7 +446,7 @@ pub async fn receive(
     let mut ep = BuilderEndpoint::new(cfg, run, builder, n_sources);
     let mut peers: HashMap<SourceId, SocketAddr> = HashMap::new();
     let mut report = UdpReceiveReport::default();
-    let mut sock = match BatchSocket::new(sock, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::TAG_LEN) {
+    let mut sock = match BatchSocket::new(sock, cfg.max_payload as usize + DATAGRAM_HEADER_LEN + mac::SEAL_LEN) {
         Ok(s) => s.with_mac(mac),
         Err(e) => {
             warn!(builder, error = %e, "cannot set up batched UDP receive; no datagram is received");
