@@ -6,6 +6,11 @@
 //! publisher keeps at most `--window` messages ahead of the slowest subscriber, so neither
 //! broker has to drop or disconnect anyone, and every subscriber must receive every
 //! message (the run fails otherwise). Reports messages/s published and MB/s delivered.
+//!
+//! `--tls DIR` (a cluster CA's directory, `shoal ca init DIR`): every client of the shoal
+//! target reaches a secured dispatcher (`shoal dispatcher --credentials`) over mutual TLS
+//! with a `client` certificate the bench issues itself, which is the control plane's cost
+//! (scripts/control_tls_cost.py).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,8 +21,13 @@ use anyhow::{Context, bail};
 use bytes::Buf;
 use clap::{Parser, ValueEnum};
 use shoal_core::controlhost::{Tag, encode_prefix};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, WriteHalf};
 use tokio::net::TcpStream;
+
+/// A client connection: plain TCP, or TLS over it.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+type Conn = Box<dyn Stream>;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Target {
@@ -49,26 +59,63 @@ struct Args {
     /// ... and most bytes (Redis closes pub/sub clients with over 32 MB of output pending).
     #[arg(long, default_value_t = 8 << 20)]
     window_bytes: u64,
+    /// The shoal target over mutual TLS: a cluster CA's directory to issue the bench's
+    /// `client` certificate from.
+    #[arg(long, value_name = "CA_DIR")]
+    tls: Option<std::path::PathBuf>,
 }
 
 const CHANNEL: &str = "BENCH";
 
-async fn connect(addr: SocketAddr) -> anyhow::Result<TcpStream> {
-    let s = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
-    s.set_nodelay(true)?;
-    Ok(s)
+/// How clients connect: plain, or with a TLS connector.
+#[derive(Clone)]
+struct Connector {
+    addr: SocketAddr,
+    tls: Option<tokio_rustls::TlsConnector>,
+}
+
+impl Connector {
+    fn new(addr: SocketAddr, ca_dir: Option<&std::path::Path>) -> anyhow::Result<Self> {
+        let tls = match ca_dir {
+            None => None,
+            Some(dir) => {
+                let ca = shoal_tls::ca::ClusterCa::load(dir)?;
+                let issued = ca.issue(&shoal_tls::ca::IssueRequest::new("pubsub-bench", "client", &[], 1)?)?;
+                let identity = shoal_tls::Identity::from_pem(
+                    ca.cert_pem().as_bytes(),
+                    issued.cert_pem.as_bytes(),
+                    issued.key_pem.as_bytes(),
+                )?;
+                Some(tokio_rustls::TlsConnector::from(identity.client_config(&["dispatcher"])?))
+            }
+        };
+        Ok(Self { addr, tls })
+    }
+
+    async fn connect(&self) -> anyhow::Result<Conn> {
+        let addr = self.addr;
+        let s = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+        s.set_nodelay(true)?;
+        Ok(match &self.tls {
+            None => Box::new(s),
+            Some(tls) => {
+                let name = rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+                Box::new(tls.connect(name, s).await.context("TLS handshake with the dispatcher")?)
+            }
+        })
+    }
 }
 
 /// A subscriber connection of either protocol.
 enum Sub {
-    Shoal(BufReader<TcpStream>),
-    Redis(BufReader<TcpStream>),
-    Nats(BufReader<TcpStream>),
+    Shoal(BufReader<Conn>),
+    Redis(BufReader<Conn>),
+    Nats(BufReader<Conn>),
 }
 
 impl Sub {
-    async fn open(target: Target, addr: SocketAddr) -> anyhow::Result<Sub> {
-        let mut s = connect(addr).await?;
+    async fn open(target: Target, connector: &Connector) -> anyhow::Result<Sub> {
+        let mut s = connector.connect().await?;
         match target {
             Target::Shoal => {
                 // All-mode (lossless), like Redis pub/sub, which never drops a message for a
@@ -78,6 +125,7 @@ impl Sub {
                     s.write_all(&encode_prefix(tag, payload.len())).await?;
                     s.write_all(payload).await?;
                 }
+                s.flush().await?;
                 Ok(Sub::Shoal(BufReader::with_capacity(256 * 1024, s)))
             }
             Target::Redis => {
@@ -146,7 +194,7 @@ impl Sub {
     }
 }
 
-async fn read_line(r: &mut BufReader<TcpStream>) -> anyhow::Result<Vec<u8>> {
+async fn read_line(r: &mut BufReader<Conn>) -> anyhow::Result<Vec<u8>> {
     let mut line = Vec::new();
     r.read_until(b'\n', &mut line).await?;
     if line.len() < 3 || !line.ends_with(b"\r\n") {
@@ -157,7 +205,7 @@ async fn read_line(r: &mut BufReader<TcpStream>) -> anyhow::Result<Vec<u8>> {
 }
 
 /// Reads one RESP array of bulk strings / integers (integers returned as their text).
-async fn read_resp_array(r: &mut BufReader<TcpStream>) -> anyhow::Result<Vec<Vec<u8>>> {
+async fn read_resp_array(r: &mut BufReader<Conn>) -> anyhow::Result<Vec<Vec<u8>>> {
     let head = read_line(r).await?;
     if head[0] != b'*' {
         bail!("expected a RESP array, got {:?}", String::from_utf8_lossy(&head));
@@ -181,7 +229,7 @@ async fn read_resp_array(r: &mut BufReader<TcpStream>) -> anyhow::Result<Vec<Vec
     Ok(out)
 }
 
-async fn publish(target: Target, s: &mut tokio::net::tcp::OwnedWriteHalf, payload: &[u8]) -> anyhow::Result<()> {
+async fn publish(target: Target, s: &mut WriteHalf<Conn>, payload: &[u8]) -> anyhow::Result<()> {
     match target {
         Target::Shoal => {
             let prefix = encode_prefix(Tag::new(CHANNEL.as_bytes()).expect("valid"), payload.len());
@@ -196,6 +244,8 @@ async fn publish(target: Target, s: &mut tokio::net::tcp::OwnedWriteHalf, payloa
             s.write_all_buf(&mut Buf::chain(Buf::chain(head.as_bytes(), payload), &b"\r\n"[..])).await?;
         }
     }
+    // A TLS stream holds a record until flushed.
+    s.flush().await?;
     Ok(())
 }
 
@@ -205,12 +255,16 @@ async fn main() -> anyhow::Result<()> {
     if a.payload == 0 || a.subscribers == 0 {
         bail!("--payload and --subscribers must be at least 1");
     }
+    if a.tls.is_some() && !matches!(a.target, Target::Shoal) {
+        bail!("--tls is for the shoal target");
+    }
+    let connector = Connector::new(a.addr, a.tls.as_deref())?;
     let m = a.messages.unwrap_or_else(|| (1_000_000_000 / (a.payload * a.subscribers) as u64).clamp(50, 100_000));
     let counts: Arc<Vec<AtomicU64>> = Arc::new((0..a.subscribers).map(|_| AtomicU64::new(0)).collect());
     let warm = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for i in 0..a.subscribers {
-        let mut sub = Sub::open(a.target, a.addr).await?;
+        let mut sub = Sub::open(a.target, &connector).await?;
         let (counts, warm) = (counts.clone(), warm.clone());
         tasks.push(tokio::spawn(async move {
             let mut buf = Vec::new();
@@ -235,7 +289,7 @@ async fn main() -> anyhow::Result<()> {
     }
     // Redis answers every PUBLISH; drain the replies so the connection never stalls on
     // them (the dispatcher sends nothing to a pure publisher).
-    let (mut rd, mut pubs) = connect(a.addr).await?.into_split();
+    let (mut rd, mut pubs) = tokio::io::split(connector.connect().await?);
     if let Target::Nats = a.target {
         pubs.write_all(NATS_CONNECT).await?;
     }
