@@ -275,6 +275,9 @@ impl Default for UdpSettings {
 pub struct RunConfig {
     /// Run number, written into every output row and file name.
     pub run_number: u64,
+    /// The run's type (`physics`, `calibration`, `test`, `commissioning`), written into
+    /// every stored file's metadata (`shoal_store::custody::FileMetadata::runs`).
+    pub run_type: String,
     /// How long sources produce data, in seconds (0: until Ctrl-C).
     pub seconds: f64,
     /// Time-slice length in milliseconds (ANTARES 10, KM3NeT 100).
@@ -314,6 +317,7 @@ impl Default for RunConfig {
     fn default() -> Self {
         Self {
             run_number: 1,
+            run_type: "physics".into(),
             seconds: 10.0,
             slice_ms: 10,
             sources: 5,
@@ -661,6 +665,12 @@ impl Config {
     /// Checks everything a node would otherwise trip over later.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy()?;
+        if !["physics", "calibration", "test", "commissioning"].contains(&self.run.run_type.as_str()) {
+            return invalid(format!(
+                "run.run_type = {:?}: one of physics, calibration, test, commissioning",
+                self.run.run_type
+            ));
+        }
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {
             return invalid("udp.max_payload must be at least 64 bytes");
         }

@@ -36,6 +36,18 @@ async fn run_with(
     let rows = SerializedFileReader::new(file).unwrap().metadata().file_metadata().num_rows();
     assert_eq!(rows as u64, s.writer.file.events);
     assert_eq!(s.events, s.writer.file.events);
+    // Every closed file has its metadata beside it, whose size and adler32 (computed
+    // while writing) are the file's as read back.
+    assert!(!s.writer.files.is_empty());
+    for f in &s.writer.files {
+        let meta = shoal_store::custody::FileMetadata::read(&shoal_store::custody::FileMetadata::path_for(&f.path))
+            .unwrap_or_else(|e| panic!("{}: no metadata: {e}", f.path.display()));
+        assert_eq!(meta.seal(), Some(shoal_store::custody::seal_of_file(&f.path).unwrap()), "{}", f.path.display());
+        assert_eq!(
+            (meta.events, meta.checksum.as_str(), meta.data_tier.as_str()),
+            (f.events, f.checksum.as_str(), "filtered")
+        );
+    }
     assert!(s.summary_path.exists());
     std::fs::remove_dir_all(&out).unwrap();
     s

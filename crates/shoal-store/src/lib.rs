@@ -10,8 +10,12 @@
 //! alert) and late-data side streams: one row per fragment, indexed by alert, slice and
 //! source, its payload byte for byte ([`raw_schema`]).
 
+pub mod custody;
+
 use std::fs::File;
 use std::path::{Path, PathBuf};
+
+use custody::{ChecksumWriter, FileSeal};
 use std::sync::Arc;
 
 use arrow_array::builder::{
@@ -30,6 +34,8 @@ use shoal_core::event::Event;
 pub enum StoreError {
     #[error("cannot create {path}: {source}")]
     Create { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {path} to the disk: {source}")]
+    Sync { path: PathBuf, source: std::io::Error },
     #[error("parquet: {0}")]
     Parquet(#[from] parquet::errors::ParquetError),
     #[error("arrow: {0}")]
@@ -75,13 +81,17 @@ pub struct EventFileStats {
     pub events: u64,
     pub hits: u64,
     pub bytes: u64,
+    /// The closed file's size and adler32, computed while it was written (none: totals
+    /// over several files).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seal: Option<FileSeal>,
 }
 
 /// Writes events to a Parquet file. See the crate documentation.
 pub struct EventFileWriter {
     path: PathBuf,
     run: u64,
-    writer: ArrowWriter<File>,
+    writer: ArrowWriter<ChecksumWriter<File>>,
     schema: SchemaRef,
     rows: Rows,
     stats: EventFileStats,
@@ -152,7 +162,7 @@ impl EventFileWriter {
         let file = File::create(&path).map_err(|source| StoreError::Create { path: path.clone(), source })?;
         let schema = event_schema();
         let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
-        let writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+        let writer = ArrowWriter::try_new(ChecksumWriter::new(file), schema.clone(), Some(props))?;
         Ok(Self {
             stats: EventFileStats { path: path.clone(), ..Default::default() },
             path,
@@ -218,10 +228,18 @@ impl EventFileWriter {
     /// Flushes and closes the file.
     pub fn close(mut self) -> Result<EventFileStats, StoreError> {
         self.flush()?;
-        self.writer.close()?;
-        self.stats.bytes = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+        let seal = close_synced(self.writer, &self.path)?;
+        self.stats.bytes = seal.bytes;
+        self.stats.seal = Some(seal);
         Ok(self.stats)
     }
+}
+
+/// Writes a Parquet file's footer and syncs the file to the disk; its size and adler32.
+fn close_synced(writer: ArrowWriter<ChecksumWriter<File>>, path: &Path) -> Result<FileSeal, StoreError> {
+    let (file, seal) = writer.into_inner()?.into_parts();
+    file.sync_all().map_err(|source| StoreError::Sync { path: path.to_path_buf(), source })?;
+    Ok(seal)
 }
 
 /// The Parquet schema of a raw-data file.
@@ -252,6 +270,9 @@ pub struct RawFileStats {
     pub late_fragments: u64,
     pub payload_bytes: u64,
     pub bytes: u64,
+    /// The closed file's size and adler32, computed while it was written.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seal: Option<FileSeal>,
 }
 
 /// One raw fragment to store.
@@ -275,7 +296,7 @@ pub struct RawRow<'a> {
 pub struct RawFileWriter {
     path: PathBuf,
     run: u64,
-    writer: ArrowWriter<File>,
+    writer: ArrowWriter<ChecksumWriter<File>>,
     schema: SchemaRef,
     n: usize,
     batch_bytes: usize,
@@ -302,7 +323,7 @@ impl RawFileWriter {
         let file = File::create(&path).map_err(|source| StoreError::Create { path: path.clone(), source })?;
         let schema = raw_schema();
         let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
-        let writer = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+        let writer = ArrowWriter::try_new(ChecksumWriter::new(file), schema.clone(), Some(props))?;
         Ok(Self {
             stats: RawFileStats { path: path.clone(), ..Default::default() },
             path,
@@ -386,8 +407,9 @@ impl RawFileWriter {
     /// Flushes and closes the file.
     pub fn close(mut self) -> Result<RawFileStats, StoreError> {
         self.flush()?;
-        self.writer.close()?;
-        self.stats.bytes = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
+        let seal = close_synced(self.writer, &self.path)?;
+        self.stats.bytes = seal.bytes;
+        self.stats.seal = Some(seal);
         Ok(self.stats)
     }
 }
@@ -469,6 +491,9 @@ mod tests {
         w.write_slice(3, 42, 1_000_000_000, &events).unwrap();
         let stats = w.close().unwrap();
         assert_eq!((stats.events, stats.hits), (5000, 10_000));
+        // The seal computed while writing is the file's as read back from the disk.
+        assert_eq!(stats.seal, Some(custody::seal_of_file(&path).unwrap()));
+        assert_eq!(stats.bytes, std::fs::metadata(&path).unwrap().len());
         let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&path).unwrap()).unwrap().build().unwrap();
         let mut rows = 0;
         for batch in reader {
@@ -506,6 +531,7 @@ mod tests {
         }
         let stats = w.close().unwrap();
         assert_eq!((stats.alert_fragments, stats.late_fragments), (200, 100));
+        assert_eq!(stats.seal, Some(custody::seal_of_file(&path).unwrap()));
         let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&path).unwrap()).unwrap().build().unwrap();
         let mut i = 0;
         for batch in reader {

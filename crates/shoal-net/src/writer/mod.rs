@@ -86,6 +86,39 @@ pub struct ClosedEventFile {
     pub events: u64,
     pub hits: u64,
     pub bytes: u64,
+    /// `adler32:` and 8 hex digits, computed while the file was written (also in the
+    /// metadata beside it, `NAME.json`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub checksum: String,
+}
+
+/// Writes the metadata of a closed file beside it (`NAME.json`: size, adler32, run,
+/// rows, tier; `shoal_store::custody`), the sign for an archiver that the file is whole.
+#[allow(clippy::too_many_arguments)]
+fn describe(
+    path: &std::path::Path,
+    seal: shoal_store::custody::FileSeal,
+    run: u64,
+    run_type: &str,
+    events: u64,
+    data_tier: &str,
+    slices: Option<(u64, u64)>,
+) -> Result<(), shoal_store::StoreError> {
+    let meta = shoal_store::custody::FileMetadata {
+        file_name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        file_size: seal.bytes,
+        checksum: seal.checksum(),
+        runs: vec![(run, 0, run_type.to_string())],
+        events,
+        data_tier: data_tier.into(),
+        file_format: "parquet".into(),
+        producer: "writer".into(),
+        first_slice: slices.map(|s| s.0),
+        last_slice: slices.map(|s| s.1),
+        closed_at: shoal_store::custody::unix_now(),
+        application_version: env!("CARGO_PKG_VERSION").into(),
+    };
+    meta.write_beside(path).map(|_| ()).map_err(|source| shoal_store::StoreError::Sync { path: path.into(), source })
 }
 
 /// What a writer started again during a run finds of its predecessor's: the files it did
@@ -103,6 +136,7 @@ pub struct LostWithWriter {
 /// its events span `checkpoint_ns` of data time, the next part opened.
 struct EventFiles {
     run: u64,
+    run_type: String,
     dir: PathBuf,
     keep_existing: bool,
     checkpoint_ns: u64,
@@ -133,6 +167,7 @@ impl EventFiles {
         let manifest = dir.join(format!("run{run:06}.events.manifest.jsonl"));
         let mut files = Self {
             run,
+            run_type: s.run_type.clone(),
             dir,
             keep_existing: s.keep_existing,
             checkpoint_ns,
@@ -203,6 +238,10 @@ impl EventFiles {
         let Some(o) = self.open.take() else { return Ok(()) };
         let path = o.path.clone();
         let stats = o.writer.close().inspect_err(|_| self.failed_to_close = Some(path.clone()))?;
+        let seal = stats.seal.unwrap_or_default();
+        let slices = (o.slices > 0).then_some((o.first_slice, o.last_slice));
+        describe(&path, seal, self.run, &self.run_type, stats.events, "filtered", slices)
+            .inspect_err(|_| self.failed_to_close = Some(path.clone()))?;
         let closed = ClosedEventFile {
             path,
             first_slice: o.first_slice,
@@ -211,6 +250,7 @@ impl EventFiles {
             events: stats.events,
             hits: stats.hits,
             bytes: stats.bytes,
+            checksum: seal.checksum(),
         };
         let mut line = serde_json::to_vec(&closed).expect("a closed file's line serialises");
         line.push(b'\n');
@@ -246,6 +286,7 @@ fn totals(path: &std::path::Path, closed: &[ClosedEventFile]) -> EventFileStats 
         events: closed.iter().map(|f| f.events).sum(),
         hits: closed.iter().map(|f| f.hits).sum(),
         bytes: closed.iter().map(|f| f.bytes).sum(),
+        seal: None,
     }
 }
 
@@ -476,6 +517,10 @@ impl DiskWriter {
     fn close(&mut self) -> Result<DiskDone, shoal_store::StoreError> {
         let raw = self.raw.take().map(RawFileWriter::close).transpose()?;
         let slices = self.slices.take().map(RawFileWriter::close).transpose()?;
+        for stats in raw.iter().chain(&slices) {
+            let rows = stats.alert_fragments + stats.late_fragments;
+            describe(&stats.path, stats.seal.unwrap_or_default(), self.run, &self.files.run_type, rows, "raw", None)?;
+        }
         Ok((self.files.finish()?, raw, slices))
     }
 
@@ -593,6 +638,8 @@ pub struct WriterSettings {
     pub keep_existing: bool,
     /// A new events file every so much data time (0: one file).
     pub checkpoint_ns: u64,
+    /// The run's type, for each file's metadata.
+    pub run_type: String,
     /// The handshake on the writer's port (`[security] data`).
     pub data_port: crate::transport::secure::DataPort,
 }
@@ -606,6 +653,7 @@ impl WriterSettings {
             out_dir: w.out_dir.clone(),
             keep_existing: w.keep_existing,
             checkpoint_ns: (w.checkpoint_s.max(0.0) * 1e9) as u64,
+            run_type: cfg.run.run_type.clone(),
             data_port: cfg.data_port("writer")?,
         })
     }
