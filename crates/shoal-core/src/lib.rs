@@ -59,6 +59,7 @@ pub mod checksum;
 pub mod clocksync;
 pub mod cluster;
 pub mod controlhost;
+pub mod custody;
 pub mod datagram;
 pub mod diagnosis;
 pub mod event;
