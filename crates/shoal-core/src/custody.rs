@@ -637,7 +637,7 @@ mod tests {
                         journal.push(r);
                     }
                     Step::Good(_) | Step::Bad(_) | Step::Fail(_) => {}
-                    Step::Wait(s) => now = now + Duration::from_secs(s),
+                    Step::Wait(s) => now += Duration::from_secs(s),
                     Step::Crash => {
                         c = Custody::new(cfg.clone());
                         for r in &journal {
