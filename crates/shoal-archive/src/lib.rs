@@ -152,11 +152,15 @@ impl Archiver {
             let path = entry?.path();
             let Some(data) = FileMetadata::data_file_of(&path) else { continue };
             let name = data.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
-            if self.custody.entry(&name).is_some() {
-                continue;
-            }
             match FileMetadata::read(&path) {
-                Ok(m) => found.push((m.closed_at, name, m)),
+                Ok(m) => {
+                    let known = m.seal().is_some_and(|s| {
+                        self.custody.knows(&name, Seal { bytes: s.bytes, adler32: s.adler32 }, m.closed_at)
+                    });
+                    if !known {
+                        found.push((m.closed_at, name, m));
+                    }
+                }
                 Err(e) => warn!(path = %path.display(), error = %e, "unreadable file metadata; file not archived"),
             }
         }
@@ -240,7 +244,11 @@ impl Archiver {
                 }
             }
             Record::LocalAltered { .. } => {
-                warn!(file = %done.file, "the local copy no longer matches its checksum; quarantined, never copied")
+                warn!(file = %done.file, "the local copy no longer matches its checksum; quarantined, never copied");
+                // What the copy took there is not the file that was written.
+                if let Err(e) = self.cfg.destinations[done.dest].remove(&done.file).await {
+                    warn!(file = %done.file, error = %e, "cannot remove an altered copy at the destination");
+                }
             }
             _ => {}
         }

@@ -109,6 +109,7 @@ async fn a_local_copy_altered_after_close_is_quarantined_and_kept() {
     assert_eq!((l.files_safe, l.files_quarantined), (1, 1));
     assert!(l.quarantined[0].1.contains("altered"), "{:?}", l.quarantined);
     assert!(!good.exists() && bad.exists(), "the safe one deleted, the altered one kept");
+    assert!(!dest.join("run000002.raw.parquet").exists(), "nothing of the altered one at the destination");
     let st = status(&dir, None).unwrap();
     let q = st.files.iter().find(|f| f.state == "quarantined").unwrap();
     assert!(q.reason.as_deref().unwrap_or("").contains("altered"), "{q:?}");

@@ -260,9 +260,16 @@ impl Custody {
     }
 
     /// A file closed whole. Known already (seen again after a restart): nothing changes.
+    /// Known with another seal or close time: a new file under a used name (a run number
+    /// used again outside run control), taken as new from the start.
     pub fn handle_closed(&mut self, file: &str, run: u64, seal: Seal, closed_at: f64, now: Instant) {
-        if self.files.contains_key(file) {
-            return;
+        if let Some(e) = self.files.get(file) {
+            if e.seal == seal && e.closed_at == closed_at {
+                return;
+            }
+            self.files.remove(file);
+            self.order.retain(|f| f != file);
+            self.lost.remove(file);
         }
         let n = self.cfg.destinations;
         self.files.insert(
@@ -354,6 +361,11 @@ impl Custody {
             self.lost.insert(file.to_string(), "the local copy disappeared before it was safe".into());
         }
         e.deleted = true;
+    }
+
+    /// Whether `file` is known with this seal and close time (not a new file of that name).
+    pub fn knows(&self, file: &str, seal: Seal, closed_at: f64) -> bool {
+        self.files.get(file).is_some_and(|e| e.seal == seal && e.closed_at == closed_at)
     }
 
     /// Whether the local copy of `file` may be deleted now.
@@ -560,6 +572,21 @@ mod tests {
         assert_eq!(c.poll_action(t(50)), Some(Action::Delete { file: "a".into() }));
         c.handle_deleted("a");
         assert_eq!(c.poll_action(t(50)), Some(Action::Copy { file: "b".into(), dest: 0 }));
+    }
+
+    #[test]
+    fn a_new_file_under_a_used_name_starts_over() {
+        let mut c = custody(1, None);
+        c.handle_closed("a", 1, SEAL, 1.0, t(0));
+        c.poll_action(t(0));
+        c.handle_copied("a", 0, SEAL, Some(SEAL), t(0), 0.0);
+        c.handle_closed("a", 1, SEAL, 1.0, t(1));
+        assert_eq!(c.state("a"), Some(FileState::Safe), "the same file seen again");
+        let other = Seal { bytes: 5, adler32: 5 };
+        c.handle_closed("a", 1, other, 2.0, t(1));
+        assert_eq!(c.state("a"), Some(FileState::Written));
+        assert_eq!(c.poll_action(t(1)), Some(Action::Copy { file: "a".into(), dest: 0 }));
+        assert_eq!(c.ledger(None).bytes_written, 5);
     }
 
     #[derive(Clone, Debug)]
