@@ -66,8 +66,10 @@ test: deps lint rust-test prom-test py-test
 # scripts/cost_instructions.py (callgrind's instruction counts), slurm-wlm + munge for
 # the Slurm launch's test (crates/shoal/tests/slurm.rs), etcd-server for the Kubernetes
 # launch's (crates/shoal/tests/k8s.rs), libucx-dev + ucx-utils for ucx-sys
-# (it compiles without them and skips its test), the rest for the benchmarks' peers.
-DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables prometheus valgrind slurm-wlm munge etcd-server libucx-dev ucx-utils
+# (it compiles without them and skips its test), xrootd-server + xrootd-client for the
+# archive's XRootD destination (crates/shoal/tests/archive_xrootd.rs), the rest for the
+# benchmarks' peers.
+DEB_PACKAGES := chromium chromium-driver iproute2 ethtool nftables iperf3 jq redis-server bc openssh-server openssh-client iptables prometheus valgrind slurm-wlm munge etcd-server libucx-dev ucx-utils xrootd-server xrootd-client
 deps:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -83,7 +83,7 @@ impl Destination {
                 let l = local.to_path_buf();
                 let read = tokio::task::spawn_blocking(move || shoal_store::custody::seal_of_file(&l)).await??;
                 let target = format!("root://{host}/{path}/{name}");
-                let out = tokio::process::Command::new("xrdcp")
+                let out = xrootd_tool("xrdcp")
                     .args(["--force", "--nopbar", "--posc"])
                     .arg(local)
                     .arg(&target)
@@ -174,8 +174,22 @@ fn copy_to_dir(local: &Path, root: &Path, name: &str) -> anyhow::Result<Copied> 
     Ok(Copied { read: seal(read), remote: Some(seal(remote)) })
 }
 
+/// An XRootD client tool that gives up on an unreachable server at once (one connection
+/// attempt): custody's back-off does the retrying, and a copy waiting minutes in the tool
+/// would hold a copy slot. A site's own `XRD_*` settings win.
+fn xrootd_tool(name: &str) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(name);
+    for (key, value) in [("XRD_CONNECTIONRETRY", "1"), ("XRD_CONNECTIONWINDOW", "10"), ("XRD_REQUESTTIMEOUT", "300")] {
+        if std::env::var_os(key).is_none() {
+            c.env(key, value);
+        }
+    }
+    c.kill_on_drop(true);
+    c
+}
+
 async fn xrdfs(host: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = tokio::process::Command::new("xrdfs")
+    let out = xrootd_tool("xrdfs")
         .arg(host)
         .args(args)
         .stdin(Stdio::null())
