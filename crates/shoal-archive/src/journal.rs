@@ -17,7 +17,8 @@ use shoal_core::custody::Record;
 /// The journal's folder in an archived directory.
 pub const FOLDER: &str = ".shoal-archive";
 
-/// An open journal.
+/// An open journal. It holds an exclusive lock on its file while open: one archiver (or
+/// one `shoal archive release`) per directory at a time.
 #[derive(Debug)]
 pub struct Journal {
     file: File,
@@ -48,6 +49,15 @@ impl Journal {
         let path = folder.join("journal.jsonl");
         let read = Self::read(dir)?;
         let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+        if let Err(e) = file.try_lock() {
+            return Err(match e {
+                std::fs::TryLockError::WouldBlock => io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!("another archiver keeps {} (its journal is locked)", dir.display()),
+                ),
+                std::fs::TryLockError::Error(e) => e,
+            });
+        }
         // A line cut short by a crash is ended, so that the next record starts a line.
         let len = file.metadata()?.len();
         if len > 0 {

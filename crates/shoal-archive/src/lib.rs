@@ -299,6 +299,29 @@ impl Archiver {
     }
 }
 
+/// `shoal archive release DIR FILE`: a quarantined file tried again from the start (by
+/// the next `shoal archive run`; none may run on `dir` meanwhile). Whether it was
+/// quarantined.
+pub fn release(dir: &Path, file: &str) -> anyhow::Result<bool> {
+    let cfg = Journal::read_config(dir).with_context(|| format!("{} has no archive journal", dir.display()))?;
+    let (mut journal, read) = Journal::open(dir)?;
+    let mut custody = Custody::new(CustodyConfig {
+        destinations: cfg.destinations.len(),
+        delete_after: cfg.delete_after,
+        max_attempts: cfg.max_attempts,
+        ..CustodyConfig::default()
+    });
+    for r in &read.records {
+        custody.replay(r, shoal_core::Instant::ZERO);
+    }
+    anyhow::ensure!(custody.entry(file).is_some(), "{file} is not in the archive of {}", dir.display());
+    if !matches!(custody.state(file), Some(FileState::Quarantined(_))) {
+        return Ok(false);
+    }
+    journal.append(&Record::Released { file: file.into(), at: unix_now() })?;
+    Ok(true)
+}
+
 /// One file's line of `shoal archive status`.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct FileStatus {

@@ -136,6 +136,15 @@ async fn a_destination_that_refuses_every_copy_is_tried_again_then_the_file_quar
     let read = shoal_archive::journal::Journal::read(&dir).unwrap();
     let refused = read.records.iter().filter(|r| matches!(r, Record::Refused { .. })).count();
     assert_eq!(refused, 3);
+    // The destination fixed, the file released: safe at the next run, and only then deleted.
+    std::fs::remove_file(&blocked).unwrap();
+    assert!(shoal_archive::release(&dir, "run000003.events.parquet").unwrap());
+    assert!(!shoal_archive::release(&dir, "run000003.events.parquet").unwrap(), "released once");
+    let mut cfg = config(&dir, &[&blocked]);
+    cfg.delete_after = Some(1);
+    let l = settle(cfg).await;
+    assert!(l.balanced() && l.files_safe == 1 && l.files_deleted == 1, "{l:?}");
+    assert!(!f.exists() && blocked.join("run000003.events.parquet").exists());
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(blocked.parent().unwrap()).unwrap();
 }
@@ -162,6 +171,19 @@ async fn a_copy_under_way_at_a_crash_is_made_again_from_the_journal() {
     let l = settle(cfg).await;
     assert!(l.balanced() && l.files_safe == 1 && l.files_deleted == 1, "{l:?}");
     assert_eq!(seal_of_file(&dest.join("run000004.events.parquet")).unwrap(), seal);
+    for d in [dir, dest] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn one_archiver_a_directory() {
+    let (dir, dest) = (temp("lock-out"), temp("lock-dest"));
+    let first = Archiver::open(config(&dir, &[&dest])).unwrap();
+    let err = Archiver::open(config(&dir, &[&dest])).err().expect("refused").to_string();
+    assert!(format!("{err:#}").contains("locked") || err.contains("journal"), "{err}");
+    drop(first);
+    Archiver::open(config(&dir, &[&dest])).unwrap();
     for d in [dir, dest] {
         std::fs::remove_dir_all(d).unwrap();
     }

@@ -77,6 +77,10 @@ pub enum Record {
     LocalAltered { file: String, found: Seal, at: f64 },
     /// The local copy is gone (deleted once safe; or found gone).
     Deleted { file: String, at: f64 },
+    /// An operator released a quarantined file (its cause fixed): every destination where
+    /// it was quarantined is tried again from the start, and its local copy is checked
+    /// again at the next copy.
+    Released { file: String, at: f64 },
 }
 
 /// Where a file stands at one destination.
@@ -256,7 +260,25 @@ impl Custody {
             Record::Refused { file, dest, reason, .. } => self.handle_refused(file, *dest, reason, now),
             Record::LocalAltered { file, found, .. } => self.handle_local_altered(file, *found),
             Record::Deleted { file, .. } => self.handle_deleted(file),
+            Record::Released { file, .. } => {
+                self.handle_released(file, now);
+            }
         }
+    }
+
+    /// A quarantined file released: its quarantined destinations pending again, its local
+    /// copy to be checked again. Whether it was quarantined.
+    pub fn handle_released(&mut self, file: &str, now: Instant) -> bool {
+        let Some(e) = self.files.get_mut(file) else { return false };
+        let mut released = e.altered.take().is_some();
+        for (a, why) in e.at.iter_mut().zip(&mut e.last_refusal) {
+            if matches!(a, AtDestination::Quarantined(_)) {
+                *a = AtDestination::Pending { attempts: 0, after: now };
+                *why = None;
+                released = true;
+            }
+        }
+        released
     }
 
     /// A file closed whole. Known already (seen again after a restart): nothing changes.
@@ -587,6 +609,21 @@ mod tests {
         assert_eq!(c.state("a"), Some(FileState::Written));
         assert_eq!(c.poll_action(t(1)), Some(Action::Copy { file: "a".into(), dest: 0 }));
         assert_eq!(c.ledger(None).bytes_written, 5);
+    }
+
+    #[test]
+    fn a_released_file_is_tried_again_from_the_start() {
+        let mut c = Custody::new(CustodyConfig { max_attempts: 1, ..CustodyConfig::default() });
+        c.handle_closed("a", 1, SEAL, 0.0, t(0));
+        c.poll_action(t(0));
+        c.handle_refused("a", 0, "permission denied", t(0));
+        assert!(matches!(c.state("a"), Some(FileState::Quarantined(_))));
+        assert!(!c.handle_released("b", t(1)));
+        assert!(c.handle_released("a", t(1)));
+        assert_eq!(c.poll_action(t(1)), Some(Action::Copy { file: "a".into(), dest: 0 }));
+        c.handle_copied("a", 0, SEAL, Some(SEAL), t(1), 0.0);
+        assert_eq!(c.state("a"), Some(FileState::Safe));
+        assert!(!c.handle_released("a", t(2)), "nothing to release");
     }
 
     #[derive(Clone, Debug)]

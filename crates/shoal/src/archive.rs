@@ -45,6 +45,10 @@ pub enum ArchiveCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Release a quarantined file once its cause is fixed: the next `shoal archive run`
+    /// tries it again from the start at every destination where it was quarantined, and
+    /// checks its local copy against its checksum again. Stop the archiver of DIR first.
+    Release { dir: PathBuf, file: String },
     /// Every file the archive of DIR keeps, its state (written, copying, safe, deleted,
     /// quarantined with its reason) and the ledger: bytes written = safe + pending +
     /// quarantined + lost. Exit 1 while any file is pending or quarantined.
@@ -74,6 +78,15 @@ pub async fn run(args: ArchiveArgs, cancel: CancellationToken) -> anyhow::Result
                 print!("{}", ledger_table(&ledger, &to.join(", ")));
             }
             Ok(settled_code(&ledger))
+        }
+        ArchiveCommand::Release { dir, file } => {
+            if shoal_archive::release(&dir, &file)? {
+                println!("{file} released: the next `shoal archive run` tries it again");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!("{file} is not quarantined; nothing to release");
+                Ok(ExitCode::from(1))
+            }
         }
         ArchiveCommand::Status { dir, run, json } => {
             let st = shoal_archive::status(&dir, run)?;
