@@ -75,6 +75,13 @@ impl ArchiveConfig {
     }
 }
 
+/// The ledgers at one moment: over every file, and run by run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    pub total: ArchiveLedger,
+    pub by_run: std::collections::BTreeMap<u64, ArchiveLedger>,
+}
+
 /// One copy's outcome, from its task.
 struct CopyDone {
     file: String,
@@ -91,6 +98,8 @@ pub struct Archiver {
     copies: JoinSet<CopyDone>,
     /// Journal lines a crash left cut short (read at start).
     pub torn_records: u64,
+    /// Where each change of the ledgers goes ([`Archiver::watch`]).
+    publish: Option<tokio::sync::watch::Sender<Snapshot>>,
 }
 
 impl Archiver {
@@ -133,7 +142,33 @@ impl Archiver {
         if read.torn > 0 {
             warn!(torn = read.torn, "the archive journal had a line cut short by a crash; skipped");
         }
-        Ok(Self { cfg, custody, journal, epoch, copies: JoinSet::new(), torn_records: read.torn })
+        Ok(Self { cfg, custody, journal, epoch, copies: JoinSet::new(), torn_records: read.torn, publish: None })
+    }
+
+    /// The ledgers now, over every file and run by run.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            total: self.custody.ledger(None),
+            by_run: self.custody.runs().into_iter().map(|r| (r, self.custody.ledger(Some(r)))).collect(),
+        }
+    }
+
+    /// The ledgers as they change, from now on.
+    pub fn watch(&mut self) -> tokio::sync::watch::Receiver<Snapshot> {
+        let (tx, rx) = tokio::sync::watch::channel(self.snapshot());
+        self.publish = Some(tx);
+        rx
+    }
+
+    fn publish(&self) {
+        if let Some(tx) = &self.publish {
+            tx.send_if_modified(|s| {
+                let now = self.snapshot();
+                let changed = *s != now;
+                *s = now;
+                changed
+            });
+        }
     }
 
     fn now(&self) -> shoal_core::Instant {
@@ -177,6 +212,9 @@ impl Archiver {
             self.record(&r)?;
             self.custody.handle_closed(name, run, seal, m.closed_at, now);
         }
+        if !found.is_empty() {
+            self.publish();
+        }
         Ok(found.len())
     }
 
@@ -209,6 +247,7 @@ impl Archiver {
                     }
                     self.record(&Record::Deleted { file: file.clone(), at: unix_now() })?;
                     self.custody.handle_deleted(&file);
+                    self.publish();
                     info!(file = %file, "safe where it must be; local copy deleted");
                 }
             }
@@ -225,6 +264,7 @@ impl Archiver {
                 warn!(file = %done.file, error = %e, "a file to archive is gone from the disk");
                 self.record(&Record::Deleted { file: done.file.clone(), at: unix_now() })?;
                 self.custody.handle_deleted(&done.file);
+                self.publish();
                 return Ok(());
             }
             Err(e) => {
@@ -252,7 +292,9 @@ impl Archiver {
             }
             _ => {}
         }
-        self.record(&r)
+        self.record(&r)?;
+        self.publish();
+        Ok(())
     }
 
     /// Keeps the directory until `cancel`; with `until_settled`, also returns once every

@@ -445,6 +445,11 @@ impl Custody {
         })
     }
 
+    /// The runs of the files in custody.
+    pub fn runs(&self) -> std::collections::BTreeSet<u64> {
+        self.files.values().map(|e| e.run).collect()
+    }
+
     /// The ledger over every file, or over one run's.
     pub fn ledger(&self, run: Option<u64>) -> ArchiveLedger {
         let mut l = ArchiveLedger::default();

@@ -592,11 +592,27 @@ pub struct WriterConfig {
     /// at most this window of events (a Parquet file is whole only once closed). Every
     /// closed file is listed in `run{N:06}.events.manifest.jsonl`. 0: one file per run.
     pub checkpoint_s: f64,
+    /// Destinations every closed file is archived to, verified (`file:///PATH`,
+    /// `root://HOST[:PORT]//PATH`; docs/archive.md). Under run control the writer process
+    /// keeps one archiver for `out_dir` for its life. Empty: none.
+    pub archive: Vec<String>,
+    /// Delete a local copy once it is safe at this many destinations (none: never).
+    pub archive_delete_after: Option<usize>,
+    /// Copies refused before a file is quarantined at a destination.
+    pub archive_max_attempts: u32,
 }
 
 impl Default for WriterConfig {
     fn default() -> Self {
-        Self { listen: None, out_dir: PathBuf::from("shoal-out"), keep_existing: false, checkpoint_s: 60.0 }
+        Self {
+            listen: None,
+            out_dir: PathBuf::from("shoal-out"),
+            keep_existing: false,
+            checkpoint_s: 60.0,
+            archive: Vec::new(),
+            archive_delete_after: None,
+            archive_max_attempts: 5,
+        }
     }
 }
 
@@ -669,6 +685,17 @@ impl Config {
             return invalid(format!(
                 "run.run_type = {:?}: one of physics, calibration, test, commissioning",
                 self.run.run_type
+            ));
+        }
+        for url in &self.writer.archive {
+            shoal_archive::Destination::parse(url).map_err(|e| ConfigError::Invalid(format!("writer.archive: {e}")))?;
+        }
+        if let Some(n) = self.writer.archive_delete_after
+            && !(1..=self.writer.archive.len()).contains(&n)
+        {
+            return invalid(format!(
+                "writer.archive_delete_after = {n}: between 1 and the {} destination(s) of writer.archive",
+                self.writer.archive.len()
             ));
         }
         if self.transport()? == Transport::Udp && self.udp.max_payload < 64 {

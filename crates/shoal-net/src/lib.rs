@@ -32,6 +32,7 @@
 //! [`config::Config`] is the one TOML schema for every role; [`clock::WallClock`] maps the
 //! system clock onto shoal-core's [`shoal_core::Instant`] (UNIX nanoseconds).
 
+pub mod archive;
 pub mod budget;
 pub mod builder;
 pub mod clock;

@@ -13,6 +13,8 @@ use tokio::sync::broadcast;
 
 #[derive(Debug, Default)]
 pub struct Live {
+    /// The writer's archiver (`writer.archive`), when it has one.
+    pub archive: crate::archive::ArchiveLive,
     pub fragments_produced: AtomicU64,
     pub fragments_received: AtomicU64,
     pub bytes_received: AtomicU64,

@@ -527,6 +527,7 @@ async fn start_data(
             })
         }
         Role::Writer => {
+            crate::writer::archiving::ensure_started(&cfg, &live);
             let addr = cfg.writer_listen()?;
             let listener =
                 crate::transport::listen::bind(addr).with_context(|| format!("binding writer port {addr}"))?;
@@ -811,6 +812,7 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
         delays,
     );
     register_refusals(&mut reg, &labels);
+    crate::archive::register_metrics(&mut reg, &labels, &live.archive);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out

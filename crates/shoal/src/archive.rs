@@ -25,7 +25,7 @@ pub enum ArchiveCommand {
     /// is safe or quarantined); its journal in DIR/.shoal-archive survives any crash.
     Run {
         dir: PathBuf,
-        /// A destination: file:///PATH (a mounted file system) or root://HOST[:PORT]//PATH
+        /// A destination: `file:///PATH` (a mounted file system) or `root://HOST[:PORT]//PATH`
         /// (XRootD: EOS, dCache; needs xrdcp and xrdfs). Repeat for several.
         #[arg(long = "to", required = true)]
         to: Vec<String>,

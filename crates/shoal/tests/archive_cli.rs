@@ -52,3 +52,48 @@ fn the_demo_archives_every_file_it_stored_and_status_reads_it_back() {
     assert!(text.contains("quarantined run000001.events.parquet: local copy altered"), "{text}");
     assert!(moved.exists() && !dir.path().join("second").join("run000001.events.parquet").exists());
 }
+
+/// Under run control with `writer.archive`: the writer process keeps an archiver for its
+/// output directory; the run record's writer report carries the archive's ledger of the
+/// run (balanced, files pending at the run's end said so), and a later `shoal archive run`
+/// makes every file safe, which `shoal archive status` then shows.
+#[test]
+fn a_run_s_record_carries_the_archive_s_ledger_and_what_is_pending_becomes_safe_later() {
+    let dest = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", dest.path().display());
+    let c = common::Cluster::start_with_writer(
+        "archive",
+        4,
+        "wall_timeout_ms = 1500",
+        &format!("checkpoint_s = 1.0\narchive = [\"{url}\"]\narchive_delete_after = 1\n"),
+    );
+    let (record, dir) = c.finish();
+    common::assert_accounted(&record);
+    let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
+    let l = &writer["detail"]["archive"];
+    assert!(l["files"].as_u64().unwrap() >= 2, "a file a second: {l}");
+    let sum: u64 =
+        ["bytes_safe", "bytes_pending", "bytes_quarantined", "bytes_lost"].iter().map(|k| l[k].as_u64().unwrap()).sum();
+    assert_eq!(l["bytes_written"].as_u64().unwrap(), sum, "{l}");
+    let stored: u64 = writer["detail"]["files"].as_array().unwrap().iter().map(|f| f["bytes"].as_u64().unwrap()).sum();
+    assert!(l["bytes_written"].as_u64().unwrap() >= stored, "{l} against {stored} stored");
+    assert_eq!((l["bytes_quarantined"].as_u64(), l["bytes_lost"].as_u64()), (Some(0), Some(0)), "{l}");
+
+    // The writer is gone with the cluster: another archiver takes up its journal.
+    let data = dir.join("data");
+    let after = common::shoal()
+        .args(["archive", "run", "--once", "--delete-after", "1", "--to", &url])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(after.status.success(), "{}", String::from_utf8_lossy(&after.stdout));
+    let status = common::shoal().args(["archive", "status", "--json", "--run", "1"]).arg(&data).output().unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stdout));
+    let s: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert!(s["files"].as_array().unwrap().iter().all(|f| f["state"] == "deleted"), "{s}");
+    for f in s["files"].as_array().unwrap() {
+        let name = f["file"].as_str().unwrap();
+        assert!(dest.path().join(name).exists() && !data.join(name).exists(), "{name}");
+    }
+    common::no_process_left(&dir);
+}

@@ -6,11 +6,14 @@
 //! same schema.
 //! Parquet writing runs on a thread of its own so that receiving never waits for disk.
 
+pub mod archiving;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use shoal_core::custody::ArchiveLedger;
 use shoal_core::frame::Flags;
 use shoal_core::rawrec::{RawKind, RawRecord};
 use shoal_core::saver::AlertReport;
@@ -66,6 +69,10 @@ pub struct WriterReport {
     /// Every alert's report, one per builder.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub alerts: Vec<AlertReport>,
+    /// With `writer.archive`: the archive's ledger of this run's files at the run's end
+    /// (files still pending say so; `shoal archive status` shows them become safe).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub archive: Option<shoal_core::custody::ArchiveLedger>,
 }
 
 /// The disk thread's failure: the error, the files it had closed whole before it, and the
@@ -119,6 +126,23 @@ fn describe(
         application_version: env!("CARGO_PKG_VERSION").into(),
     };
     meta.write_beside(path).map(|_| ()).map_err(|source| shoal_store::StoreError::Sync { path: path.into(), source })
+}
+
+/// The archive's ledger of the run at its end (none: no archiver): what the archiver has
+/// taken up of the run's files, and those it has not seen yet (closed a moment ago) as
+/// pending, so that the bytes written are the writer's.
+fn archive_at_end(report: &WriterReport, archive: &crate::archive::ArchiveLive) -> Option<ArchiveLedger> {
+    let mut l = archive.ledger_of(report.run).or_else(|| archive.total().map(|_| ArchiveLedger::default()))?;
+    let raw = [&report.raw, &report.slices_file].into_iter().flatten();
+    let files = report.files.len() as u64 + raw.clone().count() as u64;
+    let bytes = report.files.iter().map(|f| f.bytes).sum::<u64>() + raw.map(|r| r.bytes).sum::<u64>();
+    if bytes > l.bytes_written {
+        l.files_pending += files.saturating_sub(l.files);
+        l.bytes_pending += bytes - l.bytes_written;
+        l.oldest_pending_closed_at.get_or_insert_with(shoal_store::custody::unix_now);
+        (l.files, l.bytes_written) = (files.max(l.files), bytes);
+    }
+    Some(l)
 }
 
 /// What a writer started again during a run finds of its predecessor's: the files it did
@@ -729,7 +753,7 @@ pub async fn run_writer_with(
         raw_path: name("raw", "parquet"),
         slices_path: name("slices", "parquet"),
         names: BTreeMap::new(),
-        live,
+        live: live.clone(),
     };
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || disk.run(disk_rx))?;
 
@@ -802,6 +826,7 @@ pub async fn run_writer_with(
         report.events_not_stored = received.saturating_sub(report.file.events);
         warn!(error = ?report.error, events_not_stored = report.events_not_stored, raw_not_stored = report.raw_not_stored, "the writer could not store the run");
     }
+    report.archive = archive_at_end(&report, &live.archive);
     if let Err(e) = std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?) {
         warn!(path = %summary_path.display(), error = %e, "cannot write the writer's summary");
         report.error.get_or_insert_with(|| format!("writing {}: {e}", summary_path.display()));
