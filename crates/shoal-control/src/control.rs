@@ -227,6 +227,11 @@ pub struct RunRecord {
     /// Writers that died during the run: the files they did not close and the slices
     /// whose events were in them (bounded by `writer.checkpoint_s`).
     pub events_lost_with_writer: Vec<crate::diagnose::EventsLostWithWriter>,
+    /// With `writer.archive`: the run's files in the archive at the run's end, bytes
+    /// written = safe + pending + quarantined + lost (docs/archive.md; `shoal archive
+    /// status` shows the pending ones become safe).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub archive: Option<shoal_core::custody::ArchiveLedger>,
     /// Automatic recoveries carried out during the run (`cluster.auto_recover`).
     pub recoveries: Vec<Recovery>,
     /// Every lost slice's primary cause and the problems seen during the run
@@ -888,6 +893,7 @@ impl Controller {
         clocks: ClockRecord,
     ) -> RunRecord {
         let stopped = SystemTime::now();
+        let archive = archive_of(&reports);
         let mut sources = BTreeMap::new();
         let mut builders = BTreeMap::new();
         for r in &reports {
@@ -978,6 +984,7 @@ impl Controller {
             reports,
             clocks,
             events_lost_with_writer: Vec::new(),
+            archive,
             recoveries: self
                 .recoveries
                 .iter()
@@ -989,6 +996,33 @@ impl Controller {
             audit: self.audit.as_ref().map(|a| a.between(meta.started, stopped)).unwrap_or_default(),
         }
     }
+}
+
+/// The run's archive ledger from its writers' reports (summed: one writer, as a rule).
+fn archive_of(reports: &[NodeReport]) -> Option<shoal_core::custody::ArchiveLedger> {
+    let mut ledgers = reports.iter().filter(|r| r.role == "writer").filter_map(|r| {
+        serde_json::from_value::<shoal_core::custody::ArchiveLedger>(r.detail.get("archive")?.clone()).ok()
+    });
+    let mut total = ledgers.next()?;
+    for l in ledgers {
+        total.files += l.files;
+        total.bytes_written += l.bytes_written;
+        total.files_safe += l.files_safe;
+        total.bytes_safe += l.bytes_safe;
+        total.files_pending += l.files_pending;
+        total.bytes_pending += l.bytes_pending;
+        total.files_quarantined += l.files_quarantined;
+        total.bytes_quarantined += l.bytes_quarantined;
+        total.files_deleted += l.files_deleted;
+        total.bytes_lost += l.bytes_lost;
+        total.lost.extend(l.lost);
+        total.quarantined.extend(l.quarantined);
+        total.oldest_pending_closed_at = match (total.oldest_pending_closed_at, l.oldest_pending_closed_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    Some(total)
 }
 
 /// The record's `security`: what protected the cluster.
@@ -1015,6 +1049,7 @@ pub fn brief(r: &RunRecord) -> RunBrief {
         lost: r.ledger.buckets.iter().filter(|(k, _)| *k != "delivered" && *k != "cut_off").map(|(_, v)| v).sum(),
         balanced: r.ledger.balanced,
         inactive: r.processes.iter().filter(|p| !p.active).map(|p| p.name.clone()).collect(),
+        archive: r.archive.clone(),
     }
 }
 
@@ -1053,6 +1088,7 @@ pub fn load_history(state_dir: &std::path::Path, limit: usize) -> Vec<RunBrief> 
                     .filter(|p| p.get("active").and_then(|a| a.as_bool()) == Some(false))
                     .filter_map(|p| Some(p.get("name")?.as_str()?.to_string()))
                     .collect(),
+                archive: v.get("archive").and_then(|a| serde_json::from_value(a.clone()).ok()),
             })
         })
         .collect()

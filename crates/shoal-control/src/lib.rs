@@ -754,7 +754,26 @@ fn brief_table(b: &status::RunBrief, state_dir: &std::path::Path) -> String {
     for (k, v) in rows {
         o.push_str(&format!("  {k:<10} {v}\n"));
     }
+    if let Some(a) = &b.archive {
+        o.push_str(&format!("  {:<10} {}\n", "archive", archive_line(a)));
+    }
     o
+}
+
+/// The run's files in the archive, in a line.
+fn archive_line(a: &shoal_core::custody::ArchiveLedger) -> String {
+    let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
+    let mut s = format!("{} file(s), {}: {} safe", a.files, mb(a.bytes_written), a.files_safe);
+    if a.files_pending > 0 {
+        s += &format!(", {} pending ({}; `shoal archive status` follows them)", a.files_pending, mb(a.bytes_pending));
+    }
+    if a.files_quarantined > 0 {
+        s += &format!(", {} QUARANTINED", a.files_quarantined);
+    }
+    if a.bytes_lost > 0 {
+        s += &format!(", {} LOST", mb(a.bytes_lost));
+    }
+    s + if a.balanced() { " (balanced)" } else { " (NOT BALANCED)" }
 }
 
 /// The dispatcher run control started, started again if it dies (up to `limit` times):

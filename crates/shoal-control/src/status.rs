@@ -80,6 +80,9 @@ pub struct RunBrief {
     pub lost: u64,
     pub balanced: bool,
     pub inactive: Vec<String>,
+    /// The run's files in the archive at its end (`writer.archive`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub archive: Option<shoal_core::custody::ArchiveLedger>,
 }
 
 /// The cluster as a whole.

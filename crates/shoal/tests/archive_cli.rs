@@ -71,6 +71,7 @@ fn a_run_s_record_carries_the_archive_s_ledger_and_what_is_pending_becomes_safe_
     common::assert_accounted(&record);
     let writer = record["reports"].as_array().unwrap().iter().find(|r| r["name"] == "writer").expect("writer report");
     let l = &writer["detail"]["archive"];
+    assert_eq!(record["archive"], *l, "the record's archive ledger is its writer's");
     assert!(l["files"].as_u64().unwrap() >= 2, "a file a second: {l}");
     let sum: u64 =
         ["bytes_safe", "bytes_pending", "bytes_quarantined", "bytes_lost"].iter().map(|k| l[k].as_u64().unwrap()).sum();
