@@ -25,6 +25,16 @@ for (const c of COMMANDS) {
 // (sessionStorage), sent as a bearer header, and to the live view as a subprotocol.
 let token = sessionStorage.getItem("shoal-token") || "";
 const authHeaders = () => (token ? { Authorization: "Bearer " + token } : {});
+// A run's files in the archive at its end (writer.archive; docs/archive.md).
+function archiveCell(a) {
+  if (!a) return "";
+  const parts = [`${a.files_safe} of ${a.files} safe`];
+  if (a.files_pending) parts.push(`${a.files_pending} pending`);
+  if (a.files_quarantined) parts.push(`<b>${a.files_quarantined} quarantined</b>`);
+  if (a.bytes_lost) parts.push(`<b>${fmt(a.bytes_lost / 1e6, 1)} MB lost</b>`);
+  return parts.join(", ") + ` (${fmt(a.bytes_written / 1e6, 1)} MB)`;
+}
+
 function askForToken(why) {
   $("token-form").hidden = false;
   $("token-error").textContent = why || "";
@@ -209,7 +219,8 @@ function render(s) {
       (h) => `<tr><td>${h.run}</td><td>${h.start_time}</td><td class="num">${fmt(h.seconds)}</td>
         <td class="num">${h.slices_complete}</td><td class="num">${h.slices_incomplete}</td><td class="num">${h.events}</td>
         <td class="num">${h.produced}</td><td class="num">${h.lost}</td>
-        <td>${h.balanced ? "balanced" : "NOT balanced"}</td><td>${h.inactive.join(", ")}</td></tr>`,
+        <td>${h.balanced ? "balanced" : "NOT balanced"}</td><td>${h.inactive.join(", ")}</td>
+        <td>${archiveCell(h.archive)}</td></tr>`,
     )
     .join("");
   $("alerts").querySelector("tbody").innerHTML = (s.alerts || [])
