@@ -55,6 +55,7 @@
 pub mod alert;
 pub mod assembly;
 pub mod budget;
+pub mod buffer;
 pub mod checksum;
 pub mod clocksync;
 pub mod cluster;

@@ -15,6 +15,13 @@ use tokio::sync::broadcast;
 pub struct Live {
     /// The writer's archiver (`writer.archive`), when it has one.
     pub archive: crate::archive::ArchiveLive,
+    /// The writer's disk (`crate::writer::disk`): free and total bytes, the hours of
+    /// autonomy left at the rate it fills (seconds; `u64::MAX`: not filling), and its level
+    /// (0 ok, 1 warning at 75 % used, 2 alert at 90 %, 3 throttle at 95 %).
+    pub disk_free_bytes: AtomicU64,
+    pub disk_total_bytes: AtomicU64,
+    pub disk_autonomy_s: AtomicU64,
+    pub disk_level: AtomicU64,
     pub fragments_produced: AtomicU64,
     pub fragments_received: AtomicU64,
     pub bytes_received: AtomicU64,

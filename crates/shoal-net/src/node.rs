@@ -813,6 +813,7 @@ pub fn metrics_text(opts: &NodeOptions, live: &Live) -> String {
     );
     register_refusals(&mut reg, &labels);
     crate::archive::register_metrics(&mut reg, &labels, &live.archive);
+    crate::writer::disk::register_metrics(&mut reg, &labels, live);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String");
     out

@@ -7,6 +7,7 @@
 //! Parquet writing runs on a thread of its own so that receiving never waits for disk.
 
 pub mod archiving;
+pub mod disk;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -756,6 +757,7 @@ pub async fn run_writer_with(
         live: live.clone(),
     };
     let disk = std::thread::Builder::new().name("writer-disk".into()).spawn(move || disk.run(disk_rx))?;
+    let watching = disk::watch(s.out_dir.clone(), live.clone(), readers.child_token());
 
     let mut report = WriterReport { run, summary_path: summary_path.clone(), ..Default::default() };
     let mut ended = BTreeSet::new();
@@ -826,6 +828,7 @@ pub async fn run_writer_with(
         report.events_not_stored = received.saturating_sub(report.file.events);
         warn!(error = ?report.error, events_not_stored = report.events_not_stored, raw_not_stored = report.raw_not_stored, "the writer could not store the run");
     }
+    watching.abort();
     report.archive = archive_at_end(&report, &live.archive);
     if let Err(e) = std::fs::write(&summary_path, serde_json::to_vec_pretty(&report)?) {
         warn!(path = %summary_path.display(), error = %e, "cannot write the writer's summary");
