@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from demo_ab import arg  # noqa: E402
+from demo_ab import arg, wait_listening  # noqa: E402
 
 CASES = [(1, 100), (10, 100), (1, 10_000), (10, 10_000)]
 MODES = ["plain", "tls"]
@@ -56,11 +56,7 @@ def main():
                           "--credentials", ca, "--queue-limit", "1000"], stdout=log, stderr=log,
                          stdin=subprocess.DEVNULL)
     try:
-        for _ in range(200):  # bounded: the dispatcher listens within a few tries
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        wait_listening(port)
         got = {(c, m): [] for c in CASES for m in MODES}
         for r in range(rounds):
             for case in CASES:

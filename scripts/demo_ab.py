@@ -46,6 +46,15 @@ def demo(binary, config, seconds, out):
     return json.loads(stdout), usage.ru_utime + usage.ru_stime
 
 
+def wait_listening(port, tries=200):
+    """Waits until something listens on 127.0.0.1:`port` (bounded: `tries` x 50 ms)."""
+    for _ in range(tries):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+
+
 def iperf3(seconds, streams=8):
     """iperf3 over loopback with `streams` streams, MB/s received (NaN if it cannot run)."""
     with socket.socket() as s:
@@ -54,11 +63,7 @@ def iperf3(seconds, streams=8):
     server = subprocess.Popen(["iperf3", "-s", "-B", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):  # bounded: the server listens within a few tries
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        wait_listening(port)
         r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds),
                             "-P", str(streams), "-J"], capture_output=True, text=True)
         end = json.loads(r.stdout or "{}").get("end", {})

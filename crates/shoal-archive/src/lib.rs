@@ -341,12 +341,12 @@ impl Archiver {
     }
 }
 
-/// `shoal archive release DIR FILE`: a quarantined file tried again from the start (by
-/// the next `shoal archive run`; none may run on `dir` meanwhile). Whether it was
-/// quarantined.
-pub fn release(dir: &Path, file: &str) -> anyhow::Result<bool> {
-    let cfg = Journal::read_config(dir).with_context(|| format!("{} has no archive journal", dir.display()))?;
-    let (mut journal, read) = Journal::open(dir)?;
+/// `dir`'s journal read back under the rules it was written with: its rules, its records,
+/// the custody they give.
+fn replayed(dir: &Path) -> anyhow::Result<(JournalConfig, journal::Read, Custody)> {
+    let cfg = Journal::read_config(dir)
+        .with_context(|| format!("{} has no archive journal (shoal archive run DIR --to URL)", dir.display()))?;
+    let read = Journal::read(dir)?;
     let mut custody = Custody::new(CustodyConfig {
         destinations: cfg.destinations.len(),
         delete_after: cfg.delete_after,
@@ -356,6 +356,16 @@ pub fn release(dir: &Path, file: &str) -> anyhow::Result<bool> {
     for r in &read.records {
         custody.replay(r, shoal_core::Instant::ZERO);
     }
+    Ok((cfg, read, custody))
+}
+
+/// `shoal archive release DIR FILE`: a quarantined file tried again from the start (by
+/// the next `shoal archive run`; none may run on `dir` meanwhile). Whether it was
+/// quarantined.
+pub fn release(dir: &Path, file: &str) -> anyhow::Result<bool> {
+    let (_, _, custody) = replayed(dir)?;
+    // Held from here: no archiver may act on the file meanwhile.
+    let (mut journal, _) = Journal::open(dir)?;
     anyhow::ensure!(custody.entry(file).is_some(), "{file} is not in the archive of {}", dir.display());
     if !matches!(custody.state(file), Some(FileState::Quarantined(_))) {
         return Ok(false);
@@ -393,18 +403,7 @@ pub struct Status {
 
 /// The state of `dir`'s archive as its journal says (of one run's files, or all).
 pub fn status(dir: &Path, run: Option<u64>) -> anyhow::Result<Status> {
-    let cfg = Journal::read_config(dir)
-        .with_context(|| format!("{} has no archive journal (shoal archive run DIR --to URL)", dir.display()))?;
-    let read = Journal::read(dir)?;
-    let mut custody = Custody::new(CustodyConfig {
-        destinations: cfg.destinations.len(),
-        delete_after: cfg.delete_after,
-        max_attempts: cfg.max_attempts,
-        ..CustodyConfig::default()
-    });
-    for r in &read.records {
-        custody.replay(r, shoal_core::Instant::ZERO);
-    }
+    let (cfg, read, custody) = replayed(dir)?;
     let files = custody
         .files()
         .filter(|(_, e)| run.is_none_or(|r| r == e.run))
