@@ -19,6 +19,7 @@ import pathlib
 import re
 import struct
 import subprocess
+import zlib
 
 import km3pipe as kp
 import pyarrow.parquet as pq
@@ -292,9 +293,18 @@ def test_demo_km3net_runs_the_chain_and_its_files_read_with_daqpump(shoal_bin, t
     for tag, kind in (("IO_EVT", "DAQEvent"), ("IO_SUM", "DAQSummaryslice")):
         n = 0
         for path in sorted(out.glob(f"run000001.builder*.{tag}.dat")):
+            objects = 0
             for blob in kp.io.daq.DAQPump(filename=str(path)):
                 assert blob[kind] is not None
-                n += 1
+                objects += 1
+            n += objects
+            # Its metadata beside it: the size and adler32 computed while it was written
+            # are the file's (zlib's adler32 over what DAQPump just read).
+            meta = json.loads(path.with_name(path.name + ".json").read_text())
+            data = path.read_bytes()
+            assert meta["file_size"] == len(data), meta
+            assert meta["checksum"] == f"adler32:{zlib.adler32(data):08x}", meta
+            assert meta["events"] == objects and meta["file_format"] == "km3net-daq", meta
         assert n == km3["offered"].get(tag, 0), tag
     assert km3["offered"]["IO_SUM"] == km3["timeslices"] > 0
     # L2 hits are L1 hits, L1 hits are hits: per DOM and timeslice, in the builders' files.

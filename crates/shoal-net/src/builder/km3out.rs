@@ -88,7 +88,8 @@ pub struct Km3Settings {
     directions: HashMap<u32, Vec<[f64; 3]>>,
     l2_ct_min: f64,
     publish: Vec<&'static str>,
-    files: Option<(PathBuf, u64)>,
+    /// The DAQ files' directory, run number and run type.
+    files: Option<(PathBuf, u64, String)>,
 }
 
 impl Km3Settings {
@@ -109,16 +110,20 @@ impl Km3Settings {
             directions: if k.publish.iter().any(|t| t == "IO_TSL2") { k.pmt_directions()? } else { HashMap::new() },
             l2_ct_min: k.l2_ct_min,
             publish,
-            files: k.files.then(|| (cfg.writer.out_dir.clone(), cfg.run.run_number)),
+            files: k.files.then(|| (cfg.writer.out_dir.clone(), cfg.run.run_number, cfg.run.run_type.clone())),
         }))
     }
 }
 
 /// The KM3NeT stage of one builder's filter thread.
+type DaqFile = std::io::BufWriter<shoal_store::custody::ChecksumWriter<std::fs::File>>;
+
 pub struct Km3Out {
     builder: u32,
     s: Km3Settings,
-    open: HashMap<&'static str, std::io::BufWriter<std::fs::File>>,
+    /// The open DAQ files by tag, each counting its bytes and adler32 as they are written,
+    /// with the objects written to it.
+    open: HashMap<&'static str, (DaqFile, u64)>,
     trigger_counter: u64,
     report: Km3OutReport,
 }
@@ -253,14 +258,14 @@ impl Km3Out {
     }
 
     fn write(&mut self, tag: &'static str, bytes: &[u8]) {
-        let Some((dir, run)) = &self.s.files else { return };
+        let Some((dir, run, _)) = &self.s.files else { return };
         let file = match self.open.entry(tag) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let path = dir.join(format!("run{run:06}.builder{}.{tag}.dat", self.builder));
                 let opened = std::fs::create_dir_all(dir).and_then(|_| std::fs::File::create(&path));
                 match opened {
-                    Ok(f) => v.insert(std::io::BufWriter::new(f)),
+                    Ok(f) => v.insert((std::io::BufWriter::new(shoal_store::custody::ChecksumWriter::new(f)), 0)),
                     Err(e) => {
                         warn!(path = %path.display(), "km3net: cannot write DAQ file: {e}");
                         self.report.file_errors += 1;
@@ -270,8 +275,11 @@ impl Km3Out {
                 }
             }
         };
-        match file.write_all(bytes) {
-            Ok(()) => *self.report.file_bytes.entry(tag.to_string()).or_default() += bytes.len() as u64,
+        match file.0.write_all(bytes) {
+            Ok(()) => {
+                file.1 += 1;
+                *self.report.file_bytes.entry(tag.to_string()).or_default() += bytes.len() as u64;
+            }
             Err(e) => {
                 warn!(tag, "km3net: writing the DAQ file failed, closing it: {e}");
                 self.report.file_errors += 1;
@@ -280,11 +288,32 @@ impl Km3Out {
         }
     }
 
-    /// Flushes the files; the report.
+    /// Closes the files (synced, each with its metadata beside it: size, adler32, run,
+    /// objects; `shoal_store::custody`); the report.
     pub fn finish(mut self) -> Km3OutReport {
-        for (tag, mut f) in self.open.drain() {
-            if let Err(e) = f.flush() {
-                warn!(tag, "km3net: flushing the DAQ file failed: {e}");
+        let Some((dir, run, run_type)) = self.s.files.clone() else { return self.report };
+        for (tag, (f, objects)) in self.open.drain() {
+            let path = dir.join(format!("run{run:06}.builder{}.{tag}.dat", self.builder));
+            let closed = f.into_inner().map_err(|e| e.into_error()).and_then(|w| {
+                let (file, seal) = w.into_parts();
+                file.sync_all()?;
+                shoal_store::custody::FileMetadata {
+                    file_name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+                    file_size: seal.bytes,
+                    checksum: seal.checksum(),
+                    runs: vec![(run, 0, run_type.clone())],
+                    events: objects,
+                    data_tier: if tag == "IO_EVT" { "filtered" } else { "raw" }.into(),
+                    file_format: "km3net-daq".into(),
+                    producer: format!("builder{}", self.builder),
+                    closed_at: shoal_store::custody::unix_now(),
+                    application_version: env!("CARGO_PKG_VERSION").into(),
+                    ..Default::default()
+                }
+                .write_beside(&path)
+            });
+            if let Err(e) = closed {
+                warn!(tag, "km3net: closing the DAQ file failed: {e}");
                 self.report.file_errors += 1;
             }
         }
