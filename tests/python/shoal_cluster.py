@@ -73,14 +73,15 @@ def cluster_toml(
     process_lines=lambda process: [],
     source_lines: tuple[str, ...] = (),
     builder_lines: tuple[str, ...] = (),
+    writer_lines: tuple[str, ...] = (),
     source_drain_ms: int = 2000,
     builder_drain_ms: int = 4000,
 ) -> str:
     """A cluster file of `sources` and `builders` (one process each), the writer, and under a
     pull policy the data-flow manager, on free loopback ports. `cluster_tables`: tables
     after `[cluster]`'s keys (`[cluster.clock]`, ...); `process_lines(name)`: lines for that
-    process's table; `source_lines`, `builder_lines`: for `[config.source]`,
-    `[config.builder]` (a sub-table last)."""
+    process's table; `source_lines`, `builder_lines`, `writer_lines`: for `[config.source]`,
+    `[config.builder]` (a sub-table last), `[config.writer]`."""
     pull = policy.startswith("pull")
     lines = [
         "[cluster]",
@@ -118,6 +119,7 @@ def cluster_toml(
         *builder_lines,
         "[config.writer]",
         f'out_dir = "{state_dir / "data"}"',
+        *writer_lines,
     ]
     return "\n".join(lines) + "\n"
 

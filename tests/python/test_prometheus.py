@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 from conftest import ROOT
-from shoal_cluster import Cluster, free_port
+from shoal_cluster import Cluster, cluster_toml, free_port
 
 DEPLOY = ROOT / "deploy" / "prometheus"
 
@@ -56,7 +56,11 @@ def prometheus_bin():
 
 
 def test_prometheus_scrapes_a_run_and_fires_process_down(shoal_bin, tmp_path, prometheus_bin):
-    c = Cluster(shoal_bin, tmp_path, restarts=0)
+    # The writer archives (to a directory): the archive's metrics, which the alerting rules
+    # name, are exposed by a real run too.
+    archive = f'archive = ["file://{tmp_path / "archive"}"]'
+    text = cluster_toml("test", 5, 3, tmp_path / "state", restarts=0, writer_lines=(archive,))
+    c = Cluster(shoal_bin, tmp_path, restarts=0, text=text)
     prom = None
     try:
         runcontrol = c.url.removeprefix("http://")
