@@ -1004,24 +1004,7 @@ fn archive_of(reports: &[NodeReport]) -> Option<shoal_core::custody::ArchiveLedg
         serde_json::from_value::<shoal_core::custody::ArchiveLedger>(r.detail.get("archive")?.clone()).ok()
     });
     let mut total = ledgers.next()?;
-    for l in ledgers {
-        total.files += l.files;
-        total.bytes_written += l.bytes_written;
-        total.files_safe += l.files_safe;
-        total.bytes_safe += l.bytes_safe;
-        total.files_pending += l.files_pending;
-        total.bytes_pending += l.bytes_pending;
-        total.files_quarantined += l.files_quarantined;
-        total.bytes_quarantined += l.bytes_quarantined;
-        total.files_deleted += l.files_deleted;
-        total.bytes_lost += l.bytes_lost;
-        total.lost.extend(l.lost);
-        total.quarantined.extend(l.quarantined);
-        total.oldest_pending_closed_at = match (total.oldest_pending_closed_at, l.oldest_pending_closed_at) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-    }
+    ledgers.for_each(|l| total.absorb(l));
     Some(total)
 }
 

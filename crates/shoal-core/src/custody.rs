@@ -207,6 +207,26 @@ pub struct ArchiveLedger {
 }
 
 impl ArchiveLedger {
+    /// Adds `other`'s files to this ledger (several writers' ledgers of one run).
+    pub fn absorb(&mut self, other: ArchiveLedger) {
+        self.files += other.files;
+        self.bytes_written += other.bytes_written;
+        self.files_safe += other.files_safe;
+        self.bytes_safe += other.bytes_safe;
+        self.files_pending += other.files_pending;
+        self.bytes_pending += other.bytes_pending;
+        self.files_quarantined += other.files_quarantined;
+        self.bytes_quarantined += other.bytes_quarantined;
+        self.files_deleted += other.files_deleted;
+        self.bytes_lost += other.bytes_lost;
+        self.lost.extend(other.lost);
+        self.quarantined.extend(other.quarantined);
+        self.oldest_pending_closed_at = match (self.oldest_pending_closed_at, other.oldest_pending_closed_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
     /// Written = safe + pending + quarantined + lost.
     pub fn balanced(&self) -> bool {
         self.bytes_written == self.bytes_safe + self.bytes_pending + self.bytes_quarantined + self.bytes_lost

@@ -9,7 +9,7 @@
 //! checksum is asked of the destination and compared with the one computed here.
 
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 /// Size and adler32 of a file's bytes.
@@ -79,19 +79,9 @@ impl<W: Write> Write for ChecksumWriter<W> {
 /// Size and adler32 of the file at `path`, read once (a destination's own copy on a
 /// mounted file system; the local copy when it is checked again).
 pub fn seal_of_file(path: &Path) -> io::Result<FileSeal> {
-    let mut f = File::open(path)?;
-    let mut hash = simd_adler32::Adler32::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hash.write(&buf[..n]);
-        bytes += n as u64;
-    }
-    Ok(FileSeal { bytes, adler32: hash.finish() })
+    let mut sink = ChecksumWriter::new(io::sink());
+    io::copy(&mut io::BufReader::with_capacity(1 << 20, File::open(path)?), &mut sink)?;
+    Ok(sink.seal())
 }
 
 /// The metadata written beside every stored file at its close (`NAME.json`).

@@ -35,6 +35,9 @@ pub struct BatchSocket {
     mac: Option<std::sync::Arc<super::mac::DatagramMac>>,
     /// Datagrams received whose tag did not verify (dropped).
     pub mac_refused: u64,
+    /// The datagrams of one receive slot that [`BatchSocket::split`] keeps, kept between
+    /// calls so the receive path allocates nothing for them.
+    kept: Vec<(SocketAddr, std::ops::Range<usize>)>,
 }
 
 /// What one [`BatchSocket::send_all`] did.
@@ -53,7 +56,7 @@ impl BatchSocket {
     pub fn new(sock: UdpSocket, max_datagram: usize) -> io::Result<BatchSocket> {
         let state = UdpSocketState::new((&sock).into())?;
         let slot = (max_datagram * state.gro_segments()).clamp(65_536, 1 << 20);
-        Ok(BatchSocket { sock, state, recv_buf: Vec::new(), slot, mac: None, mac_refused: 0 })
+        Ok(BatchSocket { sock, state, recv_buf: Vec::new(), slot, mac: None, mac_refused: 0, kept: Vec::new() })
     }
 
     /// Seals what it sends and opens what it receives under `mac` (none: plain).
@@ -173,7 +176,7 @@ impl BatchSocket {
     fn split(&mut self, meta: &[RecvMeta], out: &mut Vec<(SocketAddr, Bytes)>) -> usize {
         let slot = self.slot;
         let before = out.len();
-        let mut kept: Vec<(SocketAddr, std::ops::Range<usize>)> = Vec::new();
+        let mut kept = std::mem::take(&mut self.kept);
         for (i, m) in meta.iter().enumerate() {
             let len = m.len.min(slot);
             let buf = &mut self.recv_buf[i * slot..i * slot + len];
@@ -195,6 +198,7 @@ impl BatchSocket {
                 out.extend(kept.drain(..).map(|(addr, r)| (addr, chunk.slice(r))));
             }
         }
+        self.kept = kept;
         out.len() - before
     }
 }
